@@ -1,0 +1,527 @@
+"""Request generators for ``pagedllm bench serve``.
+
+Every dataset yields :class:`Session` objects. A session is one or more
+:class:`Turn` s sent one after another (the next turn waits for the previous
+reply plus a think time); single-turn datasets yield one-turn sessions.
+
+* ``random``: prompts of random token ids, lengths drawn uniformly from
+  ``[L*(1-r), L*(1+r)]`` for range ratio ``r`` (sent as token-id prompts, so
+  the server sees exactly that many prompt tokens).
+* ``shared-prefix``: one of ``num_prefixes`` fixed prefixes followed by a
+  random suffix; exercises prefix caching.
+* ``multi-turn``: agent-like chat sessions: a shared system prompt (tool
+  definitions), a first user message, then per turn the assistant's real
+  reply and a tool result are appended and the whole conversation resent.
+* ``sharegpt``: first human/assistant exchange of each conversation in a
+  ShareGPT-format JSON file; the assistant reply's length is the output length.
+* ``trace``: JSONL rows with an arrival timestamp, a prompt (text) or prompt
+  length, an output length and an optional session id, replayed at their own
+  timing divided by a speed-up factor.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+
+__all__ = [
+    "Turn",
+    "Session",
+    "TokenSource",
+    "Dataset",
+    "RandomDataset",
+    "SharedPrefixDataset",
+    "MultiTurnDataset",
+    "ShareGPTDataset",
+    "TraceDataset",
+    "DatasetError",
+    "sample_lengths",
+]
+
+
+class DatasetError(ValueError):
+    """A dataset file or dataset option is invalid; the message names the flag or line."""
+
+
+@dataclass
+class Turn:
+    """One request of a session.
+
+    ``prompt`` is the completions prompt (text or token ids); ``message`` is
+    the chat message content appended before this turn (user message for the
+    first turn, tool result afterwards). ``prompt_len`` is the dataset's
+    estimate of prompt tokens (exact for token-id prompts); ``output_len`` is
+    ``max_tokens``; ``think_time_s`` is the pause (seconds) after the
+    previous turn's reply before this turn is sent.
+    """
+
+    output_len: int
+    prompt: str | list[int] | None = None
+    message: str | None = None
+    prompt_len: int = 0
+    think_time_s: float = 0.0
+
+
+@dataclass
+class Session:
+    """A unit of arrival: ``turns`` sent in order. ``kind`` is "completions"
+    or "chat"; ``arrival_s`` (seconds from the run start) is set by timed
+    datasets (trace) and ``None`` otherwise."""
+
+    session_id: str
+    turns: list[Turn]
+    kind: str = "completions"
+    system_prompt: str | None = None
+    arrival_s: float | None = None
+
+
+_FALLBACK_VOCAB = (1000, 20000)
+_WORDS = (
+    "the of and to in is for on that with as by at from this be it are or an was "
+    "data model token request server cache batch layer time value list file run "
+    "read write open close start stop queue graph node edge user agent tool call "
+    "result error count size page block memory input output state step loop"
+).split()
+
+
+class TokenSource:
+    """Token ids and text for synthetic prompts.
+
+    Wraps an optional HF-style tokenizer (``encode``/``decode``, optionally
+    ``all_special_ids``, ``get_added_vocab``, ``__len__``/``vocab_size``).
+    Without one, ids are drawn from [1000, 20000) -- valid and non-special in
+    common vocabularies of >= 20k tokens -- and text is made of English words,
+    counted as one token per word (an estimate).
+    """
+
+    def __init__(self, tokenizer: Any | None = None):
+        self.tokenizer = tokenizer
+        if tokenizer is None:
+            self.allowed_ids = np.arange(*_FALLBACK_VOCAB, dtype=np.int64)
+            return
+        try:
+            size = len(tokenizer)
+        except TypeError:
+            size = int(getattr(tokenizer, "vocab_size"))
+        banned = set(int(i) for i in (getattr(tokenizer, "all_special_ids", None) or []))
+        get_added = getattr(tokenizer, "get_added_vocab", None)
+        if callable(get_added):
+            try:
+                banned |= set(int(i) for i in get_added().values())
+            except Exception:  # noqa: BLE001 - optional API
+                pass
+        ids = np.arange(size, dtype=np.int64)
+        if banned:
+            ids = ids[~np.isin(ids, np.fromiter(banned, dtype=np.int64))]
+        if ids.size == 0:
+            raise DatasetError("tokenizer has no usable (non-special) token ids")
+        self.allowed_ids = ids
+
+    @property
+    def exact(self) -> bool:
+        """True when token counts come from a real tokenizer."""
+        return self.tokenizer is not None
+
+    def random_ids(self, n: int, rng: np.random.Generator) -> list[int]:
+        """``n`` random non-special token ids."""
+        if n <= 0:
+            return []
+        return [int(x) for x in rng.choice(self.allowed_ids, size=n)]
+
+    def count(self, text: str) -> int:
+        """Tokens in ``text`` (tokenizer count, else word count)."""
+        if self.tokenizer is None:
+            return len(text.split())
+        return len(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text of ``ids``; raises ``DatasetError`` without a tokenizer."""
+        if self.tokenizer is None:
+            raise DatasetError("turning token ids into text needs a tokenizer (--tokenizer)")
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    def text(self, n: int, rng: np.random.Generator) -> tuple[str, int]:
+        """Random text of about ``n`` tokens; returns ``(text, estimated_tokens)``."""
+        if n <= 0:
+            return "", 0
+        if self.tokenizer is None:
+            words = rng.choice(np.asarray(_WORDS), size=n)
+            return " ".join(str(w) for w in words), n
+        # Decode random ids, re-encode and cut to n so the text is close to n tokens.
+        text = self.decode(self.random_ids(n, rng))
+        ids = self.tokenizer.encode(text, add_special_tokens=False)[:n]
+        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        return text, self.count(text)
+
+
+def sample_lengths(mean: int, range_ratio: float, n: int, rng: np.random.Generator, flag: str) -> np.ndarray:
+    """``n`` integer lengths uniform on ``[floor(mean*(1-r)), ceil(mean*(1+r))]``, at least 1.
+
+    Raises ``DatasetError`` naming ``flag`` for ``mean < 1`` or ``r`` outside [0, 1).
+    """
+    if mean < 1:
+        raise DatasetError(f"{flag} must be >= 1, got {mean}")
+    if not 0.0 <= range_ratio < 1.0:
+        raise DatasetError(f"--random-range-ratio must be in [0, 1), got {range_ratio}")
+    lo = max(1, int(np.floor(mean * (1 - range_ratio))))
+    hi = max(lo, int(np.ceil(mean * (1 + range_ratio))))
+    return rng.integers(lo, hi + 1, size=n)
+
+
+class Dataset:
+    """Base class: ``sessions(seed)`` yields sessions (possibly forever)."""
+
+    name = "base"
+    kind = "completions"
+    timed = False  # True: sessions carry arrival_s and ignore --request-rate
+
+    def sessions(self, seed: int) -> Iterator[Session]:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def describe(self) -> dict:
+        """Parameters for the saved result."""
+        return {"name": self.name}
+
+
+class RandomDataset(Dataset):
+    """Random token-id prompts of ``input_len`` (+/- ``range_ratio``) tokens,
+    ``output_len`` (+/- ``range_ratio``) output tokens."""
+
+    name = "random"
+
+    def __init__(self, tokens: TokenSource, input_len: int, output_len: int, range_ratio: float = 0.0):
+        sample_lengths(input_len, range_ratio, 0, np.random.default_rng(0), "--input-len")
+        sample_lengths(output_len, range_ratio, 0, np.random.default_rng(0), "--output-len")
+        self.tokens, self.input_len, self.output_len, self.range_ratio = tokens, input_len, output_len, range_ratio
+
+    def sessions(self, seed: int) -> Iterator[Session]:
+        rng = np.random.default_rng(seed)
+        i = 0
+        while True:
+            (il,) = sample_lengths(self.input_len, self.range_ratio, 1, rng, "--input-len")
+            (ol,) = sample_lengths(self.output_len, self.range_ratio, 1, rng, "--output-len")
+            ids = self.tokens.random_ids(int(il), rng)
+            yield Session(f"r{i}", [Turn(output_len=int(ol), prompt=ids, prompt_len=len(ids))])
+            i += 1
+
+    def describe(self) -> dict:
+        return {"name": self.name, "input_len": self.input_len, "output_len": self.output_len,
+                "range_ratio": self.range_ratio}
+
+
+class SharedPrefixDataset(Dataset):
+    """Prompts = one of ``num_prefixes`` fixed ``prefix_len``-token prefixes
+    (chosen uniformly at random) + a fresh ``suffix_len``-token suffix."""
+
+    name = "shared-prefix"
+
+    def __init__(self, tokens: TokenSource, num_prefixes: int, prefix_len: int, suffix_len: int,
+                 output_len: int, range_ratio: float = 0.0):
+        if num_prefixes < 1:
+            raise DatasetError(f"--num-prefixes must be >= 1, got {num_prefixes}")
+        if prefix_len < 0:
+            raise DatasetError(f"--prefix-len must be >= 0, got {prefix_len}")
+        if suffix_len < 0 or prefix_len + suffix_len < 1:
+            raise DatasetError("--suffix-len must be >= 0 and --prefix-len + --suffix-len >= 1")
+        sample_lengths(output_len, range_ratio, 0, np.random.default_rng(0), "--output-len")
+        self.tokens = tokens
+        self.num_prefixes, self.prefix_len, self.suffix_len = num_prefixes, prefix_len, suffix_len
+        self.output_len, self.range_ratio = output_len, range_ratio
+
+    def sessions(self, seed: int) -> Iterator[Session]:
+        # Prefixes depend on the seed only, so warm-up and measured runs share them.
+        prng = np.random.default_rng([seed, 1])
+        prefixes = [self.tokens.random_ids(self.prefix_len, prng) for _ in range(self.num_prefixes)]
+        rng = np.random.default_rng([seed, 2])
+        i = 0
+        while True:
+            p = int(rng.integers(self.num_prefixes))
+            suffix = self.tokens.random_ids(self.suffix_len, rng)
+            (ol,) = sample_lengths(self.output_len, self.range_ratio, 1, rng, "--output-len")
+            ids = prefixes[p] + suffix
+            yield Session(f"p{p}-{i}", [Turn(output_len=int(ol), prompt=ids, prompt_len=len(ids))])
+            i += 1
+
+    def describe(self) -> dict:
+        return {"name": self.name, "num_prefixes": self.num_prefixes, "prefix_len": self.prefix_len,
+                "suffix_len": self.suffix_len, "output_len": self.output_len, "range_ratio": self.range_ratio}
+
+
+class MultiTurnDataset(Dataset):
+    """Agent-like chat sessions of ``num_turns`` requests each.
+
+    All sessions share one ``system_len``-token system prompt (tool
+    definitions); turn 1 sends it plus a ``input_len``-token user message;
+    every later turn appends the assistant's actual reply and a
+    ``tool_len``-token tool result (sent as a user message starting with
+    "Tool result:", since not every chat template accepts a ``tool`` role)
+    and resends the whole conversation after ``think_time_s`` seconds.
+    """
+
+    name = "multi-turn"
+    kind = "chat"
+
+    def __init__(self, tokens: TokenSource, num_turns: int, system_len: int, input_len: int,
+                 tool_len: int, output_len: int, think_time_s: float = 0.0):
+        if num_turns < 1:
+            raise DatasetError(f"--multi-turn-turns must be >= 1, got {num_turns}")
+        for flag, v in (("--multi-turn-system-len", system_len), ("--multi-turn-tool-len", tool_len)):
+            if v < 0:
+                raise DatasetError(f"{flag} must be >= 0, got {v}")
+        if input_len < 1:
+            raise DatasetError(f"--input-len must be >= 1, got {input_len}")
+        if output_len < 1:
+            raise DatasetError(f"--output-len must be >= 1, got {output_len}")
+        if think_time_s < 0:
+            raise DatasetError(f"--multi-turn-think-time must be >= 0, got {think_time_s}")
+        self.tokens = tokens
+        self.num_turns, self.system_len, self.input_len = num_turns, system_len, input_len
+        self.tool_len, self.output_len, self.think_time_s = tool_len, output_len, think_time_s
+
+    def sessions(self, seed: int) -> Iterator[Session]:
+        srng = np.random.default_rng([seed, 3])
+        system, _ = self.tokens.text(self.system_len, srng)
+        system = system or None
+        rng = np.random.default_rng([seed, 4])
+        i = 0
+        while True:
+            turns = []
+            for t in range(self.num_turns):
+                if t == 0:
+                    body, n = self.tokens.text(self.input_len, rng)
+                    msg = body
+                else:
+                    body, n = self.tokens.text(self.tool_len, rng)
+                    msg = "Tool result:\n" + body
+                turns.append(Turn(output_len=self.output_len, message=msg, prompt_len=n,
+                                  think_time_s=self.think_time_s if t else 0.0))
+            yield Session(f"m{i}", turns, kind="chat", system_prompt=system)
+            i += 1
+
+    def describe(self) -> dict:
+        return {"name": self.name, "num_turns": self.num_turns, "system_len": self.system_len,
+                "input_len": self.input_len, "tool_len": self.tool_len, "output_len": self.output_len,
+                "think_time_s": self.think_time_s}
+
+
+_HUMAN = {"human", "user"}
+_BOT = {"gpt", "assistant", "chatgpt", "bard", "bing", "model"}
+
+
+class ShareGPTDataset(Dataset):
+    """First human -> assistant exchange of each conversation of a ShareGPT
+    JSON file (a list of ``{"conversations": [{"from": ..., "value": ...}]}``).
+
+    Output length = the assistant reply's token count (or ``output_len`` if
+    given). Like vLLM's benchmark, pairs with prompt or reply under 4 tokens,
+    a prompt over ``max_prompt_len`` or a total over ``max_total_len`` are
+    dropped. Conversations are shuffled with the seed and cycled.
+    Raises ``DatasetError`` for a missing/invalid file or no usable pair.
+    """
+
+    name = "sharegpt"
+    kind = "chat"
+
+    def __init__(self, tokens: TokenSource, path: str, output_len: int | None = None,
+                 max_prompt_len: int = 1024, max_total_len: int = 2048):
+        if not path:
+            raise DatasetError("--dataset sharegpt needs --dataset-path FILE.json")
+        if not os.path.isfile(path):
+            raise DatasetError(f"--dataset-path: no such file: {path}")
+        try:
+            with open(path, encoding="utf-8") as f:
+                data = json.load(f)
+        except (OSError, json.JSONDecodeError) as e:
+            raise DatasetError(f"--dataset-path: cannot read ShareGPT JSON {path}: {e}") from None
+        if not isinstance(data, list):
+            raise DatasetError(f"--dataset-path: {path} must hold a JSON list of conversations")
+        if output_len is not None and output_len < 1:
+            raise DatasetError(f"--sharegpt-output-len must be >= 1, got {output_len}")
+        self.tokens, self.path, self.output_len = tokens, path, output_len
+        self.max_prompt_len, self.max_total_len = max_prompt_len, max_total_len
+        self.pairs: list[tuple[str, int, int]] = []
+        for conv in data:
+            turns = conv.get("conversations") or conv.get("conversation") if isinstance(conv, dict) else None
+            if not isinstance(turns, list) or len(turns) < 2:
+                continue
+            first, second = turns[0], turns[1]
+            if not (isinstance(first, dict) and isinstance(second, dict)):
+                continue
+            if str(first.get("from", first.get("role", ""))).lower() not in _HUMAN:
+                continue
+            if str(second.get("from", second.get("role", ""))).lower() not in _BOT:
+                continue
+            prompt = str(first.get("value", first.get("content", "")))
+            reply = str(second.get("value", second.get("content", "")))
+            pl = tokens.count(prompt)
+            ol = output_len if output_len is not None else tokens.count(reply)
+            if pl < 4 or ol < 4 or pl > max_prompt_len or pl + ol > max_total_len:
+                continue
+            self.pairs.append((prompt, pl, ol))
+        if not self.pairs:
+            raise DatasetError(f"--dataset-path: no usable human/assistant pair in {path}")
+
+    def sessions(self, seed: int) -> Iterator[Session]:
+        rng = np.random.default_rng([seed, 5])
+        i = 0
+        while True:
+            for j in rng.permutation(len(self.pairs)):
+                prompt, pl, ol = self.pairs[int(j)]
+                yield Session(f"g{i}", [Turn(output_len=ol, prompt=prompt, message=prompt, prompt_len=pl)],
+                              kind="chat")
+                i += 1
+
+    def describe(self) -> dict:
+        return {"name": self.name, "path": self.path, "num_pairs": len(self.pairs),
+                "output_len": self.output_len, "max_prompt_len": self.max_prompt_len,
+                "max_total_len": self.max_total_len}
+
+
+@dataclass
+class TraceRow:
+    """One parsed trace line: arrival (seconds, relative), prompt or length, output length."""
+
+    arrival_s: float
+    output_len: int
+    prompt: str | None = None
+    prompt_len: int | None = None
+    session_id: str | None = None
+    hash_ids: list[int] = field(default_factory=list)
+
+
+def _first(d: dict, names: Sequence[str]) -> Any:
+    for n in names:
+        if n in d and d[n] is not None:
+            return d[n]
+    return None
+
+
+class TraceDataset(Dataset):
+    """Replay of a JSONL trace.
+
+    Each line is an object with:
+
+    * ``timestamp`` (alias ``arrival_time``, ``ts``): arrival time in the unit
+      ``timestamp_unit`` ("s" or "ms"); times are taken relative to the first
+      row and divided by ``speedup`` (2.0 replays twice as fast);
+    * ``prompt`` (text) or ``prompt_len`` (alias ``input_len``,
+      ``input_length``): synthetic prompts of random token ids. Rows with the
+      same ``session_id`` draw their prompts from one growing token stream, so
+      a later turn's prompt extends the earlier one (as when an agent resends
+      its conversation). Mooncake-style ``hash_ids`` (one id per
+      ``block_size``-token block) build prompts that share equal blocks;
+    * ``output_len`` (alias ``output_length``, ``max_tokens``);
+    * optional ``session_id``.
+
+    Raises ``DatasetError`` naming the line for malformed rows.
+    """
+
+    name = "trace"
+    timed = True
+
+    def __init__(self, tokens: TokenSource, path: str, speedup: float = 1.0,
+                 timestamp_unit: str = "s", block_size: int = 512):
+        if not path:
+            raise DatasetError("--dataset trace needs --dataset-path FILE.jsonl")
+        if not os.path.isfile(path):
+            raise DatasetError(f"--dataset-path: no such file: {path}")
+        if not speedup > 0:
+            raise DatasetError(f"--trace-speedup must be > 0, got {speedup}")
+        if timestamp_unit not in ("s", "ms"):
+            raise DatasetError(f"--trace-timestamp-unit must be 's' or 'ms', got {timestamp_unit!r}")
+        if block_size < 1:
+            raise DatasetError(f"--trace-block-size must be >= 1, got {block_size}")
+        self.tokens, self.path, self.speedup = tokens, path, speedup
+        self.timestamp_unit, self.block_size = timestamp_unit, block_size
+        self.rows = self._load(path)
+        if not self.rows:
+            raise DatasetError(f"--dataset-path: trace {path} has no rows")
+
+    def _load(self, path: str) -> list[TraceRow]:
+        scale = 1e-3 if self.timestamp_unit == "ms" else 1.0
+        rows: list[TraceRow] = []
+        with open(path, encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                line = line.strip()
+                if not line or line.startswith("#"):
+                    continue
+                where = f"--dataset-path {path}, line {lineno}"
+                try:
+                    d = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise DatasetError(f"{where}: invalid JSON: {e}") from None
+                if not isinstance(d, dict):
+                    raise DatasetError(f"{where}: expected a JSON object")
+                ts = _first(d, ("timestamp", "arrival_time", "ts"))
+                out = _first(d, ("output_len", "output_length", "max_tokens"))
+                prompt = d.get("prompt")
+                plen = _first(d, ("prompt_len", "input_len", "input_length"))
+                hash_ids = d.get("hash_ids") or []
+                try:
+                    ts = float(ts) * scale
+                    out = int(out)
+                    plen = None if plen is None else int(plen)
+                    hash_ids = [int(h) for h in hash_ids]
+                except (TypeError, ValueError):
+                    raise DatasetError(
+                        f"{where}: needs numeric 'timestamp' and 'output_len' (and integer 'prompt_len')"
+                    ) from None
+                if out < 1:
+                    raise DatasetError(f"{where}: output_len must be >= 1")
+                if prompt is None and plen is None and not hash_ids:
+                    raise DatasetError(f"{where}: needs 'prompt' (text) or 'prompt_len'")
+                if prompt is not None and not isinstance(prompt, str):
+                    raise DatasetError(f"{where}: 'prompt' must be a string")
+                if plen is not None and plen < 1:
+                    raise DatasetError(f"{where}: prompt_len must be >= 1")
+                sid = d.get("session_id")
+                rows.append(TraceRow(ts, out, prompt, plen, None if sid is None else str(sid), hash_ids))
+        if rows:
+            rows.sort(key=lambda r: r.arrival_s)
+            t0 = rows[0].arrival_s
+            for r in rows:
+                r.arrival_s = (r.arrival_s - t0) / self.speedup
+        return rows
+
+    @property
+    def kind(self) -> str:  # type: ignore[override]
+        return "completions"
+
+    def sessions(self, seed: int) -> Iterator[Session]:
+        rng = np.random.default_rng([seed, 6])
+        streams: dict[str, list[int]] = {}
+        blocks: dict[int, list[int]] = {}
+        for i, r in enumerate(self.rows):
+            if r.prompt is not None:
+                prompt: str | list[int] = r.prompt
+                plen = self.tokens.count(r.prompt)
+            else:
+                n = r.prompt_len if r.prompt_len is not None else len(r.hash_ids) * self.block_size
+                if r.hash_ids:
+                    ids: list[int] = []
+                    for h in r.hash_ids:
+                        if h not in blocks:
+                            blocks[h] = self.tokens.random_ids(self.block_size, rng)
+                        ids.extend(blocks[h])
+                    if len(ids) < n:
+                        ids.extend(self.tokens.random_ids(n - len(ids), rng))
+                    ids = ids[:n]
+                elif r.session_id is not None:
+                    s = streams.setdefault(r.session_id, [])
+                    if len(s) < n:
+                        s.extend(self.tokens.random_ids(n - len(s), rng))
+                    ids = s[:n]
+                else:
+                    ids = self.tokens.random_ids(n, rng)
+                prompt, plen = ids, len(ids)
+            sid = r.session_id if r.session_id is not None else f"t{i}"
+            yield Session(sid, [Turn(output_len=r.output_len, prompt=prompt, message=r.prompt, prompt_len=plen)],
+                          arrival_s=r.arrival_s)
+
+    def describe(self) -> dict:
+        return {"name": self.name, "path": self.path, "speedup": self.speedup, "num_rows": len(self.rows),
+                "timestamp_unit": self.timestamp_unit, "span_s": self.rows[-1].arrival_s}

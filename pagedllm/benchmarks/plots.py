@@ -1,0 +1,196 @@
+"""PNG plots for ``bench serve`` and ``bench sweep`` results.
+
+Uses matplotlib's object API with the Agg canvas (no pyplot, no global
+backend switch), so it is safe to call from any process.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Sequence
+
+import numpy as np
+
+__all__ = ["plot_latency_cdfs", "plot_timeline", "plot_serve_result", "plot_sweep"]
+
+_COLORS = {
+    "wait": "#b0b0b0",
+    "queue": "#f2a93b",
+    "prefill": "#4c78a8",
+    "ttft": "#4c78a8",
+    "decode": "#54a24b",
+    "failed": "#e45756",
+}
+
+
+def _figure(w: float, h: float):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(w, h), dpi=100)
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def _save(fig, path: str) -> str:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, format="png")
+    return path
+
+
+def plot_latency_cdfs(res: dict, path: str) -> str:
+    """Empirical CDFs of TTFT, TPOT, ITL and E2E (ms) of a serve result; returns ``path``."""
+    reqs = [r for r in res["requests"] if r["success"]]
+    series = {
+        "TTFT": [r["ttft_ms"] for r in reqs if r["ttft_ms"] is not None],
+        "TPOT": [r["tpot_ms"] for r in reqs if r["tpot_ms"] is not None],
+        "ITL": [x for r in reqs for x in r["itl_ms"]],
+        "E2E": [r["e2e_ms"] for r in reqs if r["e2e_ms"] is not None],
+    }
+    fig = _figure(10, 7.5)
+    axes = fig.subplots(2, 2)
+    title = res.get("label") or res.get("dataset", {}).get("name", "")
+    fig.suptitle(f"Latency CDFs {title}".strip())
+    for ax, (name, vals) in zip(axes.flat, series.items()):
+        ax.set_title(name)
+        ax.set_xlabel("ms")
+        ax.set_ylabel("fraction of samples")
+        ax.grid(True, alpha=0.3)
+        if not vals:
+            ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes)
+            continue
+        v = np.sort(np.asarray(vals, dtype=float))
+        y = np.arange(1, v.size + 1) / v.size
+        ax.step(v, y, where="post", color="#4c78a8", lw=1.8)
+        for q, c in ((50, "#54a24b"), (99, "#e45756")):
+            pv = float(np.percentile(v, q))
+            ax.axvline(pv, color=c, ls="--", lw=1, label=f"p{q} = {pv:.1f} ms")
+        ax.set_ylim(0, 1.02)
+        ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+def plot_timeline(res: dict, path: str, max_requests: int = 400) -> str:
+    """Per-request timeline (Gantt chart) of a serve result; returns ``path``.
+
+    Each bar: client wait (scheduled -> sent), then the time to first token
+    split into server queue and prefill, then decode (first token -> end).
+    The per-request queue/prefill split is an estimate: the TTFT segment is
+    divided in the ratio of the server's mean queue and prefill times from
+    /metrics; without them it is drawn as one "TTFT" segment.
+    """
+    m = res.get("server_metrics") or {}
+    q, p = m.get("queue_mean_ms"), m.get("prefill_mean_ms")
+    qfrac = q / (q + p) if (q is not None and p is not None and q + p > 0) else None
+    reqs = sorted(res["requests"], key=lambda r: (r["start_s"], r["request_id"]))[:max_requests]
+    fig = _figure(11, max(3.5, min(12.0, 1.5 + 0.04 * len(reqs))))
+    ax = fig.add_subplot(1, 1, 1)
+    bars: dict[str, tuple[list, list]] = {k: ([], []) for k in ("wait", "queue", "prefill", "ttft", "decode", "failed")}
+    for y, r in enumerate(reqs):
+        sched, start, end = r["scheduled_s"], r["start_s"], r["end_s"]
+        if start - sched > 0:
+            bars["wait"][0].append((sched, start - sched))
+            bars["wait"][1].append(y)
+        if not r["success"]:
+            bars["failed"][0].append((start, max(end - start, 1e-4)))
+            bars["failed"][1].append(y)
+            continue
+        ft = r["first_token_s"] if r["first_token_s"] is not None else end
+        if qfrac is None:
+            bars["ttft"][0].append((start, ft - start))
+            bars["ttft"][1].append(y)
+        else:
+            split = start + qfrac * (ft - start)
+            bars["queue"][0].append((start, split - start))
+            bars["queue"][1].append(y)
+            bars["prefill"][0].append((split, ft - split))
+            bars["prefill"][1].append(y)
+        bars["decode"][0].append((ft, end - ft))
+        bars["decode"][1].append(y)
+    labels = {"wait": "client wait (concurrency limit)", "queue": "server queue (est.)",
+              "prefill": "prefill (est.)", "ttft": "queue + prefill (TTFT)", "decode": "decode",
+              "failed": "failed"}
+    for key, (spans, ys) in bars.items():
+        if not spans:
+            continue
+        for (x0, w), y in zip(spans, ys):
+            ax.broken_barh([(x0, w)], (y - 0.4, 0.8), facecolors=_COLORS[key])
+        ax.plot([], [], color=_COLORS[key], lw=8, label=labels[key])
+    ax.set_xlabel("time since benchmark start (s)")
+    ax.set_ylabel("request (by send time)")
+    ax.set_ylim(-1, max(len(reqs), 1))
+    ax.invert_yaxis()
+    ax.grid(True, axis="x", alpha=0.3)
+    ax.legend(loc="upper right", fontsize=8)
+    shown = f" (first {len(reqs)} of {len(res['requests'])})" if len(res["requests"]) > len(reqs) else ""
+    ax.set_title(f"Per-request timeline{shown}")
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+def plot_serve_result(res: dict, out_dir: str, prefix: str = "") -> list[str]:
+    """Write ``latency_cdf.png`` and ``timeline.png`` into ``out_dir``; returns their paths."""
+    return [
+        plot_latency_cdfs(res, os.path.join(out_dir, f"{prefix}latency_cdf.png")),
+        plot_timeline(res, os.path.join(out_dir, f"{prefix}timeline.png")),
+    ]
+
+
+def plot_sweep(sweeps: Sequence[dict], out_dir: str) -> list[str]:
+    """Throughput and latency-percentile-vs-load plots for one or more sweeps
+    (``run_sweep`` results; several = ``--compare``). Writes
+    ``sweep_throughput.png`` and ``sweep_latency.png``; returns their paths."""
+    if not sweeps:
+        return []
+    mode = sweeps[0]["mode"]
+    xlabel = "offered request rate (req/s)" if mode == "rate" else "max concurrency"
+    pkey = sweeps[0]["slo_percentile_key"]
+    markers = ["o", "s", "^", "D"]
+
+    fig = _figure(11, 4.5)
+    ax1, ax2 = fig.subplots(1, 2)
+    for i, sw in enumerate(sweeps):
+        pts = sw["points"]
+        x = [pt["load"] for pt in pts]
+        lab = sw.get("label") or sw["base_url"]
+        ax1.plot(x, [pt["request_throughput"] or 0 for pt in pts], marker=markers[i % 4], label=lab)
+        ax2.plot(x, [pt["output_token_throughput"] or 0 for pt in pts], marker=markers[i % 4], label=lab)
+        if sw.get("best_load") is not None:
+            for ax in (ax1, ax2):
+                ax.axvline(sw["best_load"], ls=":", color=f"C{i}", lw=1)
+    if mode == "rate":
+        lim = max(pt["load"] for sw in sweeps for pt in sw["points"])
+        ax1.plot([0, lim], [0, lim], color="#999999", ls="--", lw=1, label="offered rate")
+    ax1.set_title("Request throughput")
+    ax1.set_ylabel("completed req/s")
+    ax2.set_title("Output token throughput")
+    ax2.set_ylabel("tokens/s")
+    for ax in (ax1, ax2):
+        ax.set_xlabel(xlabel)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    p1 = _save(fig, os.path.join(out_dir, "sweep_throughput.png"))
+
+    metrics = [("ttft", "TTFT"), ("tpot", "TPOT"), ("e2e", "E2E")]
+    fig = _figure(13, 4.5)
+    axes = fig.subplots(1, 3)
+    slos = sweeps[0].get("slos_ms") or {}
+    for ax, (key, name) in zip(axes, metrics):
+        for i, sw in enumerate(sweeps):
+            pts = sw["points"]
+            x = [pt["load"] for pt in pts]
+            y = [pt["latency_ms"][key][pkey] for pt in pts]
+            y = [np.nan if v is None else v for v in y]
+            ax.plot(x, y, marker=markers[i % 4], label=sw.get("label") or sw["base_url"])
+        if key in slos:
+            ax.axhline(slos[key], color="#e45756", ls="--", lw=1, label=f"SLO {slos[key]:g} ms")
+        ax.set_title(f"{pkey.upper()} {name}")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("ms")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    p2 = _save(fig, os.path.join(out_dir, "sweep_latency.png"))
+    return [p1, p2]
