@@ -1,0 +1,112 @@
+"""The attention-backend interface.
+
+A backend owns two things: the KV-cache layout it wants, and one ``forward`` per layer
+that (1) writes the new tokens' K/V into the paged cache at ``slot_mapping`` and (2)
+attends every request's queries over all of that request's cached tokens with causal
+masking. The ModelRunner builds one ``CommonAttentionMetadata`` per step; each backend
+derives what it needs from it once per step (``build_metadata``), never per layer.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+
+@dataclass
+class CommonAttentionMetadata:
+    """Batch description shared by all backends (one flattened, unpadded batch).
+
+    Requests with exactly one query token (decodes) come first in the batch.
+
+    Attributes:
+        num_reqs: B, requests in the batch.
+        num_tokens: T, total query tokens.
+        num_decodes: requests (at the front) whose query length is 1.
+        query_start_loc: int32 [B+1], offsets of each request's queries in the T tokens.
+        seq_lens: int32 [B], tokens in the cache for each request after this step
+            (computed context + this step's queries).
+        context_lens: int32 [B], tokens already cached before this step.
+        block_table: int32 [B, max_blocks], block ids of each request (row-padded with 0).
+        slot_mapping: int64 [T], cache slot (block_id * block_size + offset) of each token.
+        block_size: tokens per block.
+        query_start_loc_np, seq_lens_np, context_lens_np, block_table_np: CPU numpy copies
+            of the above (host-side planning without device syncs).
+    """
+
+    num_reqs: int
+    num_tokens: int
+    num_decodes: int
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    context_lens: torch.Tensor
+    block_table: torch.Tensor
+    slot_mapping: torch.Tensor
+    block_size: int
+    query_start_loc_np: np.ndarray
+    seq_lens_np: np.ndarray
+    context_lens_np: np.ndarray
+    block_table_np: np.ndarray
+
+
+class AttentionBackend(ABC):
+    """Interface every attention implementation provides."""
+
+    name: str = "abstract"
+
+    @staticmethod
+    @abstractmethod
+    def kv_cache_shape(num_layers: int, num_blocks: int, block_size: int,
+                       num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+        """Shape of the one tensor that holds every layer's K and V blocks."""
+
+    @staticmethod
+    @abstractmethod
+    def layer_cache(kv_cache: torch.Tensor, layer: int) -> Any:
+        """The per-layer view of the cache that ``forward`` receives."""
+
+    @abstractmethod
+    def build_metadata(self, common: CommonAttentionMetadata) -> Any:
+        """Per-step precomputation (gather indices, masks), shared by all layers."""
+
+    @abstractmethod
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                layer_cache: Any, metadata: Any, scale: float) -> torch.Tensor:
+        """Write K/V at the slot mapping, then attend.
+
+        Args:
+            q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim] (model dtype).
+            layer_cache: this layer's cache view (see ``layer_cache``).
+            metadata: the object ``build_metadata`` returned for this step.
+            scale: softmax scale, usually head_dim ** -0.5.
+
+        Returns:
+            [T, num_heads * head_dim] attention output.
+        """
+
+
+_BACKENDS: dict[str, type[AttentionBackend]] = {}
+
+
+def register_backend(cls: type[AttentionBackend]) -> type[AttentionBackend]:
+    _BACKENDS[cls.name] = cls
+    return cls
+
+
+def get_attention_backend(name: str = "auto", device: torch.device | None = None) -> AttentionBackend:
+    """Instantiate a backend by name (``"auto"`` → the torch-ops backend, which runs on
+    every device).
+
+    Raises:
+        ValueError: no backend has that name (the known names are listed).
+    """
+    from pagedllm.attention import torch_backend  # noqa: F401  (registers itself)
+
+    if name == "auto":
+        name = "torch"
+    if name not in _BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; available: {sorted(_BACKENDS)}")
+    return _BACKENDS[name]()

@@ -1,0 +1,115 @@
+"""Paged attention in plain torch ops; runs on CPU and CUDA alike.
+
+Cache layout: one tensor ``[num_layers, 2, num_blocks * block_size, num_kv_heads, head_dim]``,
+so a layer's K (or V) is a flat array of slots and slot ``s`` is token ``s % block_size``
+of block ``s // block_size`` (PagedAttention, Kwon et al. 2023, SOSP).
+
+Decodes (one query each) run as one batched masked attention over their gathered context;
+each request with several queries (a prompt, a prompt chunk on top of cached context, or
+speculative tokens) runs ``scaled_dot_product_attention`` with a causal mask offset by its
+context length, so query ``i`` sees keys ``0 .. context_len + i``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from pagedllm.attention.backend import AttentionBackend, CommonAttentionMetadata, register_backend
+
+
+@dataclass
+class _PrefillItem:
+    q_start: int
+    q_end: int
+    context_len: int
+    slots: torch.Tensor | None      # int64 [seq_len] when context_len > 0
+    mask: torch.Tensor | None       # bool [q_len, seq_len] when context_len > 0
+
+
+@dataclass
+class TorchAttentionMetadata:
+    slot_mapping: torch.Tensor      # int64 [T]
+    num_decodes: int
+    decode_slots: torch.Tensor | None   # int64 [num_decodes * max_ctx]
+    decode_max_ctx: int
+    decode_bias: torch.Tensor | None    # float [num_decodes, 1, 1, max_ctx], 0 or -inf
+    prefills: list[_PrefillItem]
+
+
+@register_backend
+class TorchAttentionBackend(AttentionBackend):
+    name = "torch"
+
+    @staticmethod
+    def kv_cache_shape(num_layers, num_blocks, block_size, num_kv_heads, head_dim):
+        return (num_layers, 2, num_blocks * block_size, num_kv_heads, head_dim)
+
+    @staticmethod
+    def layer_cache(kv_cache, layer):
+        return kv_cache[layer]
+
+    def build_metadata(self, c: CommonAttentionMetadata) -> TorchAttentionMetadata:
+        device = c.slot_mapping.device
+        bs = c.block_size
+        nd = c.num_decodes
+        decode_slots = decode_bias = None
+        max_ctx = 0
+        if nd:
+            lens = c.seq_lens_np[:nd]
+            max_ctx = int(lens.max())
+            pos = np.arange(max_ctx, dtype=np.int64)
+            bt = c.block_table_np[:nd, : (max_ctx + bs - 1) // bs].astype(np.int64)
+            slots = bt[:, pos // bs] * bs + (pos % bs)
+            valid = pos[None, :] < lens[:, None]
+            slots = np.where(valid, slots, 0)
+            decode_slots = torch.from_numpy(slots.reshape(-1)).to(device, non_blocking=True)
+            bias = np.where(valid, 0.0, -np.inf).astype(np.float32)
+            decode_bias = torch.from_numpy(bias).view(nd, 1, 1, max_ctx).to(device, non_blocking=True)
+        prefills = []
+        qsl, ctx, sl = c.query_start_loc_np, c.context_lens_np, c.seq_lens_np
+        for i in range(nd, c.num_reqs):
+            s, e, cl, L = int(qsl[i]), int(qsl[i + 1]), int(ctx[i]), int(sl[i])
+            slots = mask = None
+            if cl > 0:
+                pos = np.arange(L, dtype=np.int64)
+                row = c.block_table_np[i].astype(np.int64)
+                slots = torch.from_numpy(row[pos // bs] * bs + pos % bs).to(device, non_blocking=True)
+                q_pos = cl + np.arange(e - s)
+                mask = torch.from_numpy(pos[None, :] <= q_pos[:, None]).to(device, non_blocking=True)
+            prefills.append(_PrefillItem(s, e, cl, slots, mask))
+        return TorchAttentionMetadata(c.slot_mapping, nd, decode_slots, max_ctx, decode_bias, prefills)
+
+    def forward(self, q, k, v, layer_cache, md: TorchAttentionMetadata, scale):
+        T, nh, hd = q.shape
+        nkv = k.shape[1]
+        key_cache, value_cache = layer_cache[0], layer_cache[1]
+        key_cache.index_copy_(0, md.slot_mapping, k)
+        value_cache.index_copy_(0, md.slot_mapping, v)
+        out = torch.empty(T, nh, hd, dtype=q.dtype, device=q.device)
+        nd = md.num_decodes
+        if nd:
+            g = nh // nkv
+            ctx = md.decode_max_ctx
+            qd = q[:nd].view(nd, nkv, g, hd)
+            kd = key_cache.index_select(0, md.decode_slots).view(nd, ctx, nkv, hd).transpose(1, 2)
+            vd = value_cache.index_select(0, md.decode_slots).view(nd, ctx, nkv, hd).transpose(1, 2)
+            scores = torch.matmul(qd, kd.transpose(-1, -2)).mul_(scale).add_(md.decode_bias)
+            probs = torch.softmax(scores, dim=-1)
+            out[:nd] = torch.matmul(probs, vd).view(nd, nh, hd)
+        for p in md.prefills:
+            qs = q[p.q_start:p.q_end].transpose(0, 1).unsqueeze(0)        # [1, nh, L, hd]
+            if p.context_len == 0:
+                ks = k[p.q_start:p.q_end].transpose(0, 1).unsqueeze(0)   # [1, nkv, L, hd]
+                vs = v[p.q_start:p.q_end].transpose(0, 1).unsqueeze(0)
+                o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale,
+                                                   enable_gqa=nkv != nh)
+            else:
+                ks = key_cache.index_select(0, p.slots).transpose(0, 1).unsqueeze(0)
+                vs = value_cache.index_select(0, p.slots).transpose(0, 1).unsqueeze(0)
+                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=p.mask, scale=scale,
+                                                   enable_gqa=nkv != nh)
+            out[p.q_start:p.q_end] = o[0].transpose(0, 1)
+        return out.view(T, nh * hd)

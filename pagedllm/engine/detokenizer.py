@@ -1,0 +1,57 @@
+"""Incremental detokenization and stop-string matching for one request.
+
+Text is produced with ``tokenizers.decoders.DecodeStream``, which emits a piece only once
+the bytes seen so far form whole UTF-8 characters, so a streamed Korean or emoji answer
+never contains a broken character and the deltas concatenate to the final text.
+Stop strings are searched in the produced text; while a request runs, the last
+``max(len(stop)) - 1`` characters are held back so a stop string split across tokens is
+never streamed before it is recognised.
+"""
+from __future__ import annotations
+
+from tokenizers.decoders import DecodeStream
+
+
+class IncrementalDetokenizer:
+    """Args:
+        tokenizer: a ``transformers`` fast tokenizer.
+        stop: stop strings; include_stop_str_in_output: keep the matched stop string.
+        skip_special_tokens: drop special tokens from the text.
+    """
+
+    def __init__(self, tokenizer, stop: list[str], include_stop_str_in_output: bool = False,
+                 skip_special_tokens: bool = True):
+        self._tok = tokenizer.backend_tokenizer
+        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        self.stop = stop
+        self.include_stop = include_stop_str_in_output
+        self.hold = max((len(s) for s in stop), default=1) - 1
+        self.text = ""
+        self.sent = 0
+
+    def update(self, new_token_ids: list[int]) -> str | None:
+        """Add tokens; returns the stop string matched (text truncated there) or None."""
+        for t in new_token_ids:
+            start = len(self.text)
+            piece = self._stream.step(self._tok, t)
+            if piece:
+                self.text += piece
+            if self.stop and len(self.text) > start:
+                lo = max(0, start - self.hold)
+                best = None
+                for s in self.stop:
+                    i = self.text.find(s, lo)
+                    if i != -1 and (best is None or i < best[0]):
+                        best = (i, s)
+                if best is not None:
+                    i, s = best
+                    self.text = self.text[: i + len(s)] if self.include_stop else self.text[:i]
+                    return s
+        return None
+
+    def delta(self, finished: bool) -> str:
+        """Text not yet returned; while running, hold back a possible stop-string prefix."""
+        end = len(self.text) if finished else max(self.sent, len(self.text) - self.hold)
+        d = self.text[self.sent:end]
+        self.sent = end
+        return d

@@ -1,0 +1,225 @@
+"""LLMEngine: the synchronous front end over an in-process EngineCore.
+
+It owns the tokenizer, the per-request detokenizers and stop-string matching, and the
+stat loggers; ``step()`` runs one core step and returns RequestOutputs.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+from pagedllm.config import EngineArgs, EngineConfig
+from pagedllm.core.engine_core import EngineCore
+from pagedllm.core.scheduler import EngineCoreOutput
+from pagedllm.engine.detokenizer import IncrementalDetokenizer
+from pagedllm.engine.metrics import FinishedRequestStats, IterationStats, LoggingStatLogger
+from pagedllm.engine.processor import Processor
+from pagedllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from pagedllm.request import Request
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.tokenizer import eos_token_ids, get_tokenizer
+
+logger = logging.getLogger("pagedllm")
+
+
+class _ReqState:
+    __slots__ = ("request_id", "prompt", "prompt_token_ids", "detok", "token_ids", "finish_reason",
+                 "stop_reason", "metrics", "last_token_time", "num_cached_tokens")
+
+    def __init__(self, req: Request, prompt: str | None, detok: IncrementalDetokenizer):
+        self.request_id = req.request_id
+        self.prompt = prompt
+        self.prompt_token_ids = req.prompt_token_ids
+        self.detok = detok
+        self.token_ids: list[int] = []
+        self.finish_reason = None
+        self.stop_reason = None
+        self.metrics = RequestMetrics(arrival_time=req.arrival_time)
+        self.last_token_time: float | None = None
+        self.num_cached_tokens = 0
+
+
+class LLMEngine:
+    """Args:
+        args: EngineArgs. ``stat_loggers``: extra objects with ``record(SchedulerStats,
+        IterationStats)`` (e.g. the Prometheus logger); a logging one is always added.
+    """
+
+    def __init__(self, args: EngineArgs, stat_loggers: list | None = None, log_stats: bool = True):
+        self.config = EngineConfig.from_args(args)
+        self.tokenizer = get_tokenizer(self.config.model_path)
+        self.core = EngineCore(self.config)
+        self.eos_token_ids = eos_token_ids(self.tokenizer, self.config.arch.eos_token_ids,
+                                           self.config.model_path)
+        self.core.runner.eos_token_ids = self.eos_token_ids
+        self.processor = Processor(self.tokenizer, self.config.arch.vocab_size,
+                                   self.core.max_model_len, self.eos_token_ids)
+        self.states: dict[str, _ReqState] = {}
+        self.stat_loggers = list(stat_loggers or [])
+        if log_stats:
+            self.stat_loggers.append(LoggingStatLogger())
+        self._counter = 0
+
+    @property
+    def max_model_len(self) -> int:
+        return self.core.max_model_len
+
+    @property
+    def model_name(self) -> str:
+        return self.config.served_model_name
+
+    def next_request_id(self) -> str:
+        self._counter += 1
+        return str(self._counter)
+
+    # ------------------------------------------------------------------------------
+    def process(self, request_id: str, prompt, params: SamplingParams | None,
+                arrival_time: float | None = None) -> tuple[Request, str | None]:
+        """Validate and tokenize (safe to call from another thread than ``step``).
+
+        Raises:
+            ValueError: bad prompt or parameters (the message names which).
+        """
+        if request_id in self.states:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        return self.processor.process(request_id, prompt, params, arrival_time)
+
+    def add_processed(self, req: Request, prompt_text: str | None) -> None:
+        sp = req.sampling_params
+        detok = IncrementalDetokenizer(self.tokenizer, sp.stop_strings, sp.include_stop_str_in_output,
+                                       sp.skip_special_tokens)
+        self.core.add_request(req)
+        self.states[req.request_id] = _ReqState(req, prompt_text, detok)
+
+    def add_request(self, request_id: str, prompt, params: SamplingParams | None = None,
+                    arrival_time: float | None = None) -> None:
+        """Queue a prompt (string, token-id list, or {"prompt"/"prompt_token_ids": ...}).
+
+        Raises:
+            ValueError: bad input; nothing is queued then.
+        """
+        req, text = self.process(request_id, prompt, params, arrival_time)
+        self.add_processed(req, text)
+
+    def abort_request(self, request_ids) -> None:
+        """Abort requests; their KV blocks are freed before this returns."""
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        self.core.abort_requests(request_ids)
+        for rid in request_ids:
+            self.states.pop(rid, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.core.has_unfinished_requests()
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.states)
+
+    # ------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step; returns a RequestOutput for every request that got new
+        tokens (cumulative text/tokens, plus the delta since its previous output)."""
+        core_outs = self.core.step()
+        it = IterationStats()
+        so = getattr(self.core, "last_step", None)
+        if so is not None:
+            it.num_prompt_tokens = so.num_prefill_tokens
+        results = self._process_outputs(core_outs, it)
+        stats = self.core.stats()
+        for sl in self.stat_loggers:
+            sl.record(stats, it)
+        return results
+
+    def _process_outputs(self, core_outs: list[EngineCoreOutput], it: IterationStats) -> list[RequestOutput]:
+        now = time.time()
+        results = []
+        stop_aborts = []
+        for co in core_outs:
+            st = self.states.get(co.request_id)
+            if st is None:
+                continue
+            st.token_ids.extend(co.new_token_ids)
+            it.num_generation_tokens += len(co.new_token_ids)
+            m = st.metrics
+            m.first_scheduled_time = co.scheduled_time
+            m.num_preemptions = co.num_preemptions
+            st.num_cached_tokens = co.num_cached_tokens
+            if co.new_token_ids:
+                if m.first_token_time is None:
+                    m.first_token_time = co.first_token_time or now
+                    it.ttfts.append(m.first_token_time - m.arrival_time)
+                elif st.last_token_time is not None:
+                    it.itls.append(now - st.last_token_time)
+                st.last_token_time = now
+            finish, stop_reason = co.finish_reason, co.stop_reason
+            matched = st.detok.update(co.new_token_ids)
+            if matched is not None and finish is None:
+                finish, stop_reason = "stop", matched
+                stop_aborts.append(co.request_id)
+            elif matched is not None:
+                finish, stop_reason = "stop", matched
+            finished = finish is not None
+            if finished:
+                m.finished_time = co.finished_time or now
+                st.finish_reason, st.stop_reason = finish, stop_reason
+                self.states.pop(co.request_id, None)
+                if finish != "abort":
+                    self._record_finished(st, co, it)
+            delta = st.detok.delta(finished)
+            results.append(self._make_output(st, finished, delta, co.new_token_ids))
+        if stop_aborts:
+            self.core.abort_requests(stop_aborts)
+        return results
+
+    def _record_finished(self, st: _ReqState, co: EngineCoreOutput, it: IterationStats) -> None:
+        m = st.metrics
+        sched = m.first_scheduled_time or m.arrival_time
+        first = m.first_token_time or m.finished_time
+        it.finished.append(FinishedRequestStats(
+            finish_reason=st.finish_reason, e2e=m.finished_time - m.arrival_time,
+            queue=sched - m.arrival_time, prefill=first - sched, decode=m.finished_time - first,
+            ttft=first - m.arrival_time, num_prompt_tokens=len(st.prompt_token_ids),
+            num_generation_tokens=len(st.token_ids), num_preemptions=m.num_preemptions))
+
+    def _make_output(self, st: _ReqState, finished: bool, delta: str, delta_ids: list[int]) -> RequestOutput:
+        comp = CompletionOutput(0, st.detok.text if finished else st.detok.text[: st.detok.sent],
+                                list(st.token_ids), st.finish_reason, st.stop_reason)
+        return RequestOutput(st.request_id, st.prompt, st.prompt_token_ids, [comp], finished,
+                             st.metrics, st.num_cached_tokens, delta, list(delta_ids))
+
+    def abort_output(self, request_id: str) -> RequestOutput | None:
+        """Finish a request as aborted and return its final output (None if unknown)."""
+        st = self.states.pop(request_id, None)
+        self.core.abort_requests([request_id])
+        if st is None:
+            return None
+        st.finish_reason = "abort"
+        st.metrics.finished_time = time.time()
+        return self._make_output(st, True, st.detok.delta(True), [])
+
+    # ------------------------------------------------------------------------------
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            chat_template: str | None = None) -> list[int]:
+        """Render a conversation with the model's chat template and tokenize it.
+
+        Raises:
+            ValueError: malformed messages, or the model has no chat template.
+        """
+        if not isinstance(messages, list) or not messages:
+            raise ValueError("messages must be a non-empty list")
+        for i, msg in enumerate(messages):
+            if not isinstance(msg, dict) or not isinstance(msg.get("role"), str):
+                raise ValueError(f"messages[{i}] must be an object with a string 'role'")
+            if not isinstance(msg.get("content", ""), (str, list, type(None))):
+                raise ValueError(f"messages[{i}].content must be a string or a list of parts")
+        if chat_template is None and not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("this model has no chat template; use the completions endpoint")
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                  tokenize=False, chat_template=chat_template)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def reset_prefix_cache(self) -> int:
+        return self.core.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        self.core.shutdown()

@@ -1,0 +1,75 @@
+"""Front-end input processing: validate and tokenize a prompt into an engine Request."""
+from __future__ import annotations
+
+from pagedllm.request import Request
+from pagedllm.sampling_params import SamplingParams
+
+
+class Processor:
+    """Args:
+        tokenizer: the model's tokenizer; vocab_size: model vocabulary (ids must be below).
+        max_model_len: tokens per request; eos_token_ids: ids that end generation.
+    """
+
+    def __init__(self, tokenizer, vocab_size: int, max_model_len: int, eos_token_ids: set[int]):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.eos_token_ids = eos_token_ids
+
+    def tokenize(self, prompt) -> tuple[str | None, list[int]]:
+        """``prompt``: a string, a list of token ids, or {"prompt": str} / {"prompt_token_ids": [...]}.
+
+        Raises:
+            ValueError: empty prompt, ids not ints or outside the vocabulary, wrong type.
+        """
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                prompt = prompt["prompt_token_ids"]
+            elif "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("prompt dict needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, (list, tuple)):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+                raise ValueError("prompt token ids must be ints")
+            bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+            return None, list(prompt)
+        raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+
+    def process(self, request_id: str, prompt, params: SamplingParams | None,
+                arrival_time: float | None = None) -> tuple[Request, str | None]:
+        """Build a Request. ``max_tokens=None`` means up to ``max_model_len``.
+
+        Raises:
+            ValueError: bad prompt, or prompt + max_tokens over max_model_len (named).
+        """
+        if params is None:
+            params = SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        text, ids = self.tokenize(prompt)
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt is {len(ids)} tokens, which leaves no room to generate within "
+                f"max_model_len ({self.max_model_len})")
+        if params.max_tokens is None:
+            import dataclasses
+
+            params = dataclasses.replace(params, max_tokens=self.max_model_len - len(ids))
+        elif len(ids) + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
+                f"max_model_len ({self.max_model_len}); lower max_tokens")
+        for t in params.stop_token_ids:
+            if t >= self.vocab_size:
+                raise ValueError(f"stop_token_ids contains {t}, outside the vocabulary")
+        return Request(request_id, ids, params, self.eos_token_ids, arrival_time), text

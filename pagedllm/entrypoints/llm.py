@@ -1,0 +1,117 @@
+"""Offline batch generation: ``LLM(...).generate(prompts, sampling_params)``."""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from pagedllm.config import EngineArgs
+from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+
+class LLM:
+    """An engine for offline use.
+
+    Args:
+        model: a ``.gguf`` file or HF directory; None = the bundled SmolLM2-135M-Instruct.
+        **kwargs: any EngineArgs field (``dtype``, ``max_model_len``, ``block_size``,
+            ``kv_cache_memory``, ``max_num_batched_tokens``, ``max_num_seqs``,
+            ``enable_chunked_prefill``, ``enable_prefix_caching``, ``num_gpu_blocks_override``,
+            ``profile_dir`` ...).
+
+    Raises:
+        ValueError: an unknown keyword or a bad setting (named in the message).
+    """
+
+    def __init__(self, model: str | None = None, **kwargs):
+        names = {f.name for f in dataclasses.fields(EngineArgs)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise ValueError(f"unknown LLM argument(s): {', '.join(unknown)}")
+        log_stats = kwargs.pop("log_stats", False) if "log_stats" in kwargs else False
+        self.llm_engine = LLMEngine(EngineArgs(model=model, **kwargs), log_stats=log_stats)
+
+    @property
+    def tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True, cache_salt: str | None = None) -> list[RequestOutput]:
+        """Generate for every prompt; returns outputs in the order of ``prompts``.
+
+        Args:
+            prompts: a string, a list of strings, a list of token-id lists, or dicts with
+                "prompt" or "prompt_token_ids".
+            sampling_params: one for all prompts or one per prompt (default SamplingParams()).
+            use_tqdm: show a progress bar.
+            cache_salt: prefix-cache salt applied to every prompt that sets none itself.
+
+        Raises:
+            ValueError: a bad prompt or parameter (nothing is generated then).
+        """
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
+                                         and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
+        if cache_salt is not None:
+            params = [p if p.cache_salt else dataclasses.replace(p, cache_salt=cache_salt) for p in params]
+        return self._run(prompts, params, use_tqdm)
+
+    def chat(self, messages, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True,
+             chat_template: str | None = None, cache_salt: str | None = None) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of {"role", "content"} dicts) or a
+        list of conversations, rendered with the model's chat template."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        ids = [self.llm_engine.apply_chat_template(c, add_generation_prompt, chat_template) for c in convs]
+        return self.generate([{"prompt_token_ids": i} for i in ids], sampling_params, use_tqdm, cache_salt)
+
+    def _run(self, prompts, params, use_tqdm: bool) -> list[RequestOutput]:
+        eng = self.llm_engine
+        # Validate everything first so a bad prompt queues nothing.
+        processed = [eng.process(eng.next_request_id(), p, sp) for p, sp in zip(prompts, params)]
+        order = {req.request_id: i for i, (req, _) in enumerate(processed)}
+        for req, text in processed:
+            eng.add_processed(req, text)
+        results: list[RequestOutput | None] = [None] * len(processed)
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+            bar = tqdm(total=len(processed), desc="Processed prompts", dynamic_ncols=True)
+        try:
+            while eng.has_unfinished_requests():
+                for out in eng.step():
+                    if out.finished and out.request_id in order:
+                        results[order[out.request_id]] = out
+                        if bar is not None:
+                            bar.update(1)
+        except BaseException:
+            eng.abort_request(list(order))
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return results
+
+    def reset_prefix_cache(self) -> int:
+        """Drop every cached KV block that no request holds; returns how many."""
+        return self.llm_engine.reset_prefix_cache()
+
+    def stats(self):
+        """Scheduler statistics (running/waiting, KV use, prefix-cache queries and hits)."""
+        return self.llm_engine.core.stats()
+
+    def shutdown(self) -> None:
+        self.llm_engine.shutdown()

@@ -1,0 +1,195 @@
+"""Llama-family decoder (Llama 2/3, SmolLM2, TinyLlama, Mistral, Qwen2, Qwen3).
+
+One module covers them: Qwen2 adds a bias to q/k/v, Qwen3 adds a per-head RMSNorm on q
+and k before RoPE; Mistral is Llama's graph. Projections are fused for few ops a layer
+(q|k|v as one matmul, gate|up as one), the shapes vLLM calls QKVParallelLinear and
+MergedColumnParallelLinear, so tensor parallelism would be a row/column sharding of them.
+
+Inputs are one flattened batch: ``input_ids`` and ``positions`` are int64 [T] covering
+every scheduled token of every request; attention reads the paged KV cache through the
+backend.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedllm.attention.backend import AttentionBackend
+from pagedllm.models.arch_config import ModelArchConfig
+from pagedllm.models.rotary import RotaryEmbedding, apply_rotary
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm (Zhang & Sennrich 2019): x / sqrt(mean(x^2) + eps) * weight, in float32."""
+    dtype = x.dtype
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (xf.to(dtype) * weight) if dtype != torch.float32 else xf * weight
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelArchConfig, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        h, nh, nkv, hd, inter = (cfg.hidden_size, cfg.num_attention_heads,
+                                 cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size)
+        kw = dict(dtype=dtype, device=device)
+        self.nh, self.nkv, self.hd, self.eps = nh, nkv, hd, cfg.rms_norm_eps
+        self.q_size, self.kv_size = nh * hd, nkv * hd
+        self.scale = hd ** -0.5
+        self.input_layernorm = nn.Parameter(torch.ones(h, **kw), requires_grad=False)
+        self.post_attention_layernorm = nn.Parameter(torch.ones(h, **kw), requires_grad=False)
+        self.qkv_proj = nn.Parameter(torch.empty((nh + 2 * nkv) * hd, h, **kw), requires_grad=False)
+        self.qkv_bias = (nn.Parameter(torch.zeros((nh + 2 * nkv) * hd, **kw), requires_grad=False)
+                         if cfg.attention_bias else None)
+        self.q_norm = nn.Parameter(torch.ones(hd, **kw), requires_grad=False) if cfg.qk_norm else None
+        self.k_norm = nn.Parameter(torch.ones(hd, **kw), requires_grad=False) if cfg.qk_norm else None
+        self.o_proj = nn.Parameter(torch.empty(h, nh * hd, **kw), requires_grad=False)
+        self.gate_up_proj = nn.Parameter(torch.empty(2 * inter, h, **kw), requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(h, inter, **kw), requires_grad=False)
+        self.inter = inter
+
+    def forward(self, x, residual, cos, sin, attn: AttentionBackend, layer_cache, attn_md):
+        # x: [T, hidden]; residual: [T, hidden] or None for the first layer.
+        residual = x if residual is None else residual + x
+        h = rms_norm(residual, self.input_layernorm, self.eps)
+        qkv = F.linear(h, self.qkv_proj, self.qkv_bias)
+        T = qkv.shape[0]
+        q = qkv[:, : self.q_size].view(T, self.nh, self.hd)
+        k = qkv[:, self.q_size: self.q_size + self.kv_size].view(T, self.nkv, self.hd)
+        v = qkv[:, self.q_size + self.kv_size:].view(T, self.nkv, self.hd)
+        if self.q_norm is not None:
+            q = rms_norm(q, self.q_norm, self.eps)
+            k = rms_norm(k, self.k_norm, self.eps)
+        q = apply_rotary(q, cos, sin)
+        k = apply_rotary(k, cos, sin)
+        o = attn.forward(q, k, v.contiguous(), layer_cache, attn_md, self.scale)
+        x = F.linear(o, self.o_proj)
+        residual = residual + x
+        h = rms_norm(residual, self.post_attention_layernorm, self.eps)
+        gu = F.linear(h, self.gate_up_proj)
+        act = F.silu(gu[:, : self.inter]) * gu[:, self.inter:]
+        return F.linear(act, self.down_proj), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    """Decoder-only causal LM over a paged KV cache.
+
+    Args:
+        cfg: architecture hyper-parameters.
+        dtype: compute and weight dtype (float32, bfloat16 or float16).
+        device: where weights live.
+        max_positions: size of the RoPE tables (the engine's max_model_len), in tokens.
+    """
+
+    def __init__(self, cfg: ModelArchConfig, dtype: torch.dtype, device: torch.device,
+                 max_positions: int):
+        super().__init__()
+        self.cfg = cfg
+        kw = dict(dtype=dtype, device=device)
+        self.embed_tokens = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, **kw),
+                                         requires_grad=False)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, device) for _ in range(cfg.num_hidden_layers))
+        self.norm = nn.Parameter(torch.ones(cfg.hidden_size, **kw), requires_grad=False)
+        self.lm_head = (None if cfg.tie_word_embeddings else
+                        nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, **kw), requires_grad=False))
+        self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, device)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
+                attn: AttentionBackend, attn_md) -> torch.Tensor:
+        """Run all layers over the flattened batch.
+
+        Args:
+            input_ids, positions: int64 [T].
+            kv_cache: the backend's whole cache tensor (all layers).
+            attn: the attention backend; attn_md: its metadata for this step.
+
+        Returns:
+            hidden states before the final norm, [T, hidden] in the model dtype.
+        """
+        x = F.embedding(input_ids, self.embed_tokens)
+        cos, sin = self.rotary.tables(positions, x.dtype)
+        residual = None
+        for i, layer in enumerate(self.layers):
+            x, residual = layer(x, residual, cos, sin, attn, attn.layer_cache(kv_cache, i), attn_md)
+        return residual + x
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final norm and LM head on the selected rows: [N, hidden] → float32 [N, vocab]."""
+        h = rms_norm(hidden, self.norm, self.cfg.rms_norm_eps)
+        w = self.embed_tokens if self.lm_head is None else self.lm_head
+        return F.linear(h, w).float()
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors into the fused parameters.
+
+        Raises:
+            ValueError: a required parameter is missing from ``weights`` or has the wrong shape.
+        """
+        cfg = self.cfg
+        q_size, kv_size = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+        loaded: set[str] = set()
+
+        def put(dst: torch.Tensor, src: torch.Tensor, name: str, rows: slice | None = None):
+            target = dst if rows is None else dst[rows]
+            if tuple(target.shape) != tuple(src.shape):
+                raise ValueError(f"weight {name}: shape {tuple(src.shape)} != expected {tuple(target.shape)}")
+            target.copy_(src.to(dst.dtype))
+            loaded.add(name)
+
+        for name, t in weights:
+            if name == "model.embed_tokens.weight":
+                put(self.embed_tokens, t, name)
+            elif name == "model.norm.weight":
+                put(self.norm, t, name)
+            elif name == "lm_head.weight":
+                if self.lm_head is not None:
+                    put(self.lm_head, t, name)
+            elif name.startswith("model.layers."):
+                parts = name.split(".")
+                i, sub = int(parts[2]), ".".join(parts[3:])
+                L = self.layers[i]
+                table = {
+                    "input_layernorm.weight": (L.input_layernorm, None),
+                    "post_attention_layernorm.weight": (L.post_attention_layernorm, None),
+                    "self_attn.q_proj.weight": (L.qkv_proj, slice(0, q_size)),
+                    "self_attn.k_proj.weight": (L.qkv_proj, slice(q_size, q_size + kv_size)),
+                    "self_attn.v_proj.weight": (L.qkv_proj, slice(q_size + kv_size, None)),
+                    "self_attn.o_proj.weight": (L.o_proj, None),
+                    "mlp.gate_proj.weight": (L.gate_up_proj, slice(0, cfg.intermediate_size)),
+                    "mlp.up_proj.weight": (L.gate_up_proj, slice(cfg.intermediate_size, None)),
+                    "mlp.down_proj.weight": (L.down_proj, None),
+                }
+                if L.qkv_bias is not None:
+                    table.update({
+                        "self_attn.q_proj.bias": (L.qkv_bias, slice(0, q_size)),
+                        "self_attn.k_proj.bias": (L.qkv_bias, slice(q_size, q_size + kv_size)),
+                        "self_attn.v_proj.bias": (L.qkv_bias, slice(q_size + kv_size, None)),
+                    })
+                if L.q_norm is not None:
+                    table.update({"self_attn.q_norm.weight": (L.q_norm, None),
+                                  "self_attn.k_norm.weight": (L.k_norm, None)})
+                if sub in table:
+                    dst, rows = table[sub]
+                    put(dst, t, name, rows)
+        required = {"model.embed_tokens.weight", "model.norm.weight"}
+        if self.lm_head is not None:
+            required.add("lm_head.weight")
+        per_layer = ["input_layernorm.weight", "post_attention_layernorm.weight",
+                     "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+                     "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
+                     "mlp.down_proj.weight"]
+        if cfg.attention_bias:
+            per_layer += ["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"]
+        if cfg.qk_norm:
+            per_layer += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
+        for i in range(cfg.num_hidden_layers):
+            required.update(f"model.layers.{i}.{p}" for p in per_layer)
+        missing = sorted(required - loaded)
+        if missing:
+            raise ValueError(f"checkpoint is missing {len(missing)} weights, e.g. {missing[:3]}")

@@ -1,0 +1,127 @@
+"""Weight loading: GGUF files (read and dequantized with the ``gguf`` package) and HF
+directories of ``*.safetensors``. Both yield HF parameter names so one ``load_weights``
+per model serves both formats."""
+from __future__ import annotations
+
+import glob
+import os
+import re
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+
+from pagedllm.models.arch_config import ModelArchConfig, config_from_gguf, config_from_hf_dir
+
+_GGUF_LAYER_MAP = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GGUF_GLOBAL_MAP = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_BLK_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
+
+
+def is_gguf(path: str) -> bool:
+    return os.path.isfile(path) and path.endswith(".gguf")
+
+
+def load_arch_config(path: str) -> ModelArchConfig:
+    """Architecture config of a ``.gguf`` file or HF directory.
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+        ValueError: it is neither a ``.gguf`` file nor a directory.
+    """
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"model path {path!r} does not exist")
+    if is_gguf(path):
+        import gguf
+
+        return config_from_gguf(gguf.GGUFReader(path))
+    if os.path.isdir(path):
+        return config_from_hf_dir(path)
+    raise ValueError(f"--model must be a .gguf file or a HF model directory, got {path!r}")
+
+
+def _unpermute_rope(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation.
+
+    llama.cpp's converter reorders each head's rows so its interleaved-pair RoPE matches
+    HF's rotate-half RoPE (``convert_hf_to_gguf.py: LlamaModel.permute``); we use the HF
+    form, so the rows go back: [n_head, 2, d/2] ← [n_head, d/2, 2].
+    """
+    rest = w.shape[1:]
+    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *rest).swapaxes(1, 2).reshape(w.shape)
+
+
+def iter_gguf_weights(path: str, cfg: ModelArchConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(hf_name, float32 tensor)`` for every tensor of a GGUF file.
+
+    Quantized tensors (Q4_0, Q4_1, Q8_0, K-quants, ...) are dequantized by
+    ``gguf.quants.dequantize`` (numpy). Shapes are in torch order ([out, in] for linears).
+    """
+    import gguf
+    from gguf.quants import dequantize
+
+    reader = gguf.GGUFReader(path)
+    permute = cfg.architecture in ("LlamaForCausalLM", "MistralForCausalLM")
+    for t in reader.tensors:
+        arr = dequantize(t.data, t.tensor_type)
+        arr = np.asarray(arr, dtype=np.float32).reshape(tuple(reversed([int(x) for x in t.shape])))
+        m = _BLK_RE.match(t.name)
+        if m:
+            layer, rest = m.groups()
+            if rest not in _GGUF_LAYER_MAP:
+                continue
+            name = f"model.layers.{layer}.{_GGUF_LAYER_MAP[rest]}"
+            if permute and rest in ("attn_q.weight", "attn_q.bias"):
+                arr = _unpermute_rope(arr, cfg.num_attention_heads)
+            elif permute and rest in ("attn_k.weight", "attn_k.bias"):
+                arr = _unpermute_rope(arr, cfg.num_key_value_heads)
+        elif t.name in _GGUF_GLOBAL_MAP:
+            name = _GGUF_GLOBAL_MAP[t.name]
+        else:
+            continue
+        if not arr.flags.writeable or not arr.flags.c_contiguous:
+            arr = np.array(arr, dtype=np.float32, order="C", copy=True)
+        yield name, torch.from_numpy(arr)
+
+
+def iter_safetensors_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(hf_name, tensor)`` from every ``*.safetensors`` file in ``path``.
+
+    Raises:
+        FileNotFoundError: the directory holds no ``*.safetensors`` file.
+    """
+    from safetensors import safe_open
+
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {path!r}")
+    for fn in files:
+        with safe_open(fn, framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def iter_weights(path: str, cfg: ModelArchConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """Weights of a GGUF file or a HF directory, with HF names."""
+    if is_gguf(path):
+        return iter_gguf_weights(path, cfg)
+    return iter_safetensors_weights(path)

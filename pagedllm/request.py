@@ -1,0 +1,75 @@
+"""Engine-side state of one request."""
+from __future__ import annotations
+
+import enum
+import time
+
+from pagedllm.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+                        RequestStatus.FINISHED_ABORTED)
+
+
+class Request:
+    """A request as the scheduler sees it.
+
+    Attributes:
+        prompt_token_ids / output_token_ids: token ids; ``all_token_ids`` = both.
+        num_computed_tokens: tokens whose K/V are in the cache (or will be, once this
+            step's forward has run; advanced by the scheduler after each step).
+        block_hashes: prefix-cache hashes of each full block of ``all_token_ids``
+            (maintained by the KV cache manager).
+        arrival_time, scheduled_time, first_token_time, finished_time: wall-clock seconds
+            (``time.time()``); None until the event happened.
+        num_cached_tokens: prompt tokens served from the prefix cache at first admission.
+    """
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
+                 eos_token_ids: set[int], arrival_time: float | None = None):
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_ids = eos_token_ids
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_preemptions = 0
+        self.block_hashes: list[bytes] = []
+        self.stop_reason: int | str | None = None
+        self.arrival_time = time.time() if arrival_time is None else arrival_time
+        self.scheduled_time: float | None = None
+        self.first_token_time: float | None = None
+        self.finished_time: float | None = None
+        self.num_cached_tokens = -1
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.status.value if self.status.finished else None

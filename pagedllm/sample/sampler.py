@@ -1,0 +1,84 @@
+"""Token sampling from logits: greedy, temperature, top-k, top-p, min-p, per-request seeds."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class SamplingMetadata:
+    """Per-row sampling settings for one step (N rows = requests sampled this step).
+
+    Attributes:
+        temperature: float32 [N]; rows with 0 are greedy.
+        top_k: int64 [N], 0 = off; top_p, min_p: float32 [N] (1.0 / 0.0 = off).
+        generators: per-row ``torch.Generator`` for seeded requests, else None.
+        all_greedy: every row greedy (argmax only, nothing else computed).
+        need_top_k / need_top_p / need_min_p: whether any row uses the filter.
+        banned: (row, token) pairs to mask out (EOS before ``min_tokens``), or None.
+    """
+
+    temperature: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    min_p: torch.Tensor
+    generators: list[torch.Generator | None]
+    all_greedy: bool
+    need_top_k: bool
+    need_top_p: bool
+    need_min_p: bool
+    banned: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
+def _apply_top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor | None) -> torch.Tensor:
+    """Mask logits outside the top-k set and outside the smallest set of tokens whose
+    probability mass reaches p (nucleus sampling, Holtzman et al. 2020, ICLR). The most
+    likely token always survives."""
+    sorted_logits, idx = logits.sort(dim=-1, descending=False)
+    V = logits.shape[-1]
+    if k is not None:
+        kk = torch.where(k > 0, k, torch.full_like(k, V)).clamp(max=V)
+        thresh = sorted_logits.gather(1, (V - kk).unsqueeze(1))
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < thresh, float("-inf"))
+    if p is not None:
+        probs = sorted_logits.softmax(dim=-1)
+        cum = probs.cumsum(dim=-1)
+        drop = cum <= (1 - p).unsqueeze(1)
+        drop[:, -1] = False
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, idx, sorted_logits)
+
+
+class Sampler:
+    """Turns float32 logits [N, V] into token ids int64 [N].
+
+    Random rows draw with the exponential-race trick: argmax(p_i / E_i) with
+    E_i ~ Exp(1) selects token i with probability p_i (a Gumbel-max equivalent), so each
+    row consumes exactly V draws from its own generator per step: a seeded request's
+    tokens do not depend on the batch around it.
+    """
+
+    def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        if md.banned is not None:
+            logits[md.banned] = float("-inf")
+        greedy_ids = logits.argmax(dim=-1)
+        if md.all_greedy:
+            return greedy_ids
+        temp = torch.where(md.temperature > 0, md.temperature, torch.ones_like(md.temperature))
+        x = logits / temp.unsqueeze(1)
+        if md.need_top_k or md.need_top_p:
+            x = _apply_top_k_top_p(x, md.top_k if md.need_top_k else None,
+                                   md.top_p if md.need_top_p else None)
+        probs = x.softmax(dim=-1)
+        if md.need_min_p:
+            top = probs.max(dim=-1, keepdim=True).values
+            probs = probs.masked_fill(probs < md.min_p.unsqueeze(1) * top, 0.0)
+        q = torch.empty_like(probs)
+        for i, g in enumerate(md.generators):
+            if g is None:
+                q[i].exponential_()
+            else:
+                q[i].exponential_(generator=g)
+        sampled = (probs / q).argmax(dim=-1)
+        return torch.where(md.temperature > 0, sampled, greedy_ids)

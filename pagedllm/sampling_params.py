@@ -1,0 +1,103 @@
+"""Per-request sampling and stopping parameters (names as vLLM's and the OpenAI API's)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+_INT = (int,)
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_num(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+@dataclass
+class SamplingParams:
+    """How to pick tokens and when to stop.
+
+    Attributes:
+        temperature: >= 0; 0 means greedy (argmax).
+        top_p: nucleus mass in (0, 1] (Holtzman et al. 2020).
+        top_k: keep the k most likely tokens; 0 or -1 disables.
+        min_p: drop tokens whose probability is below min_p × the top probability, [0, 1].
+        seed: per-request RNG seed; the same seed gives the same tokens whatever the batch.
+        max_tokens: most tokens to generate (>= 1); None = up to max_model_len.
+        min_tokens: EOS and stop token ids are suppressed until this many tokens exist.
+        stop: strings that end generation; the matched string is not in the text
+            (unless ``include_stop_str_in_output``).
+        stop_token_ids: token ids that end generation (kept in token ids, not in text).
+        ignore_eos: keep generating past the model's EOS token.
+        skip_special_tokens: drop special tokens from the detokenized text.
+        cache_salt: extra key mixed into the prefix-cache hashes: requests with different
+            salts never share cached KV blocks.
+        n: completions per prompt; only 1 is supported.
+
+    Raises:
+        ValueError: any field out of range or of the wrong type; the message names it.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    cache_salt: str | None = None
+    _stop_list: list[str] = field(default_factory=list, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.n) or self.n != 1:
+            raise ValueError(f"n must be 1 (got {self.n!r}); several completions per prompt are not supported")
+        if not _is_num(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
+        if not _is_num(self.top_p) or not (0 < self.top_p <= 1):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not _is_int(self.top_k) or (self.top_k < 0 and self.top_k != -1):
+            raise ValueError(f"top_k must be an int >= 0 (or -1 to disable), got {self.top_k!r}")
+        if not _is_num(self.min_p) or not (0 <= self.min_p <= 1):
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if self.seed is not None and not _is_int(self.seed):
+            raise ValueError(f"seed must be an int, got {self.seed!r}")
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+            raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be an int >= 0, got {self.min_tokens!r}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        stop = self.stop
+        if stop is None:
+            stop = []
+        elif isinstance(stop, str):
+            stop = [stop]
+        if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+            raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+        self._stop_list = stop
+        ids = self.stop_token_ids or []
+        if not isinstance(ids, list) or not all(_is_int(t) and t >= 0 for t in ids):
+            raise ValueError(f"stop_token_ids must be a list of ints >= 0, got {self.stop_token_ids!r}")
+        self.stop_token_ids = ids
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
+            raise ValueError(f"cache_salt must be a non-empty string, got {self.cache_salt!r}")
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
+        if self.top_k == -1:
+            self.top_k = 0
+
+    @property
+    def stop_strings(self) -> list[str]:
+        return self._stop_list
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0

