@@ -3,7 +3,7 @@
 Reads what ``--profile-dir DIR`` writes:
 
 * ``DIR/steps.jsonl``: one JSON object per engine step with ``step``, ``ts``
-  (unix s), ``step_time_s``, ``schedule_time_s``, ``execute_time_s``,
+  (unix s at the step's end), ``step_time_s``, ``schedule_time_s``, ``execute_time_s``,
   ``update_time_s``, ``num_prefill_tokens``, ``num_decode_tokens``,
   ``num_reqs``, ``num_running``, ``num_waiting``, ``kv_blocks_used``,
   ``kv_blocks_total`` and ``num_preemptions`` (preemptions *in that step*;
@@ -25,7 +25,7 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-__all__ = ["load_steps", "summarize_steps", "summarize_trace", "summarize_profile_dir",
+__all__ = ["load_steps", "split_runs", "summarize_steps", "summarize_trace", "summarize_profile_dir",
            "format_profile_summary", "add_summarize_arguments", "summarize_main", "ProfileError"]
 
 
@@ -78,10 +78,11 @@ def summarize_steps(steps: Sequence[dict]) -> dict:
     dec = np.array([_num(s, "num_decode_tokens") for s in steps])
     reqs = np.array([_num(s, "num_reqs") for s in steps])
     total = float(st.sum())
-    ts = [_num(s, "ts") for s in steps if s.get("ts") is not None]
+    ts = [(_num(s, "ts"), _num(s, "step_time_s")) for s in steps if s.get("ts") is not None]
     out.update({
         "total_step_time_s": total,
-        "wall_span_s": (max(ts) - min(ts) + float(st[int(np.argmax(ts))])) if ts else None,
+        # first step's start to last step's end (the engine stamps ts when a step ends)
+        "wall_span_s": (max(ts)[0] - min(ts)[0] + min(ts)[1]) if ts else None,
         "step_time_ms": {
             "mean": float(st.mean() * 1e3),
             "p50": float(np.percentile(st, 50) * 1e3),
@@ -202,9 +203,24 @@ def summarize_trace(path: str, top: int = 15) -> dict:
     }
 
 
-def summarize_profile_dir(d: str, top: int = 15) -> dict:
+def split_runs(steps: Sequence[dict]) -> list[list[dict]]:
+    """Split an appended step log into runs: a new run starts where ``step`` does not increase."""
+    runs: list[list[dict]] = []
+    prev = None
+    for s in steps:
+        k = s.get("step")
+        if not runs or (isinstance(k, (int, float)) and isinstance(prev, (int, float)) and k <= prev):
+            runs.append([])
+        runs[-1].append(s)
+        prev = k
+    return runs
+
+
+def summarize_profile_dir(d: str, top: int = 15, last_run: bool = False) -> dict:
     """Summary of a profile directory: ``steps`` (or None) and ``trace`` (or None).
 
+    ``steps.jsonl`` is appended to by every run; ``num_runs`` counts the runs
+    found (step numbers restarting) and ``last_run=True`` keeps only the last.
     Raises ``ProfileError`` when ``d`` is not a directory or holds neither file.
     """
     if not os.path.isdir(d):
@@ -212,9 +228,16 @@ def summarize_profile_dir(d: str, top: int = 15) -> dict:
     sp, tp = os.path.join(d, "steps.jsonl"), os.path.join(d, "trace.json")
     if not os.path.exists(sp) and not os.path.exists(tp):
         raise ProfileError(f"{d} holds neither steps.jsonl nor trace.json")
+    steps = None
+    if os.path.exists(sp):
+        all_steps = load_steps(sp)
+        runs = split_runs(all_steps)
+        steps = summarize_steps(runs[-1] if (last_run and runs) else all_steps)
+        steps["num_runs"] = len(runs)
+        steps["only_last_run"] = bool(last_run)
     return {
         "dir": d,
-        "steps": summarize_steps(load_steps(sp)) if os.path.exists(sp) else None,
+        "steps": steps,
         "trace": summarize_trace(tp, top) if os.path.exists(tp) else None,
     }
 
@@ -233,6 +256,10 @@ def format_profile_summary(s: dict) -> str:
         L.append("steps.jsonl: no steps")
     else:
         t = st["step_time_ms"]
+        runs = st.get("num_runs", 1)
+        if runs > 1:
+            L.append(f"steps.jsonl holds {runs} runs; "
+                     + ("showing the last" if st.get("only_last_run") else "showing all (see --last-run)"))
         L.append(f"Steps: {st['num_steps']}, total step time {st['total_step_time_s']:.3f} s"
                  f" (wall span {_f(st['wall_span_s'], '.3f')} s)")
         L.append(f"Step time ms: mean {t['mean']:.2f}  p50 {t['p50']:.2f}  p90 {t['p90']:.2f}"
@@ -260,7 +287,7 @@ def format_profile_summary(s: dict) -> str:
         L.append("trace.json: absent")
     else:
         L.append(f"Trace: {tr['num_events']} events; self time by category: "
-                 + ", ".join(f"{c or '-'} {ms:.1f} ms" for c, ms in list(tr["by_category"].items())[:6]))
+                 + ", ".join(f"{c or '-'} {ms:.3f} ms" for c, ms in list(tr["by_category"].items())[:6]))
         L.append(f"{'op':<48} {'category':<14} {'calls':>7} {'self ms':>10} {'share':>7} {'total ms':>10}")
         for o in tr["top_ops"]:
             L.append(f"{o['name'][:48]:<48} {o['category'][:14]:<14} {o['count']:>7} {o['self_ms']:>10.3f}"
@@ -273,6 +300,8 @@ def add_summarize_arguments(p: Any) -> None:
     p.add_argument("dir", metavar="DIR", help="directory written by --profile-dir")
     p.add_argument("--top", type=int, default=15, help="number of ops to list from trace.json")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p.add_argument("--last-run", action="store_true",
+                   help="only the last run of an appended steps.jsonl (step numbers restart per run)")
 
 
 def summarize_main(args: Any) -> int:
@@ -281,7 +310,7 @@ def summarize_main(args: Any) -> int:
         print(f"error: --top must be >= 1, got {args.top}", file=sys.stderr)
         return 2
     try:
-        s = summarize_profile_dir(args.dir, args.top)
+        s = summarize_profile_dir(args.dir, args.top, args.last_run)
     except ProfileError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

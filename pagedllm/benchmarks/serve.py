@@ -917,8 +917,13 @@ def prepare(args: Any, tokenizer: Any = "load", validate: bool = True) -> tuple[
     inject one. Raises ``BenchError`` or ``DatasetError`` naming the flag.
     """
     cfg = config_from_args(args, validate)
-    if args.dataset in ("sharegpt", "trace") and not args.dataset_path:
-        raise DatasetError(f"--dataset {args.dataset} needs --dataset-path")
+    if args.dataset in ("sharegpt", "trace"):
+        if not args.dataset_path:
+            raise DatasetError(f"--dataset {args.dataset} needs --dataset-path")
+        if not os.path.isfile(args.dataset_path):
+            raise DatasetError(f"--dataset-path: no such file: {args.dataset_path}")
+    else:
+        build_dataset(args, TokenSource(None))  # check the flags before a slow tokenizer load
     tok = load_tokenizer(args.tokenizer) if tokenizer == "load" else tokenizer
     tokens = TokenSource(tok)
     dataset = build_dataset(args, tokens)

@@ -175,6 +175,7 @@ async def run_sweep(cfg: BenchConfig, dataset: Dataset, tokens: TokenSource | No
             c = dataclasses.replace(cfg, request_rate=math.inf, max_concurrency=int(load),
                                     num_warmups=cfg.num_warmups if first else 0)
         c.goodput_ms = dict(slos_ms)
+        c.quiet = True
         first = False
         res = await run_benchmark(c, dataset, tokens)
         if cfg.model is None:
@@ -182,7 +183,7 @@ async def run_sweep(cfg: BenchConfig, dataset: Dataset, tokens: TokenSource | No
         pt = _point_record(load, mode, res, slos_ms, slo_percentile, max_error_rate)
         if not cfg.quiet:
             verdict = "meets SLO" if pt["meets_slo"] else "FAILS: " + "; ".join(pt["violations"])
-            print(f"[sweep] {mode} {load:g}: {pt['request_throughput'] or 0:.2f} req/s, "
+            print(f"[sweep {cfg.label or cfg.base_url}] {mode} {load:g}: {pt['request_throughput'] or 0:.2f} req/s, "
                   f"{pt['output_token_throughput'] or 0:.1f} tok/s -> {verdict}", file=sys.stderr)
         points.append(pt)
         return pt
@@ -241,12 +242,14 @@ def format_sweep(sweeps: Sequence[dict]) -> str:
     key = sweeps[0]["slo_percentile_key"]
     slo = " ".join(f"{k}:{v:g}ms" for k, v in sweeps[0]["slos_ms"].items())
     lines.append(f"SLO: {key} {slo}; max error rate {sweeps[0]['max_error_rate']:.2%}")
-    head = f"{'load':>8}"
-    for sw in sweeps:
-        tag = (sw.get("label") or sw["base_url"])[:30]
-        lines.append(f"[{tag}]")
-    for sw in sweeps:
-        head += f" | {'req/s':>7} {'tok/s':>8} {key + ' TTFT':>10} {key + ' TPOT':>10} {key + ' E2E':>10} {'err':>6} {'SLO':>4}"
+    block = f" | {'req/s':>7} {'tok/s':>8} {key + ' TTFT':>10} {key + ' TPOT':>10} {key + ' E2E':>10} {'err':>6} {'SLO':>4}"
+    head = f"{'load':>8}" + block * len(sweeps)
+    if len(sweeps) > 1:
+        tags = f"{'':>8}"
+        for sw in sweeps:
+            tag = f"[{(sw.get('label') or sw['base_url'])}]"[: len(block) - 3]
+            tags += " | " + tag.center(len(block) - 3)
+        lines.append(tags)
     lines.append(head)
     lines.append("-" * len(head))
     loads = sorted({pt["load"] for sw in sweeps for pt in sw["points"]})

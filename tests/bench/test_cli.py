@@ -1,0 +1,94 @@
+import argparse
+import subprocess
+import sys
+
+import pytest
+from conftest import run_cli
+
+from pagedllm.benchmarks.cli import build_parser, register_bench_subcommands, register_profile_subcommands
+
+
+@pytest.mark.parametrize("argv,flag", [
+    (["--goodput", "ttft=500"], "--goodput"),
+    (["--goodput", "latency:5"], "--goodput"),
+    (["--dataset", "sharegpt"], "--dataset-path"),
+    (["--dataset", "trace", "--dataset-path", "/nonexistent.jsonl"], "--dataset-path"),
+    (["--random-range-ratio", "1.5"], "--random-range-ratio"),
+    (["--input-len", "0"], "--input-len"),
+    (["--duration", "5"], "--max-concurrency"),
+    (["--duration", "-1", "--request-rate", "2"], "--duration"),
+    (["--base-url", "localhost:8000"], "--base-url"),
+    (["--timeout", "0"], "--timeout"),
+    (["--max-retries", "-1"], "--max-retries"),
+    (["--dataset", "multi-turn", "--endpoint-type", "completions"], "multi-turn"),
+])
+def test_serve_bad_input_names_flag(argv, flag, capsys):
+    rc = run_cli(["bench", "serve", *argv])
+    assert rc == 2
+    assert flag in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,flag", [
+    (["--request-rate", "-1"], "--request-rate"),
+    (["--request-rate", "fast"], "--request-rate"),
+    (["--max-concurrency", "0"], "--max-concurrency"),
+    (["--num-prompts", "x"], "--num-prompts"),
+    (["--percentiles", "50,120"], "--percentiles"),
+    (["--extra-body", "[1]"], "--extra-body"),
+    (["--dataset", "nope"], "--dataset"),
+])
+def test_serve_argparse_errors_name_flag(argv, flag, capsys):
+    with pytest.raises(SystemExit) as ei:
+        run_cli(["bench", "serve", *argv])
+    assert ei.value.code == 2
+    assert flag in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,flag", [
+    (["--concurrencies", "4,2", "--slo", "ttft:1"], "--concurrencies"),
+    (["--concurrencies", "1.5", "--slo", "ttft:1"], "--concurrencies"),
+    (["--request-rates", "1,x", "--slo", "ttft:1"], "--request-rates"),
+    (["--concurrencies", "1", "--slo", "ttft"], "--slo"),
+    (["--concurrencies", "1", "--slo", "ttft:1", "--slo-percentile", "0"], "--slo-percentile"),
+    (["--concurrencies", "1", "--slo", "ttft:1", "--cost-per-hour", "-2"], "--cost-per-hour"),
+    (["--concurrencies", "1", "--slo", "ttft:1", "--compare", "http://x:1", "--labels", "a"], "--labels"),
+    (["--concurrencies", "1", "--slo", "ttft:1", "--compare", "x:1"], "--compare"),
+])
+def test_sweep_bad_input_names_flag(argv, flag, capsys):
+    assert run_cli(["bench", "sweep", *argv]) == 2
+    assert flag in capsys.readouterr().err
+
+
+def test_sweep_requires_load_and_slo(capsys):
+    with pytest.raises(SystemExit):
+        run_cli(["bench", "sweep", "--slo", "ttft:1"])
+    assert "--request-rates" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        run_cli(["bench", "sweep", "--concurrencies", "1"])
+    assert "--slo" in capsys.readouterr().err
+
+
+def test_register_into_foreign_parser():
+    # How pagedllm/entrypoints/cli.py wires us in, next to its own `bench throughput`.
+    parser = argparse.ArgumentParser(prog="pagedllm")
+    sub = parser.add_subparsers(dest="cmd")
+    bench = sub.add_parser("bench").add_subparsers(dest="bench_cmd")
+    register_bench_subcommands(bench)
+    bench.add_parser("throughput").set_defaults(func=lambda a: 0)
+    register_profile_subcommands(sub.add_parser("profile").add_subparsers(dest="profile_cmd"))
+    a = parser.parse_args(["bench", "serve", "--num-prompts", "3", "--request-rate", "inf"])
+    assert callable(a.func) and a.num_prompts == 3 and a.request_rate == float("inf")
+    a = parser.parse_args(["bench", "sweep", "--concurrencies", "1,2", "--slo", "ttft:100", "tpot:20"])
+    assert callable(a.func) and a.slo == ["ttft:100", "tpot:20"]
+    a = parser.parse_args(["profile", "summarize", "/tmp/x"])
+    assert callable(a.func) and a.dir == "/tmp/x"
+    assert build_parser().parse_args(["bench", "serve"]).dataset == "random"
+
+
+def test_module_entry_point_help():
+    out = subprocess.run([sys.executable, "-m", "pagedllm.benchmarks.cli", "bench", "serve", "--help"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0
+    for flag in ("--base-url", "--dataset", "--request-rate", "--burstiness", "--max-concurrency", "--goodput",
+                 "--save-result", "--plot", "--max-retries", "--num-warmups", "--duration"):
+        assert flag in out.stdout
