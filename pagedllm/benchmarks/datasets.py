@@ -95,10 +95,12 @@ class TokenSource:
     ``all_special_ids``, ``get_added_vocab``, ``__len__``/``vocab_size``).
     Without one, ids are drawn from [1000, 20000) -- valid and non-special in
     common vocabularies of >= 20k tokens -- and text is made of English words,
-    counted as one token per word (an estimate).
+    counted as one token per word (an estimate). ``id_limit`` keeps random
+    ids below it (used with the default tokenizer, so token-id prompts stay
+    inside the vocabulary of another server's model of >= 32000 tokens).
     """
 
-    def __init__(self, tokenizer: Any | None = None):
+    def __init__(self, tokenizer: Any | None = None, id_limit: int | None = None):
         self.tokenizer = tokenizer
         if tokenizer is None:
             self.allowed_ids = np.arange(*_FALLBACK_VOCAB, dtype=np.int64)
@@ -114,7 +116,7 @@ class TokenSource:
                 banned |= set(int(i) for i in get_added().values())
             except Exception:  # noqa: BLE001 - optional API
                 pass
-        ids = np.arange(size, dtype=np.int64)
+        ids = np.arange(min(size, id_limit) if id_limit else size, dtype=np.int64)
         if banned:
             ids = ids[~np.isin(ids, np.fromiter(banned, dtype=np.int64))]
         if ids.size == 0:

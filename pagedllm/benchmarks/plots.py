@@ -84,7 +84,7 @@ def plot_timeline(res: dict, path: str, max_requests: int = 400) -> str:
     q, p = m.get("queue_mean_ms"), m.get("prefill_mean_ms")
     qfrac = q / (q + p) if (q is not None and p is not None and q + p > 0) else None
     reqs = sorted(res["requests"], key=lambda r: (r["start_s"], r["request_id"]))[:max_requests]
-    fig = _figure(11, max(3.5, min(12.0, 1.5 + 0.04 * len(reqs))))
+    fig = _figure(11, max(4.0, min(12.0, 2.0 + 0.04 * len(reqs))))
     ax = fig.add_subplot(1, 1, 1)
     bars: dict[str, tuple[list, list]] = {k: ([], []) for k in ("wait", "queue", "prefill", "ttft", "decode", "failed")}
     for y, r in enumerate(reqs):
@@ -122,7 +122,7 @@ def plot_timeline(res: dict, path: str, max_requests: int = 400) -> str:
     ax.set_ylim(-1, max(len(reqs), 1))
     ax.invert_yaxis()
     ax.grid(True, axis="x", alpha=0.3)
-    ax.legend(loc="upper right", fontsize=8)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=5, fontsize=8, frameon=False)
     shown = f" (first {len(reqs)} of {len(res['requests'])})" if len(res["requests"]) > len(reqs) else ""
     ax.set_title(f"Per-request timeline{shown}")
     fig.tight_layout()

@@ -26,7 +26,7 @@ import os
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Awaitable, Callable, Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 
@@ -66,6 +66,7 @@ __all__ = [
 ]
 
 SCHEMA_VERSION = 1
+DEFAULT_TOKENIZER_ID_LIMIT = 32000
 
 
 class BenchError(Exception):
@@ -283,6 +284,7 @@ class _Attempt:
         self.itl: list[float] = []
         self.usage: dict | None = None
         self.chunks = 0
+        self.non_stream = False  # the server answered with one JSON body
 
 
 def _chunk_text(obj: dict) -> str:
@@ -383,6 +385,22 @@ class OpenAIStreamClient:
                     detail = (await resp.text())[:200].strip()
                     retry = resp.status in _RETRYABLE_STATUS or resp.status >= 500
                     return ("retry" if retry else "fail"), f"HTTP {resp.status}: {detail}", status
+                ctype = resp.headers.get("Content-Type", "")
+                if ctype.startswith("application/json"):
+                    # The server ignored stream=true: one JSON answer; TTFT = E2E.
+                    obj = await resp.json(content_type=None)
+                    if isinstance(obj, dict) and obj.get("error"):
+                        return "fail", f"server error: {str(obj['error'])[:200]}", status
+                    now = time.perf_counter()
+                    st.first_chunk = st.first_token = st.last_token = now
+                    st.non_stream = True
+                    for c in (obj.get("choices") or []) if isinstance(obj, dict) else []:
+                        t = c.get("text") or (c.get("message") or {}).get("content") or ""
+                        if t:
+                            st.text_parts.append(t)
+                            st.chunks += 1
+                    st.usage = obj.get("usage") if isinstance(obj, dict) else None
+                    return "ok", None, status
                 buf = b""
                 done = False
                 async for data in resp.content.iter_any():
@@ -453,7 +471,10 @@ class OpenAIStreamClient:
         attempt = 0
         while True:
             st = _Attempt()
-            outcome, err, status = await self._attempt(url, body, t_start, st)
+            try:
+                outcome, err, status = await self._attempt(url, body, t_start, st)
+            except Exception as e:  # noqa: BLE001 - a request failure must never end the run
+                outcome, err, status = "fail", f"unexpected {type(e).__name__}: {e}", None
             result.http_status = status
             if outcome == "ok":
                 break
@@ -466,7 +487,7 @@ class OpenAIStreamClient:
             attempt += 1
             result.retries += 1
             await asyncio.sleep(min(self.cfg.retry_backoff_s * (2 ** (attempt - 1)), 5.0))
-        end = time.perf_counter()
+        end = st.first_token if st.non_stream else time.perf_counter()
         result.success = True
         result.end_time = end
         result.e2e = end - t_start
@@ -500,6 +521,7 @@ class _Runner:
         self.cfg, self.client, self.tokens, self.kind_override = cfg, client, tokens, kind_override
         self.results: list[RequestResult] = []
         self._next_id = 0
+        self.progress: Any = None  # a tqdm bar while the measured run is going
 
     def _kind(self, s: Session) -> str:
         return s.kind if self.kind_override == "auto" else self.kind_override
@@ -533,6 +555,8 @@ class _Runner:
             self._next_id += 1
             sink.append(r)
             await self.client.send(kind, payload, turn.output_len, r, prompt_est)
+            if self.progress is not None:
+                self.progress.update(1)
             prev_end = r.end_time
             if not r.success:
                 break
@@ -589,6 +613,23 @@ def _peak_in_flight(results: Sequence[RequestResult]) -> int:
     return peak
 
 
+def _progress_bar(cfg: BenchConfig, dataset: Dataset, num_prompts: int | None) -> Any:
+    """A tqdm bar over requests on stderr (None when quiet or tqdm is missing)."""
+    if cfg.quiet:
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    total = None
+    if dataset.timed:
+        n = len(getattr(dataset, "rows", []))
+        total = min(n, num_prompts) if num_prompts else n
+    elif num_prompts is not None and cfg.duration_s is None:
+        total = num_prompts * getattr(dataset, "num_turns", 1)
+    return tqdm(total=total, unit="req", desc="requests", file=sys.stderr, leave=False)
+
+
 async def run_benchmark(cfg: BenchConfig, dataset: Dataset, tokens: TokenSource | None = None) -> dict:
     """Run one benchmark and return the result dict (schema: see ``format_report``
     and the module README in the final report; ``SCHEMA_VERSION``).
@@ -628,10 +669,15 @@ async def run_benchmark(cfg: BenchConfig, dataset: Dataset, tokens: TokenSource 
             what = f"{num_prompts} session(s)" if num_prompts else "sessions"
             dur = f" for {cfg.duration_s:g} s" if cfg.duration_s else ""
             print(f"benchmark: {what}{dur} against {cfg.root_url} (model {cfg.model})", file=sys.stderr)
+        runner.progress = _progress_bar(cfg, dataset, num_prompts)
         wall0 = time.time()
         t0 = time.perf_counter()
-        await runner.run_sessions(dataset.sessions(cfg.seed), dataset.timed, t0, True, results, num_prompts,
-                                  cfg.duration_s, cfg.max_concurrency)
+        try:
+            await runner.run_sessions(dataset.sessions(cfg.seed), dataset.timed, t0, True, results, num_prompts,
+                                      cfg.duration_s, cfg.max_concurrency)
+        finally:
+            if runner.progress is not None:
+                runner.progress.close()
         t_end = time.perf_counter()
         after = await client.scrape_metrics()
     results.sort(key=lambda r: r.request_id)
@@ -683,7 +729,8 @@ def format_report(res: dict) -> str:
         lines.append(f"{'-' * 8} {t} ".ljust(w + 16, "-"))
 
     def row(k: str, v: Any, spec: str = ".2f") -> None:
-        lines.append(f"{k:<{w}}{_fmt(v, spec):>16}")
+        val = _fmt(v, spec)
+        lines.append(k + val.rjust(max(len(val) + 2, w + 16 - len(k))))
 
     lines.append("=" * (w + 16))
     lines.append(" Serving Benchmark Result ".center(w + 16, "="))
@@ -925,7 +972,9 @@ def prepare(args: Any, tokenizer: Any = "load", validate: bool = True) -> tuple[
     else:
         build_dataset(args, TokenSource(None))  # check the flags before a slow tokenizer load
     tok = load_tokenizer(args.tokenizer) if tokenizer == "load" else tokenizer
-    tokens = TokenSource(tok)
+    # With the default (bundled) tokenizer the server may run another model:
+    # keep random token ids below 32000, inside any common vocabulary.
+    tokens = TokenSource(tok, id_limit=DEFAULT_TOKENIZER_ID_LIMIT if args.tokenizer is None else None)
     dataset = build_dataset(args, tokens)
     if dataset.kind == "chat" and args.endpoint_type == "completions" and args.dataset == "multi-turn":
         raise BenchError("--dataset multi-turn cannot use --endpoint-type completions")

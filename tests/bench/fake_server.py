@@ -43,6 +43,8 @@ class LatencyModel:
     expose_metrics: bool = True
     model_name: str = "fake-model"
     block_size: int = 4
+    no_stream: bool = False  # answer with one JSON body, ignoring stream=true
+    error_after_tokens: int | None = None  # send an SSE error event after this many tokens
 
 
 @dataclass
@@ -140,6 +142,13 @@ class FakeServer:
         max_tokens = int(body.get("max_tokens", 16))
         rec = {"arrival": arrival, "prompt_len": prompt_len, "body": body, "chat": chat}
         s.requests.append(rec)
+        if m.no_stream:
+            await asyncio.sleep(m.prefill_s + m.itl_s * (max_tokens - 1))
+            text = "".join(f" tok{i}" for i in range(max_tokens))
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}} if chat else \
+                {"index": 0, "text": text}
+            return web.json_response({"id": "x", "choices": [choice], "usage": {
+                "prompt_tokens": prompt_len, "completion_tokens": max_tokens}})
         sem = self._sem
         if sem is not None:
             await sem.acquire()
@@ -158,6 +167,10 @@ class FakeServer:
             for i in range(max_tokens):
                 if i:
                     await asyncio.sleep(m.itl_s)
+                if m.error_after_tokens is not None and i == m.error_after_tokens:
+                    await resp.write(self._sse({"error": {"message": "engine died", "code": 500}}))
+                    await resp.write_eof()
+                    return resp
                 tok = f" tok{i}"
                 last = i == max_tokens - 1
                 if chat:

@@ -3,7 +3,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import run_cli
+from bench_helpers import run_cli
 
 from pagedllm.benchmarks.cli import build_parser, register_bench_subcommands, register_profile_subcommands
 

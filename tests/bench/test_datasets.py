@@ -164,3 +164,8 @@ def test_trace_bad_options(tmp_path):
         TraceDataset(TokenSource(None), p, speedup=0)
     with pytest.raises(DatasetError, match="--dataset-path"):
         TraceDataset(TokenSource(None), str(tmp_path / "nope.jsonl"))
+
+
+def test_token_source_id_limit(word_tokenizer):
+    ids = TokenSource(word_tokenizer, id_limit=500).random_ids(2000, np.random.default_rng(0))
+    assert min(ids) >= 3 and max(ids) < 500

@@ -1,7 +1,7 @@
 import json
 
 import pytest
-from conftest import run_cli
+from bench_helpers import run_cli
 
 from pagedllm.benchmarks.profile_summary import (
     ProfileError,

@@ -3,43 +3,7 @@
 import json
 
 import pytest
-from conftest import run_cli
-from PIL import Image
-
-SUMMARY_KEYS = {
-    "duration_s", "num_requests", "completed", "failed", "error_rate", "total_retries", "requests_retried",
-    "retry_rate", "total_input_tokens", "total_output_tokens", "request_throughput", "input_token_throughput",
-    "output_token_throughput", "total_token_throughput", "goodput_slos_ms", "goodput", "good_requests",
-    "goodput_fraction", "client_prefill_share", "client_decode_share", "ttft_ms", "tpot_ms", "itl_ms", "e2e_ms",
-    "client_wait_ms", "errors", "peak_in_flight", "num_sessions", "num_warmups",
-}
-STAT_KEYS = {"count", "mean", "median", "std", "min", "max", "p50", "p90", "p99"}
-SERVER_KEYS = {
-    "available", "queue_mean_ms", "prefill_mean_ms", "decode_mean_ms", "queue_time_share", "prefill_time_share",
-    "decode_time_share", "num_preemptions", "prefix_cache_hit_rate", "prefix_cache_queries", "prefix_cache_hits",
-    "prompt_tokens", "generation_tokens", "requests_succeeded", "ttft_mean_ms", "e2e_mean_ms",
-    "finished_reasons", "num_requests_running_after", "kv_cache_usage_perc_after",
-}
-REQUEST_KEYS = {
-    "request_id", "session_id", "turn", "success", "error", "http_status", "retries", "prompt_tokens",
-    "output_tokens", "output_tokens_source", "scheduled_s", "start_s", "first_token_s", "end_s", "ttft_ms",
-    "tpot_ms", "e2e_ms", "itl_ms",
-}
-TOP_KEYS = {"schema_version", "tool", "label", "date", "start_unix_s", "config", "dataset", "tokenizer_exact",
-            "summary", "server_metrics", "requests"}
-
-
-def check_png(path, min_w=400, min_h=200):
-    with Image.open(path) as im:
-        assert im.format == "PNG"
-        w, h = im.size
-        assert w >= min_w and h >= min_h
-        colors = im.convert("RGB").getcolors(maxcolors=1 << 20)
-        assert colors is not None and len(colors) > 10  # more than background + one line colour
-        # a non-trivial share of the image is drawn (not just white)
-        nonwhite = sum(n for n, c in colors if c != (255, 255, 255))
-        assert nonwhite > 0.02 * w * h
-
+from bench_helpers import REQUEST_KEYS, SERVER_KEYS, STAT_KEYS, SUMMARY_KEYS, TOP_KEYS, check_png, run_cli
 
 def base(srv, *extra):
     return ["bench", "serve", "--base-url", srv.url, "--quiet", *extra]
@@ -216,3 +180,22 @@ def test_count_tokens_without_usage(fake_server, tmp_path, word_tokenizer):
     b = srv.stats.requests[0]["body"]
     assert "stream_options" not in b and b["ignore_eos"] is True and b["top_k"] == 1
     assert isinstance(b["prompt"], list) and len(b["prompt"]) == 4
+
+
+def test_non_streaming_answer_and_stream_error(fake_server, tmp_path):
+    srv = fake_server(no_stream=True, prefill_s=0.001, itl_s=0.001)
+    out = tmp_path / "r.json"
+    assert run_cli(base(srv, "--num-prompts", "2", "--input-len", "4", "--output-len", "3",
+                        "--save-result", str(out))) == 0
+    res = json.loads(out.read_text())
+    assert res["summary"]["completed"] == 2 and res["summary"]["total_output_tokens"] == 6
+    assert all(r["ttft_ms"] == r["e2e_ms"] for r in res["requests"])
+
+    srv = fake_server(error_after_tokens=2, prefill_s=0.001, itl_s=0.001)
+    assert run_cli(base(srv, "--num-prompts", "2", "--input-len", "4", "--output-len", "5", "--max-retries", "3",
+                        "--save-result", str(out))) == 0
+    res = json.loads(out.read_text())
+    s = res["summary"]
+    # an error after tokens arrived fails the request and is not retried
+    assert s["failed"] == 2 and s["total_retries"] == 0 and len(srv.stats.requests) == 2
+    assert all("engine died" in r["error"] for r in res["requests"])

@@ -10,8 +10,7 @@ one service time, so TTFT ~= prefill + S (~= 170 ms here). The SLO (p99 TTFT
 import json
 
 import pytest
-from conftest import run_cli
-from test_serve_fake import check_png
+from bench_helpers import check_png, run_cli
 
 from pagedllm.benchmarks.sweep import best_load, cost_at, evaluate_point, parse_loads
 

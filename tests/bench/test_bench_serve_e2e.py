@@ -1,0 +1,124 @@
+"""``bench serve`` against the real pagedllm server on the bundled model.
+
+Starts ``python -m pagedllm.entrypoints.cli serve`` on a free port, waits for
+/health (up to 120 s for the model load), then runs small benchmarks and
+checks that the saved JSON has every field and that the request and token
+counts match on the client, in usage and in the server's /metrics.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+from bench_helpers import REQUEST_KEYS, SERVER_KEYS, STAT_KEYS, SUMMARY_KEYS, TOP_KEYS, check_png, run_cli
+from fake_server import free_port
+
+from pagedllm.benchmarks.cli import main
+
+HEALTH_TIMEOUT_S = 120
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    port = free_port()
+    log_path = tmp_path_factory.mktemp("server") / "server.log"
+    log = open(log_path, "w")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+         "--max-model-len", "1024"],
+        stdout=log, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+
+    def tail() -> str:
+        log.flush()
+        return log_path.read_text()[-3000:]
+
+    try:
+        deadline = time.monotonic() + HEALTH_TIMEOUT_S
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"server exited with code {proc.returncode}:\n{tail()}")
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"server not healthy after {HEALTH_TIMEOUT_S} s:\n{tail()}")
+            time.sleep(0.5)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+        log.close()
+
+
+def test_random_run_counts_match(server, tmp_path, capsys):
+    out = tmp_path / "res.json"
+    rc = main(["bench", "serve", "--base-url", server, "--dataset", "random", "--num-prompts", "8",
+               "--input-len", "32", "--output-len", "8", "--max-concurrency", "4", "--ignore-eos",
+               "--num-warmups", "1", "--goodput", "ttft:60000", "tpot:60000", "--timeout", "120",
+               "--save-result", str(out), "--plot", str(tmp_path / "plots")])
+    table = capsys.readouterr().out
+    assert rc == 0, table
+    res = json.loads(out.read_text())
+    assert TOP_KEYS <= set(res)
+    assert SUMMARY_KEYS <= set(res["summary"])
+    assert SERVER_KEYS <= set(res["server_metrics"])
+    for k in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+        assert STAT_KEYS <= set(res["summary"][k])
+    s, m = res["summary"], res["server_metrics"]
+    errors = [r["error"] for r in res["requests"] if not r["success"]]
+    assert s["num_requests"] == 8 and s["completed"] == 8 and s["failed"] == 0, errors
+    assert len(res["requests"]) == 8 and all(REQUEST_KEYS <= set(r) for r in res["requests"])
+    assert all(r["output_tokens"] == 8 and r["output_tokens_source"] == "usage" for r in res["requests"])
+    assert all(r["prompt_tokens"] == 32 for r in res["requests"])
+    assert s["total_output_tokens"] == 64 and s["total_input_tokens"] == 256
+    assert s["good_requests"] == 8 and s["peak_in_flight"] <= 4
+    assert s["ttft_ms"]["count"] == 8 and s["ttft_ms"]["min"] > 0
+    assert s["tpot_ms"]["count"] == 8 and s["itl_ms"]["count"] >= 8
+    assert s["e2e_ms"]["min"] >= s["ttft_ms"]["min"]
+    # server-side view of the same run (warm-up excluded by scraping after it)
+    assert m["available"] is True
+    assert m["requests_succeeded"] == 8
+    assert m["generation_tokens"] == 64 and m["prompt_tokens"] == 256
+    assert m["queue_count"] == 8 and m["prefill_count"] == 8 and m["decode_count"] == 8
+    assert m["queue_time_share"] + m["prefill_time_share"] + m["decode_time_share"] == pytest.approx(1.0)
+    assert m["prefix_cache_hit_rate"] is not None and m["num_preemptions"] is not None
+    for name in ("latency_cdf.png", "timeline.png"):
+        check_png(tmp_path / "plots" / name)
+
+
+def test_multi_turn_chat_run(server, tmp_path):
+    out = tmp_path / "mt.json"
+    rc = run_cli(["bench", "serve", "--base-url", server, "--dataset", "multi-turn", "--num-prompts", "2",
+                  "--multi-turn-turns", "2", "--multi-turn-system-len", "24", "--input-len", "16",
+                  "--multi-turn-tool-len", "8", "--output-len", "4", "--multi-turn-think-time", "0.05",
+                  "--ignore-eos", "--timeout", "120", "--quiet", "--save-result", str(out)],
+                 tokenizer=_bundled_tokenizer())
+    assert rc == 0
+    res = json.loads(out.read_text())
+    s = res["summary"]
+    assert s["num_requests"] == 4 and s["completed"] == 4, s["errors"]
+    assert res["config"]["endpoint_kind"] == "chat"
+    by_session = {}
+    for r in res["requests"]:
+        by_session.setdefault(r["session_id"], []).append(r)
+    for reqs in by_session.values():
+        # the second turn resends the first turn, its reply and a tool result
+        assert reqs[1]["prompt_tokens"] > reqs[0]["prompt_tokens"] + reqs[0]["output_tokens"]
+
+
+def _bundled_tokenizer():
+    from pagedllm.benchmarks.serve import load_tokenizer
+
+    return load_tokenizer(None)
