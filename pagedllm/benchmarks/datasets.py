@@ -345,7 +345,7 @@ class ShareGPTDataset(Dataset):
             raise DatasetError(f"--sharegpt-output-len must be >= 1, got {output_len}")
         self.tokens, self.path, self.output_len = tokens, path, output_len
         self.max_prompt_len, self.max_total_len = max_prompt_len, max_total_len
-        self.pairs: list[tuple[str, int, int]] = []
+        self.raw: list[tuple[str, str]] = []
         for conv in data:
             turns = conv.get("conversations") or conv.get("conversation") if isinstance(conv, dict) else None
             if not isinstance(turns, list) or len(turns) < 2:
@@ -357,28 +357,44 @@ class ShareGPTDataset(Dataset):
                 continue
             if str(second.get("from", second.get("role", ""))).lower() not in _BOT:
                 continue
-            prompt = str(first.get("value", first.get("content", "")))
-            reply = str(second.get("value", second.get("content", "")))
-            pl = tokens.count(prompt)
-            ol = output_len if output_len is not None else tokens.count(reply)
-            if pl < 4 or ol < 4 or pl > max_prompt_len or pl + ol > max_total_len:
-                continue
-            self.pairs.append((prompt, pl, ol))
-        if not self.pairs:
+            self.raw.append((str(first.get("value", first.get("content", ""))),
+                             str(second.get("value", second.get("content", "")))))
+        # Token counts are computed lazily (a full ShareGPT file has ~90k
+        # conversations; a run needs only as many as it sends).
+        self._lens: dict[int, tuple[int, int] | None] = {}
+        if not any(self._usable(i) for i in range(len(self.raw))):
             raise DatasetError(f"--dataset-path: no usable human/assistant pair in {path}")
+
+    def _usable(self, i: int) -> tuple[int, int] | None:
+        """(prompt_len, output_len) of pair ``i``, or None when it is filtered out."""
+        if i not in self._lens:
+            prompt, reply = self.raw[i]
+            pl = self.tokens.count(prompt)
+            ol = self.output_len if self.output_len is not None else self.tokens.count(reply)
+            ok = not (pl < 4 or ol < 4 or pl > self.max_prompt_len or pl + ol > self.max_total_len)
+            self._lens[i] = (pl, ol) if ok else None
+        return self._lens[i]
+
+    @property
+    def pairs(self) -> list[tuple[str, int, int]]:
+        """All usable (prompt, prompt_len, output_len) pairs (tokenizes the whole file)."""
+        return [(self.raw[i][0], *lens) for i in range(len(self.raw)) if (lens := self._usable(i))]
 
     def sessions(self, seed: int) -> Iterator[Session]:
         rng = np.random.default_rng([seed, 5])
         i = 0
         while True:
-            for j in rng.permutation(len(self.pairs)):
-                prompt, pl, ol = self.pairs[int(j)]
-                yield Session(f"g{i}", [Turn(output_len=ol, prompt=prompt, message=prompt, prompt_len=pl)],
+            for j in rng.permutation(len(self.raw)):
+                lens = self._usable(int(j))
+                if lens is None:
+                    continue
+                prompt = self.raw[int(j)][0]
+                yield Session(f"g{i}", [Turn(output_len=lens[1], prompt=prompt, message=prompt, prompt_len=lens[0])],
                               kind="chat")
                 i += 1
 
     def describe(self) -> dict:
-        return {"name": self.name, "path": self.path, "num_pairs": len(self.pairs),
+        return {"name": self.name, "path": self.path, "num_conversations": len(self.raw),
                 "output_len": self.output_len, "max_prompt_len": self.max_prompt_len,
                 "max_total_len": self.max_total_len}
 

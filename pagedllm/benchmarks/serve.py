@@ -107,6 +107,7 @@ class BenchConfig:
     seed: int = 0
     label: str | None = None
     quiet: bool = False
+    prompt_format: str = "ids"
 
     def validate(self) -> None:
         """Raise ``BenchError`` naming the flag of the first invalid option."""
@@ -128,6 +129,8 @@ class BenchConfig:
             raise BenchError(f"--max-retries must be >= 0, got {self.max_retries}")
         if self.retry_backoff_s < 0:
             raise BenchError(f"--retry-backoff must be >= 0, got {self.retry_backoff_s}")
+        if self.prompt_format not in ("ids", "text"):
+            raise BenchError(f"--prompt-format must be ids or text, got {self.prompt_format!r}")
         if self.endpoint_type not in ("auto", "completions", "chat"):
             raise BenchError(f"--endpoint-type must be auto, completions or chat, got {self.endpoint_type!r}")
         if not self.base_url.startswith(("http://", "https://")):
@@ -550,6 +553,8 @@ class _Runner:
                 if len(s.turns) > 1:
                     raise BenchError("multi-turn sessions need the chat endpoint (--endpoint-type chat)")
                 payload = turn.prompt if turn.prompt is not None else turn.message
+                if self.cfg.prompt_format == "text" and isinstance(payload, list):
+                    payload = self.tokens.decode(payload)
                 prompt_est = turn.prompt_len
             r = RequestResult(request_id=self._next_id, scheduled_time=scheduled, session_id=s.session_id, turn=k)
             self._next_id += 1
@@ -642,6 +647,11 @@ async def run_benchmark(cfg: BenchConfig, dataset: Dataset, tokens: TokenSource 
     kind = dataset.kind if cfg.endpoint_type == "auto" else cfg.endpoint_type
     if isinstance(dataset, MultiTurnDataset) and kind != "chat":
         raise BenchError("--dataset multi-turn needs --endpoint-type chat (or auto)")
+    id_prompts = dataset.name in ("random", "shared-prefix", "trace")
+    if id_prompts and not tokens.exact and (kind == "chat" or cfg.prompt_format == "text"):
+        flag = "--endpoint-type chat" if kind == "chat" else "--prompt-format text"
+        raise BenchError(f"{flag} with --dataset {dataset.name} turns token ids into text and needs a "
+                         f"tokenizer (--tokenizer)")
     num_prompts = cfg.num_prompts
     if num_prompts is None and cfg.duration_s is None and not dataset.timed:
         num_prompts = 100
@@ -865,6 +875,9 @@ def add_common_arguments(p: Any, single_run: bool = True) -> None:
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--ignore-eos", action="store_true", help="send ignore_eos=true (vLLM extension) so "
                                                              "outputs reach --output-len")
+    g.add_argument("--prompt-format", choices=("ids", "text"), default="ids",
+                   help="completions prompts of random/shared-prefix/trace: token ids (exact lengths) or "
+                        "decoded text (for servers that take only strings)")
     g.add_argument("--no-stream-usage", action="store_true",
                    help="do not send stream_options.include_usage (count tokens client-side)")
     g.add_argument("--extra-body", type=_json_obj, default={}, help="JSON object merged into each request body")
@@ -951,6 +964,7 @@ def config_from_args(args: Any, validate: bool = True) -> BenchConfig:
         seed=args.seed,
         label=getattr(args, "label", None),
         quiet=getattr(args, "quiet", False),
+        prompt_format=args.prompt_format,
     )
     if validate:
         cfg.validate()
@@ -983,12 +997,22 @@ def prepare(args: Any, tokenizer: Any = "load", validate: bool = True) -> tuple[
     return cfg, dataset, tokens
 
 
+def _json_safe(o: Any) -> Any:
+    if isinstance(o, float) and not math.isfinite(o):
+        return None if math.isnan(o) else ("inf" if o > 0 else "-inf")
+    if isinstance(o, dict):
+        return {k: _json_safe(v) for k, v in o.items()}
+    if isinstance(o, (list, tuple)):
+        return [_json_safe(v) for v in o]
+    return o
+
+
 def save_json(obj: dict, path: str) -> None:
-    """Write ``obj`` as indented JSON, creating parent directories."""
+    """Write ``obj`` as strict JSON (NaN -> null, infinities -> "inf"), creating parent directories."""
     d = os.path.dirname(os.path.abspath(path))
     os.makedirs(d, exist_ok=True)
     with open(path, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=2, default=lambda o: None if isinstance(o, float) and math.isnan(o) else str(o))
+        json.dump(_json_safe(obj), f, indent=2, allow_nan=False, default=str)
         f.write("\n")
 
 

@@ -331,6 +331,9 @@ def sweep_main(args: Any, tokenizer: Any = "load") -> int:
             raise ValueError("--labels: give one name per server (two with --compare)")
         if args.compare and not args.compare.startswith(("http://", "https://")):
             raise ValueError(f"--compare must be a URL starting with http://, got {args.compare!r}")
+        if args.dataset == "trace":
+            raise ValueError("--dataset trace: a trace replays its own timing and cannot be swept; "
+                             "run 'bench serve' at several --trace-speedup values instead")
         args.request_rate = math.inf
         cfg, dataset, tokens = prepare(args, tokenizer, validate=False)
         probe = dataclasses.replace(cfg, request_rate=1.0 if mode == "rate" else math.inf,

@@ -92,3 +92,21 @@ def test_module_entry_point_help():
     for flag in ("--base-url", "--dataset", "--request-rate", "--burstiness", "--max-concurrency", "--goodput",
                  "--save-result", "--plot", "--max-retries", "--num-warmups", "--duration"):
         assert flag in out.stdout
+
+
+def test_chat_or_text_prompts_from_ids_need_tokenizer(capsys):
+    # checked before any request is sent; the server URL is never contacted
+    assert run_cli(["bench", "serve", "--base-url", "http://127.0.0.1:9", "--model", "m",
+                    "--endpoint-type", "chat"]) == 1
+    assert "--tokenizer" in capsys.readouterr().err
+    assert run_cli(["bench", "serve", "--base-url", "http://127.0.0.1:9", "--model", "m",
+                    "--prompt-format", "text"]) == 1
+    assert "--prompt-format text" in capsys.readouterr().err
+
+
+def test_sweep_rejects_trace(tmp_path, capsys):
+    p = tmp_path / "t.jsonl"
+    p.write_text('{"timestamp": 0, "prompt_len": 2, "output_len": 1}\n')
+    assert run_cli(["bench", "sweep", "--dataset", "trace", "--dataset-path", str(p), "--concurrencies", "1",
+                    "--slo", "ttft:1"]) == 2
+    assert "--trace-speedup" in capsys.readouterr().err

@@ -199,3 +199,19 @@ def test_non_streaming_answer_and_stream_error(fake_server, tmp_path):
     # an error after tokens arrived fails the request and is not retried
     assert s["failed"] == 2 and s["total_retries"] == 0 and len(srv.stats.requests) == 2
     assert all("engine died" in r["error"] for r in res["requests"])
+
+
+def test_text_prompts_and_chat_from_ids(fake_server, tmp_path, word_tokenizer):
+    srv = fake_server(prefill_s=0.001, itl_s=0.001)
+    out = tmp_path / "r.json"
+    assert run_cli(base(srv, "--num-prompts", "2", "--input-len", "6", "--output-len", "2", "--prompt-format",
+                        "text", "--save-result", str(out)), tokenizer=word_tokenizer) == 0
+    b = srv.stats.requests[0]["body"]
+    assert isinstance(b["prompt"], str) and len(b["prompt"].split()) == 6
+    assert run_cli(base(srv, "--num-prompts", "1", "--input-len", "5", "--output-len", "2", "--endpoint-type",
+                        "chat", "--save-result", str(out)), tokenizer=word_tokenizer) == 0
+    b = srv.stats.requests[-1]["body"]
+    assert b["messages"][0]["role"] == "user" and len(b["messages"][0]["content"].split()) == 5
+    res = json.loads(out.read_text())
+    assert res["config"]["request_rate"] == "inf" and res["config"]["endpoint_kind"] == "chat"
+    json.loads(out.read_text(), parse_constant=lambda c: pytest.fail(f"non-standard JSON constant {c}"))
