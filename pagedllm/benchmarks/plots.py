@@ -181,12 +181,16 @@ def plot_sweep(sweeps: Sequence[dict], out_dir: str) -> list[str]:
         for i, sw in enumerate(sweeps):
             pts = sw["points"]
             x = [pt["load"] for pt in pts]
-            y = [pt["latency_ms"][key][pkey] for pt in pts]
-            y = [np.nan if v is None else v for v in y]
-            ax.plot(x, y, marker=markers[i % 4], label=sw.get("label") or sw["base_url"])
+            lab = sw.get("label") or sw["base_url"]
+            keys = ["p99"] + ([pkey] if pkey != "p99" else [])
+            for k in keys:
+                y = [pt["latency_ms"][key].get(k) for pt in pts]
+                y = [np.nan if v is None else v for v in y]
+                ax.plot(x, y, marker=markers[i % 4], color=f"C{i}", ls="-" if k == "p99" else "--",
+                        label=f"{lab} {k}" if len(keys) > 1 else lab)
         if key in slos:
-            ax.axhline(slos[key], color="#e45756", ls="--", lw=1, label=f"SLO {slos[key]:g} ms")
-        ax.set_title(f"{pkey.upper()} {name}")
+            ax.axhline(slos[key], color="#e45756", ls=":", lw=1.2, label=f"SLO {slos[key]:g} ms ({pkey})")
+        ax.set_title(f"{name} ({', '.join(sorted({'p99', pkey}))})")
         ax.set_xlabel(xlabel)
         ax.set_ylabel("ms")
         ax.grid(True, alpha=0.3)
