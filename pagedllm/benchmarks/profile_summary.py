@@ -162,8 +162,11 @@ def _self_times(events: list[dict]) -> list[float]:
     return [max(0.0, s) for s in self_t]
 
 
+_IGNORED_CATEGORIES = {"Trace"}
+
+
 def summarize_trace(path: str, top: int = 15) -> dict:
-    """Top ops of a chrome trace by self time.
+    """Top ops of a chrome trace by self time (the profiler's own "Trace" span is skipped).
 
     Returns ``{"num_events", "total_self_ms", "by_category": {cat: ms}, "top_ops": [...]}``
     where each op has ``name``, ``category``, ``count``, ``self_ms``, ``total_ms`` and
@@ -178,7 +181,9 @@ def summarize_trace(path: str, top: int = 15) -> dict:
     events = data.get("traceEvents", []) if isinstance(data, dict) else data
     if not isinstance(events, list):
         raise ProfileError(f"{path}: no traceEvents list")
-    xs = [e for e in events if isinstance(e, dict) and e.get("ph") == "X" and "dur" in e]
+    # The "Trace" category holds torch.profiler's own span over the whole window.
+    xs = [e for e in events if isinstance(e, dict) and e.get("ph") == "X" and "dur" in e
+          and e.get("cat") not in _IGNORED_CATEGORIES]
     selfs = _self_times(xs)
     agg: dict[tuple[str, str], list[float]] = {}
     cat_tot: dict[str, float] = defaultdict(float)

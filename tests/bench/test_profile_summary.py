@@ -123,3 +123,13 @@ def test_errors(tmp_path, capsys):
     (d / "steps.jsonl").write_text('{"step": 0}\nnot json\n')
     with pytest.raises(ProfileError, match="line 2"):
         summarize_profile_dir(str(d))
+
+
+def test_profiler_window_span_is_ignored(tmp_path):
+    d = tmp_path / "p"
+    d.mkdir()
+    ev = [{"ph": "X", "name": "PyTorch Profiler (0)", "cat": "Trace", "pid": "Spans", "tid": 1, "ts": 0, "dur": 1000},
+          {"ph": "X", "name": "aten::mm", "cat": "cpu_op", "pid": 1, "tid": 1, "ts": 10, "dur": 500}]
+    (d / "trace.json").write_text(json.dumps({"traceEvents": ev}))
+    tr = summarize_profile_dir(str(d))["trace"]
+    assert [o["name"] for o in tr["top_ops"]] == ["aten::mm"] and tr["num_events"] == 1
