@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pagedllm.errors import InvalidParameterError
+
 _INT = (int,)
 
 
@@ -57,40 +59,40 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         if not _is_int(self.n) or self.n != 1:
-            raise ValueError(f"n must be 1 (got {self.n!r}); several completions per prompt are not supported")
+            raise InvalidParameterError("n", f"n must be 1 (got {self.n!r}); several completions per prompt are not supported")
         if not _is_num(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
+            raise InvalidParameterError("temperature", f"temperature must be a number >= 0, got {self.temperature!r}")
         if not _is_num(self.top_p) or not (0 < self.top_p <= 1):
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+            raise InvalidParameterError("top_p", f"top_p must be in (0, 1], got {self.top_p!r}")
         if not _is_int(self.top_k) or (self.top_k < 0 and self.top_k != -1):
-            raise ValueError(f"top_k must be an int >= 0 (or -1 to disable), got {self.top_k!r}")
+            raise InvalidParameterError("top_k", f"top_k must be an int >= 0 (or -1 to disable), got {self.top_k!r}")
         if not _is_num(self.min_p) or not (0 <= self.min_p <= 1):
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+            raise InvalidParameterError("min_p", f"min_p must be in [0, 1], got {self.min_p!r}")
         if self.seed is not None and not _is_int(self.seed):
-            raise ValueError(f"seed must be an int, got {self.seed!r}")
+            raise InvalidParameterError("seed", f"seed must be an int, got {self.seed!r}")
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
-            raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
+            raise InvalidParameterError("max_tokens", f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
         if not _is_int(self.min_tokens) or self.min_tokens < 0:
-            raise ValueError(f"min_tokens must be an int >= 0, got {self.min_tokens!r}")
+            raise InvalidParameterError("min_tokens", f"min_tokens must be an int >= 0, got {self.min_tokens!r}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+            raise InvalidParameterError("min_tokens", f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         stop = self.stop
         if stop is None:
             stop = []
         elif isinstance(stop, str):
             stop = [stop]
         if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
-            raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+            raise InvalidParameterError("stop", f"stop must be a non-empty string or a list of them, got {self.stop!r}")
         self._stop_list = stop
         ids = self.stop_token_ids or []
         if not isinstance(ids, list) or not all(_is_int(t) and t >= 0 for t in ids):
-            raise ValueError(f"stop_token_ids must be a list of ints >= 0, got {self.stop_token_ids!r}")
+            raise InvalidParameterError("stop_token_ids", f"stop_token_ids must be a list of ints >= 0, got {self.stop_token_ids!r}")
         self.stop_token_ids = ids
         if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
-            raise ValueError(f"cache_salt must be a non-empty string, got {self.cache_salt!r}")
+            raise InvalidParameterError("cache_salt", f"cache_salt must be a non-empty string, got {self.cache_salt!r}")
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
+                raise InvalidParameterError(name, f"{name} must be a boolean, got {getattr(self, name)!r}")
         if self.top_k == -1:
             self.top_k = 0
 

@@ -97,8 +97,8 @@ def register_backend(cls: type[AttentionBackend]) -> type[AttentionBackend]:
 
 
 def get_attention_backend(name: str = "auto", device: torch.device | None = None) -> AttentionBackend:
-    """Instantiate a backend by name (``"auto"`` → the torch-ops backend, which runs on
-    every device).
+    """Instantiate a backend by name. ``"auto"``: ``cpu_kernel`` on the CPU (torch ops
+    plus a C++ decode kernel, falling back to torch ops), ``torch`` elsewhere.
 
     Raises:
         ValueError: no backend has that name (the known names are listed).
@@ -106,7 +106,7 @@ def get_attention_backend(name: str = "auto", device: torch.device | None = None
     from pagedllm.attention import torch_backend  # noqa: F401  (registers itself)
 
     if name == "auto":
-        name = "torch"
+        name = "cpu_kernel" if (device is None or device.type == "cpu") else "torch"
     if name not in _BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; available: {sorted(_BACKENDS)}")
     return _BACKENDS[name]()

@@ -4,7 +4,8 @@ Cache layout: one tensor ``[num_layers, 2, num_blocks * block_size, num_kv_heads
 so a layer's K (or V) is a flat array of slots and slot ``s`` is token ``s % block_size``
 of block ``s // block_size`` (PagedAttention, Kwon et al. 2023, SOSP).
 
-Decodes (one query each) run as one batched masked attention over their gathered context;
+Decodes (one query each) run as one batched masked attention over their gathered context
+(or, in ``CpuKernelAttentionBackend``, a C++ kernel reading the blocks in place);
 each request with several queries (a prompt, a prompt chunk on top of cached context, or
 speculative tokens) runs ``scaled_dot_product_attention`` with a causal mask offset by its
 context length, so query ``i`` sees keys ``0 .. context_len + i``.
@@ -33,15 +34,25 @@ class _PrefillItem:
 class TorchAttentionMetadata:
     slot_mapping: torch.Tensor      # int64 [T]
     num_decodes: int
+    block_size: int
+    decode_block_table: torch.Tensor | None   # int32 [num_decodes, max_blocks] (kernel path)
+    decode_seq_lens: torch.Tensor | None      # int32 [num_decodes] (kernel path)
     decode_slots: torch.Tensor | None   # int64 [num_decodes * max_ctx]
     decode_max_ctx: int
-    decode_bias: torch.Tensor | None    # float [num_decodes, 1, 1, max_ctx], 0 or -inf
+    decode_bias: torch.Tensor | None    # float [1, num_decodes, 1, max_ctx], 0 or -inf
     prefills: list[_PrefillItem]
 
 
 @register_backend
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
+
+    def __init__(self, use_cpu_kernel: bool = False):
+        self.kernels = None
+        if use_cpu_kernel:
+            from pagedllm.attention.cpu_kernels import load_cpu_kernels
+
+            self.kernels = load_cpu_kernels()
 
     @staticmethod
     def kv_cache_shape(num_layers, num_blocks, block_size, num_kv_heads, head_dim):
@@ -57,17 +68,24 @@ class TorchAttentionBackend(AttentionBackend):
         nd = c.num_decodes
         decode_slots = decode_bias = None
         max_ctx = 0
-        if nd:
+        kernel_bt = kernel_sl = None
+        use_kernel = self.kernels is not None and device.type == "cpu"
+        if nd and use_kernel:
+            kernel_bt = torch.from_numpy(np.ascontiguousarray(c.block_table_np[:nd], dtype=np.int32))
+            kernel_sl = torch.from_numpy(np.ascontiguousarray(c.seq_lens_np[:nd], dtype=np.int32))
+        elif nd:
             lens = c.seq_lens_np[:nd]
             max_ctx = int(lens.max())
             pos = np.arange(max_ctx, dtype=np.int64)
             bt = c.block_table_np[:nd, : (max_ctx + bs - 1) // bs].astype(np.int64)
             slots = bt[:, pos // bs] * bs + (pos % bs)
             valid = pos[None, :] < lens[:, None]
-            slots = np.where(valid, slots, 0)
+            # Padding reads the request's own first slot (always written), never a
+            # slot that may hold uninitialised memory; the bias zeroes its weight.
+            slots = np.where(valid, slots, slots[:, :1])
             decode_slots = torch.from_numpy(slots.reshape(-1)).to(device, non_blocking=True)
             bias = np.where(valid, 0.0, -np.inf).astype(np.float32)
-            decode_bias = torch.from_numpy(bias).view(nd, 1, 1, max_ctx).to(device, non_blocking=True)
+            decode_bias = torch.from_numpy(bias).view(1, nd, 1, max_ctx).to(device, non_blocking=True)
         prefills = []
         qsl, ctx, sl = c.query_start_loc_np, c.context_lens_np, c.seq_lens_np
         for i in range(nd, c.num_reqs):
@@ -80,7 +98,8 @@ class TorchAttentionBackend(AttentionBackend):
                 q_pos = cl + np.arange(e - s)
                 mask = torch.from_numpy(pos[None, :] <= q_pos[:, None]).to(device, non_blocking=True)
             prefills.append(_PrefillItem(s, e, cl, slots, mask))
-        return TorchAttentionMetadata(c.slot_mapping, nd, decode_slots, max_ctx, decode_bias, prefills)
+        return TorchAttentionMetadata(c.slot_mapping, nd, bs, kernel_bt, kernel_sl, decode_slots,
+                                      max_ctx, decode_bias, prefills)
 
     def forward(self, q, k, v, layer_cache, md: TorchAttentionMetadata, scale):
         T, nh, hd = q.shape
@@ -90,15 +109,22 @@ class TorchAttentionBackend(AttentionBackend):
         value_cache.index_copy_(0, md.slot_mapping, v)
         out = torch.empty(T, nh, hd, dtype=q.dtype, device=q.device)
         nd = md.num_decodes
-        if nd:
+        if nd and md.decode_block_table is not None and q.dtype == torch.float32:
+            self.kernels.paged_decode_attention(out[:nd], q[:nd].contiguous(), key_cache, value_cache,
+                                                md.decode_block_table, md.decode_seq_lens,
+                                                md.block_size, scale)
+        elif nd:
+            if md.decode_slots is None:
+                raise RuntimeError("decode metadata was built for the CPU kernel")
             g = nh // nkv
             ctx = md.decode_max_ctx
-            qd = q[:nd].view(nd, nkv, g, hd)
-            kd = key_cache.index_select(0, md.decode_slots).view(nd, ctx, nkv, hd).transpose(1, 2)
-            vd = value_cache.index_select(0, md.decode_slots).view(nd, ctx, nkv, hd).transpose(1, 2)
-            scores = torch.matmul(qd, kd.transpose(-1, -2)).mul_(scale).add_(md.decode_bias)
-            probs = torch.softmax(scores, dim=-1)
-            out[:nd] = torch.matmul(probs, vd).view(nd, nh, hd)
+            # [nkv, nd, g, hd] queries against [nkv, nd, ctx, hd] keys: kv heads as the
+            # batch, the g query heads sharing a kv head as the query length.
+            qd = q[:nd].view(nd, nkv, g, hd).permute(1, 0, 2, 3)
+            kd = key_cache.index_select(0, md.decode_slots).view(nd, ctx, nkv, hd).permute(2, 0, 1, 3)
+            vd = value_cache.index_select(0, md.decode_slots).view(nd, ctx, nkv, hd).permute(2, 0, 1, 3)
+            o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=md.decode_bias, scale=scale)
+            out[:nd] = o.permute(1, 0, 2, 3).reshape(nd, nh, hd)
         for p in md.prefills:
             qs = q[p.q_start:p.q_end].transpose(0, 1).unsqueeze(0)        # [1, nh, L, hd]
             if p.context_len == 0:
@@ -113,3 +139,16 @@ class TorchAttentionBackend(AttentionBackend):
                                                    enable_gqa=nkv != nh)
             out[p.q_start:p.q_end] = o[0].transpose(0, 1)
         return out.view(T, nh * hd)
+
+
+@register_backend
+class CpuKernelAttentionBackend(TorchAttentionBackend):
+    """The torch backend with decodes run by the C++ paged-attention kernel
+    (``csrc/paged_attention_cpu.cpp``: reads K/V in place through the block table, no
+    gather copy) when the model runs in float32 on the CPU; everything else, or a failed
+    kernel build, takes the torch-ops path."""
+
+    name = "cpu_kernel"
+
+    def __init__(self):
+        super().__init__(use_cpu_kernel=True)

@@ -99,6 +99,7 @@ class EngineCore:
             prof.before_step(self.step_count)
         t0 = time.perf_counter()
         so = self.scheduler.schedule()
+        self.last_step = so
         t1 = time.perf_counter()
         sampled = self.runner.execute_model(so)
         t2 = time.perf_counter()
@@ -115,7 +116,6 @@ class EngineCore:
                 "kv_blocks_total": st.num_blocks_total, "num_preemptions": so.num_preempted})
         if so.scheduled:
             self.step_count += 1
-        self.last_step = so
         return outputs
 
     def stats(self) -> SchedulerStats:

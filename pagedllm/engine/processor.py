@@ -1,6 +1,7 @@
 """Front-end input processing: validate and tokenize a prompt into an engine Request."""
 from __future__ import annotations
 
+from pagedllm.errors import InvalidParameterError
 from pagedllm.request import Request
 from pagedllm.sampling_params import SamplingParams
 
@@ -29,21 +30,21 @@ class Processor:
             elif "prompt" in prompt:
                 prompt = prompt["prompt"]
             else:
-                raise ValueError("prompt dict needs 'prompt' or 'prompt_token_ids'")
+                raise InvalidParameterError("prompt", "prompt dict needs 'prompt' or 'prompt_token_ids'")
         if isinstance(prompt, str):
             if not prompt:
-                raise ValueError("prompt must not be empty")
+                raise InvalidParameterError("prompt", "prompt must not be empty")
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, (list, tuple)):
             if not prompt:
-                raise ValueError("prompt must not be empty")
+                raise InvalidParameterError("prompt", "prompt must not be empty")
             if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-                raise ValueError("prompt token ids must be ints")
+                raise InvalidParameterError("prompt", "prompt token ids must be ints")
             bad = [t for t in prompt if not 0 <= t < self.vocab_size]
             if bad:
-                raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+                raise InvalidParameterError("prompt", f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
             return None, list(prompt)
-        raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        raise InvalidParameterError("prompt", f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
 
     def process(self, request_id: str, prompt, params: SamplingParams | None,
                 arrival_time: float | None = None) -> tuple[Request, str | None]:
@@ -55,21 +56,21 @@ class Processor:
         if params is None:
             params = SamplingParams()
         if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+            raise InvalidParameterError("sampling_params", f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         text, ids = self.tokenize(prompt)
         if len(ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt is {len(ids)} tokens, which leaves no room to generate within "
+            raise InvalidParameterError(
+                "prompt", f"prompt is {len(ids)} tokens, which leaves no room to generate within "
                 f"max_model_len ({self.max_model_len})")
         if params.max_tokens is None:
             import dataclasses
 
             params = dataclasses.replace(params, max_tokens=self.max_model_len - len(ids))
         elif len(ids) + params.max_tokens > self.max_model_len:
-            raise ValueError(
-                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
+            raise InvalidParameterError(
+                "max_tokens", f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
                 f"max_model_len ({self.max_model_len}); lower max_tokens")
         for t in params.stop_token_ids:
             if t >= self.vocab_size:
-                raise ValueError(f"stop_token_ids contains {t}, outside the vocabulary")
+                raise InvalidParameterError("stop_token_ids", f"stop_token_ids contains {t}, outside the vocabulary")
         return Request(request_id, ids, params, self.eos_token_ids, arrival_time), text

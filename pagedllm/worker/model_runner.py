@@ -62,7 +62,9 @@ class ModelRunner:
         a = self.config.arch
         shape = self.attn.kv_cache_shape(a.num_hidden_layers, num_blocks, self.block_size,
                                          a.num_key_value_heads, a.head_dim)
-        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        # Uninitialised on purpose (a 4 GiB zero-fill costs seconds at start-up): the
+        # attention backends only read slots that were written.
+        self.kv_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
 
     # ------------------------------------------------------------------------------
     def _update_states(self, so: SchedulerOutput) -> None:

@@ -1,0 +1,169 @@
+"""``pagedllm bench throughput``: offline batch throughput on random-token prompts, side
+by side with HF transformers' batched ``generate`` on the same prompts.
+
+Figures: requests/s, output tokens/s, total (prompt + output) tokens/s, over the
+generation time only (model loading excluded). The achieved compute rate is the model's
+FLOPs for the workload (see ``workload_flops``) divided by that time, and is reported as
+a fraction of ``torch.mm``'s float32 rate measured in the same run.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import numpy as np
+import torch
+
+
+def add_throughput_parser(subparsers) -> None:
+    from pagedllm.config import EngineArgs
+
+    p = subparsers.add_parser("throughput", help="offline throughput (random prompts, ignore_eos)",
+                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--backend", choices=["pagedllm", "hf", "both"], default="pagedllm",
+                   help="hf: HF transformers batched generate; both: HF then pagedllm in one run")
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--input-len", type=int, default=200)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--hf-batch-size", type=int, default=None, help="HF generate batch (default: all prompts)")
+    p.add_argument("--no-mm", action="store_true", help="skip the torch.mm fp32 reference measurement")
+    p.add_argument("--output-json", default=None)
+    EngineArgs.add_cli_args(p)
+    p.set_defaults(func=throughput_main)
+
+
+def random_prompts(n: int, input_len: int, vocab_size: int, seed: int = 0) -> list[list[int]]:
+    """``n`` prompts of ``input_len`` token ids drawn uniformly from [100, vocab_size)
+    (skipping the low ids, where special tokens usually sit)."""
+    rng = np.random.default_rng(seed)
+    return rng.integers(100, vocab_size, size=(n, input_len)).tolist()
+
+
+def workload_flops(arch, num_prompts: int, input_len: int, output_len: int) -> float:
+    """Forward FLOPs (multiply-add = 2) of prefilling every prompt and decoding
+    ``output_len`` tokens each: linear layers 2·params per token; attention 4·heads·head_dim
+    per (query, key) pair over the causal context; LM head 2·hidden·vocab per sampled token."""
+    a = arch
+    per_tok = 2 * a.num_hidden_layers * (
+        a.hidden_size * (a.num_attention_heads + 2 * a.num_key_value_heads) * a.head_dim
+        + a.num_attention_heads * a.head_dim * a.hidden_size + 3 * a.hidden_size * a.intermediate_size)
+    tokens = num_prompts * (input_len + output_len - 1)
+    # causal pairs: prompt L(L+1)/2, then each decode step attends its full context
+    pairs = num_prompts * (input_len * (input_len + 1) / 2
+                           + sum(input_len + i + 1 for i in range(output_len - 1)))
+    attn = 4 * a.num_hidden_layers * a.num_attention_heads * a.head_dim * pairs
+    head = 2 * a.hidden_size * a.vocab_size * num_prompts * output_len
+    return per_tok * tokens + attn + head
+
+
+def measure_mm_gflops(n: int = 2048, repeats: int = 5) -> float:
+    """Best-of-``repeats`` float32 ``torch.mm`` rate for n×n matrices, GFLOP/s."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    torch.mm(a, b)
+    best = 0.0
+    for _ in range(repeats):
+        t = time.perf_counter()
+        torch.mm(a, b)
+        best = max(best, 2 * n**3 / (time.perf_counter() - t) / 1e9)
+    return best
+
+
+def run_pagedllm(args, prompts) -> dict:
+    from pagedllm import LLM, SamplingParams
+    from pagedllm.config import EngineArgs
+
+    ea = EngineArgs.from_cli_args(args)
+    kwargs = {k: v for k, v in vars(ea).items() if k != "model"}
+    llm = LLM(model=ea.model, **kwargs)
+    sp = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    t = time.perf_counter()
+    outs = llm.generate(prompts, sp, use_tqdm=True)
+    elapsed = time.perf_counter() - t
+    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    arch = llm.llm_engine.config.arch
+    llm.shutdown()
+    return {"backend": "pagedllm", "elapsed_s": elapsed, "output_tokens": n_out, "arch": arch,
+            "dtype": str(llm.llm_engine.config.dtype)}
+
+
+def run_hf(args, prompts) -> dict:
+    import os
+
+    from transformers import AutoModelForCausalLM
+
+    from pagedllm.config import resolve_dtype
+    from pagedllm.models.loader import is_gguf, load_arch_config
+    from pagedllm.utils import default_model_path, resolve_device
+
+    path = args.model or default_model_path()
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    if is_gguf(path):
+        model = AutoModelForCausalLM.from_pretrained(os.path.dirname(os.path.abspath(path)),
+                                                     gguf_file=os.path.basename(path), dtype=dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    model = model.to(device).eval()
+    bsz = args.hf_batch_size or len(prompts)
+    n_out = 0
+    kw = dict(do_sample=False, max_new_tokens=args.output_len, min_new_tokens=args.output_len,
+              pad_token_id=0)
+    with torch.inference_mode():
+        model.generate(torch.tensor(prompts[:2], device=device), max_new_tokens=4, min_new_tokens=4,
+                       do_sample=False, pad_token_id=0)
+        t = time.perf_counter()
+        for i in range(0, len(prompts), bsz):
+            batch = torch.tensor(prompts[i:i + bsz], device=device)
+            out = model.generate(batch, attention_mask=torch.ones_like(batch), **kw)
+            n_out += (out.shape[1] - batch.shape[1]) * out.shape[0]
+        elapsed = time.perf_counter() - t
+    return {"backend": "hf", "elapsed_s": elapsed, "output_tokens": n_out,
+            "arch": load_arch_config(path), "dtype": str(dtype)}
+
+
+def throughput_main(args) -> int:
+    from pagedllm.models.loader import load_arch_config
+    from pagedllm.utils import default_model_path
+
+    if args.num_prompts < 1 or args.input_len < 1 or args.output_len < 1:
+        raise ValueError("--num-prompts, --input-len and --output-len must be >= 1")
+    if args.num_threads:
+        torch.set_num_threads(args.num_threads)
+    arch = load_arch_config(args.model or default_model_path())
+    prompts = random_prompts(args.num_prompts, args.input_len, arch.vocab_size, args.seed)
+    results = []
+    backends = ["hf", "pagedllm"] if args.backend == "both" else [args.backend]
+    for b in backends:
+        results.append(run_hf(args, prompts) if b == "hf" else run_pagedllm(args, prompts))
+    mm = None if args.no_mm else measure_mm_gflops()
+    flops = workload_flops(arch, args.num_prompts, args.input_len, args.output_len)
+    report = {"num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
+              "torch_mm_fp32_gflops": mm, "workload_gflop": flops / 1e9, "threads": torch.get_num_threads(),
+              "results": []}
+    print(f"\nworkload: {args.num_prompts} prompts x ({args.input_len} in, {args.output_len} out), "
+          f"{flops / 1e12:.2f} TFLOP; torch threads {torch.get_num_threads()}")
+    if mm:
+        print(f"torch.mm fp32 (2048^3): {mm:.1f} GFLOP/s")
+    for r in results:
+        el = r["elapsed_s"]
+        total = args.num_prompts * args.input_len + r["output_tokens"]
+        gf = flops / el / 1e9
+        row = {"backend": r["backend"], "dtype": r["dtype"], "elapsed_s": round(el, 2),
+               "requests_per_s": round(args.num_prompts / el, 3),
+               "output_tokens_per_s": round(r["output_tokens"] / el, 1),
+               "total_tokens_per_s": round(total / el, 1), "achieved_gflops": round(gf, 1),
+               "fraction_of_mm": round(gf / mm, 3) if mm else None}
+        report["results"].append(row)
+        print(f"[{row['backend']:>8}] {row['elapsed_s']:.1f} s | {row['requests_per_s']:.2f} req/s | "
+              f"output {row['output_tokens_per_s']:.1f} tok/s | total {row['total_tokens_per_s']:.1f} tok/s | "
+              f"{gf:.1f} GFLOP/s" + (f" ({100 * gf / mm:.0f}% of torch.mm)" if mm else ""))
+    if len(results) == 2:
+        ratio = report["results"][1]["output_tokens_per_s"] / report["results"][0]["output_tokens_per_s"]
+        report["speedup_output_tokens"] = round(ratio, 2)
+        print(f"pagedllm / hf output tokens/s: {ratio:.2f}x")
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(report, f, indent=2)
+    return 0

@@ -1,0 +1,92 @@
+"""The ``pagedllm`` command: serve, generate, bench, profile."""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+
+def _setup_logging(level: str = "INFO") -> None:
+    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO),
+                        format="%(levelname)s %(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+
+
+def _serve(args) -> int:
+    from pagedllm.entrypoints.openai.api_server import run_server
+
+    run_server(args)
+    return 0
+
+
+def _generate(args) -> int:
+    from pagedllm import LLM, SamplingParams
+    from pagedllm.config import EngineArgs
+
+    ea = EngineArgs.from_cli_args(args)
+    kwargs = {k: v for k, v in vars(ea).items() if k != "model"}
+    llm = LLM(model=ea.model, **kwargs)
+    sp = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed_sampling,
+                        max_tokens=args.max_tokens)
+    if args.chat:
+        out = llm.chat([{"role": "user", "content": args.prompt}], sp, use_tqdm=False)[0]
+    else:
+        out = llm.generate(args.prompt, sp, use_tqdm=False)[0]
+    print(out.outputs[0].text)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from pagedllm.config import EngineArgs
+
+    parser = argparse.ArgumentParser(prog="pagedllm", description="LLM inference and serving engine")
+    parser.add_argument("--log-level", default=os.environ.get("PAGEDLLM_LOG_LEVEL", "INFO"))
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    EngineArgs.add_cli_args(p)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--uvicorn-log-level", default="warning")
+    p.set_defaults(func=_serve)
+
+    p = sub.add_parser("generate", help="print a completion of PROMPT",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("prompt")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed-sampling", type=int, default=None, help="per-request sampling seed")
+    p.add_argument("--chat", action="store_true", help="wrap PROMPT in the model's chat template")
+    EngineArgs.add_cli_args(p)
+    p.set_defaults(func=_generate)
+
+    p = sub.add_parser("bench", help="benchmarks")
+    bench = p.add_subparsers(dest="bench_command", required=True)
+    from pagedllm.benchmarks.throughput import add_throughput_parser
+    add_throughput_parser(bench)
+    from pagedllm.benchmarks.cli import register_bench_subcommands, register_profile_subcommands
+    register_bench_subcommands(bench)
+
+    p = sub.add_parser("profile", help="inspect --profile-dir output")
+    prof = p.add_subparsers(dest="profile_command", required=True)
+    register_profile_subcommands(prof)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _setup_logging(args.log_level)
+    try:
+        return int(args.func(args) or 0)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

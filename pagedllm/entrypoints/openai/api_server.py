@@ -1,0 +1,307 @@
+"""OpenAI-compatible HTTP server (FastAPI + uvicorn) over AsyncLLM.
+
+Endpoints: POST /v1/completions, POST /v1/chat/completions (``stream`` true or false;
+SSE chunks as OpenAI's, closing with ``data: [DONE]``), GET /v1/models, GET /health,
+GET /metrics (Prometheus, vLLM names), POST /reset_prefix_cache.
+A client that disconnects mid-request aborts it; its KV blocks are freed at once.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from pagedllm.engine.async_llm import AsyncLLM, EngineDeadError
+from pagedllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
+                                                  error_body)
+from pagedllm.errors import InvalidParameterError
+
+logger = logging.getLogger("pagedllm")
+
+
+def _err(message: str, param: str | None, code: int = 400, type_: str = "invalid_request_error"):
+    return JSONResponse(error_body(message, param, code, type_), status_code=code)
+
+
+def _usage(prompt_tokens: int, completion_tokens: int, cached: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def _sse(obj) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def build_app(engine: AsyncLLM, prometheus=None) -> FastAPI:
+    """The FastAPI app serving ``engine``; ``prometheus`` is a PrometheusStatLogger (or None)."""
+    app = FastAPI(title="pagedllm", version="0.1.0")
+    app.state.engine = engine
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_req, exc: RequestValidationError):
+        errs = exc.errors()
+        e = errs[0] if errs else {}
+        loc = [str(x) for x in e.get("loc", ()) if x != "body"]
+        param = loc[0] if loc else None
+        where = ".".join(loc)
+        return _err(f"invalid value for {where}: {e.get('msg', 'invalid request')}", param)
+
+    @app.exception_handler(InvalidParameterError)
+    async def _invalid(_req, exc: InvalidParameterError):
+        return _err(str(exc), exc.param)
+
+    @app.exception_handler(EngineDeadError)
+    async def _dead(_req, exc):
+        return _err(str(exc), None, 503, "service_unavailable")
+
+    def check_model(name: str | None):
+        if name not in (None, "", engine.model_name, engine.engine.config.model_path):
+            return _err(f"The model `{name}` does not exist.", "model", 404, "NotFoundError")
+        return None
+
+    @app.get("/health")
+    async def health():
+        await engine.check_health()
+        return Response(status_code=200)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{
+            "id": engine.model_name, "object": "model", "created": int(time.time()),
+            "owned_by": "pagedllm", "root": engine.engine.config.model_path,
+            "max_model_len": engine.max_model_len}]}
+
+    @app.get("/metrics")
+    async def metrics():
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        if prometheus is None:
+            return Response(status_code=404)
+        return Response(generate_latest(prometheus.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache():
+        n = await engine.reset_prefix_cache()
+        return {"status": "ok", "num_blocks_dropped": n}
+
+    async def _with_disconnect(raw: Request, coro, streams):
+        """Run ``coro``; if the client goes away first, abort its requests (freeing their
+        blocks) and answer 499."""
+        task = asyncio.ensure_future(coro)
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=0.25)
+            if done:
+                return task.result()
+            if await raw.is_disconnected():
+                task.cancel()
+                for st in streams:
+                    await st.aclose()
+                return Response(status_code=499)
+
+    # -- /v1/completions ---------------------------------------------------------------
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, raw: Request):
+        if (r := check_model(body.model)) is not None:
+            return r
+        if body.echo:
+            raise InvalidParameterError("echo", "echo is not supported")
+        if body.suffix:
+            raise InvalidParameterError("suffix", "suffix is not supported")
+        params = body.to_sampling_params(default_max_tokens=16)
+        p = body.prompt
+        if isinstance(p, str) or (isinstance(p, list) and p and isinstance(p[0], int)):
+            prompts = [p]
+        else:
+            prompts = list(p)
+            if not prompts:
+                raise InvalidParameterError("prompt", "prompt must not be empty")
+        base = f"cmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+        streams = []
+        try:
+            for i, pr in enumerate(prompts):
+                streams.append(engine.add_request(f"{base}-{i}", pr, params))
+        except BaseException:
+            for st in streams:
+                await st.aclose()
+            raise
+        if body.stream:
+            return StreamingResponse(_stream_completion(streams, base, created, body),
+                                     media_type="text/event-stream")
+        return await _with_disconnect(raw, _full_completion(streams, base, created), streams)
+
+    async def _drain(stream):
+        last = None
+        async for out in stream:
+            last = out
+        return last
+
+    async def _full_completion(streams, base, created):
+        finals = await asyncio.gather(*[_drain(st) for st in streams])
+        choices, pt, ct, cached = [], 0, 0, 0
+        for i, f in enumerate(finals):
+            c = f.outputs[0]
+            choices.append({"index": i, "text": c.text, "logprobs": None,
+                            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+            pt += len(f.prompt_token_ids)
+            ct += len(c.token_ids)
+            cached += f.num_cached_tokens
+        return {"id": base, "object": "text_completion", "created": created,
+                "model": engine.model_name, "choices": choices, "usage": _usage(pt, ct, cached)}
+
+    async def _stream_completion(streams, base, created, body):
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i, st):
+            try:
+                async for out in st:
+                    await queue.put((i, out))
+            except Exception as e:  # noqa: BLE001
+                await queue.put((i, e))
+            finally:
+                await queue.put((i, None))
+
+        tasks = [asyncio.ensure_future(pump(i, st)) for i, st in enumerate(streams)]
+        pending = len(tasks)
+        pt = ct = cached = 0
+        try:
+            while pending:
+                i, out = await queue.get()
+                if out is None:
+                    pending -= 1
+                    continue
+                if isinstance(out, BaseException):
+                    yield _sse(error_body(str(out), getattr(out, "param", None), 500, "internal_error"))
+                    continue
+                c = out.outputs[0]
+                if out.delta_text or out.finished:
+                    yield _sse({"id": base, "object": "text_completion", "created": created,
+                                "model": engine.model_name,
+                                "choices": [{"index": i, "text": out.delta_text, "logprobs": None,
+                                             "finish_reason": c.finish_reason if out.finished else None,
+                                             "stop_reason": c.stop_reason if out.finished else None}]})
+                if out.finished:
+                    pt += len(out.prompt_token_ids)
+                    ct += len(c.token_ids)
+                    cached += out.num_cached_tokens
+            if include_usage:
+                yield _sse({"id": base, "object": "text_completion", "created": created,
+                            "model": engine.model_name, "choices": [], "usage": _usage(pt, ct, cached)})
+            yield "data: [DONE]\n\n"
+        finally:
+            for t in tasks:
+                t.cancel()
+            for st in streams:
+                await st.aclose()
+
+    # -- /v1/chat/completions ------------------------------------------------------------
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest, raw: Request):
+        if (r := check_model(body.model)) is not None:
+            return r
+        messages = []
+        for m in body.messages:
+            content = m.content
+            if isinstance(content, list):
+                parts = []
+                for part in content:
+                    if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                        raise InvalidParameterError("messages", "only text content parts are supported")
+                    parts.append(part["text"])
+                content = "".join(parts)
+            messages.append({"role": m.role, "content": content or ""})
+        try:
+            ids = engine.engine.apply_chat_template(messages, body.add_generation_prompt, body.chat_template)
+        except InvalidParameterError:
+            raise
+        except Exception as e:
+            raise InvalidParameterError("messages", f"cannot apply the chat template: {e}") from e
+        if len(ids) >= engine.max_model_len:
+            raise InvalidParameterError(
+                "messages", f"the conversation is {len(ids)} tokens, which leaves no room to generate "
+                            f"within max_model_len ({engine.max_model_len})")
+        if body.max_tokens is None and body.max_completion_tokens is not None:
+            body.max_tokens = body.max_completion_tokens
+        params = body.to_sampling_params(default_max_tokens=None)
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+        stream = engine.add_request(rid, ids, params)
+        if body.stream:
+            return StreamingResponse(_stream_chat(stream, rid, created, body),
+                                     media_type="text/event-stream")
+        return await _with_disconnect(raw, _full_chat(stream, rid, created), [stream])
+
+    async def _full_chat(stream, rid, created):
+        out = await _drain(stream)
+        c = out.outputs[0]
+        return {"id": rid, "object": "chat.completion", "created": created, "model": engine.model_name,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": c.text},
+                             "logprobs": None, "finish_reason": c.finish_reason,
+                             "stop_reason": c.stop_reason}],
+                "usage": _usage(len(out.prompt_token_ids), len(c.token_ids), out.num_cached_tokens)}
+
+    async def _stream_chat(stream, rid, created, body):
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+        def chunk(delta: dict, finish=None, stop_reason=None):
+            return _sse({"id": rid, "object": "chat.completion.chunk", "created": created,
+                         "model": engine.model_name,
+                         "choices": [{"index": 0, "delta": delta, "logprobs": None,
+                                      "finish_reason": finish, "stop_reason": stop_reason}]})
+        try:
+            yield chunk({"role": "assistant", "content": ""})
+            try:
+                async for out in stream:
+                    c = out.outputs[0]
+                    if out.delta_text:
+                        yield chunk({"content": out.delta_text})
+                    if out.finished:
+                        yield chunk({}, c.finish_reason, c.stop_reason)
+                        if include_usage:
+                            yield _sse({"id": rid, "object": "chat.completion.chunk", "created": created,
+                                        "model": engine.model_name, "choices": [],
+                                        "usage": _usage(len(out.prompt_token_ids), len(c.token_ids),
+                                                        out.num_cached_tokens)})
+            except Exception as e:  # noqa: BLE001
+                yield _sse(error_body(str(e), getattr(e, "param", None), 500, "internal_error"))
+            yield "data: [DONE]\n\n"
+        finally:
+            await stream.aclose()
+
+    return app
+
+
+def run_server(args) -> None:
+    """Load the engine from parsed CLI args, then serve until interrupted."""
+    import uvicorn
+
+    from pagedllm.config import EngineArgs
+    from pagedllm.engine.metrics import PrometheusStatLogger
+
+    engine_args = EngineArgs.from_cli_args(args)
+    from pagedllm.config import EngineConfig  # noqa: F401  (fail fast on bad args below)
+
+    prom_holder = []
+
+    class _Late:
+        def record(self, s, it):
+            for p in prom_holder:
+                p.record(s, it)
+
+    engine = AsyncLLM(engine_args, stat_loggers=[_Late()])
+    prom = PrometheusStatLogger(engine.model_name)
+    prom_holder.append(prom)
+    app = build_app(engine, prom)
+    logger.info("serving %s on http://%s:%d", engine.model_name, args.host, args.port)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
+    finally:
+        engine.shutdown()
