@@ -1,0 +1,281 @@
+"""The OpenAI-compatible server, in-process (uvicorn in a thread) so the tests can look at
+the engine's KV blocks: the official ``openai`` client, streaming vs non-streaming text
+(English and Korean), disconnects freeing blocks, bad input → HTTP 400 naming the
+parameter while the server keeps serving."""
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from pagedllm.config import EngineArgs
+from pagedllm.engine.async_llm import AsyncLLM
+from pagedllm.engine.metrics import PrometheusStatLogger
+from pagedllm.entrypoints.openai.api_server import build_app
+
+MAX_MODEL_LEN = 1024
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _Server:
+    def __init__(self):
+        import uvicorn
+
+        self.prom_holder = []
+        holder = self.prom_holder
+
+        class _Late:
+            def record(self, s, it):
+                for p in holder:
+                    p.record(s, it)
+
+        self.engine = AsyncLLM(EngineArgs(dtype="float32", device="cpu", max_model_len=MAX_MODEL_LEN,
+                                          kv_cache_memory="256MiB", num_threads=1),
+                               stat_loggers=[_Late()], log_stats=False)
+        self.prom = PrometheusStatLogger(self.engine.model_name)
+        holder.append(self.prom)
+        self.port = _free_port()
+        app = build_app(self.engine, self.prom)
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        raise RuntimeError("server did not start")
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def idle_and_free(self, timeout: float = 10.0) -> bool:
+        """True once no request is alive and every KV block is free."""
+        core = self.engine.engine.core
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if (not core.has_unfinished_requests() and not self.engine.engine.states
+                    and core.kv.num_free_blocks == core.kv.num_blocks):
+                return True
+            time.sleep(0.05)
+        return False
+
+    def stop(self):
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+        self.engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = _Server()
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(autouse=True)
+def _blocks_free_after(server):
+    yield
+    assert server.idle_and_free(), "server left requests or KV blocks behind"
+
+
+def test_models_and_health(server, client):
+    models = client.models.list().data
+    assert len(models) == 1 and models[0].id == server.engine.model_name
+    assert httpx.get(f"{server.url}/health").status_code == 200
+
+
+def test_chat_answers_and_usage(client, server):
+    r = client.chat.completions.create(model=server.engine.model_name, temperature=0, max_tokens=16,
+                                       messages=[{"role": "user", "content": "What is the capital of France?"}])
+    assert "Paris" in r.choices[0].message.content
+    assert r.choices[0].finish_reason in ("stop", "length")
+    assert r.usage.completion_tokens <= 16 and r.usage.prompt_tokens > 10
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+
+
+def test_completions_match_offline_greedy(client, server):
+    """The server's greedy text equals the engine's own offline result for the same prompt."""
+    prompt = "The three primary colors are"
+    r = client.completions.create(model=server.engine.model_name, prompt=prompt, max_tokens=12, temperature=0)
+    ids = server.engine.tokenizer.encode(prompt)
+    assert r.usage.prompt_tokens == len(ids)
+    assert r.usage.completion_tokens == 12 and r.choices[0].finish_reason == "length"
+    # batch of two prompts: choices indexed in order, same text for the repeated prompt
+    r2 = client.completions.create(model=server.engine.model_name, prompt=[prompt, "Water boils at"],
+                                   max_tokens=12, temperature=0)
+    assert [c.index for c in r2.choices] == [0, 1]
+    assert r2.choices[0].text == r.choices[0].text
+
+
+@pytest.mark.parametrize("content", [
+    "Write two sentences about the ocean.",
+    "Say hi in Korean",
+])
+def test_stream_concatenates_to_full_text(client, server, content):
+    kw = dict(model=server.engine.model_name, temperature=0, max_tokens=48,
+              messages=[{"role": "user", "content": content}])
+    full = client.chat.completions.create(**kw)
+    text = full.choices[0].message.content
+    parts, finish, usage = [], None, None
+    for chunk in client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw):
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for c in chunk.choices:
+            if c.delta.content:
+                assert "\ufffd" not in c.delta.content
+                parts.append(c.delta.content)
+            if c.finish_reason:
+                finish = c.finish_reason
+    assert "".join(parts) == text
+    assert finish == full.choices[0].finish_reason
+    assert usage is not None and usage.completion_tokens == full.usage.completion_tokens
+    if "Korean" in content:
+        assert any("\uac00" <= ch <= "\ud7a3" for ch in text), text  # Hangul was produced
+
+
+def test_completion_stream_sse_shape(server):
+    body = {"model": server.engine.model_name, "prompt": "Once upon a time", "max_tokens": 8,
+            "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        lines = [ln for ln in r.iter_lines() if ln]
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(ln[len("data: "):]) for ln in lines[:-1]]
+    assert all(c["object"] == "text_completion" for c in chunks)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_stop_string_excluded(client, server):
+    r = client.completions.create(model=server.engine.model_name, prompt="1, 2, 3, 4,", max_tokens=30,
+                                  temperature=0, stop=[" 7"])
+    assert r.choices[0].finish_reason == "stop"
+    assert " 7" not in r.choices[0].text and r.choices[0].text.strip().startswith("5")
+
+
+def test_disconnect_mid_stream_frees_blocks(server):
+    """A client that goes away mid-stream aborts its request; its blocks are freed."""
+    core = server.engine.engine.core
+    body = {"model": server.engine.model_name, "prompt": "Tell me a very long story about dragons.",
+            "max_tokens": 500, "ignore_eos": True, "temperature": 0, "stream": True}
+    with httpx.Client(timeout=60) as c:
+        with c.stream("POST", f"{server.url}/v1/completions", json=body) as r:
+            got = 0
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    got += 1
+                    if got == 3:
+                        assert core.kv.num_free_blocks < core.kv.num_blocks  # it holds blocks now
+                        break
+    # connection closed without reading the rest
+    assert server.idle_and_free(timeout=10)
+
+
+def test_disconnect_non_streaming_frees_blocks(server):
+    body = {"model": server.engine.model_name, "prompt": "Count to a thousand:", "max_tokens": 900,
+            "ignore_eos": True, "temperature": 0}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}/v1/completions", json=body, timeout=1.5)
+    assert server.idle_and_free(timeout=10)
+
+
+@pytest.mark.parametrize("field,value", [
+    ("max_tokens", -1),
+    ("temperature", -0.5),
+    ("top_p", 0),
+    ("top_p", 1.5),
+    ("max_tokens", "many"),
+    ("temperature", "hot"),
+    ("stop", 7),
+])
+def test_bad_input_is_400_naming_param(server, client, field, value):
+    body = {"model": server.engine.model_name, "prompt": "hi", "max_tokens": 4, field: value}
+    r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == field and err["type"] == "invalid_request_error" and err["message"]
+    # the server keeps serving
+    ok = client.completions.create(model=server.engine.model_name, prompt="hi", max_tokens=2)
+    assert ok.usage.completion_tokens == 2
+
+
+def test_prompt_over_max_model_len_is_400(server, client):
+    long_prompt = "hello " * (MAX_MODEL_LEN + 50)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=server.engine.model_name, prompt=long_prompt, max_tokens=4)
+    assert e.value.body["param"] == "prompt" and str(MAX_MODEL_LEN) in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=server.engine.model_name, prompt="hi", max_tokens=MAX_MODEL_LEN)
+    assert e.value.body["param"] == "max_tokens"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=server.engine.model_name, max_tokens=4,
+                                       messages=[{"role": "user", "content": long_prompt}])
+    assert e.value.body["param"] == "messages"
+    assert client.completions.create(model=server.engine.model_name, prompt="hi", max_tokens=2).choices
+
+
+def test_wrong_type_chat_messages_400(server):
+    r = httpx.post(f"{server.url}/v1/chat/completions",
+                   json={"model": server.engine.model_name, "messages": "hello"}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    r = httpx.post(f"{server.url}/v1/chat/completions",
+                   json={"model": server.engine.model_name, "messages": []}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+
+
+def test_unknown_model_404(server):
+    r = httpx.post(f"{server.url}/v1/completions", json={"model": "nope", "prompt": "hi"}, timeout=30)
+    assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+
+
+def test_concurrent_requests_all_served(server):
+    """Many connections at once are batched by the one engine loop; greedy results equal
+    the one-at-a-time results."""
+    prompts = [f"Fact number {i} about cats:" for i in range(8)]
+
+    async def one(c, p):
+        r = await c.post(f"{server.url}/v1/completions", json={
+            "model": server.engine.model_name, "prompt": p, "max_tokens": 10, "temperature": 0})
+        return r.json()["choices"][0]["text"]
+
+    async def run_all():
+        async with httpx.AsyncClient(timeout=120) as c:
+            return await asyncio.gather(*[one(c, p) for p in prompts])
+
+    together = asyncio.run(run_all())
+    alone = [httpx.post(f"{server.url}/v1/completions", json={
+        "model": server.engine.model_name, "prompt": p, "max_tokens": 10, "temperature": 0},
+        timeout=60).json()["choices"][0]["text"] for p in prompts[:3]]
+    assert together[:3] == alone
+
+
+def test_metrics_exposed(server, client):
+    client.completions.create(model=server.engine.model_name, prompt="hello there", max_tokens=3)
+    text = httpx.get(f"{server.url}/metrics").text
+    for name in ("vllm:time_to_first_token_seconds_count", "vllm:e2e_request_latency_seconds_count",
+                 "vllm:request_queue_time_seconds_count", "vllm:prompt_tokens_total",
+                 "vllm:generation_tokens_total", "vllm:num_requests_running",
+                 "vllm:kv_cache_usage_perc", "vllm:prefix_cache_queries_total"):
+        assert name in text, name
+    gen = [ln for ln in text.splitlines() if ln.startswith("vllm:generation_tokens_total")]
+    assert float(gen[0].split()[-1]) >= 3
