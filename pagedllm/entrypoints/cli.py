@@ -66,6 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench = p.add_subparsers(dest="bench_command", required=True)
     from pagedllm.benchmarks.throughput import add_throughput_parser
     add_throughput_parser(bench)
+    from pagedllm.benchmarks.prefix import add_prefix_parser
+    add_prefix_parser(bench)
     from pagedllm.benchmarks.cli import register_bench_subcommands, register_profile_subcommands
     register_bench_subcommands(bench)
 

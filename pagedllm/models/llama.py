@@ -23,8 +23,11 @@ from pagedllm.models.rotary import RotaryEmbedding, apply_rotary
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm (Zhang & Sennrich 2019): x / sqrt(mean(x^2) + eps) * weight, in float32."""
+    """RMSNorm (Zhang & Sennrich 2019): x / sqrt(mean(x^2) + eps) * weight, in float32
+    (torch's fused ``F.rms_norm`` for float32 inputs; half inputs are upcast as HF does)."""
     dtype = x.dtype
+    if dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return (xf.to(dtype) * weight) if dtype != torch.float32 else xf * weight
@@ -57,14 +60,18 @@ class DecoderLayer(nn.Module):
         h = rms_norm(residual, self.input_layernorm, self.eps)
         qkv = F.linear(h, self.qkv_proj, self.qkv_bias)
         T = qkv.shape[0]
-        q = qkv[:, : self.q_size].view(T, self.nh, self.hd)
-        k = qkv[:, self.q_size: self.q_size + self.kv_size].view(T, self.nkv, self.hd)
         v = qkv[:, self.q_size + self.kv_size:].view(T, self.nkv, self.hd)
         if self.q_norm is not None:
-            q = rms_norm(q, self.q_norm, self.eps)
-            k = rms_norm(k, self.k_norm, self.eps)
-        q = apply_rotary(q, cos, sin)
-        k = apply_rotary(k, cos, sin)
+            q = rms_norm(qkv[:, : self.q_size].view(T, self.nh, self.hd), self.q_norm, self.eps)
+            k = rms_norm(qkv[:, self.q_size: self.q_size + self.kv_size].view(T, self.nkv, self.hd),
+                         self.k_norm, self.eps)
+            q = apply_rotary(q, cos, sin)
+            k = apply_rotary(k, cos, sin)
+        else:
+            # q and k rotated together: one set of elementwise ops instead of two
+            qk = apply_rotary(qkv[:, : self.q_size + self.kv_size].view(T, self.nh + self.nkv, self.hd),
+                              cos, sin)
+            q, k = qk[:, : self.nh], qk[:, self.nh:]
         o = attn.forward(q, k, v.contiguous(), layer_cache, attn_md, self.scale)
         x = F.linear(o, self.o_proj)
         residual = residual + x
