@@ -279,3 +279,25 @@ def test_metrics_exposed(server, client):
         assert name in text, name
     gen = [ln for ln in text.splitlines() if ln.startswith("vllm:generation_tokens_total")]
     assert float(gen[0].split()[-1]) >= 3
+
+
+def test_cache_salt_and_reset_prefix_cache(server):
+    prompt = list(range(5000, 5070))  # 70 tokens: 4 full blocks can be reused
+
+    def cached(salt=None):
+        body = {"model": server.engine.model_name, "prompt": prompt, "max_tokens": 2, "temperature": 0}
+        if salt:
+            body["cache_salt"] = salt
+        r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    assert cached("a") == 0
+    assert cached("a") == 64
+    assert cached("b") == 0
+    assert cached() == 0
+    r = httpx.post(f"{server.url}/reset_prefix_cache", timeout=30)
+    assert r.status_code == 200 and r.json()["num_blocks_dropped"] > 0
+    assert cached("a") == 0
+    bad = httpx.post(f"{server.url}/v1/completions", json={"prompt": "x", "cache_salt": ""}, timeout=30)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "cache_salt"
