@@ -14,6 +14,8 @@ GGUF_ARCH_TO_HF = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
 }
+# HF architecture names the model registry implements.
+SUPPORTED_ARCHITECTURES = frozenset(GGUF_ARCH_TO_HF.values())
 
 
 @dataclass
@@ -75,9 +77,18 @@ def config_from_hf_dir(path: str) -> ModelArchConfig:
     if not archs:
         raise ValueError(f"{cfg_path} names no 'architectures'")
     arch = archs[0]
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"unsupported model architecture {arch!r}; supported: {sorted(SUPPORTED_ARCHITECTURES)}")
     heads = c["num_attention_heads"]
     eos = c.get("eos_token_id")
     eos_ids = [] if eos is None else (list(eos) if isinstance(eos, list) else [eos])
+    # transformers >= 5 writes "rope_parameters" (theta and scaling in one dict);
+    # older configs have "rope_theta" and "rope_scaling".
+    rope_params = c.get("rope_parameters") or {}
+    rope_theta = c.get("rope_theta", rope_params.get("rope_theta", 10000.0))
+    rope_scaling = c.get("rope_scaling")
+    if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
+        rope_scaling = {k: v for k, v in rope_params.items() if k != "rope_theta"}
     flags = _arch_flags(arch)
     if "attention_bias" in c:
         flags["attention_bias"] = bool(c["attention_bias"]) or flags["attention_bias"]
@@ -91,8 +102,8 @@ def config_from_hf_dir(path: str) -> ModelArchConfig:
         head_dim=c.get("head_dim") or c["hidden_size"] // heads,
         vocab_size=c["vocab_size"],
         rms_norm_eps=c.get("rms_norm_eps", 1e-5),
-        rope_theta=c.get("rope_theta", (c.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
-        rope_scaling=c.get("rope_scaling"),
+        rope_theta=float(rope_theta),
+        rope_scaling=rope_scaling,
         max_position_embeddings=c.get("max_position_embeddings", 2048),
         tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
         bos_token_id=c.get("bos_token_id"),
