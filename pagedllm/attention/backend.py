@@ -96,7 +96,8 @@ def register_backend(cls: type[AttentionBackend]) -> type[AttentionBackend]:
     return cls
 
 
-def get_attention_backend(name: str = "auto", device: torch.device | None = None) -> AttentionBackend:
+def get_attention_backend(name: str = "auto", device: torch.device | None = None,
+                          dtype: torch.dtype = torch.float32) -> AttentionBackend:
     """Instantiate a backend by name. ``"auto"``: ``cpu_kernel`` on the CPU (torch ops
     plus a C++ decode kernel, falling back to torch ops), ``torch`` elsewhere.
 
@@ -109,4 +110,4 @@ def get_attention_backend(name: str = "auto", device: torch.device | None = None
         name = "cpu_kernel" if (device is None or device.type == "cpu") else "torch"
     if name not in _BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; available: {sorted(_BACKENDS)}")
-    return _BACKENDS[name]()
+    return _BACKENDS[name](device=device, dtype=dtype)

@@ -47,9 +47,11 @@ class TorchAttentionMetadata:
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
-    def __init__(self, use_cpu_kernel: bool = False):
+    def __init__(self, device: torch.device | None = None, dtype: torch.dtype = torch.float32,
+                 use_cpu_kernel: bool = False):
         self.kernels = None
-        if use_cpu_kernel:
+        on_cpu = device is None or torch.device(device).type == "cpu"
+        if use_cpu_kernel and on_cpu and dtype == torch.float32:
             from pagedllm.attention.cpu_kernels import load_cpu_kernels
 
             self.kernels = load_cpu_kernels()
@@ -150,5 +152,5 @@ class CpuKernelAttentionBackend(TorchAttentionBackend):
 
     name = "cpu_kernel"
 
-    def __init__(self):
-        super().__init__(use_cpu_kernel=True)
+    def __init__(self, device: torch.device | None = None, dtype: torch.dtype = torch.float32):
+        super().__init__(device, dtype, use_cpu_kernel=True)

@@ -41,7 +41,7 @@ class ModelRunner:
         self.dtype = config.dtype
         arch = config.arch
         self.block_size = config.args.block_size
-        self.attn = get_attention_backend(config.args.attention_backend, self.device)
+        self.attn = get_attention_backend(config.args.attention_backend, self.device, self.dtype)
         self.model = build_model(config.model_path, arch, self.dtype, self.device,
                                  max_positions=max(config.max_model_len, 1))
         self.sampler = Sampler()
