@@ -1,0 +1,229 @@
+"""Shared fixtures of the engine test suite.
+
+Models are loaded once per session (``make_llm`` caches engines by their settings, and
+``hf_model`` loads the transformers reference once). After every test, the autouse
+``_kv_blocks_released`` fixture checks that every engine built so far is idle with all of
+its KV blocks free, so a test that leaks blocks or leaves requests behind fails.
+
+Environment knobs:
+    PAGEDLLM_TEST_THREADS: torch intra-op threads (default 1; on a shared 2-core machine
+        two OpenMP threads spin against other processes and run ~20x slower).
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(int(os.environ.get("PAGEDLLM_TEST_THREADS", "1")))
+
+# Every engine built through ``make_llm`` (checked after each test).
+_ENGINES: dict[tuple, object] = {}
+
+# Settings shared by every engine of the suite: float32 so that results can be compared
+# with the float32 transformers reference, and a modest CPU KV cache.
+BASE_LLM_KW = dict(dtype="float32", device="cpu", seed=0)
+
+# Greedy tokens generated per request in the engine invariance tests. Every decode step
+# streams all weights (~90 ms on one core), so the 32 one-at-a-time reference runs
+# dominate the suite's time; 16 tokens make each request cross one block boundary.
+REF_TOKENS = 16
+
+
+# --------------------------------------------------------------------------------------
+# Prompts
+# --------------------------------------------------------------------------------------
+_FILLER = (
+    "The history of the city goes back more than two thousand years, when a small "
+    "settlement grew up around a river crossing used by traders who carried salt, wine "
+    "and pottery between the coast and the mountains. Over the centuries the town was "
+    "ruled by kings, bishops and merchant councils, each of whom left buildings, laws "
+    "and habits that still shape the daily life of its people. Today visitors come for "
+    "the old markets, the cathedral with its painted ceiling, the long gardens along the "
+    "water and the small restaurants that serve fish caught the same morning. In winter "
+    "the streets are quiet and the fog rolls in from the sea, while in summer the squares "
+    "fill with music, students and families who stay outside until long after midnight."
+).split()
+
+_TOPICS = [
+    "The capital of France is",
+    "Once upon a time, in a small village,",
+    "def fibonacci(n):",
+    "The three primary colors are",
+    "Question: What is 17 plus 25? Answer:",
+    "My favorite recipe for pancakes starts with",
+    "In 1969, the first humans to walk on the Moon",
+    "Water boils at a temperature of",
+    "The best way to learn a new language is",
+    "Translate to French: 'Good morning, my friend.'",
+    "A list of the planets in the solar system:",
+    "import numpy as np\n\nx = np.arange(10)\n",
+    "Dear hiring manager, I am writing to",
+    "The main causes of the French Revolution were",
+    "Photosynthesis is the process by which",
+    "Here is a short poem about the sea:\n",
+]
+
+
+def _mixed_prompts(n: int = 32) -> list[str]:
+    """``n`` prompts of mixed lengths (5 to ~105 tokens): a prefix of the filler paragraph
+    of varying length followed by a topic sentence."""
+    out = []
+    for i in range(n):
+        k = (i * 37) % 110
+        prefix = " ".join(_FILLER[:k])
+        topic = _TOPICS[i % len(_TOPICS)]
+        out.append(f"{prefix}\n\n{topic}" if prefix else topic)
+    return out
+
+
+@pytest.fixture(scope="session")
+def mixed_prompts() -> list[str]:
+    return _mixed_prompts(32)
+
+
+@pytest.fixture(scope="session")
+def long_prompts() -> list[str]:
+    """Six prompts of 40 to ~160 tokens (all longer than a 32-token budget)."""
+    return [" ".join(_FILLER[:k]) + "\n\n" + _TOPICS[j]
+            for j, k in enumerate((30, 45, 60, 75, 95, 118))]
+
+
+# --------------------------------------------------------------------------------------
+# Engines and references
+# --------------------------------------------------------------------------------------
+def _share_weights(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Let engines of the same model, dtype and device share one set of (read-only)
+    weights, so that each further engine costs a KV-cache allocation instead of another
+    ~10 s GGUF load. The model is stateless apart from its weights and RoPE tables; a
+    model built for more positions serves engines that need fewer."""
+    from pagedllm.models import registry
+
+    original = getattr(registry, "build_model", None)
+    if original is None:
+        return
+    built: dict[tuple, tuple[int, torch.nn.Module]] = {}
+
+    def build_model(path, cfg, dtype, device, max_positions, *args, **kwargs):
+        key = (os.path.abspath(path), str(dtype), str(device), args, tuple(sorted(kwargs.items())))
+        if key not in built or built[key][0] < max_positions:
+            built[key] = (max_positions, original(path, cfg, dtype, device, max_positions, *args, **kwargs))
+        return built[key][1]
+
+    monkeypatch.setattr(registry, "build_model", build_model)
+
+
+@pytest.fixture(scope="session")
+def make_llm():
+    """Factory: ``make_llm(**engine_args)`` → an ``LLM`` built once per distinct setting
+    for the whole session (float32 on CPU unless overridden)."""
+    from pagedllm import LLM
+
+    mp = pytest.MonkeyPatch()
+    _share_weights(mp)
+
+    def make(**kw):
+        kw = {**BASE_LLM_KW, **kw}
+        key = tuple(sorted(kw.items()))
+        if key not in _ENGINES:
+            _ENGINES[key] = LLM(**kw)
+        return _ENGINES[key]
+
+    yield make
+    for llm in _ENGINES.values():
+        llm.shutdown()
+    _ENGINES.clear()
+    mp.undo()
+
+
+@pytest.fixture(scope="session")
+def llm(make_llm):
+    """The main engine: defaults (prefix caching, chunked prefill, 2048-token budget) with
+    a KV cache large enough (728 blocks) that 32 requests run without preemption."""
+    return make_llm(max_model_len=1024, kv_cache_memory="512MiB")
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    from pagedllm.tokenizer import get_tokenizer
+
+    return get_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def model_path() -> str:
+    from pagedllm.utils import default_model_path
+
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def hf_model(model_path):
+    """transformers' own implementation on the same GGUF file, float32 (the reference)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(model_path), gguf_file=os.path.basename(model_path), dtype=torch.float32)
+    return model.eval()
+
+
+def greedy(max_tokens: int = 32):
+    from pagedllm import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def run_alone(llm, prompts, params) -> list[list[int]]:
+    """Generate for each prompt in its own ``generate`` call (batch of one)."""
+    return [llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+
+
+@pytest.fixture(scope="session")
+def greedy_alone(llm, mixed_prompts):
+    """Reference: each mixed prompt's greedy continuation (REF_TOKENS tokens, so that every
+    request crosses a block boundary while decoding), generated alone on the main engine
+    with an empty prefix cache."""
+    llm.reset_prefix_cache()
+    return run_alone(llm, mixed_prompts, greedy(REF_TOKENS))
+
+
+# --------------------------------------------------------------------------------------
+# Per-test invariant: every engine is idle and all its KV blocks are free again.
+# --------------------------------------------------------------------------------------
+def engine_leaks(llm) -> list[str]:
+    """Problems that show an engine is not back to idle (empty list when it is)."""
+    eng = llm.llm_engine
+    core = eng.core
+    sched = core.scheduler
+    problems = []
+    if core.kv.num_free_blocks != core.kv.num_blocks:
+        problems.append(f"{core.kv.num_blocks - core.kv.num_free_blocks} of {core.kv.num_blocks} "
+                        f"KV blocks still held")
+    if core.kv.req_blocks:
+        problems.append(f"block tables left for {sorted(core.kv.req_blocks)}")
+    if sched.running or sched.waiting:
+        problems.append(f"{len(sched.running)} running / {len(sched.waiting)} waiting requests left")
+    if sched.requests:
+        problems.append(f"scheduler still tracks {sorted(sched.requests)}")
+    if eng.states:
+        problems.append(f"front end still tracks {sorted(eng.states)}")
+    return problems
+
+
+@pytest.fixture(autouse=True)
+def _kv_blocks_released():
+    yield
+    failures = {}
+    for key, llm in list(_ENGINES.items()):
+        problems = engine_leaks(llm)
+        if problems:
+            name = ", ".join(f"{k}={v}" for k, v in key if k not in BASE_LLM_KW) or "defaults"
+            failures[f"LLM({name})"] = problems
+            # Clean up so that one leak does not fail every later test too.
+            eng = llm.llm_engine
+            eng.abort_request(list(eng.core.scheduler.requests) + list(eng.states))
+    assert not failures, f"engines not idle after the test: {failures}"

@@ -1,0 +1,124 @@
+"""Offline API errors: bad input to ``LLM.generate`` raises a ValueError naming the problem,
+queues nothing, and leaves the engine usable (its next outputs are still the references)."""
+from __future__ import annotations
+
+import pytest
+
+from conftest import REF_TOKENS, engine_leaks, greedy
+from pagedllm import LLM, SamplingParams
+
+
+@pytest.fixture
+def check_usable(llm, mixed_prompts, greedy_alone):
+    """After the test: the engine is idle, and generating still gives the reference."""
+    yield
+    assert engine_leaks(llm) == []
+    out = llm.generate(mixed_prompts[1], greedy(4), use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == greedy_alone[1][:4]
+
+
+def test_negative_max_tokens(llm, check_usable):
+    with pytest.raises(ValueError, match="max_tokens"):
+        llm.generate(["Hello"], SamplingParams(max_tokens=-1), use_tqdm=False)
+    with pytest.raises(ValueError, match="max_tokens"):
+        llm.generate(["Hello"], [SamplingParams(max_tokens=0)], use_tqdm=False)
+
+
+def test_prompt_over_max_model_len(llm, check_usable):
+    n = llm.llm_engine.max_model_len
+    assert n == 1024
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.generate([{"prompt_token_ids": [100] * n}], greedy(1), use_tqdm=False)
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.generate([{"prompt_token_ids": [100] * (n + 500)}], greedy(1), use_tqdm=False)
+    # Prompt + max_tokens over the limit names both.
+    with pytest.raises(ValueError, match=r"max_tokens.*max_model_len"):
+        llm.generate([{"prompt_token_ids": [100] * (n - 10)}], greedy(11), use_tqdm=False)
+    # Exactly at the limit is fine.
+    out = llm.generate([{"prompt_token_ids": [100] * (n - 2)}], greedy(2), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 2
+
+
+@pytest.mark.parametrize("prompts", [
+    123, None, 4.5, [1.5], [None], [{"foo": "bar"}], [[]], [""], [["a", "b"]], [[1, "a"]],
+    [[True, 5]], [[-1]], [[10**9]], [b"bytes"], [[1, 2], 3.0],
+], ids=repr)
+def test_wrong_prompt_type(llm, check_usable, prompts):
+    with pytest.raises(ValueError, match="prompt"):
+        llm.generate(prompts, greedy(2), use_tqdm=False)
+
+
+def test_one_bad_prompt_queues_nothing(llm, check_usable, mixed_prompts):
+    with pytest.raises(ValueError):
+        llm.generate([mixed_prompts[0], mixed_prompts[1], [10**9]], greedy(4), use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.generate([mixed_prompts[0], {"prompt_token_ids": [5] * 5000}], greedy(4), use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_sampling_params_errors(llm, check_usable):
+    with pytest.raises(ValueError, match="sampling_params"):
+        llm.generate(["a", "b"], [greedy(2)], use_tqdm=False)
+    with pytest.raises(ValueError, match="sampling_params"):
+        llm.generate(["a"], [{"temperature": 0}], use_tqdm=False)
+    vocab = llm.llm_engine.config.arch.vocab_size
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        llm.generate(["a"], SamplingParams(stop_token_ids=[vocab]), use_tqdm=False)
+    with pytest.raises(ValueError, match="cache_salt"):
+        llm.generate(["a"], greedy(2), use_tqdm=False, cache_salt="")
+
+
+def test_single_prompt_forms_are_equivalent(llm, mixed_prompts, greedy_alone):
+    """A bare string, a bare token-id list and a bare prompt dict each mean one prompt."""
+    text = mixed_prompts[0]
+    ids = llm.get_tokenizer().encode(text)
+    ref = greedy_alone[0]
+    sp = greedy(REF_TOKENS)
+    for form in (text, ids, [text], [ids], {"prompt": text}, {"prompt_token_ids": ids},
+                 [{"prompt": text}], [{"prompt_token_ids": ids}]):
+        outs = llm.generate(form, sp, use_tqdm=False)
+        assert len(outs) == 1, f"{type(form).__name__} prompt gave {len(outs)} outputs"
+        assert outs[0].prompt_token_ids == ids
+        assert outs[0].outputs[0].token_ids == ref
+
+
+def test_unknown_engine_argument():
+    with pytest.raises(ValueError, match="no_such_option"):
+        LLM(no_such_option=1)
+
+
+def test_duplicate_request_id_and_abort(llm, check_usable, mixed_prompts):
+    eng = llm.llm_engine
+    eng.add_request("dup", mixed_prompts[5], greedy(8))
+    with pytest.raises(ValueError, match="dup"):
+        eng.add_request("dup", mixed_prompts[6], greedy(8))
+    eng.step()
+    eng.step()
+    assert eng.core.kv.num_free_blocks < eng.core.kv.num_blocks
+    eng.abort_request("dup")
+    assert engine_leaks(llm) == []
+    assert not eng.has_unfinished_requests()
+    assert eng.step() == []
+
+
+def test_request_id_reusable_after_finish_and_abort(llm, check_usable, mixed_prompts, greedy_alone):
+    """An id is "in use" only while its request runs: once finished or aborted, the same
+    id can be submitted again (LLMEngine.add_request's contract)."""
+    eng = llm.llm_engine
+
+    def run(rid, prompt, n):
+        eng.add_request(rid, prompt, greedy(n))
+        final = None
+        while eng.has_unfinished_requests():
+            for o in eng.step():
+                if o.finished and o.request_id == rid:
+                    final = o
+        return final.outputs[0].token_ids
+
+    assert run("reuse", mixed_prompts[1], 4) == greedy_alone[1][:4]
+    assert run("reuse", mixed_prompts[2], 4) == greedy_alone[2][:4]
+    eng.add_request("reuse", mixed_prompts[3], greedy(4))
+    eng.step()
+    eng.abort_request("reuse")
+    assert run("reuse", mixed_prompts[1], 4) == greedy_alone[1][:4]

@@ -1,0 +1,94 @@
+"""SamplingParams validation: every bad value raises a ValueError that names the field."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from pagedllm.sampling_params import SamplingParams
+
+BAD = [
+    # (field, value)
+    ("max_tokens", -1),
+    ("max_tokens", 0),
+    ("max_tokens", 1.5),
+    ("max_tokens", "16"),
+    ("max_tokens", True),
+    ("temperature", -0.1),
+    ("temperature", -1),
+    ("temperature", "0.7"),
+    ("temperature", None),
+    ("temperature", math.nan),
+    ("top_p", 0),
+    ("top_p", 0.0),
+    ("top_p", 1.5),
+    ("top_p", -0.5),
+    ("top_p", "0.9"),
+    ("top_p", math.nan),
+    ("top_k", -2),
+    ("top_k", 1.0),
+    ("top_k", "5"),
+    ("min_p", -0.1),
+    ("min_p", 1.5),
+    ("min_p", "0.1"),
+    ("min_p", math.nan),
+    ("seed", 1.0),
+    ("seed", "42"),
+    ("min_tokens", -1),
+    ("min_tokens", 2.0),
+    ("n", 2),
+    ("n", "1"),
+    ("stop", ""),
+    ("stop", 5),
+    ("stop", ["ok", ""]),
+    ("stop", ["ok", 3]),
+    ("stop", ("a", "b")),
+    ("stop_token_ids", [-1]),
+    ("stop_token_ids", [1.0]),
+    ("stop_token_ids", 5),
+    ("stop_token_ids", ["2"]),
+    ("ignore_eos", "yes"),
+    ("ignore_eos", 1),
+    ("include_stop_str_in_output", None),
+    ("skip_special_tokens", 0),
+    ("cache_salt", ""),
+    ("cache_salt", 123),
+]
+
+
+@pytest.mark.parametrize("field,value", BAD, ids=[f"{f}={v!r}" for f, v in BAD])
+def test_bad_value_raises_value_error_naming_the_field(field, value):
+    with pytest.raises(ValueError, match=field) as ei:
+        SamplingParams(**{field: value})
+    # The server maps the error to its parameter: when the error carries one, it is right.
+    assert getattr(ei.value, "param", field) == field
+
+
+def test_min_tokens_over_max_tokens():
+    with pytest.raises(ValueError, match="min_tokens") as ei:
+        SamplingParams(max_tokens=4, min_tokens=5)
+    assert getattr(ei.value, "param", "min_tokens") == "min_tokens"
+    SamplingParams(max_tokens=4, min_tokens=4)
+    SamplingParams(max_tokens=None, min_tokens=100)
+
+
+def test_defaults_and_normalisation():
+    sp = SamplingParams()
+    assert (sp.n, sp.temperature, sp.top_p, sp.top_k, sp.min_p) == (1, 1.0, 1.0, 0, 0.0)
+    assert (sp.max_tokens, sp.min_tokens, sp.seed) == (16, 0, None)
+    assert sp.stop_strings == [] and sp.stop_token_ids == []
+    assert not sp.ignore_eos and sp.skip_special_tokens and not sp.greedy
+    assert SamplingParams(top_k=-1).top_k == 0
+    assert SamplingParams(stop="###").stop_strings == ["###"]
+    assert SamplingParams(stop=["a", "bc"]).stop_strings == ["a", "bc"]
+    assert SamplingParams(temperature=0).greedy
+    assert SamplingParams(temperature=0.0, top_p=1, min_p=1, top_k=1).top_p == 1
+
+
+@pytest.mark.parametrize("kw", [
+    dict(temperature=0), dict(temperature=2), dict(top_p=1e-9), dict(top_p=1), dict(min_p=0),
+    dict(min_p=1), dict(top_k=0), dict(top_k=50), dict(seed=0), dict(seed=-5), dict(max_tokens=1),
+    dict(max_tokens=None), dict(stop_token_ids=[0, 2]), dict(cache_salt="s"), dict(ignore_eos=True),
+])
+def test_boundary_values_are_accepted(kw):
+    SamplingParams(**kw)
