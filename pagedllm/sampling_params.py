@@ -1,6 +1,7 @@
 """Per-request sampling and stopping parameters (names as vLLM's and the OpenAI API's)."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from pagedllm.errors import InvalidParameterError
@@ -13,7 +14,8 @@ def _is_int(x) -> bool:
 
 
 def _is_num(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
+    """A finite int or float (bool, NaN and infinities are rejected)."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 @dataclass

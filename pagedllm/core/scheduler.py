@@ -194,6 +194,10 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         """Form this step's batch (never over the token budget or max_num_seqs)."""
+        # The runner forgets finished requests at the start of this step, so an id that
+        # is reused after finishing must be sent as new (with its sampling params).
+        for rid in self.finished_req_ids:
+            self.runner_known.discard(rid)
         budget = self.max_num_batched_tokens
         scheduled: list[tuple[Request, int]] = []
         num_preempted = 0
@@ -226,7 +230,11 @@ class Scheduler:
                 req = self.waiting[0]
                 hit_blocks, n_hit = self.kv.get_computed_blocks(req)
                 n = req.num_tokens - n_hit
-                if not self.enable_chunked_prefill and n > budget:
+                # Without chunked prefill a prompt waits until it fits the budget whole
+                # (add_request rejects prompts over the whole budget). A preempted
+                # request may have grown past the budget with its outputs: its
+                # recomputation is chunked, or it would never run again.
+                if not self.enable_chunked_prefill and n > budget and req.num_preemptions == 0:
                     break
                 n = min(n, budget)
                 if self.kv.allocate_slots(req, n, hit_blocks, n_hit) is None:
@@ -252,8 +260,6 @@ class Scheduler:
                 out.num_decode_tokens += n
             else:
                 out.num_prefill_tokens += n
-        for rid in self.finished_req_ids:
-            self.runner_known.discard(rid)
         self.finished_req_ids = set()
         return out
 

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 from pagedllm.config import EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.errors import InvalidParameterError
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -53,9 +54,13 @@ class LLM:
         Raises:
             ValueError: a bad prompt or parameter (nothing is generated then).
         """
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
-                                         and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
+                                                 and isinstance(prompts[0], int)):
             prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)):
+            raise InvalidParameterError(
+                "prompts", f"prompts must be a string, a list of token ids, a dict, or a list of "
+                           f"those; got {type(prompts).__name__}")
         prompts = list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
