@@ -129,6 +129,11 @@ class LlamaForCausalLM(nn.Module):
         """Final norm and LM head on the selected rows: [N, hidden] → float32 [N, vocab]."""
         h = rms_norm(hidden, self.norm, self.cfg.rms_norm_eps)
         w = self.embed_tokens if self.lm_head is None else self.lm_head
+        if h.device.type == "cpu" and h.shape[0] > 1:
+            # [vocab, hidden] @ [hidden, N]: with a huge vocab and few rows, MKL runs this
+            # orientation ~1.5-2x faster than F.linear's (measured: 64 rows x 49152 vocab,
+            # 35 ms vs 64 ms on 2 cores). Batch invariance of greedy outputs is tested.
+            return torch.mm(w, h.t().contiguous()).t().float().contiguous()
         return F.linear(h, w).float()
 
     @torch.no_grad()
