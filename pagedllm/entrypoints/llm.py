@@ -16,6 +16,7 @@ class LLM:
 
     Args:
         model: a ``.gguf`` file or HF directory; None = the bundled SmolLM2-135M-Instruct.
+        log_stats: log throughput, queue, KV use and prefix-cache hit rate every 10 s.
         **kwargs: any EngineArgs field (``dtype``, ``max_model_len``, ``block_size``,
             ``kv_cache_memory``, ``max_num_batched_tokens``, ``max_num_seqs``,
             ``enable_chunked_prefill``, ``enable_prefix_caching``, ``num_gpu_blocks_override``,
@@ -25,12 +26,11 @@ class LLM:
         ValueError: an unknown keyword or a bad setting (named in the message).
     """
 
-    def __init__(self, model: str | None = None, **kwargs):
+    def __init__(self, model: str | None = None, log_stats: bool = False, **kwargs):
         names = {f.name for f in dataclasses.fields(EngineArgs)}
         unknown = sorted(set(kwargs) - names)
         if unknown:
             raise ValueError(f"unknown LLM argument(s): {', '.join(unknown)}")
-        log_stats = kwargs.pop("log_stats", False) if "log_stats" in kwargs else False
         self.llm_engine = LLMEngine(EngineArgs(model=model, **kwargs), log_stats=log_stats)
 
     @property
