@@ -35,7 +35,15 @@ def load_cpu_kernels():
         if os.environ.get("PAGEDLLM_CPU_KERNELS", "1") == "0":
             return None
         try:
+            import sys
+
             from torch.utils.cpp_extension import load
+
+            # The `ninja` wheel puts its binary next to the interpreter (venv/bin), which
+            # is not on PATH when the venv is not activated.
+            bindir = os.path.dirname(sys.executable)
+            if bindir not in os.environ.get("PATH", "").split(os.pathsep):
+                os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
 
             src = os.path.join(os.path.dirname(__file__), "csrc", "paged_attention_cpu.cpp")
             with open(src, "rb") as f:
