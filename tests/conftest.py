@@ -18,6 +18,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from engine_helpers import REF_TOKENS, engine_leaks, greedy, run_alone  # noqa: E402,F401
 
 torch.set_num_threads(int(os.environ.get("PAGEDLLM_TEST_THREADS", "1")))
 
@@ -31,7 +32,6 @@ BASE_LLM_KW = dict(dtype="float32", device="cpu", seed=0)
 # Greedy tokens generated per request in the engine invariance tests. Every decode step
 # streams all weights (~90 ms on one core), so the 32 one-at-a-time reference runs
 # dominate the suite's time; 16 tokens make each request cross one block boundary.
-REF_TOKENS = 16
 
 
 # --------------------------------------------------------------------------------------
@@ -171,17 +171,6 @@ def hf_model(model_path):
     return model.eval()
 
 
-def greedy(max_tokens: int = 32):
-    from pagedllm import SamplingParams
-
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-
-
-def run_alone(llm, prompts, params) -> list[list[int]]:
-    """Generate for each prompt in its own ``generate`` call (batch of one)."""
-    return [llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
-
-
 @pytest.fixture(scope="session")
 def greedy_alone(llm, mixed_prompts):
     """Reference: each mixed prompt's greedy continuation (REF_TOKENS tokens, so that every
@@ -194,26 +183,6 @@ def greedy_alone(llm, mixed_prompts):
 # --------------------------------------------------------------------------------------
 # Per-test invariant: every engine is idle and all its KV blocks are free again.
 # --------------------------------------------------------------------------------------
-def engine_leaks(llm) -> list[str]:
-    """Problems that show an engine is not back to idle (empty list when it is)."""
-    eng = llm.llm_engine
-    core = eng.core
-    sched = core.scheduler
-    problems = []
-    if core.kv.num_free_blocks != core.kv.num_blocks:
-        problems.append(f"{core.kv.num_blocks - core.kv.num_free_blocks} of {core.kv.num_blocks} "
-                        f"KV blocks still held")
-    if core.kv.req_blocks:
-        problems.append(f"block tables left for {sorted(core.kv.req_blocks)}")
-    if sched.running or sched.waiting:
-        problems.append(f"{len(sched.running)} running / {len(sched.waiting)} waiting requests left")
-    if sched.requests:
-        problems.append(f"scheduler still tracks {sorted(sched.requests)}")
-    if eng.states:
-        problems.append(f"front end still tracks {sorted(eng.states)}")
-    return problems
-
-
 @pytest.fixture(autouse=True)
 def _kv_blocks_released():
     yield

@@ -9,7 +9,7 @@ import math
 
 import pytest
 
-from conftest import REF_TOKENS, greedy
+from engine_helpers import REF_TOKENS, greedy
 
 
 class StepRecorder:

@@ -13,7 +13,7 @@ import contextlib
 import pytest
 import torch
 
-from conftest import greedy
+from engine_helpers import greedy
 
 ATOL = 1e-3
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import REF_TOKENS, engine_leaks, greedy
+from engine_helpers import REF_TOKENS, engine_leaks, greedy
 from pagedllm import LLM, SamplingParams
 
 

@@ -8,7 +8,7 @@ import random
 import pytest
 
 from pagedllm import SamplingParams
-from tests.conftest import greedy
+from engine_helpers import greedy
 
 BS = 16
 
