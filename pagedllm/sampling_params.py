@@ -66,12 +66,12 @@ class SamplingParams:
             raise InvalidParameterError("temperature", f"temperature must be a number >= 0, got {self.temperature!r}")
         if not _is_num(self.top_p) or not (0 < self.top_p <= 1):
             raise InvalidParameterError("top_p", f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not _is_int(self.top_k) or (self.top_k < 0 and self.top_k != -1):
+        if not _is_int(self.top_k) or (self.top_k < 0 and self.top_k != -1) or self.top_k >= 2**31:
             raise InvalidParameterError("top_k", f"top_k must be an int >= 0 (or -1 to disable), got {self.top_k!r}")
         if not _is_num(self.min_p) or not (0 <= self.min_p <= 1):
             raise InvalidParameterError("min_p", f"min_p must be in [0, 1], got {self.min_p!r}")
-        if self.seed is not None and not _is_int(self.seed):
-            raise InvalidParameterError("seed", f"seed must be an int, got {self.seed!r}")
+        if self.seed is not None and (not _is_int(self.seed) or not (-2**63 <= self.seed < 2**63)):
+            raise InvalidParameterError("seed", f"seed must be an int in [-2**63, 2**63), got {self.seed!r}")
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
             raise InvalidParameterError("max_tokens", f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
         if not _is_int(self.min_tokens) or self.min_tokens < 0:

@@ -57,6 +57,11 @@ def build_app(engine: AsyncLLM, prometheus=None) -> FastAPI:
     async def _invalid(_req, exc: InvalidParameterError):
         return _err(str(exc), exc.param)
 
+    @app.exception_handler(Exception)
+    async def _internal(_req, exc: Exception):
+        logger.exception("request failed")
+        return _err(f"internal error: {exc}", None, 500, "internal_error")
+
     @app.exception_handler(EngineDeadError)
     async def _dead(_req, exc):
         return _err(str(exc), None, 503, "service_unavailable")
