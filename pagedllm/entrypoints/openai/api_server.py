@@ -292,18 +292,11 @@ def run_server(args) -> None:
     from pagedllm.engine.metrics import PrometheusStatLogger
 
     engine_args = EngineArgs.from_cli_args(args)
-    from pagedllm.config import EngineConfig  # noqa: F401  (fail fast on bad args below)
-
-    prom_holder = []
-
-    class _Late:
-        def record(self, s, it):
-            for p in prom_holder:
-                p.record(s, it)
-
-    engine = AsyncLLM(engine_args, stat_loggers=[_Late()])
+    engine = AsyncLLM(engine_args)
+    # The Prometheus logger is labelled with the served model name, known only once the
+    # engine has loaded; the engine thread picks it up at its next step.
     prom = PrometheusStatLogger(engine.model_name)
-    prom_holder.append(prom)
+    engine.engine.stat_loggers.append(prom)
     app = build_app(engine, prom)
     logger.info("serving %s on http://%s:%d", engine.model_name, args.host, args.port)
     try:
