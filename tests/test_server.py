@@ -32,19 +32,11 @@ class _Server:
     def __init__(self):
         import uvicorn
 
-        self.prom_holder = []
-        holder = self.prom_holder
-
-        class _Late:
-            def record(self, s, it):
-                for p in holder:
-                    p.record(s, it)
-
         self.engine = AsyncLLM(EngineArgs(dtype="float32", device="cpu", max_model_len=MAX_MODEL_LEN,
-                                          kv_cache_memory="256MiB", num_threads=1),
-                               stat_loggers=[_Late()], log_stats=False)
+                                          kv_cache_memory="256MiB", num_threads=1), log_stats=False)
+        # as run_server: the logger is labelled with the model name, known once loaded
         self.prom = PrometheusStatLogger(self.engine.model_name)
-        holder.append(self.prom)
+        self.engine.engine.stat_loggers.append(self.prom)
         self.port = _free_port()
         app = build_app(self.engine, self.prom)
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
