@@ -293,3 +293,39 @@ def test_cache_salt_and_reset_prefix_cache(server):
     assert cached("a") == 0
     bad = httpx.post(f"{server.url}/v1/completions", json={"prompt": "x", "cache_salt": ""}, timeout=30)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "cache_salt"
+
+
+def _metric(text: str, name: str, **labels) -> float:
+    for ln in text.splitlines():
+        if ln.startswith(name) and ln[len(name)] in "{ " and all(f'{k}="{v}"' in ln for k, v in labels.items()):
+            return float(ln.split()[-1])
+    raise KeyError(f"{name} {labels} not in /metrics")
+
+
+def test_abort_on_idle_server_refreshes_metrics(server):
+    """A client that disconnects leaves an idle engine that takes no further step: the
+    gauges must still show it gone, and the abort is counted as vLLM counts it."""
+    def read():
+        text = httpx.get(f"{server.url}/metrics", timeout=30).text
+        return (_metric(text, "vllm:num_requests_running"), _metric(text, "vllm:num_requests_waiting"),
+                _metric(text, "vllm:kv_cache_usage_perc"),
+                _metric(text, "vllm:request_success_total", finished_reason="abort"))
+
+    aborted_before = read()[3]
+    body = {"model": server.engine.model_name, "prompt": "Tell me a very long story about dragons.",
+            "max_tokens": 500, "ignore_eos": True, "temperature": 0, "stream": True}
+    with httpx.Client(timeout=60) as c:
+        with c.stream("POST", f"{server.url}/v1/completions", json=body) as r:
+            got = 0
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    got += 1
+                    if got == 3:
+                        running, _, kv, _ = read()
+                        assert running == 1 and kv > 0
+                        break
+    assert server.idle_and_free(timeout=10)
+    deadline = time.time() + 10
+    while (now := read()) != (0, 0, 0, aborted_before + 1) and time.time() < deadline:
+        time.sleep(0.05)
+    assert now == (0, 0, 0, aborted_before + 1)

@@ -102,12 +102,17 @@ class LLMEngine:
         self.add_processed(req, text)
 
     def abort_request(self, request_ids) -> None:
-        """Abort requests; their KV blocks are freed before this returns."""
+        """Abort requests; their KV blocks are freed before this returns. The stat loggers
+        see the aborts (``finished_reason="abort"``) and the freed state at once: an idle
+        engine takes no further step that would refresh them."""
         if isinstance(request_ids, str):
             request_ids = [request_ids]
         self.core.abort_requests(request_ids)
+        it = IterationStats()
         for rid in request_ids:
-            self.states.pop(rid, None)
+            if self.states.pop(rid, None) is not None:
+                it.num_aborted += 1
+        self._record_stats(it)
 
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests()
@@ -125,10 +130,15 @@ class LLMEngine:
         if so is not None:
             it.num_prompt_tokens = so.num_prefill_tokens
         results = self._process_outputs(core_outs, it)
+        self._record_stats(it)
+        return results
+
+    def _record_stats(self, it: IterationStats) -> None:
+        if not self.stat_loggers:
+            return
         stats = self.core.stats()
         for sl in self.stat_loggers:
             sl.record(stats, it)
-        return results
 
     def _process_outputs(self, core_outs: list[EngineCoreOutput], it: IterationStats) -> list[RequestOutput]:
         now = time.time()
@@ -165,6 +175,8 @@ class LLMEngine:
                 self.states.pop(co.request_id, None)
                 if finish != "abort":
                     self._record_finished(st, co, it)
+                else:
+                    it.num_aborted += 1
             delta = st.detok.delta(finished)
             results.append(self._make_output(st, finished, delta, co.new_token_ids))
         if stop_aborts:
@@ -191,6 +203,7 @@ class LLMEngine:
         """Finish a request as aborted and return its final output (None if unknown)."""
         st = self.states.pop(request_id, None)
         self.core.abort_requests([request_id])
+        self._record_stats(IterationStats(num_aborted=int(st is not None)))
         if st is None:
             return None
         st.finish_reason = "abort"
@@ -219,7 +232,9 @@ class LLMEngine:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def reset_prefix_cache(self) -> int:
-        return self.core.reset_prefix_cache()
+        n = self.core.reset_prefix_cache()
+        self._record_stats(IterationStats())  # KV use as it is now
+        return n
 
     def shutdown(self) -> None:
         self.core.shutdown()

@@ -44,6 +44,7 @@ class IterationStats:
     ttfts: list[float] = field(default_factory=list)
     itls: list[float] = field(default_factory=list)
     finished: list[FinishedRequestStats] = field(default_factory=list)
+    num_aborted: int = 0  # requests aborted (client gone, failed step): no latency stats
 
 
 class LoggingStatLogger:
@@ -113,6 +114,8 @@ class PrometheusStatLogger:
         self.pc_hits = ctr("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache")
         self.success = Counter("vllm:request_success", "Finished requests", L + ["finished_reason"],
                                registry=r)
+        for reason in ("stop", "length", "abort"):  # exported at 0 from the start, as vLLM's
+            self.success.labels(model_name, reason)
         self.running = gauge("vllm:num_requests_running", "Requests in the running batch")
         self.waiting = gauge("vllm:num_requests_waiting", "Requests waiting")
         self.kv_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage, 0..1")
@@ -143,3 +146,5 @@ class PrometheusStatLogger:
             if f.tpot is not None:
                 self.tpot.observe(f.tpot)
             self.success.labels(self.model, f.finish_reason).inc()
+        if it.num_aborted:
+            self.success.labels(self.model, "abort").inc(it.num_aborted)
