@@ -19,15 +19,28 @@ def _serve(args) -> int:
     return 0
 
 
-def _generate(args) -> int:
-    from pagedllm import LLM, SamplingParams
-    from pagedllm.config import EngineArgs
+# generate's sampling flags by SamplingParams field, to name the flag in errors
+_SAMPLING_FLAGS = {"max_tokens": "--max-tokens", "temperature": "--temperature", "top_p": "--top-p",
+                   "seed": "--seed-sampling"}
 
+
+def _generate(args) -> int:
+    import pagedllm
+    from pagedllm.config import EngineArgs
+    from pagedllm.errors import InvalidParameterError
+
+    # Check the sampling flags before the model is loaded (seconds to minutes).
+    try:
+        sp = pagedllm.SamplingParams(temperature=args.temperature, top_p=args.top_p,
+                                     seed=args.seed_sampling, max_tokens=args.max_tokens)
+    except InvalidParameterError as e:
+        raise ValueError(f"{_SAMPLING_FLAGS.get(e.param, e.param)}: {e}") from e
+    if not args.prompt:
+        raise ValueError("PROMPT must not be empty")
     ea = EngineArgs.from_cli_args(args)
+    ea.validate()
     kwargs = {k: v for k, v in vars(ea).items() if k != "model"}
-    llm = LLM(model=ea.model, **kwargs)
-    sp = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed_sampling,
-                        max_tokens=args.max_tokens)
+    llm = pagedllm.LLM(model=ea.model, **kwargs)
     if args.chat:
         out = llm.chat([{"role": "user", "content": args.prompt}], sp, use_tqdm=False)[0]
     else:
