@@ -295,6 +295,89 @@ def test_cache_salt_and_reset_prefix_cache(server):
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "cache_salt"
 
 
+# --------------------------------------------------------------------------------------
+# Request hygiene: bodies that are not JSON objects, fields we would silently ignore.
+# --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("endpoint", ["completions", "chat/completions"])
+@pytest.mark.parametrize("content,ctype,needle", [
+    ('{"prompt": "hi", ', "application/json", "not valid JSON"),
+    ("{not json", "application/json", "not valid JSON"),
+    ("[1, 2]", "application/json", "must be a JSON object"),
+    ('{"prompt": "hi"}', "text/plain", "Content-Type: application/json"),
+    ("", "application/json", "empty"),
+])
+def test_body_not_a_json_object_is_400(server, endpoint, content, ctype, needle):
+    r = httpx.post(f"{server.url}/v1/{endpoint}", content=content, headers={"content-type": ctype},
+                   timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] is None and err["type"] == "invalid_request_error"
+    assert needle in err["message"], err["message"]
+
+
+def _body(server, endpoint: str) -> dict:
+    base = {"model": server.engine.model_name, "max_tokens": 2, "temperature": 0}
+    if endpoint == "chat":
+        return {**base, "messages": [{"role": "user", "content": "Hi"}]}
+    return {**base, "prompt": "Hi"}
+
+
+def _post(server, endpoint: str, body: dict) -> httpx.Response:
+    path = "chat/completions" if endpoint == "chat" else "completions"
+    return httpx.post(f"{server.url}/v1/{path}", json=body, timeout=60)
+
+
+@pytest.mark.parametrize("endpoint,field,value", [
+    ("chat", "response_format", {"type": "json_object"}),
+    ("chat", "tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+    ("chat", "tool_choice", "required"),
+    ("chat", "logprobs", True),
+    ("chat", "top_logprobs", 3),
+    ("chat", "logit_bias", {"42": 5}),
+    ("chat", "presence_penalty", 0.5),
+    ("chat", "frequency_penalty", -1.0),
+    ("chat", "n", 2),
+    ("chat", "reasoning_effort", "low"),
+    ("chat", "chat_template_kwargs", {"enable_thinking": False}),
+    ("chat", "echo", True),
+    ("chat", "stream_options", {"include_usage": True, "continuous_usage_stats": True}),
+    ("completions", "logprobs", 0),
+    ("completions", "logprobs", 2),
+    ("completions", "best_of", 2),
+    ("completions", "echo", True),
+    ("completions", "suffix", " the end"),
+    ("completions", "n", 3),
+    ("completions", "repetition_penalty", 1.2),
+    ("completions", "guided_json", {"type": "object"}),
+    ("completions", "max_token", 5),  # a typo is not ignored either
+])
+def test_unsupported_field_is_400_naming_it(server, endpoint, field, value):
+    r = _post(server, endpoint, {**_body(server, endpoint), field: value})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == field and err["type"] == "invalid_request_error", err
+    assert field in err["message"]
+
+
+def test_neutral_and_harmless_fields_accepted(server, client):
+    """Fields the openai client sends when a user sets them to their neutral value, and
+    fields that do not change the output, are accepted."""
+    kw = dict(model=server.engine.model_name, max_tokens=2, temperature=0)
+    r = client.chat.completions.create(
+        messages=[{"role": "user", "content": "Hi"}], n=1, presence_penalty=0, frequency_penalty=0.0,
+        logprobs=False, logit_bias={}, user="u-1", metadata={"team": "a"}, store=False,
+        response_format={"type": "text"}, tool_choice="none", parallel_tool_calls=False,
+        stream_options=None, **kw)
+    assert r.usage.completion_tokens == 2
+    r = client.completions.create(prompt="Hi", n=1, best_of=1, echo=False, suffix=None, logprobs=None,
+                                  user="u-1", **kw)
+    assert r.usage.completion_tokens == 2
+    r = _post(server, "chat", {**_body(server, "chat"), "tools": [], "top_logprobs": 0,
+                               "repetition_penalty": 1.0, "modalities": ["text"]})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 2
+
+
 def _metric(text: str, name: str, **labels) -> float:
     for ln in text.splitlines():
         if ln.startswith(name) and ln[len(name)] in "{ " and all(f'{k}="{v}"' in ln for k, v in labels.items()):

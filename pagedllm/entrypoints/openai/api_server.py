@@ -48,9 +48,22 @@ def build_app(engine: AsyncLLM, prometheus=None) -> FastAPI:
     async def _validation(_req, exc: RequestValidationError):
         errs = exc.errors()
         e = errs[0] if errs else {}
-        loc = [str(x) for x in e.get("loc", ()) if x != "body"]
-        param = loc[0] if loc else None
-        where = ".".join(loc)
+        kind = e.get("type")
+        loc = list(e.get("loc", ()))
+        if loc and loc[0] == "body":
+            loc = loc[1:]
+        if kind == "json_invalid":  # its loc is the character position, not a parameter
+            detail = (e.get("ctx") or {}).get("error")
+            return _err("the request body is not valid JSON" + (f": {detail}" if detail else ""), None)
+        if not loc:  # the body as a whole
+            if kind == "missing":
+                return _err("the request body is empty; expected a JSON object", None)
+            return _err("the request body must be a JSON object, sent with "
+                        "Content-Type: application/json", None)
+        param = str(loc[0])
+        where = ".".join(str(x) for x in loc)
+        if kind == "extra_forbidden":
+            return _err(f"unrecognized request argument: {where} (this server does not support it)", param)
         return _err(f"invalid value for {where}: {e.get('msg', 'invalid request')}", param)
 
     @app.exception_handler(InvalidParameterError)
@@ -115,10 +128,6 @@ def build_app(engine: AsyncLLM, prometheus=None) -> FastAPI:
     async def completions(body: CompletionRequest, raw: Request):
         if (r := check_model(body.model)) is not None:
             return r
-        if body.echo:
-            raise InvalidParameterError("echo", "echo is not supported")
-        if body.suffix:
-            raise InvalidParameterError("suffix", "suffix is not supported")
         params = body.to_sampling_params(default_max_tokens=16)
         p = body.prompt
         if isinstance(p, str) or (isinstance(p, list) and p and isinstance(p[0], int)):
@@ -212,6 +221,7 @@ def build_app(engine: AsyncLLM, prometheus=None) -> FastAPI:
     async def chat(body: ChatCompletionRequest, raw: Request):
         if (r := check_model(body.model)) is not None:
             return r
+        body.check_supported()
         messages = []
         for m in body.messages:
             content = m.content

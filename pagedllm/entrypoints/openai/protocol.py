@@ -2,10 +2,17 @@
 
 Extensions as in vLLM: top_k, min_p, min_tokens, ignore_eos, stop_token_ids,
 include_stop_str_in_output, skip_special_tokens, cache_salt.
+
+Unknown fields are rejected (HTTP 400 naming the field, as OpenAI's API does), so that a
+client never gets an answer that silently ignores what it asked for. Fields a client may
+send with their neutral value (``n: 1``, ``presence_penalty: 0``, ``logprobs: false``,
+``tools: []``, ...) are declared and accepted with that value only; fields that do not
+change the output (``user``, ``metadata``, ``store``, ``service_tier``, ...) are accepted
+and ignored.
 """
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -13,13 +20,41 @@ from pagedllm.errors import InvalidParameterError
 from pagedllm.sampling_params import SamplingParams
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(strict=True, extra="allow")
+def _none_or(*neutral):
+    """A predicate: the value is None or equal to one of ``neutral`` (bools never match
+    numbers, so ``logprobs: 0`` is not ``false``)."""
+    def ok(v) -> bool:
+        return v is None or any(type(v) is type(n) and v == n for n in neutral)
+    return ok
+
+
+def _is_zero(v) -> bool:
+    return v is None or (isinstance(v, (int, float)) and not isinstance(v, bool) and v == 0)
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+class StreamOptions(_Strict):
     include_usage: bool = False
+    include_obfuscation: bool | None = None  # accepted and ignored (no obfuscation padding)
 
 
-class _SamplingFields(BaseModel):
-    model_config = ConfigDict(strict=True, extra="allow")
+class _SamplingFields(_Strict):
+    # Declared fields that are only accepted with a neutral value: name -> predicate.
+    _NEUTRAL: ClassVar[dict[str, Any]] = {
+        "presence_penalty": _is_zero,
+        "frequency_penalty": _is_zero,
+        "repetition_penalty": lambda v: v is None or (not isinstance(v, bool) and v == 1),
+        "logit_bias": lambda v: v is None or v == {},
+        "logprobs": _none_or(False),
+    }
+    _WHY: ClassVar[dict[str, str]] = {
+        "presence_penalty": "only 0", "frequency_penalty": "only 0", "repetition_penalty": "only 1",
+        "logit_bias": "only an empty object",
+        "logprobs": "only false or null: log probabilities are not returned",
+    }
 
     model: str | None = None
     max_tokens: int | None = None
@@ -37,20 +72,32 @@ class _SamplingFields(BaseModel):
     min_tokens: int = 0
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logprobs: Any = None
     cache_salt: str | None = None
+    # accepted with their neutral value only (see _NEUTRAL)
+    presence_penalty: Any = None
+    frequency_penalty: Any = None
+    repetition_penalty: Any = None
+    logit_bias: Any = None
+    logprobs: Any = None
+    # accepted and ignored: they do not change the output
     user: str | None = None
+    metadata: dict[str, Any] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+
+    def check_supported(self) -> None:
+        """Raises InvalidParameterError naming a field set to a value we would ignore."""
+        for name, ok in self._NEUTRAL.items():
+            if not ok(getattr(self, name)):
+                why = self._WHY.get(name)
+                raise InvalidParameterError(
+                    name, f"{name} is not supported{f' ({why})' if why else ''}")
 
     def to_sampling_params(self, default_max_tokens: int | None) -> SamplingParams:
         """Raises InvalidParameterError naming the field."""
-        for name in ("presence_penalty", "frequency_penalty"):
-            v = getattr(self, name)
-            if v not in (None, 0, 0.0):
-                raise InvalidParameterError(name, f"{name} is not supported (only 0)")
-        if self.logprobs not in (None, False):
-            raise InvalidParameterError("logprobs", "logprobs are not supported yet")
+        self.check_supported()
         return SamplingParams(
             n=self.n,
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -72,9 +119,19 @@ class _SamplingFields(BaseModel):
 class CompletionRequest(_SamplingFields):
     """POST /v1/completions. ``max_tokens`` defaults to 16 (OpenAI's default)."""
 
+    _NEUTRAL: ClassVar[dict[str, Any]] = {
+        **_SamplingFields._NEUTRAL,
+        "echo": _none_or(False),
+        "suffix": _none_or(""),
+        "best_of": _none_or(1),
+    }
+    _WHY: ClassVar[dict[str, str]] = {**_SamplingFields._WHY, "best_of": "only 1",
+                                     "echo": "only false", "suffix": "only empty"}
+
     prompt: str | list[str] | list[int] | list[list[int]]
-    echo: bool = False
-    suffix: str | None = None
+    echo: Any = None
+    suffix: Any = None
+    best_of: Any = None
 
 
 class ChatMessage(BaseModel):
@@ -87,10 +144,35 @@ class ChatCompletionRequest(_SamplingFields):
     """POST /v1/chat/completions. ``max_tokens`` (or ``max_completion_tokens``) defaults
     to what is left of max_model_len."""
 
+    _NEUTRAL: ClassVar[dict[str, Any]] = {
+        **_SamplingFields._NEUTRAL,
+        "top_logprobs": _is_zero,
+        "response_format": lambda v: v is None or v == {"type": "text"},
+        "tools": lambda v: v is None or v == [],
+        "functions": lambda v: v is None or v == [],
+        "tool_choice": _none_or("none"),
+        "function_call": _none_or("none"),
+        "modalities": lambda v: v is None or v == ["text"],
+    }
+    _WHY: ClassVar[dict[str, str]] = {
+        **_SamplingFields._WHY, "top_logprobs": "only 0: log probabilities are not returned",
+        "response_format": 'only {"type": "text"}', "tools": "no tool calling",
+        "functions": "no tool calling", "tool_choice": 'only "none"', "function_call": 'only "none"',
+        "modalities": 'only ["text"]',
+    }
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     add_generation_prompt: bool = True
     chat_template: str | None = None
+    top_logprobs: Any = None
+    response_format: Any = None
+    tools: Any = None
+    functions: Any = None
+    tool_choice: Any = None
+    function_call: Any = None
+    modalities: Any = None
+    parallel_tool_calls: bool | None = None  # only meaningful with tools, which are rejected
 
 
 def error_body(message: str, param: str | None, code: int = 400,
