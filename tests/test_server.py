@@ -296,7 +296,8 @@ def test_cache_salt_and_reset_prefix_cache(server):
 
 
 # --------------------------------------------------------------------------------------
-# Request hygiene: bodies that are not JSON objects, fields we would silently ignore.
+# Request hygiene: bodies that are not JSON objects, fields we would silently ignore,
+# request-supplied chat templates, and no tokenizer work on the event loop.
 # --------------------------------------------------------------------------------------
 @pytest.mark.parametrize("endpoint", ["completions", "chat/completions"])
 @pytest.mark.parametrize("content,ctype,needle", [
@@ -376,6 +377,61 @@ def test_neutral_and_harmless_fields_accepted(server, client):
                                "repetition_penalty": 1.0, "modalities": ["text"]})
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["completion_tokens"] == 2
+
+
+_CONTENT_ONLY_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+
+
+def test_request_chat_template_needs_trust(server):
+    body = {**_body(server, "chat"), "messages": [{"role": "user", "content": "Hello there"}],
+            "chat_template": _CONTENT_ONLY_TEMPLATE}
+    r = _post(server, "chat", body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "chat_template" and "--trust-request-chat-template" in err["message"]
+
+    # The same engine behind an app that trusts request templates renders it.
+    app = build_app(server.engine, trust_request_chat_template=True)
+
+    async def post(b):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://app") as c:
+            return await c.post("/v1/chat/completions", json=b, timeout=60)
+
+    r = asyncio.run(post(body))
+    assert r.status_code == 200, r.text
+    want = len(server.engine.tokenizer.encode("Hello there", add_special_tokens=False))
+    assert r.json()["usage"]["prompt_tokens"] == want
+    r = asyncio.run(post({**body, "chat_template": "{% for m in messages %}"}))  # unclosed block
+    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template", r.text
+
+
+@pytest.mark.parametrize("endpoint,method", [("chat", "apply_chat_template"),
+                                             ("completions", "process")])
+def test_tokenizer_work_runs_off_the_event_loop(server, monkeypatch, endpoint, method):
+    """While a chat template renders (or a prompt is tokenized) the server keeps answering:
+    the work is held here until /health has answered, which it could not do if the work
+    ran on the event loop."""
+    started, release = threading.Event(), threading.Event()
+    original = getattr(server.engine.engine, method)
+
+    def held(*args, **kwargs):
+        started.set()
+        release.wait(30)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(server.engine.engine, method, held)
+    result = {}
+    t = threading.Thread(target=lambda: result.update(r=_post(server, endpoint, _body(server, endpoint))))
+    t.start()
+    try:
+        assert started.wait(30)
+        assert httpx.get(f"{server.url}/health", timeout=5).status_code == 200
+        assert not result  # the request is still held
+    finally:
+        release.set()
+        t.join(60)
+    assert result["r"].status_code == 200, result["r"].text
+    assert result["r"].json()["usage"]["completion_tokens"] == 2
 
 
 def _metric(text: str, name: str, **labels) -> float:

@@ -1,18 +1,27 @@
 """AsyncLLM: an asyncio front end over the engine, for the HTTP server.
 
 The engine steps in one background thread (torch releases the GIL during kernels, so the
-event loop keeps serving connections while the model runs). Coroutines validate and
-tokenize in the caller's thread, hand the Request to the engine thread through a queue,
-and receive RequestOutputs on a per-request asyncio.Queue. Aborts (client disconnects)
-go through the same queue and free the request's blocks at the next loop turn.
+event loop keeps serving connections while the model runs). Coroutines validate, render
+chat templates and tokenize in a tokenizer thread (a long prompt or a slow template never
+blocks the event loop; one thread, as in vLLM, so tokenizer calls never run concurrently),
+hand the Request to the engine thread through a queue, and receive RequestOutputs on a
+per-request asyncio.Queue. Aborts (client disconnects) go through the same queue and free
+the request's blocks at the next loop turn.
+
+Failures: a step that raises fails the requests it scheduled and the engine keeps serving
+the others; after ``MAX_CONSECUTIVE_STEP_FAILURES`` failed steps in a row, or any error
+outside a step (or in recovering from one), the engine is dead: every open stream and
+waiter gets EngineDeadError, and ``check_health`` and new requests raise it.
 """
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import queue
 import threading
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 
 from pagedllm.config import EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine
@@ -22,8 +31,14 @@ from pagedllm.sampling_params import SamplingParams
 logger = logging.getLogger("pagedllm")
 
 
+# Failed steps in a row after which the engine is declared dead (a step failure caused by
+# one request is cleared by failing that step's requests; repeated ones mean the engine
+# itself is broken, e.g. a device error).
+MAX_CONSECUTIVE_STEP_FAILURES = 3
+
+
 class EngineDeadError(RuntimeError):
-    pass
+    """The engine loop has died; no request can be served any more."""
 
 
 class AsyncLLM:
@@ -39,6 +54,8 @@ class AsyncLLM:
         self._counter = 0
         self._dead: BaseException | None = None
         self._stop = False
+        self._failed_steps = 0  # consecutive
+        self._tokenizer_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedllm-tokenizer")
         self._thread = threading.Thread(target=self._loop, name="pagedllm-engine", daemon=True)
         self._thread.start()
 
@@ -60,8 +77,18 @@ class AsyncLLM:
             self._counter += 1
             return f"{prefix}-{self._counter}"
 
-    def add_request(self, request_id: str, prompt, sampling_params: SamplingParams) -> "RequestStream":
-        """Validate, tokenize and queue a request; call from a running event loop.
+    def _check_alive(self) -> None:
+        if self._dead is not None:
+            raise EngineDeadError(f"the engine has died ({self._dead!r}); restart the server")
+        if not self._thread.is_alive():
+            raise EngineDeadError("the engine loop has stopped")
+
+    async def _in_tokenizer_thread(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(
+            self._tokenizer_pool, functools.partial(fn, *args))
+
+    async def add_request(self, request_id: str, prompt, sampling_params: SamplingParams) -> "RequestStream":
+        """Validate, tokenize (in the tokenizer thread) and queue a request.
 
         Returns:
             A RequestStream yielding RequestOutputs (cumulative, with deltas) until the
@@ -71,21 +98,28 @@ class AsyncLLM:
             ValueError (InvalidParameterError): bad prompt or parameters; nothing is queued.
             EngineDeadError: the engine loop has died.
         """
-        if self._dead is not None or not self._thread.is_alive():
-            raise EngineDeadError(f"engine loop died: {self._dead!r}")
-        req, text = self.engine.process(request_id, prompt, sampling_params)
+        self._check_alive()
+        req, text = await self._in_tokenizer_thread(self.engine.process, request_id, prompt, sampling_params)
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
-        with self._lock:
+        with self._lock:  # _die fails every stream registered before it marks the engine dead
+            self._check_alive()
             if request_id in self._streams:
                 raise ValueError(f"request_id {request_id!r} is already in use")
             self._streams[request_id] = (loop, q)
         self._inbox.put(("add", req, text))
         return RequestStream(self, request_id, q)
 
+    async def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                                  chat_template: str | None = None) -> list[int]:
+        """LLMEngine.apply_chat_template in the tokenizer thread (same errors)."""
+        self._check_alive()
+        return await self._in_tokenizer_thread(self.engine.apply_chat_template, messages,
+                                               add_generation_prompt, chat_template)
+
     async def generate(self, prompt, sampling_params: SamplingParams, request_id: str) -> AsyncIterator[RequestOutput]:
         """``add_request`` + iterate; leaving the loop early aborts the request."""
-        stream = self.add_request(request_id, prompt, sampling_params)
+        stream = await self.add_request(request_id, prompt, sampling_params)
         try:
             async for out in stream:
                 yield out
@@ -101,14 +135,21 @@ class AsyncLLM:
         self._inbox.put(("abort", request_id))
 
     async def reset_prefix_cache(self) -> int:
-        fut = asyncio.get_running_loop().create_future()
-        self._inbox.put(("reset", fut, asyncio.get_running_loop()))
+        """Drop every cached block no request holds; returns how many.
+
+        Raises:
+            EngineDeadError: the engine loop has died.
+        """
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        with self._lock:  # _die answers every waiter queued before it marks the engine dead
+            self._check_alive()
+            self._inbox.put(("reset", fut, loop))
         return await fut
 
     async def check_health(self) -> None:
         """Raises EngineDeadError when the engine loop has died."""
-        if self._dead is not None or not self._thread.is_alive():
-            raise EngineDeadError(f"engine loop died: {self._dead!r}")
+        self._check_alive()
 
     def stats(self):
         return self.engine.core.stats()
@@ -117,6 +158,7 @@ class AsyncLLM:
         self._stop = True
         self._inbox.put(("stop",))
         self._thread.join(timeout=10)
+        self._tokenizer_pool.shutdown(wait=False)
         self.engine.shutdown()
 
     # -- engine thread ---------------------------------------------------------------
@@ -143,12 +185,39 @@ class AsyncLLM:
             eng.abort_request(msg[1])
         elif kind == "reset":
             _, fut, loop = msg
-            n = eng.reset_prefix_cache()
-            loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(n))
+            try:
+                n = eng.reset_prefix_cache()
+            except Exception as e:  # answer the waiter, then let the loop die
+                _resolve(loop, fut, exc=e)
+                raise
+            _resolve(loop, fut, result=n)
         elif kind == "stop":
             self._stop = True
 
     def _loop(self) -> None:
+        try:
+            self._run()
+        except BaseException as e:  # noqa: BLE001  (the thread must not die silently)
+            logger.exception("engine loop died")
+            self._die(e)
+
+    def _die(self, exc: BaseException) -> None:
+        """Mark the engine dead and fail every open stream and queued waiter."""
+        with self._lock:
+            self._dead = exc
+            rids = list(self._streams)
+        err = EngineDeadError(f"the engine has died ({exc!r}); restart the server")
+        for rid in rids:
+            self._deliver(rid, err)
+        while True:
+            try:
+                msg = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if msg[0] == "reset":
+                _resolve(msg[2], msg[1], exc=err)
+
+    def _run(self) -> None:
         eng = self.engine
         while not self._stop:
             try:
@@ -161,18 +230,36 @@ class AsyncLLM:
                 pass
             if self._stop or not eng.has_unfinished_requests():
                 continue
+            prev = getattr(eng.core, "last_step", None)
             try:
                 outputs = eng.step()
             except Exception as e:  # fail the requests of this step, keep serving others
+                self._failed_steps += 1
+                if self._failed_steps >= MAX_CONSECUTIVE_STEP_FAILURES:
+                    raise
                 logger.exception("engine step failed")
                 so = getattr(eng.core, "last_step", None)
-                ids = [r.req_id for r in so.scheduled] if so is not None else list(eng.states)
+                # a failure before this step was scheduled fails every request
+                ids = [r.req_id for r in so.scheduled] if so is not None and so is not prev else list(eng.states)
+                eng.abort_request(ids)
                 for rid in ids:
-                    eng.abort_request(rid)
                     self._deliver(rid, RuntimeError(f"engine step failed: {e}"))
                 continue
+            self._failed_steps = 0
             for out in outputs:
                 self._deliver(out.request_id, out)
+
+
+def _resolve(loop: asyncio.AbstractEventLoop, fut: asyncio.Future, result=None,
+             exc: BaseException | None = None) -> None:
+    """Complete ``fut`` from another thread (no-op if it is done or its loop is closed)."""
+    def done():
+        if not fut.done():
+            fut.set_exception(exc) if exc is not None else fut.set_result(result)
+    try:
+        loop.call_soon_threadsafe(done)
+    except RuntimeError:  # the loop is closed
+        pass
 
 
 class RequestStream:

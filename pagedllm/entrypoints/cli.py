@@ -62,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--uvicorn-log-level", default="warning")
+    p.add_argument("--trust-request-chat-template", action="store_true",
+                   help="honour a chat request's own chat_template field (a template is a program "
+                        "the server runs; off by default, as in vLLM)")
     p.set_defaults(func=_serve)
 
     p = sub.add_parser("generate", help="print a completion of PROMPT",

@@ -4,6 +4,11 @@ Endpoints: POST /v1/completions, POST /v1/chat/completions (``stream`` true or f
 SSE chunks as OpenAI's, closing with ``data: [DONE]``), GET /v1/models, GET /health,
 GET /metrics (Prometheus, vLLM names), POST /reset_prefix_cache.
 A client that disconnects mid-request aborts it; its KV blocks are freed at once.
+
+Chat templates are rendered and prompts tokenized in AsyncLLM's tokenizer thread, never on
+the event loop. A request's own ``chat_template`` is honoured only when the server was
+started with ``--trust-request-chat-template`` (as vLLM): a template is a program, and a
+slow one would hold the tokenizer thread.
 """
 from __future__ import annotations
 
@@ -39,8 +44,9 @@ def _sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-def build_app(engine: AsyncLLM, prometheus=None) -> FastAPI:
-    """The FastAPI app serving ``engine``; ``prometheus`` is a PrometheusStatLogger (or None)."""
+def build_app(engine: AsyncLLM, prometheus=None, trust_request_chat_template: bool = False) -> FastAPI:
+    """The FastAPI app serving ``engine``; ``prometheus`` is a PrometheusStatLogger (or None);
+    ``trust_request_chat_template``: honour a chat request's ``chat_template`` field."""
     app = FastAPI(title="pagedllm", version="0.1.0")
     app.state.engine = engine
 
@@ -141,7 +147,7 @@ def build_app(engine: AsyncLLM, prometheus=None) -> FastAPI:
         streams = []
         try:
             for i, pr in enumerate(prompts):
-                streams.append(engine.add_request(f"{base}-{i}", pr, params))
+                streams.append(await engine.add_request(f"{base}-{i}", pr, params))
         except BaseException:
             for st in streams:
                 await st.aclose()
@@ -221,6 +227,10 @@ def build_app(engine: AsyncLLM, prometheus=None) -> FastAPI:
     async def chat(body: ChatCompletionRequest, raw: Request):
         if (r := check_model(body.model)) is not None:
             return r
+        if body.chat_template is not None and not trust_request_chat_template:
+            raise InvalidParameterError(
+                "chat_template", "chat_template in a request is refused: start the server with "
+                                 "--trust-request-chat-template to allow it")
         body.check_supported()
         messages = []
         for m in body.messages:
@@ -234,11 +244,12 @@ def build_app(engine: AsyncLLM, prometheus=None) -> FastAPI:
                 content = "".join(parts)
             messages.append({"role": m.role, "content": content or ""})
         try:
-            ids = engine.engine.apply_chat_template(messages, body.add_generation_prompt, body.chat_template)
-        except InvalidParameterError:
+            ids = await engine.apply_chat_template(messages, body.add_generation_prompt, body.chat_template)
+        except (InvalidParameterError, EngineDeadError):
             raise
         except Exception as e:
-            raise InvalidParameterError("messages", f"cannot apply the chat template: {e}") from e
+            raise InvalidParameterError("chat_template" if body.chat_template is not None else "messages",
+                                        f"cannot apply the chat template: {e}") from e
         if len(ids) >= engine.max_model_len:
             raise InvalidParameterError(
                 "messages", f"the conversation is {len(ids)} tokens, which leaves no room to generate "
@@ -248,7 +259,7 @@ def build_app(engine: AsyncLLM, prometheus=None) -> FastAPI:
         params = body.to_sampling_params(default_max_tokens=None)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
-        stream = engine.add_request(rid, ids, params)
+        stream = await engine.add_request(rid, ids, params)
         if body.stream:
             return StreamingResponse(_stream_chat(stream, rid, created, body),
                                      media_type="text/event-stream")
@@ -307,7 +318,7 @@ def run_server(args) -> None:
     # engine has loaded; the engine thread picks it up at its next step.
     prom = PrometheusStatLogger(engine.model_name)
     engine.engine.stat_loggers.append(prom)
-    app = build_app(engine, prom)
+    app = build_app(engine, prom, trust_request_chat_template=args.trust_request_chat_template)
     logger.info("serving %s on http://%s:%d", engine.model_name, args.host, args.port)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)

@@ -142,7 +142,8 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_SamplingFields):
     """POST /v1/chat/completions. ``max_tokens`` (or ``max_completion_tokens``) defaults
-    to what is left of max_model_len."""
+    to what is left of max_model_len. ``chat_template`` is honoured only when the server
+    trusts request templates (``--trust-request-chat-template``)."""
 
     _NEUTRAL: ClassVar[dict[str, Any]] = {
         **_SamplingFields._NEUTRAL,
