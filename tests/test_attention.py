@@ -9,9 +9,9 @@ import torch
 from pagedllm.attention.backend import CommonAttentionMetadata, get_attention_backend
 
 
-def _batch(seed=0):
+def _batch(seed=0, nh=9, nkv=3, hd=64):
     rng = np.random.default_rng(seed)
-    bs, nblocks, nkv, nh, hd = 16, 300, 3, 9, 64
+    bs, nblocks = 16, 300
     seq_prev = [5, 40, 17, 290, 1, 64]            # decodes: context before this step
     qlens = [1] * len(seq_prev) + [7, 12, 33]      # + chunk on context, fresh prompt, chunk
     ctx = seq_prev + [20, 0, 47]
@@ -73,6 +73,19 @@ def test_backend_matches_naive(name):
     out = backend.forward(q, k, v, cache, backend.build_metadata(c), 0.125)
     assert (out - ref).abs().max().item() < 1e-5
     assert torch.equal(cache, ref_cache)  # K/V written exactly at the slot mapping
+
+
+@pytest.mark.parametrize("nh,nkv,hd", [(8, 2, 128), (4, 4, 64), (6, 2, 32), (12, 4, 24)])
+def test_cpu_kernel_head_shapes(nh, nkv, hd):
+    """Other GQA groupings and head sizes: the AVX2 path (head_dim a multiple of 64, any
+    group size) and the generic path (other head sizes) agree with the reference."""
+    c, layer_cache, q, k, v, info = _batch(seed=1, nh=nh, nkv=nkv, hd=hd)
+    backend = get_attention_backend("cpu_kernel", torch.device("cpu"), torch.float32)
+    assert backend.kernels is not None, "the C++ kernel did not build"
+    scale = hd ** -0.5
+    ref, _ = _naive(layer_cache, q, k, v, c, info, scale)
+    out = backend.forward(q, k, v, layer_cache.clone(), backend.build_metadata(c), scale)
+    assert (out - ref).abs().max().item() < 1e-5
 
 
 def test_decode_result_does_not_depend_on_batch():
