@@ -52,7 +52,7 @@ class TorchAttentionBackend(AttentionBackend):
         self.kernels = None
         on_cpu = device is None or torch.device(device).type == "cpu"
         if use_cpu_kernel and on_cpu and dtype == torch.float32:
-            from pagedllm.attention.cpu_kernels import load_cpu_kernels
+            from pagedllm.kernels.cpu import load_cpu_kernels
 
             self.kernels = load_cpu_kernels()
 
@@ -107,8 +107,11 @@ class TorchAttentionBackend(AttentionBackend):
         T, nh, hd = q.shape
         nkv = k.shape[1]
         key_cache, value_cache = layer_cache[0], layer_cache[1]
-        key_cache.index_copy_(0, md.slot_mapping, k)
-        value_cache.index_copy_(0, md.slot_mapping, v)
+        if self.kernels is not None and q.dtype == torch.float32 and q.device.type == "cpu":
+            self.kernels.reshape_and_cache(k, v, key_cache, value_cache, md.slot_mapping)
+        else:
+            key_cache.index_copy_(0, md.slot_mapping, k)
+            value_cache.index_copy_(0, md.slot_mapping, v)
         out = torch.empty(T, nh, hd, dtype=q.dtype, device=q.device)
         nd = md.num_decodes
         if nd and md.decode_block_table is not None and q.dtype == torch.float32:
@@ -146,7 +149,7 @@ class TorchAttentionBackend(AttentionBackend):
 @register_backend
 class CpuKernelAttentionBackend(TorchAttentionBackend):
     """The torch backend with decodes run by the C++ paged-attention kernel
-    (``csrc/paged_attention_cpu.cpp``: reads K/V in place through the block table, no
+    (``pagedllm/kernels/csrc/paged_attention_cpu.cpp``: reads K/V in place through the block table, no
     gather copy) when the model runs in float32 on the CPU; everything else, or a failed
     kernel build, takes the torch-ops path."""
 

@@ -19,6 +19,7 @@ from torch import nn
 
 from pagedllm.attention.backend import AttentionBackend
 from pagedllm.models.arch_config import ModelArchConfig
+from pagedllm.models.linear import linear, onednn_packing_available, pack_weight
 from pagedllm.models.rotary import RotaryEmbedding, apply_rotary
 
 
@@ -53,12 +54,30 @@ class DecoderLayer(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(2 * inter, h, **kw), requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(h, inter, **kw), requires_grad=False)
         self.inter = inter
+        # oneDNN-packed copies of the four projections (CPU float32), made by pack_weights()
+        self.packed: dict[str, torch.Tensor] = {}
 
-    def forward(self, x, residual, cos, sin, attn: AttentionBackend, layer_cache, attn_md):
-        # x: [T, hidden]; residual: [T, hidden] or None for the first layer.
-        residual = x if residual is None else residual + x
-        h = rms_norm(residual, self.input_layernorm, self.eps)
-        qkv = F.linear(h, self.qkv_proj, self.qkv_bias)
+    def pack_weights(self) -> None:
+        """Pack the projections for oneDNN and release the dense copies (CPU float32)."""
+        for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+            p = getattr(self, name)
+            self.packed[name] = pack_weight(p.data)
+            p.data = p.data.new_empty(0)
+
+    def forward(self, x, residual, cos, sin, attn: AttentionBackend, layer_cache, attn_md, ops=None):
+        # x: [T, hidden]; residual: [T, hidden] or None for the first layer. ``ops``: the
+        # C++ CPU kernels (float32 on CPU) or None for the torch ops; same maths.
+        if residual is None:
+            residual = x
+            h = rms_norm(residual, self.input_layernorm, self.eps)
+        elif ops is not None:
+            ops.fused_add_rms_norm(x, residual, self.input_layernorm, self.eps)  # in place
+            h = x
+        else:
+            residual = residual + x
+            h = rms_norm(residual, self.input_layernorm, self.eps)
+        pk = self.packed
+        qkv = linear(h, self.qkv_proj, pk.get("qkv_proj"), self.qkv_bias)
         T = qkv.shape[0]
         v = qkv[:, self.q_size + self.kv_size:].view(T, self.nkv, self.hd)
         if self.q_norm is not None:
@@ -67,18 +86,30 @@ class DecoderLayer(nn.Module):
                          self.k_norm, self.eps)
             q = apply_rotary(q, cos, sin)
             k = apply_rotary(k, cos, sin)
+        elif ops is not None:
+            qk = qkv[:, : self.q_size + self.kv_size].view(T, self.nh + self.nkv, self.hd)
+            ops.rotary_embedding(qk, cos.view(T, -1), sin.view(T, -1))  # in place
+            q, k = qk[:, : self.nh], qk[:, self.nh:]
         else:
             # q and k rotated together: one set of elementwise ops instead of two
             qk = apply_rotary(qkv[:, : self.q_size + self.kv_size].view(T, self.nh + self.nkv, self.hd),
                               cos, sin)
             q, k = qk[:, : self.nh], qk[:, self.nh:]
-        o = attn.forward(q, k, v.contiguous(), layer_cache, attn_md, self.scale)
-        x = F.linear(o, self.o_proj)
-        residual = residual + x
-        h = rms_norm(residual, self.post_attention_layernorm, self.eps)
-        gu = F.linear(h, self.gate_up_proj)
-        act = F.silu(gu[:, : self.inter]) * gu[:, self.inter:]
-        return F.linear(act, self.down_proj), residual
+        o = attn.forward(q, k, v if ops is not None else v.contiguous(), layer_cache, attn_md, self.scale)
+        x = linear(o, self.o_proj, pk.get("o_proj"))
+        if ops is not None:
+            ops.fused_add_rms_norm(x, residual, self.post_attention_layernorm, self.eps)
+            h = x
+        else:
+            residual = residual + x
+            h = rms_norm(residual, self.post_attention_layernorm, self.eps)
+        gu = linear(h, self.gate_up_proj, pk.get("gate_up_proj"))
+        if ops is not None:
+            act = gu.new_empty(T, self.inter)
+            ops.silu_and_mul(act, gu)
+        else:
+            act = F.silu(gu[:, : self.inter]) * gu[:, self.inter:]
+        return linear(act, self.down_proj, pk.get("down_proj")), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -103,6 +134,27 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = (None if cfg.tie_word_embeddings else
                         nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, **kw), requires_grad=False))
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, device)
+        self.packed_lm_head: torch.Tensor | None = None
+        # C++ elementwise kernels for the float32 CPU path (None: torch ops)
+        self.ops = None
+        if torch.device(device).type == "cpu" and dtype == torch.float32:
+            from pagedllm.kernels.cpu import load_cpu_kernels
+
+            self.ops = load_cpu_kernels()
+
+    def pack_weights(self) -> None:
+        """After loading: on CPU float32 with oneDNN, reorder every projection and the LM
+        head into oneDNN's layout (see ``models/linear.py``); a no-op elsewhere. The
+        embedding table stays dense (it is also the lookup table when tied)."""
+        if not onednn_packing_available(self.embed_tokens.device, self.embed_tokens.dtype):
+            return
+        for layer in self.layers:
+            layer.pack_weights()
+        if self.lm_head is None:
+            self.packed_lm_head = pack_weight(self.embed_tokens.data)
+        else:
+            self.packed_lm_head = pack_weight(self.lm_head.data)
+            self.lm_head.data = self.lm_head.data.new_empty(0)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
@@ -121,13 +173,16 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = self.rotary.tables(positions, x.dtype)
         residual = None
         for i, layer in enumerate(self.layers):
-            x, residual = layer(x, residual, cos, sin, attn, attn.layer_cache(kv_cache, i), attn_md)
+            x, residual = layer(x, residual, cos, sin, attn, attn.layer_cache(kv_cache, i), attn_md,
+                                self.ops)
         return residual + x
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head on the selected rows: [N, hidden] → float32 [N, vocab]."""
         h = rms_norm(hidden, self.norm, self.cfg.rms_norm_eps)
+        if self.packed_lm_head is not None:
+            return linear(h, None, self.packed_lm_head).float()
         w = self.embed_tokens if self.lm_head is None else self.lm_head
         if h.device.type == "cpu" and h.shape[0] > 1:
             # [vocab, hidden] @ [hidden, N]: with a huge vocab and few rows, MKL runs this

@@ -30,4 +30,6 @@ def build_model(path: str, cfg: ModelArchConfig, dtype: torch.dtype, device: tor
     cls = get_model_class(cfg)
     model = cls(cfg, dtype, device, max_positions)
     model.load_weights(iter_weights(path, cfg))
+    if hasattr(model, "pack_weights"):
+        model.pack_weights()
     return model.eval()

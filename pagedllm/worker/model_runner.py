@@ -18,6 +18,7 @@ from pagedllm.attention.backend import CommonAttentionMetadata, get_attention_ba
 from pagedllm.config import EngineConfig
 from pagedllm.core.scheduler import SchedulerOutput
 from pagedllm.sample.sampler import Sampler, SamplingMetadata
+from pagedllm.utils import empty_cpu_hugepages
 
 logger = logging.getLogger("pagedllm")
 
@@ -63,8 +64,12 @@ class ModelRunner:
         shape = self.attn.kv_cache_shape(a.num_hidden_layers, num_blocks, self.block_size,
                                          a.num_key_value_heads, a.head_dim)
         # Uninitialised on purpose (a 4 GiB zero-fill costs seconds at start-up): the
-        # attention backends only read slots that were written.
-        self.kv_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
+        # attention backends only read slots that were written. On the CPU, in huge
+        # pages: decode attention reads it at random block addresses.
+        if self.device.type == "cpu":
+            self.kv_cache = empty_cpu_hugepages(shape, self.dtype)
+        else:
+            self.kv_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
 
     # ------------------------------------------------------------------------------
     def _update_states(self, so: SchedulerOutput) -> None:

@@ -12,7 +12,7 @@
 //    scores with a horizontal-add tree; V accumulated in registers, 64 dims at a time
 //    (software prefetch of the next block was tried and measured no gain).
 //  * attend_generic (any head_dim or CPU): the same maths with GCC vector types.
-#include <torch/extension.h>
+#include "ops.h"
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -270,9 +270,4 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor ke
       else attend(a, w, 0, a.nkv, scores, acc, slots);
     }
   });
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention,
-        "Paged decode attention (CPU, float32), written into out");
 }

@@ -1,7 +1,9 @@
-"""Optional C++ kernels for CPU attention, built on first use with
+"""Optional C++ kernels for the CPU float32 path, built on first use with
 ``torch.utils.cpp_extension.load`` (g++ and ninja; cached under ``$TORCH_EXTENSIONS_DIR``,
-default ``~/.cache/torch_extensions``). If the build fails, or ``PAGEDLLM_CPU_KERNELS=0``,
-callers fall back to the torch-ops path; results agree to float32 rounding.
+default ``~/.cache/torch_extensions``): paged decode attention, writing K/V into the
+paged cache, SiLU-and-mul, fused residual-add + RMSNorm and RoPE (sources in ``csrc/``).
+If the build fails, or ``PAGEDLLM_CPU_KERNELS=0``, callers fall back to torch ops;
+results agree to float32 rounding.
 """
 from __future__ import annotations
 
@@ -15,6 +17,9 @@ _lock = threading.Lock()
 _module = None
 _tried = False
 
+_CSRC = os.path.join(os.path.dirname(__file__), "csrc")
+_SOURCES = ("bindings.cpp", "paged_attention_cpu.cpp", "cpu_ops.cpp")
+
 
 def _cpu_tag() -> str:
     try:
@@ -26,7 +31,10 @@ def _cpu_tag() -> str:
 
 
 def load_cpu_kernels():
-    """The compiled module, or None when disabled or unbuildable (logged once)."""
+    """The compiled module, or None when disabled or unbuildable (logged once).
+
+    The module name carries a digest of the sources and of the CPU's flags, so an edited
+    source or another CPU builds afresh instead of loading a stale binary."""
     global _module, _tried
     with _lock:
         if _tried:
@@ -45,13 +53,16 @@ def load_cpu_kernels():
             if bindir not in os.environ.get("PATH", "").split(os.pathsep):
                 os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
 
-            src = os.path.join(os.path.dirname(__file__), "csrc", "paged_attention_cpu.cpp")
-            with open(src, "rb") as f:
-                digest = hashlib.sha1(f.read()).hexdigest()[:8]
-            _module = load(name=f"pagedllm_cpu_attn_{digest}_{_cpu_tag()}", sources=[src],
+            h = hashlib.sha1()
+            for name in sorted(os.listdir(_CSRC)):
+                with open(os.path.join(_CSRC, name), "rb") as f:
+                    h.update(name.encode() + f.read())
+            _module = load(name=f"pagedllm_cpu_{h.hexdigest()[:8]}_{_cpu_tag()}",
+                           sources=[os.path.join(_CSRC, s) for s in _SOURCES],
+                           extra_include_paths=[_CSRC],
                            extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
                            extra_ldflags=["-fopenmp", "-lmvec"], verbose=False)
         except Exception as e:  # no compiler, no ninja, ...
-            logger.warning("CPU attention kernel unavailable (%s); using the torch-ops path", e)
+            logger.warning("CPU kernels unavailable (%s); using torch ops", e)
             _module = None
         return _module

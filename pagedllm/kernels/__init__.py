@@ -1,0 +1,1 @@
+"""Native kernels: C++ CPU kernels built on first use (``cpu.py``, sources in ``csrc/``)."""

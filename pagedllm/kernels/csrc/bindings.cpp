@@ -1,0 +1,13 @@
+#include "ops.h"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode_attention", &paged_decode_attention,
+        "Paged decode attention (CPU, float32), written into out");
+  m.def("reshape_and_cache", &reshape_and_cache,
+        "Write K/V rows [T, kv_heads, head_dim] into the paged cache at slot_mapping");
+  m.def("silu_and_mul", &silu_and_mul, "out = silu(x[:, :d]) * x[:, d:]");
+  m.def("fused_add_rms_norm", &fused_add_rms_norm,
+        "residual += x; x = rms_norm(residual) * weight (both in place)");
+  m.def("rotary_embedding", &rotary_embedding,
+        "Rotate-half RoPE in place on x [T, heads, head_dim] with cos/sin [T, head_dim/2]");
+}
