@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.attention.backend import AttentionBackend, CommonAttentionMetadata, register_backend
+from pagedllm.kernels.cpu import trace
 
 
 @dataclass
@@ -108,16 +109,18 @@ class TorchAttentionBackend(AttentionBackend):
         nkv = k.shape[1]
         key_cache, value_cache = layer_cache[0], layer_cache[1]
         if self.kernels is not None and q.dtype == torch.float32 and q.device.type == "cpu":
-            self.kernels.reshape_and_cache(k, v, key_cache, value_cache, md.slot_mapping)
+            with trace("pagedllm::reshape_and_cache"):
+                self.kernels.reshape_and_cache(k, v, key_cache, value_cache, md.slot_mapping)
         else:
             key_cache.index_copy_(0, md.slot_mapping, k)
             value_cache.index_copy_(0, md.slot_mapping, v)
         out = torch.empty(T, nh, hd, dtype=q.dtype, device=q.device)
         nd = md.num_decodes
         if nd and md.decode_block_table is not None and q.dtype == torch.float32:
-            self.kernels.paged_decode_attention(out[:nd], q[:nd].contiguous(), key_cache, value_cache,
-                                                md.decode_block_table, md.decode_seq_lens,
-                                                md.block_size, scale)
+            with trace("pagedllm::paged_decode_attention"):
+                self.kernels.paged_decode_attention(out[:nd], q[:nd].contiguous(), key_cache,
+                                                    value_cache, md.decode_block_table,
+                                                    md.decode_seq_lens, md.block_size, scale)
         elif nd:
             if md.decode_slots is None:
                 raise RuntimeError("decode metadata was built for the CPU kernel")

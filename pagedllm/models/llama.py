@@ -19,6 +19,7 @@ from torch import nn
 
 from pagedllm.attention.backend import AttentionBackend
 from pagedllm.models.arch_config import ModelArchConfig
+from pagedllm.kernels.cpu import trace
 from pagedllm.models.linear import linear, onednn_packing_available, pack_weight
 from pagedllm.models.rotary import RotaryEmbedding, apply_rotary
 
@@ -71,7 +72,8 @@ class DecoderLayer(nn.Module):
             residual = x
             h = rms_norm(residual, self.input_layernorm, self.eps)
         elif ops is not None:
-            ops.fused_add_rms_norm(x, residual, self.input_layernorm, self.eps)  # in place
+            with trace("pagedllm::fused_add_rms_norm"):
+                ops.fused_add_rms_norm(x, residual, self.input_layernorm, self.eps)  # in place
             h = x
         else:
             residual = residual + x
@@ -88,7 +90,8 @@ class DecoderLayer(nn.Module):
             k = apply_rotary(k, cos, sin)
         elif ops is not None:
             qk = qkv[:, : self.q_size + self.kv_size].view(T, self.nh + self.nkv, self.hd)
-            ops.rotary_embedding(qk, cos.view(T, -1), sin.view(T, -1))  # in place
+            with trace("pagedllm::rotary_embedding"):
+                ops.rotary_embedding(qk, cos.view(T, -1), sin.view(T, -1))  # in place
             q, k = qk[:, : self.nh], qk[:, self.nh:]
         else:
             # q and k rotated together: one set of elementwise ops instead of two
@@ -98,7 +101,8 @@ class DecoderLayer(nn.Module):
         o = attn.forward(q, k, v if ops is not None else v.contiguous(), layer_cache, attn_md, self.scale)
         x = linear(o, self.o_proj, pk.get("o_proj"))
         if ops is not None:
-            ops.fused_add_rms_norm(x, residual, self.post_attention_layernorm, self.eps)
+            with trace("pagedllm::fused_add_rms_norm"):
+                ops.fused_add_rms_norm(x, residual, self.post_attention_layernorm, self.eps)
             h = x
         else:
             residual = residual + x
@@ -106,7 +110,8 @@ class DecoderLayer(nn.Module):
         gu = linear(h, self.gate_up_proj, pk.get("gate_up_proj"))
         if ops is not None:
             act = gu.new_empty(T, self.inter)
-            ops.silu_and_mul(act, gu)
+            with trace("pagedllm::silu_and_mul"):
+                ops.silu_and_mul(act, gu)
         else:
             act = F.silu(gu[:, : self.inter]) * gu[:, self.inter:]
         return linear(act, self.down_proj, pk.get("down_proj")), residual
