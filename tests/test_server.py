@@ -165,9 +165,9 @@ def test_stop_string_excluded(client, server):
     assert " 7" not in r.choices[0].text and r.choices[0].text.strip().startswith("5")
 
 
-def test_disconnect_mid_stream_frees_blocks(server):
-    """A client that goes away mid-stream aborts its request; its blocks are freed."""
-    core = server.engine.engine.core
+def _stream_then_disconnect(server, at_third_chunk) -> None:
+    """Stream a long completion, call ``at_third_chunk()`` when the third chunk arrives,
+    then close the connection without reading the rest."""
     body = {"model": server.engine.model_name, "prompt": "Tell me a very long story about dragons.",
             "max_tokens": 500, "ignore_eos": True, "temperature": 0, "stream": True}
     with httpx.Client(timeout=60) as c:
@@ -177,9 +177,18 @@ def test_disconnect_mid_stream_frees_blocks(server):
                 if line.startswith("data: {"):
                     got += 1
                     if got == 3:
-                        assert core.kv.num_free_blocks < core.kv.num_blocks  # it holds blocks now
+                        at_third_chunk()
                         break
-    # connection closed without reading the rest
+
+
+def test_disconnect_mid_stream_frees_blocks(server):
+    """A client that goes away mid-stream aborts its request; its blocks are freed."""
+    core = server.engine.engine.core
+
+    def holds_blocks():
+        assert core.kv.num_free_blocks < core.kv.num_blocks
+
+    _stream_then_disconnect(server, holds_blocks)
     assert server.idle_and_free(timeout=10)
 
 
@@ -451,18 +460,12 @@ def test_abort_on_idle_server_refreshes_metrics(server):
                 _metric(text, "vllm:request_success_total", finished_reason="abort"))
 
     aborted_before = read()[3]
-    body = {"model": server.engine.model_name, "prompt": "Tell me a very long story about dragons.",
-            "max_tokens": 500, "ignore_eos": True, "temperature": 0, "stream": True}
-    with httpx.Client(timeout=60) as c:
-        with c.stream("POST", f"{server.url}/v1/completions", json=body) as r:
-            got = 0
-            for line in r.iter_lines():
-                if line.startswith("data: {"):
-                    got += 1
-                    if got == 3:
-                        running, _, kv, _ = read()
-                        assert running == 1 and kv > 0
-                        break
+
+    def running_with_blocks():
+        running, _, kv, _ = read()
+        assert running == 1 and kv > 0
+
+    _stream_then_disconnect(server, running_with_blocks)
     assert server.idle_and_free(timeout=10)
     deadline = time.time() + 10
     while (now := read()) != (0, 0, 0, aborted_before + 1) and time.time() < deadline:

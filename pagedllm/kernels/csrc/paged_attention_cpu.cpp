@@ -44,6 +44,19 @@ struct Args {
   float scale;
 };
 
+// Softmax numerators in place over s[0, L): s[i] = exp(s[i] - max); returns 1 / sum.
+static inline float softmax_numerators(float* s, int64_t L) {
+  float m = -INFINITY;
+  for (int64_t i = 0; i < L; ++i) m = std::max(m, s[i]);
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t i = 0; i < L; ++i) {
+    s[i] = expf(s[i] - m);
+    sum += s[i];
+  }
+  return 1.f / sum;
+}
+
 static void attend_generic(const Args& a, int64_t n, int64_t kh0, int64_t kh1,
                    std::vector<float>& scores, std::vector<float>& acc) {
   const int64_t L = a.sl[n];
@@ -98,18 +111,7 @@ static void attend_generic(const Args& a, int64_t n, int64_t kh0, int64_t kh1,
     }
   }
   std::vector<float> inv(nheads);
-  for (int64_t h = 0; h < nheads; ++h) {
-    float* s = scores.data() + h * L;
-    float m = -INFINITY;
-    for (int64_t i = 0; i < L; ++i) m = std::max(m, s[i]);
-    float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t i = 0; i < L; ++i) {
-      s[i] = expf(s[i] - m);
-      sum += s[i];
-    }
-    inv[h] = 1.f / sum;
-  }
+  for (int64_t h = 0; h < nheads; ++h) inv[h] = softmax_numerators(scores.data() + h * L, L);
   for (int64_t i = 0; i < L; ++i) {
     const float* vr = a.v + slot_of(i) * a.v_slot;
     for (int64_t kh = kh0; kh < kh1; ++kh) {
@@ -190,15 +192,7 @@ static void attend_avx2(const Args& a, int64_t n, int64_t kh0, int64_t kh1,
   // ---- softmax per query head (max-subtracted), then out = sum_t p_t v_t / sum_t p_t ----
   for (int64_t h = 0; h < nheads; ++h) {
     float* s = scores.data() + h * Lp;
-    float m = -INFINITY;
-    for (int64_t i = 0; i < L; ++i) m = std::max(m, s[i]);
-    float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t i = 0; i < L; ++i) {
-      s[i] = expf(s[i] - m);
-      sum += s[i];
-    }
-    const __m256 iv = _mm256_set1_ps(1.f / sum);
+    const __m256 iv = _mm256_set1_ps(softmax_numerators(s, L));
     const float* vh = vb + (h / g) * a.v_head;
     float* o = a.out + (n * a.nh + kh0 * g + h) * hd;
     for (int64_t d0 = 0; d0 < hd; d0 += 64) {
