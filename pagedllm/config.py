@@ -5,10 +5,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 from dataclasses import dataclass
 
 import torch
 
+from pagedllm.errors import InvalidParameterError
 from pagedllm.models.arch_config import ModelArchConfig
 from pagedllm.utils import cpu_has_native_bf16, default_model_path, parse_size, resolve_device
 
@@ -83,7 +85,8 @@ class EngineArgs:
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         d = EngineArgs()
         parser.add_argument("--model", default=None,
-                            help="a .gguf file or HF model directory (default: bundled SmolLM2-135M-Instruct)")
+                            help="a .gguf file or HF model directory (default: the bundled "
+                                 "SmolLM2-135M-Instruct)%(default).0s")
         parser.add_argument("--served-model-name", default=None)
         parser.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"])
         parser.add_argument("--device", default=d.device)
@@ -139,7 +142,6 @@ class EngineConfig:
 
     @classmethod
     def from_args(cls, args: EngineArgs) -> EngineConfig:
-        import os
 
         from pagedllm.models.loader import load_arch_config
         from pagedllm.models.registry import get_model_class
@@ -151,5 +153,11 @@ class EngineConfig:
         device = resolve_device(args.device)
         dtype = resolve_dtype(args.dtype, device)
         max_len = args.max_model_len or arch.max_position_embeddings
+        if (arch.max_position_embeddings and max_len > arch.max_position_embeddings
+                and os.environ.get("PAGEDLLM_ALLOW_LONG_MAX_MODEL_LEN", "0") != "1"):
+            raise InvalidParameterError(
+                "max_model_len", f"max_model_len {max_len} is longer than the model's context "
+                f"({arch.max_position_embeddings} positions); set PAGEDLLM_ALLOW_LONG_MAX_MODEL_LEN=1 "
+                "to allow it anyway (outputs past the trained length may be garbage)")
         name = args.served_model_name or os.path.basename(os.path.normpath(path))
         return cls(args, path, name, arch, dtype, device, max_len)

@@ -80,7 +80,16 @@ def resolve_device(device: str | None) -> torch.device:
     """``None``/``"auto"`` → cuda when available, else cpu."""
     if device in (None, "auto"):
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    from pagedllm.errors import InvalidParameterError
+
+    try:
+        dev = torch.device(device)
+    except RuntimeError as e:
+        raise InvalidParameterError("device", f"invalid device {device!r}: {e}") from e
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise InvalidParameterError("device", f"device {device!r} requested but CUDA is not available "
+                                              "(this torch build or machine has no GPU); use --device cpu")
+    return dev
 
 
 def cdiv(a: int, b: int) -> int:

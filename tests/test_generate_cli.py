@@ -34,3 +34,36 @@ def test_bad_flag_rejected_before_loading(no_model_load, capsys, argv, flag):
 def test_empty_prompt_rejected_before_loading(no_model_load, capsys):
     assert cli.main(["generate", ""]) == 2
     assert "PROMPT" in capsys.readouterr().err
+
+
+def test_max_model_len_over_model_context_rejected(no_model_load, capsys, monkeypatch):
+    monkeypatch.delenv("PAGEDLLM_ALLOW_LONG_MAX_MODEL_LEN", raising=False)
+    assert cli.main(["generate", "hello", "--max-model-len", "20000"]) == 2
+    err = capsys.readouterr().err
+    assert "max_model_len 20000" in err and "8192" in err, err
+
+
+def test_cuda_device_without_cuda_rejected(no_model_load, capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    assert cli.main(["generate", "hello", "--device", "cuda"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "CUDA is not available" in err, err
+
+
+def test_serve_on_busy_port_fails_before_loading(capsys, monkeypatch):
+    import socket
+
+    from pagedllm.entrypoints.openai import api_server
+
+    def load(*args, **kwargs):
+        raise AssertionError("the model was loaded before the port was checked")
+
+    monkeypatch.setattr(api_server, "AsyncLLM", load)
+    with socket.create_server(("127.0.0.1", 0)) as busy:
+        port = busy.getsockname()[1]
+        assert cli.main(["serve", "--host", "127.0.0.1", "--port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot listen on 127.0.0.1:{port}" in err, err

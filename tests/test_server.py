@@ -220,6 +220,17 @@ def test_bad_input_is_400_naming_param(server, client, field, value):
     assert ok.usage.completion_tokens == 2
 
 
+def test_max_completion_tokens_wins_and_is_named(server):
+    """OpenAI's current field takes precedence over the deprecated max_tokens, and an
+    error in it names it."""
+    body = {"model": server.engine.model_name, "messages": [{"role": "user", "content": "Tell me a story."}],
+            "temperature": 0, "ignore_eos": True, "max_completion_tokens": 3, "max_tokens": 5}
+    r = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3, r.text
+    r = httpx.post(f"{server.url}/v1/chat/completions", json={**body, "max_completion_tokens": 0}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_completion_tokens", r.text
+
+
 def test_prompt_over_max_model_len_is_400(server, client):
     long_prompt = "hello " * (MAX_MODEL_LEN + 50)
     with pytest.raises(openai.BadRequestError) as e:

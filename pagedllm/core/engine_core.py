@@ -37,9 +37,9 @@ class EngineCore:
         t0 = time.time()
         self.config = config
         self.runner = ModelRunner(config)
-        logger.info("loaded %s (%s, %s) on %s in %.1f s", config.served_model_name,
+        logger.info("loaded %s (%s, %s) on %s in %.1f s; %s", config.served_model_name,
                     config.arch.architecture, str(config.dtype).replace("torch.", ""),
-                    config.device, time.time() - t0)
+                    config.device, time.time() - t0, self.runner.describe_compute_path())
         per_block = self.runner.kv_bytes_per_block()
         if args.num_gpu_blocks_override:
             num_blocks = args.num_gpu_blocks_override

@@ -26,7 +26,7 @@ _SAMPLING_FLAGS = {"max_tokens": "--max-tokens", "temperature": "--temperature",
 
 def _generate(args) -> int:
     import pagedllm
-    from pagedllm.config import EngineArgs
+    from pagedllm.config import EngineArgs, EngineConfig
     from pagedllm.errors import InvalidParameterError
 
     # Check the sampling flags before the model is loaded (seconds to minutes).
@@ -38,7 +38,7 @@ def _generate(args) -> int:
     if not args.prompt:
         raise ValueError("PROMPT must not be empty")
     ea = EngineArgs.from_cli_args(args)
-    ea.validate()
+    EngineConfig.from_args(ea)  # engine flags against the model's config (no weights read)
     kwargs = {k: v for k, v in vars(ea).items() if k != "model"}
     llm = pagedllm.LLM(model=ea.model, **kwargs)
     if args.chat:

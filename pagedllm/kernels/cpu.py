@@ -67,6 +67,7 @@ def load_cpu_kernels():
             if bindir not in os.environ.get("PATH", "").split(os.pathsep):
                 os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
 
+            logger.info("loading the C++ CPU kernels (the first start compiles them: ~1-3 min)")
             h = hashlib.sha1()
             for name in sorted(os.listdir(_CSRC)):
                 with open(os.path.join(_CSRC, name), "rb") as f:

@@ -53,6 +53,14 @@ class ModelRunner:
         self._ids = np.zeros(n, dtype=np.int64)
         self._pos = np.zeros(n, dtype=np.int64)
 
+    def describe_compute_path(self) -> str:
+        """One line for the start-up log: which attention backend, kernels and linear
+        implementation this runner uses (so fallbacks are visible)."""
+        kernels = getattr(self.model, "ops", None) is not None
+        packed = getattr(self.model, "packed_lm_head", None) is not None
+        return (f"attention backend {self.attn.name}, C++ CPU kernels {'on' if kernels else 'off'}, "
+                f"linear layers {'oneDNN (packed weights)' if packed else 'F.linear'}")
+
     def kv_bytes_per_block(self) -> int:
         """Bytes of K and V for one block across all layers."""
         a = self.config.arch

@@ -254,9 +254,16 @@ def build_app(engine: AsyncLLM, prometheus=None, trust_request_chat_template: bo
             raise InvalidParameterError(
                 "messages", f"the conversation is {len(ids)} tokens, which leaves no room to generate "
                             f"within max_model_len ({engine.max_model_len})")
-        if body.max_tokens is None and body.max_completion_tokens is not None:
+        # OpenAI's current name wins over the deprecated max_tokens, as in vLLM
+        if body.max_completion_tokens is not None:
             body.max_tokens = body.max_completion_tokens
-        params = body.to_sampling_params(default_max_tokens=None)
+        try:
+            params = body.to_sampling_params(default_max_tokens=None)
+        except InvalidParameterError as e:
+            if e.param == "max_tokens" and body.max_completion_tokens is not None:
+                raise InvalidParameterError(
+                    "max_completion_tokens", str(e).replace("max_tokens", "max_completion_tokens")) from e
+            raise
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         stream = await engine.add_request(rid, ids, params)
@@ -305,6 +312,18 @@ def build_app(engine: AsyncLLM, prometheus=None, trust_request_chat_template: bo
     return app
 
 
+def _check_can_listen(host: str, port: int) -> None:
+    """Raises InvalidParameterError naming ``port`` when ``host:port`` cannot be bound
+    (in use, or not an address of this machine)."""
+    import socket
+
+    try:
+        socket.create_server((host, port)).close()
+    except OSError as e:
+        raise InvalidParameterError("port", f"cannot listen on {host}:{port}: {e.strerror or e}; "
+                                            "choose another --port (or --host)") from e
+
+
 def run_server(args) -> None:
     """Load the engine from parsed CLI args, then serve until interrupted."""
     import uvicorn
@@ -313,6 +332,7 @@ def run_server(args) -> None:
     from pagedllm.engine.metrics import PrometheusStatLogger
 
     engine_args = EngineArgs.from_cli_args(args)
+    _check_can_listen(args.host, args.port)  # before the model load, not after it
     engine = AsyncLLM(engine_args)
     # The Prometheus logger is labelled with the served model name, known only once the
     # engine has loaded; the engine thread picks it up at its next step.
@@ -321,6 +341,8 @@ def run_server(args) -> None:
     app = build_app(engine, prom, trust_request_chat_template=args.trust_request_chat_template)
     logger.info("serving %s on http://%s:%d", engine.model_name, args.host, args.port)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
+        # Ctrl-C: open streams get 5 s to finish, then the server exits anyway
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                    timeout_graceful_shutdown=5)
     finally:
         engine.shutdown()
