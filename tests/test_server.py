@@ -220,6 +220,14 @@ def test_bad_input_is_400_naming_param(server, client, field, value):
     assert ok.usage.completion_tokens == 2
 
 
+@pytest.mark.parametrize("method,path,status", [("GET", "/v1/nope", 404), ("GET", "/v1/completions", 405)])
+def test_unknown_route_and_method_have_openai_error_shape(server, method, path, status):
+    r = httpx.request(method, f"{server.url}{path}", timeout=30)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["code"] == status and err["message"] and "detail" not in r.json(), r.text
+
+
 def test_max_completion_tokens_wins_and_is_named(server):
     """OpenAI's current field takes precedence over the deprecated max_tokens, and an
     error in it names it."""

@@ -21,6 +21,7 @@ import uuid
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedllm.engine.async_llm import AsyncLLM, EngineDeadError
 from pagedllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
@@ -71,6 +72,12 @@ def build_app(engine: AsyncLLM, prometheus=None, trust_request_chat_template: bo
         if kind == "extra_forbidden":
             return _err(f"unrecognized request argument: {where} (this server does not support it)", param)
         return _err(f"invalid value for {where}: {e.get('msg', 'invalid request')}", param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_req, exc: StarletteHTTPException):
+        # unknown path (404), wrong method (405)...: OpenAI's error shape, not FastAPI's
+        types = {404: "NotFoundError", 405: "MethodNotAllowedError"}
+        return _err(str(exc.detail), None, exc.status_code, types.get(exc.status_code, "invalid_request_error"))
 
     @app.exception_handler(InvalidParameterError)
     async def _invalid(_req, exc: InvalidParameterError):
