@@ -100,8 +100,9 @@ def cdiv(a: int, b: int) -> int:
 def empty_cpu_hugepages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """An uninitialised CPU tensor in an anonymous mapping advised for transparent huge
     pages (``madvise(MADV_HUGEPAGE)``), for large buffers read at random block addresses
-    such as the paged KV cache: 2 MiB pages cut TLB misses (measured on the decode
-    attention kernel, 64 requests x 264 tokens: ~15-25 % less time a layer). Where the
+    such as the paged KV cache: 2 MiB pages cut TLB misses (decode attention kernel
+    micro-benchmark, 64 requests x 264 tokens: 5-25 % less time a layer over noisy
+    repeated runs). Where the
     platform has no ``MADV_HUGEPAGE`` or refuses it, the mapping keeps normal pages.
 
     Args:

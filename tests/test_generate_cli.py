@@ -36,14 +36,27 @@ def test_empty_prompt_rejected_before_loading(no_model_load, capsys):
     assert "PROMPT" in capsys.readouterr().err
 
 
-def test_max_model_len_over_model_context_rejected(no_model_load, capsys, monkeypatch):
+@pytest.fixture
+def no_tokenizer_or_weights(monkeypatch):
+    """LLM may read the model's config, but neither its tokenizer nor its weights."""
+    from pagedllm.engine import llm_engine
+    from pagedllm.models import registry
+
+    def load(*args, **kwargs):
+        raise AssertionError("the tokenizer or weights were loaded before the flags were checked")
+
+    monkeypatch.setattr(llm_engine, "get_tokenizer", load)
+    monkeypatch.setattr(registry, "build_model", load)
+
+
+def test_max_model_len_over_model_context_rejected(no_tokenizer_or_weights, capsys, monkeypatch):
     monkeypatch.delenv("PAGEDLLM_ALLOW_LONG_MAX_MODEL_LEN", raising=False)
     assert cli.main(["generate", "hello", "--max-model-len", "20000"]) == 2
     err = capsys.readouterr().err
     assert "max_model_len 20000" in err and "8192" in err, err
 
 
-def test_cuda_device_without_cuda_rejected(no_model_load, capsys):
+def test_cuda_device_without_cuda_rejected(no_tokenizer_or_weights, capsys):
     import torch
 
     if torch.cuda.is_available():

@@ -26,7 +26,7 @@ _SAMPLING_FLAGS = {"max_tokens": "--max-tokens", "temperature": "--temperature",
 
 def _generate(args) -> int:
     import pagedllm
-    from pagedllm.config import EngineArgs, EngineConfig
+    from pagedllm.config import EngineArgs
     from pagedllm.errors import InvalidParameterError
 
     # Check the sampling flags before the model is loaded (seconds to minutes).
@@ -38,7 +38,9 @@ def _generate(args) -> int:
     if not args.prompt:
         raise ValueError("PROMPT must not be empty")
     ea = EngineArgs.from_cli_args(args)
-    EngineConfig.from_args(ea)  # engine flags against the model's config (no weights read)
+    ea.validate()
+    # Settings that need the model's config (max_model_len vs its context, the device)
+    # are checked by LLM before it reads the tokenizer or any weight.
     kwargs = {k: v for k, v in vars(ea).items() if k != "model"}
     llm = pagedllm.LLM(model=ea.model, **kwargs)
     if args.chat:

@@ -65,19 +65,24 @@ class DecoderLayer(nn.Module):
             self.packed[name] = pack_weight(p.data)
             p.data = p.data.new_empty(0)
 
+    def _add_norm(self, x, residual, weight, ops):
+        """residual + x, then RMSNorm of it: returns (normed, new residual), [T, hidden]
+        each. With the C++ ``ops`` both happen in place (``x`` becomes the normed rows)."""
+        if ops is not None:
+            with trace("pagedllm::fused_add_rms_norm"):
+                ops.fused_add_rms_norm(x, residual, weight, self.eps)
+            return x, residual
+        residual = residual + x
+        return rms_norm(residual, weight, self.eps), residual
+
     def forward(self, x, residual, cos, sin, attn: AttentionBackend, layer_cache, attn_md, ops=None):
         # x: [T, hidden]; residual: [T, hidden] or None for the first layer. ``ops``: the
         # C++ CPU kernels (float32 on CPU) or None for the torch ops; same maths.
         if residual is None:
             residual = x
             h = rms_norm(residual, self.input_layernorm, self.eps)
-        elif ops is not None:
-            with trace("pagedllm::fused_add_rms_norm"):
-                ops.fused_add_rms_norm(x, residual, self.input_layernorm, self.eps)  # in place
-            h = x
         else:
-            residual = residual + x
-            h = rms_norm(residual, self.input_layernorm, self.eps)
+            h, residual = self._add_norm(x, residual, self.input_layernorm, ops)
         pk = self.packed
         qkv = linear(h, self.qkv_proj, pk.get("qkv_proj"), self.qkv_bias)
         T = qkv.shape[0]
@@ -100,13 +105,7 @@ class DecoderLayer(nn.Module):
             q, k = qk[:, : self.nh], qk[:, self.nh:]
         o = attn.forward(q, k, v if ops is not None else v.contiguous(), layer_cache, attn_md, self.scale)
         x = linear(o, self.o_proj, pk.get("o_proj"))
-        if ops is not None:
-            with trace("pagedllm::fused_add_rms_norm"):
-                ops.fused_add_rms_norm(x, residual, self.post_attention_layernorm, self.eps)
-            h = x
-        else:
-            residual = residual + x
-            h = rms_norm(residual, self.post_attention_layernorm, self.eps)
+        h, residual = self._add_norm(x, residual, self.post_attention_layernorm, ops)
         gu = linear(h, self.gate_up_proj, pk.get("gate_up_proj"))
         if ops is not None:
             act = gu.new_empty(T, self.inter)
