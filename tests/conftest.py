@@ -22,6 +22,22 @@ from engine_helpers import REF_TOKENS, engine_leaks, greedy, run_alone  # noqa: 
 
 torch.set_num_threads(int(os.environ.get("PAGEDLLM_TEST_THREADS", "1")))
 
+
+
+def pytest_sessionstart(session):
+    """Build (or load) the C++ CPU kernels once, before any test, so that no test's time
+    and no server's start-up deadline includes the first build (~1-3 min on a new
+    machine), and a server stopped by its test cannot be stopped half-way through it."""
+    import time
+
+    from pagedllm.kernels.cpu import load_cpu_kernels
+
+    t0 = time.monotonic()
+    built = load_cpu_kernels() is not None
+    print(f"\nC++ CPU kernels {'ready' if built else 'UNAVAILABLE (torch ops)'} "
+          f"after {time.monotonic() - t0:.1f} s")
+
+
 # Every engine built through ``make_llm`` (checked after each test).
 _ENGINES: dict[tuple, object] = {}
 

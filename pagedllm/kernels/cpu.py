@@ -4,14 +4,22 @@ default ``~/.cache/torch_extensions``): paged decode attention, writing K/V into
 paged cache, SiLU-and-mul, fused residual-add + RMSNorm and RoPE (sources in ``csrc/``).
 If the build fails, or ``PAGEDLLM_CPU_KERNELS=0``, callers fall back to torch ops;
 results agree to float32 rounding.
+
+Concurrent first starts (several servers, a test suite) build once: each holds an
+``flock`` on ``<build dir>.flock`` while it loads. The kernel drops that lock when its
+holder dies, so a build killed half-way (Ctrl-C, SIGTERM during start-up) cannot leave
+the others waiting forever on torch's own ``lock`` file, which it would not remove.
 """
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import logging
 import os
+import sys
 import threading
+import time
 
 import torch
 
@@ -19,6 +27,10 @@ logger = logging.getLogger("pagedllm")
 _lock = threading.Lock()
 _module = None
 _tried = False
+
+# How long a start waits for another process that is building the kernels (seconds)
+# before it gives up and uses the torch ops instead.
+BUILD_WAIT_S = float(os.environ.get("PAGEDLLM_KERNEL_BUILD_WAIT_S", "1200"))
 
 _CSRC = os.path.join(os.path.dirname(__file__), "csrc")
 _SOURCES = ("bindings.cpp", "paged_attention_cpu.cpp", "cpu_ops.cpp")
@@ -44,11 +56,93 @@ def _cpu_tag() -> str:
     return hashlib.sha1(flags.encode()).hexdigest()[:8]
 
 
+def _extensions_root() -> str:
+    """Where torch keeps JIT-built extensions: ``$TORCH_EXTENSIONS_DIR`` or
+    ``~/.cache/torch_extensions`` (the same default as ``torch.utils.cpp_extension``)."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    return root or os.path.join(os.path.expanduser("~"), ".cache", "torch_extensions")
+
+
+def _module_name() -> str:
+    """``pagedllm_cpu_<digest>``: the digest covers the sources, the CPU's flags (the build
+    uses ``-march=native``), the torch version and the Python version, so any of them
+    changing builds afresh instead of loading a stale or ABI-incompatible binary."""
+    h = hashlib.sha1()
+    for name in sorted(os.listdir(_CSRC)):
+        with open(os.path.join(_CSRC, name), "rb") as f:
+            h.update(name.encode() + f.read())
+    h.update(f"{torch.__version__}|{sys.version_info[:2]}".encode())
+    return f"pagedllm_cpu_{h.hexdigest()[:8]}_{_cpu_tag()}"
+
+
+def _processes_in(directory: str) -> list[int]:
+    """Pids of the processes whose working directory is ``directory`` (Linux ``/proc``;
+    empty elsewhere). torch runs ``ninja`` in the build directory, and ninja runs the
+    compiler there, so these are the builders of that directory."""
+    target = os.path.realpath(directory)
+    pids = []
+    with contextlib.suppress(OSError):
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                with contextlib.suppress(OSError):
+                    if os.readlink(f"/proc/{entry}/cwd") == target:
+                        pids.append(int(entry))
+    return pids
+
+
+@contextlib.contextmanager
+def _build_lock(build_dir: str, wait_s: float):
+    """Hold an exclusive ``flock`` on ``<build_dir>.flock`` for one load of the kernels.
+
+    Yields True when held, False after ``wait_s`` seconds of another live process holding
+    it. Once held, a leftover torch ``lock`` file in ``build_dir`` belongs to a builder that
+    died (every builder holds this flock), so it is removed; otherwise torch's
+    ``FileBaton.wait`` would poll for it forever. A builder killed alone (SIGTERM to the
+    Python process) leaves its ``ninja`` and compiler running; they are waited for (within
+    the same deadline), so that two builds never write the same object files."""
+    fd = os.open(build_dir + ".flock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        deadline = time.monotonic() + wait_s
+        announced = False
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    yield False
+                    return
+                if not announced:
+                    logger.info("waiting for another process that is building the CPU kernels")
+                    announced = True
+                time.sleep(0.5)
+        stale = os.path.join(build_dir, "lock")
+        if os.path.exists(stale):
+            while _processes_in(build_dir):
+                if time.monotonic() > deadline:
+                    yield False
+                    return
+                if not announced:
+                    logger.info("waiting for the compiler of an interrupted kernel build")
+                    announced = True
+                time.sleep(0.5)
+            logger.warning("removing %s, left by a kernel build that did not finish", stale)
+            os.remove(stale)
+        try:
+            yield True
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+
+
 def load_cpu_kernels():
     """The compiled module, or None when disabled or unbuildable (logged once).
 
-    The module name carries a digest of the sources and of the CPU's flags, so an edited
-    source or another CPU builds afresh instead of loading a stale binary."""
+    The first call in a process builds or loads the module (~1-3 min to build with g++ on
+    a new machine, well under a second once cached); later calls return it at once.
+    Never raises: a missing compiler, a failed build or ``BUILD_WAIT_S`` seconds spent
+    waiting for another process's build all log a warning and give None."""
     global _module, _tried
     with _lock:
         if _tried:
@@ -57,8 +151,6 @@ def load_cpu_kernels():
         if os.environ.get("PAGEDLLM_CPU_KERNELS", "1") == "0":
             return None
         try:
-            import sys
-
             from torch.utils.cpp_extension import load
 
             # The `ninja` wheel puts its binary next to the interpreter (venv/bin), which
@@ -67,17 +159,21 @@ def load_cpu_kernels():
             if bindir not in os.environ.get("PATH", "").split(os.pathsep):
                 os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
 
+            name = _module_name()
+            build_dir = os.path.join(_extensions_root(), name)
+            os.makedirs(build_dir, exist_ok=True)
             logger.info("loading the C++ CPU kernels (the first start compiles them: ~1-3 min)")
-            h = hashlib.sha1()
-            for name in sorted(os.listdir(_CSRC)):
-                with open(os.path.join(_CSRC, name), "rb") as f:
-                    h.update(name.encode() + f.read())
-            _module = load(name=f"pagedllm_cpu_{h.hexdigest()[:8]}_{_cpu_tag()}",
-                           sources=[os.path.join(_CSRC, s) for s in _SOURCES],
-                           extra_include_paths=[_CSRC],
-                           extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
-                           extra_ldflags=["-fopenmp", "-lmvec"], verbose=False)
-        except Exception as e:  # no compiler, no ninja, ...
+            with _build_lock(build_dir, BUILD_WAIT_S) as held:
+                if not held:
+                    raise TimeoutError(f"another process held {build_dir}.flock for "
+                                       f"{BUILD_WAIT_S:.0f} s")
+                _module = load(name=name,
+                               sources=[os.path.join(_CSRC, s) for s in _SOURCES],
+                               extra_include_paths=[_CSRC],
+                               extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
+                               extra_ldflags=["-fopenmp", "-lmvec"],
+                               build_directory=build_dir, verbose=False)
+        except Exception as e:  # no compiler, no ninja, a build that waited too long, ...
             logger.warning("CPU kernels unavailable (%s); using torch ops", e)
             _module = None
         return _module
