@@ -58,7 +58,8 @@ class FakeEngine:
     def reset_prefix_cache(self):
         return 0
 
-    def apply_chat_template(self, messages, add_generation_prompt=True, chat_template=None):
+    def apply_chat_template(self, messages, add_generation_prompt=True, chat_template=None,
+                            chat_template_kwargs=None):
         return [1, 2, 3]
 
     def shutdown(self):

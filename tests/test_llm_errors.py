@@ -122,3 +122,19 @@ def test_request_id_reusable_after_finish_and_abort(llm, check_usable, mixed_pro
     eng.step()
     eng.abort_request("reuse")
     assert run("reuse", mixed_prompts[1], 4) == greedy_alone[1][:4]
+
+
+def test_chat_template_kwargs_offline(llm, check_usable):
+    """LLM.chat passes chat_template_kwargs to the template; a bad one is a ValueError
+    naming it, and queues nothing."""
+    msgs = [{"role": "user", "content": "hi"}]
+    template = "{% if shout %}LOUD {% endif %}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    tok = llm.llm_engine.tokenizer
+    ids = llm.llm_engine.apply_chat_template(msgs, chat_template=template, chat_template_kwargs={"shout": True})
+    assert ids == tok.encode("LOUD hi", add_special_tokens=False)
+    out = llm.chat(msgs, greedy(1), use_tqdm=False, chat_template=template, chat_template_kwargs={"shout": True})
+    assert out[0].prompt_token_ids == ids
+    with pytest.raises(ValueError, match="chat_template_kwargs may not set tokenize"):
+        llm.chat(msgs, greedy(1), use_tqdm=False, chat_template_kwargs={"tokenize": True})
+    with pytest.raises(ValueError, match="chat_template_kwargs must be an object"):
+        llm.chat(msgs, greedy(1), use_tqdm=False, chat_template_kwargs=[("shout", True)])

@@ -367,7 +367,6 @@ def _post(server, endpoint: str, body: dict) -> httpx.Response:
     ("chat", "frequency_penalty", -1.0),
     ("chat", "n", 2),
     ("chat", "reasoning_effort", "low"),
-    ("chat", "chat_template_kwargs", {"enable_thinking": False}),
     ("chat", "echo", True),
     ("chat", "stream_options", {"include_usage": True, "continuous_usage_stats": True}),
     ("completions", "logprobs", 0),
@@ -431,6 +430,38 @@ def test_request_chat_template_needs_trust(server):
     assert r.json()["usage"]["prompt_tokens"] == want
     r = asyncio.run(post({**body, "chat_template": "{% for m in messages %}"}))  # unclosed block
     assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template", r.text
+
+
+def test_chat_template_kwargs(server):
+    """chat_template_kwargs reach the template as variables (vLLM's field); a template that
+    does not use one ignores it; names the renderer owns and non-objects are a 400."""
+    base = {**_body(server, "chat"), "messages": [{"role": "user", "content": "Hello there"}]}
+    plain = _post(server, "chat", base)
+    assert plain.status_code == 200, plain.text
+    r = _post(server, "chat", {**base, "chat_template_kwargs": {"enable_thinking": False}})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] == plain.json()["usage"]["prompt_tokens"]
+    for bad, words in [({"tokenize": True}, "may not set tokenize"),
+                       ({"messages": [], "add_generation_prompt": False}, "add_generation_prompt, messages"),
+                       (5, "expected an object (got an integer)"),
+                       (["enable_thinking"], "expected an object (got an array)")]:
+        r = _post(server, "chat", {**base, "chat_template_kwargs": bad})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == "chat_template_kwargs" and words in err["message"], err
+
+    app = build_app(server.engine, trust_request_chat_template=True)
+    template = "{% if shout %}LOUD {% endif %}" + _CONTENT_ONLY_TEMPLATE
+
+    async def post(b):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://app") as c:
+            return await c.post("/v1/chat/completions", json=b, timeout=60)
+
+    for kwargs, text in [({"shout": True}, "LOUD Hello there"), (None, "Hello there")]:
+        r = asyncio.run(post({**base, "chat_template": template, "chat_template_kwargs": kwargs}))
+        assert r.status_code == 200, r.text
+        want = len(server.engine.tokenizer.encode(text, add_special_tokens=False))
+        assert r.json()["usage"]["prompt_tokens"] == want
 
 
 @pytest.mark.parametrize("endpoint,method", [("chat", "apply_chat_template"),

@@ -14,6 +14,7 @@ from pagedllm.core.scheduler import EngineCoreOutput
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.engine.metrics import FinishedRequestStats, IterationStats, LoggingStatLogger
 from pagedllm.engine.processor import Processor
+from pagedllm.errors import InvalidParameterError
 from pagedllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pagedllm.request import Request
 from pagedllm.sampling_params import SamplingParams
@@ -211,12 +212,27 @@ class LLMEngine:
         return self._make_output(st, True, st.detok.delta(True), [])
 
     # ------------------------------------------------------------------------------
+    # Names of transformers' apply_chat_template itself, or variables it sets for the
+    # template: a chat_template_kwargs key may not override them.
+    _RESERVED_TEMPLATE_KWARGS = frozenset({
+        "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+        "continue_final_message", "tokenize", "padding", "truncation", "max_length",
+        "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            chat_template: str | None = None) -> list[int]:
+                            chat_template: str | None = None,
+                            chat_template_kwargs: dict | None = None) -> list[int]:
         """Render a conversation with the model's chat template and tokenize it.
+
+        Args:
+            chat_template_kwargs: extra variables for the template (as vLLM's field of the
+                same name), e.g. ``{"enable_thinking": False}`` for Qwen3's template; a
+                template that does not use a variable ignores it.
 
         Raises:
             ValueError: malformed messages, or the model has no chat template.
+            InvalidParameterError: ``chat_template_kwargs`` is not an object with string
+                keys, or sets a name the renderer owns (``messages``, ``tokenize``, ...).
         """
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages must be a non-empty list")
@@ -225,10 +241,19 @@ class LLMEngine:
                 raise ValueError(f"messages[{i}] must be an object with a string 'role'")
             if not isinstance(msg.get("content", ""), (str, list, type(None))):
                 raise ValueError(f"messages[{i}].content must be a string or a list of parts")
+        if not isinstance(chat_template_kwargs, (dict, type(None))) or not all(
+                isinstance(k, str) for k in chat_template_kwargs or {}):
+            raise InvalidParameterError("chat_template_kwargs", "chat_template_kwargs must be an object "
+                                                                "with string keys")
+        extra = dict(chat_template_kwargs or {})
+        reserved = sorted(self._RESERVED_TEMPLATE_KWARGS & extra.keys())
+        if reserved:
+            raise InvalidParameterError("chat_template_kwargs",
+                                        f"chat_template_kwargs may not set {', '.join(reserved)}")
         if chat_template is None and not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this model has no chat template; use the completions endpoint")
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                  tokenize=False, chat_template=chat_template)
+                                                  tokenize=False, chat_template=chat_template, **extra)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def reset_prefix_cache(self) -> int:

@@ -76,11 +76,19 @@ class LLM:
 
     def chat(self, messages, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True,
-             chat_template: str | None = None, cache_salt: str | None = None) -> list[RequestOutput]:
+             chat_template: str | None = None, cache_salt: str | None = None,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of {"role", "content"} dicts) or a
-        list of conversations, rendered with the model's chat template."""
+        list of conversations, rendered with the model's chat template (or ``chat_template``)
+        given ``chat_template_kwargs`` as extra template variables.
+
+        Raises:
+            ValueError: malformed messages or chat_template_kwargs (naming them), or no
+                chat template; nothing is queued then.
+        """
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        ids = [self.llm_engine.apply_chat_template(c, add_generation_prompt, chat_template) for c in convs]
+        ids = [self.llm_engine.apply_chat_template(c, add_generation_prompt, chat_template, chat_template_kwargs)
+               for c in convs]
         return self.generate([{"prompt_token_ids": i} for i in ids], sampling_params, use_tqdm, cache_salt)
 
     def _run(self, prompts, params, use_tqdm: bool) -> list[RequestOutput]:

@@ -25,7 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedllm.engine.async_llm import AsyncLLM, EngineDeadError
 from pagedllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
-                                                  error_body)
+                                                  describe_validation_error, error_body)
 from pagedllm.errors import InvalidParameterError
 
 logger = logging.getLogger("pagedllm")
@@ -67,11 +67,8 @@ def build_app(engine: AsyncLLM, prometheus=None, trust_request_chat_template: bo
                 return _err("the request body is empty; expected a JSON object", None)
             return _err("the request body must be a JSON object, sent with "
                         "Content-Type: application/json", None)
-        param = str(loc[0])
-        where = ".".join(str(x) for x in loc)
-        if kind == "extra_forbidden":
-            return _err(f"unrecognized request argument: {where} (this server does not support it)", param)
-        return _err(f"invalid value for {where}: {e.get('msg', 'invalid request')}", param)
+        message, param = describe_validation_error(errs)
+        return _err(message, param)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_req, exc: StarletteHTTPException):
@@ -251,12 +248,15 @@ def build_app(engine: AsyncLLM, prometheus=None, trust_request_chat_template: bo
                 content = "".join(parts)
             messages.append({"role": m.role, "content": content or ""})
         try:
-            ids = await engine.apply_chat_template(messages, body.add_generation_prompt, body.chat_template)
+            ids = await engine.apply_chat_template(messages, body.add_generation_prompt, body.chat_template,
+                                                   body.chat_template_kwargs)
         except (InvalidParameterError, EngineDeadError):
             raise
         except Exception as e:
-            raise InvalidParameterError("chat_template" if body.chat_template is not None else "messages",
-                                        f"cannot apply the chat template: {e}") from e
+            raise InvalidParameterError(
+                "chat_template" if body.chat_template is not None
+                else "chat_template_kwargs" if body.chat_template_kwargs else "messages",
+                f"cannot apply the chat template: {e}") from e
         if len(ids) >= engine.max_model_len:
             raise InvalidParameterError(
                 "messages", f"the conversation is {len(ids)} tokens, which leaves no room to generate "

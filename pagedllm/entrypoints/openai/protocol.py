@@ -1,7 +1,8 @@
 """OpenAI API request bodies (pydantic, strict types) and their mapping to SamplingParams.
 
 Extensions as in vLLM: top_k, min_p, min_tokens, ignore_eos, stop_token_ids,
-include_stop_str_in_output, skip_special_tokens, cache_salt.
+include_stop_str_in_output, skip_special_tokens, cache_salt, and for chat
+add_generation_prompt, chat_template (when trusted) and chat_template_kwargs.
 
 Unknown fields are rejected (HTTP 400 naming the field, as OpenAI's API does), so that a
 client never gets an answer that silently ignores what it asked for. Fields a client may
@@ -12,9 +13,10 @@ and ignored.
 """
 from __future__ import annotations
 
-from typing import Any, ClassVar
+import re
+from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from pagedllm.errors import InvalidParameterError
 from pagedllm.sampling_params import SamplingParams
@@ -135,9 +137,19 @@ class CompletionRequest(_SamplingFields):
 
 
 class ChatMessage(BaseModel):
+    """One message of ``messages``: a role OpenAI defines, and text content (a string or an
+    array of text parts). Only an assistant message may omit ``content`` (or send null), as
+    after a tool call in OpenAI's API; it then renders as empty text."""
+
     model_config = ConfigDict(strict=True, extra="allow")
-    role: str
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[dict[str, Any]] | None = None
+
+    @model_validator(mode="after")
+    def _content_required(self):
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"content is required for a message with role '{self.role}'")
+        return self
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -166,6 +178,7 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = None
     add_generation_prompt: bool = True
     chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # extra template variables (vLLM's field)
     top_logprobs: Any = None
     response_format: Any = None
     tools: Any = None
@@ -174,6 +187,58 @@ class ChatCompletionRequest(_SamplingFields):
     function_call: Any = None
     modalities: Any = None
     parallel_tool_calls: bool | None = None  # only meaningful with tools, which are rejected
+
+
+# pydantic marks which member of a union an error belongs to with the member's type in the
+# error's location, e.g. ("prompt", "list[int]", 1).
+_UNION_TAG = re.compile(r"^(str|int|float|bool|none|(list|dict|tuple|set)\[.*\]|literal\[.*\])$")
+_SHAPES = {"str": "a string", "int": "an integer", "float": "a number", "bool": "a boolean",
+           "list[str]": "an array of strings", "list[int]": "an array of integers",
+           "list[list[int]]": "an array of arrays of integers",
+           "list[dict[str,any]]": "an array of content parts"}
+_JSON_TYPES = {type(None): "null", bool: "a boolean", int: "an integer", float: "a number",
+               str: "a string", list: "an array", dict: "an object"}
+
+
+def describe_validation_error(errors: list[dict]) -> tuple[str, str | None]:
+    """A client-facing message and the top-level parameter it names, for the first of
+    pydantic's ``errors`` (``ValidationError.errors()``; a leading ``"body"`` in a location,
+    as FastAPI adds, is dropped). A value that fits no member of a union type is described
+    by the shapes that would fit ("expected a string or an array of strings (got null)")
+    rather than by one pydantic message per member. ``param`` is None for the body itself."""
+    if not errors:
+        return "invalid request", None
+    e = errors[0]
+    loc = list(e.get("loc", ()))
+    if loc and loc[0] == "body":
+        loc = loc[1:]
+    kind = e.get("type")
+    tag_at = next((i for i, x in enumerate(loc) if isinstance(x, str) and _UNION_TAG.match(x)), None)
+    if tag_at is not None:
+        path = loc[:tag_at]
+        tags = []
+        for other in errors:
+            o = list(other.get("loc", ()))
+            o = o[1:] if o and o[0] == "body" else o
+            if len(o) > tag_at and o[:tag_at] == path and o[tag_at] not in tags:
+                tags.append(o[tag_at])
+        where = ".".join(str(x) for x in path)
+        shapes = [_SHAPES.get(t, t) for t in tags]
+        expected = shapes[0] if len(shapes) == 1 else ", ".join(shapes[:-1]) + " or " + shapes[-1]
+        got = _JSON_TYPES.get(type(e.get("input")), None) if len(loc) == tag_at + 1 else None
+        return (f"invalid value for {where}: expected {expected}" + (f" (got {got})" if got else ""),
+                str(path[0]) if path else None)
+    where = ".".join(str(x) for x in loc)
+    param = str(loc[0]) if loc else None
+    if kind == "missing":
+        return f"missing required parameter: {where}", param
+    if kind == "extra_forbidden":
+        return f"unrecognized request argument: {where} (this server does not support it)", param
+    msg = str(e.get("msg", "invalid value"))
+    msg = msg.removeprefix("Value error, ")
+    if kind in ("model_type", "dict_type", "model_attributes_type"):
+        msg = f"expected an object (got {_JSON_TYPES.get(type(e.get('input')), 'another type')})"
+    return f"invalid value for {where}: {msg}", param
 
 
 def error_body(message: str, param: str | None, code: int = 400,

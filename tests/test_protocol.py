@@ -1,0 +1,65 @@
+"""Request-body validation of the OpenAI server (entrypoints/openai/protocol.py): the
+messages a client gets for malformed bodies, without starting a server."""
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from pagedllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
+                                                  describe_validation_error)
+
+
+def _error(model, body: dict) -> tuple[str, str | None]:
+    with pytest.raises(ValidationError) as e:
+        model.model_validate(body)
+    # FastAPI prefixes each location with "body"; the description must not depend on it.
+    errs = [{**x, "loc": ("body", *x["loc"])} for x in e.value.errors()]
+    assert describe_validation_error(errs) == describe_validation_error(e.value.errors())
+    return describe_validation_error(errs)
+
+
+@pytest.mark.parametrize("body, message, param", [
+    ({"prompt": None},
+     "invalid value for prompt: expected a string, an array of strings, an array of integers "
+     "or an array of arrays of integers (got null)", "prompt"),
+    ({"prompt": 3.5}, "invalid value for prompt: expected a string, an array of strings, an array "
+     "of integers or an array of arrays of integers (got a number)", "prompt"),
+    ({}, "missing required parameter: prompt", "prompt"),
+    ({"prompt": "x", "stop": 5},
+     "invalid value for stop: expected a string or an array of strings (got an integer)", "stop"),
+    ({"prompt": "x", "max_tokens": "5"}, "invalid value for max_tokens: Input should be a valid integer",
+     "max_tokens"),
+    ({"prompt": "x", "stream_options": 3},
+     "invalid value for stream_options: expected an object (got an integer)", "stream_options"),
+    ({"prompt": "x", "frobnicate": 1},
+     "unrecognized request argument: frobnicate (this server does not support it)", "frobnicate"),
+])
+def test_completion_body_errors(body, message, param):
+    assert _error(CompletionRequest, body) == (message, param)
+
+
+@pytest.mark.parametrize("messages, message", [
+    ([{"role": "user", "content": None}],
+     "invalid value for messages.0: content is required for a message with role 'user'"),
+    ([{"role": "system", "content": "be brief"}, {"role": "user"}],
+     "invalid value for messages.1: content is required for a message with role 'user'"),
+    ([{"role": "bot", "content": "hi"}],
+     "invalid value for messages.0.role: Input should be 'system', 'developer', 'user', "
+     "'assistant', 'tool' or 'function'"),
+    ([{"content": "hi"}], "missing required parameter: messages.0.role"),
+    ([{"role": "user", "content": 5}],
+     "invalid value for messages.0.content: expected a string or an array of content parts "
+     "(got an integer)"),
+    (["hi"], "invalid value for messages.0: expected an object (got a string)"),
+    ([], "invalid value for messages: List should have at least 1 item after validation, not 0"),
+])
+def test_chat_message_errors(messages, message):
+    assert _error(ChatCompletionRequest, {"messages": messages}) == (message, "messages")
+
+
+def test_assistant_message_may_omit_content():
+    req = ChatCompletionRequest.model_validate({"messages": [
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": None},
+        {"role": "developer", "content": "be brief"}, {"role": "user", "content": "again"}]})
+    assert [m.role for m in req.messages] == ["user", "assistant", "developer", "user"]
+    assert req.messages[1].content is None
