@@ -8,7 +8,8 @@ results agree to float32 rounding.
 Concurrent first starts (several servers, a test suite) build once: each holds an
 ``flock`` on ``<build dir>.flock`` while it loads. The kernel drops that lock when its
 holder dies, so a build killed half-way (Ctrl-C, SIGTERM during start-up) cannot leave
-the others waiting forever on torch's own ``lock`` file, which it would not remove.
+the others waiting forever on torch's own ``lock`` file, which it would not remove; the
+next start waits for the killed build's leftover compiler processes, then builds again.
 """
 from __future__ import annotations
 
@@ -29,8 +30,12 @@ _module = None
 _tried = False
 
 # How long a start waits for another process that is building the kernels (seconds)
-# before it gives up and uses the torch ops instead.
-BUILD_WAIT_S = float(os.environ.get("PAGEDLLM_KERNEL_BUILD_WAIT_S", "1200"))
+# before it gives up and uses the torch ops instead ($PAGEDLLM_KERNEL_BUILD_WAIT_S).
+DEFAULT_BUILD_WAIT_S = 1200.0
+
+# Process names of a build's toolchain (``/proc/<pid>/comm``, at most 15 characters).
+_TOOLCHAIN = ("ninja", "c++", "g++", "gcc", "cc", "cc1plus", "cc1", "as", "ld", "collect2",
+              "clang", "clang++", "lto-wrapper")
 
 _CSRC = os.path.join(os.path.dirname(__file__), "csrc")
 _SOURCES = ("bindings.cpp", "paged_attention_cpu.cpp", "cpu_ops.cpp")
@@ -75,17 +80,39 @@ def _module_name() -> str:
     return f"pagedllm_cpu_{h.hexdigest()[:8]}_{_cpu_tag()}"
 
 
-def _processes_in(directory: str) -> list[int]:
-    """Pids of the processes whose working directory is ``directory`` (Linux ``/proc``;
-    empty elsewhere). torch runs ``ninja`` in the build directory, and ninja runs the
-    compiler there, so these are the builders of that directory."""
+def build_wait_s() -> float:
+    """``$PAGEDLLM_KERNEL_BUILD_WAIT_S`` in seconds (default 1200); a value that is not a
+    finite number >= 0 is logged and replaced by the default, never raised."""
+    raw = os.environ.get("PAGEDLLM_KERNEL_BUILD_WAIT_S")
+    if raw is None:
+        return DEFAULT_BUILD_WAIT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not (value >= 0 and value != float("inf")):
+        logger.warning("ignoring PAGEDLLM_KERNEL_BUILD_WAIT_S=%r (want seconds, a finite number "
+                       ">= 0); using %.0f", raw, DEFAULT_BUILD_WAIT_S)
+        return DEFAULT_BUILD_WAIT_S
+    return value
+
+
+def _compilers_in(directory: str) -> list[int]:
+    """Pids of toolchain processes (ninja, the compiler driver and its cc1plus/as/ld) whose
+    working directory is ``directory`` (Linux ``/proc``; empty elsewhere). torch runs
+    ninja in the build directory and ninja runs the compiler there, so these are a
+    build's processes; other programs that merely sit in the directory are not."""
     target = os.path.realpath(directory)
     pids = []
     with contextlib.suppress(OSError):
         for entry in os.listdir("/proc"):
             if entry.isdigit():
                 with contextlib.suppress(OSError):
-                    if os.readlink(f"/proc/{entry}/cwd") == target:
+                    if os.readlink(f"/proc/{entry}/cwd") != target:
+                        continue
+                    with open(f"/proc/{entry}/comm") as f:
+                        comm = f.read().strip()
+                    if comm in _TOOLCHAIN or comm.endswith(("-g++", "-gcc", "-c++", "-as", "-ld")):
                         pids.append(int(entry))
     return pids
 
@@ -94,12 +121,17 @@ def _processes_in(directory: str) -> list[int]:
 def _build_lock(build_dir: str, wait_s: float):
     """Hold an exclusive ``flock`` on ``<build_dir>.flock`` for one load of the kernels.
 
-    Yields True when held, False after ``wait_s`` seconds of another live process holding
-    it. Once held, a leftover torch ``lock`` file in ``build_dir`` belongs to a builder that
-    died (every builder holds this flock), so it is removed; otherwise torch's
-    ``FileBaton.wait`` would poll for it forever. A builder killed alone (SIGTERM to the
-    Python process) leaves its ``ninja`` and compiler running; they are waited for (within
-    the same deadline), so that two builds never write the same object files."""
+    Yields None once it is safe to build, or a reason (str) after ``wait_s`` seconds of
+    waiting. Two things are waited for:
+
+    - the flock, held by another live process that is loading or building;
+    - once the flock is held, the toolchain processes of an earlier build in
+      ``build_dir`` that was interrupted (its Python process killed alone: ninja or the
+      compilers outlive it), so that two builds never write the same object files.
+
+    Then a leftover torch ``lock`` file in ``build_dir`` belongs to a builder that died
+    (every builder holds this flock), so it is removed; otherwise torch's
+    ``FileBaton.wait`` would poll for it forever."""
     fd = os.open(build_dir + ".flock", os.O_RDWR | os.O_CREAT, 0o644)
     try:
         deadline = time.monotonic() + wait_s
@@ -110,26 +142,28 @@ def _build_lock(build_dir: str, wait_s: float):
                 break
             except BlockingIOError:
                 if time.monotonic() > deadline:
-                    yield False
+                    yield f"another process held {build_dir}.flock for {wait_s:.0f} s"
                     return
                 if not announced:
                     logger.info("waiting for another process that is building the CPU kernels")
                     announced = True
                 time.sleep(0.5)
+        announced = False
+        while pids := _compilers_in(build_dir):
+            if time.monotonic() > deadline:
+                yield (f"compiler processes {pids} of an interrupted build were still running "
+                       f"in {build_dir} after {wait_s:.0f} s")
+                return
+            if not announced:
+                logger.info("waiting for the compiler processes of an interrupted kernel build to end")
+                announced = True
+            time.sleep(0.5)
         stale = os.path.join(build_dir, "lock")
         if os.path.exists(stale):
-            while _processes_in(build_dir):
-                if time.monotonic() > deadline:
-                    yield False
-                    return
-                if not announced:
-                    logger.info("waiting for the compiler of an interrupted kernel build")
-                    announced = True
-                time.sleep(0.5)
             logger.warning("removing %s, left by a kernel build that did not finish", stale)
             os.remove(stale)
         try:
-            yield True
+            yield None
         finally:
             fcntl.flock(fd, fcntl.LOCK_UN)
     finally:
@@ -141,7 +175,7 @@ def load_cpu_kernels():
 
     The first call in a process builds or loads the module (~1-3 min to build with g++ on
     a new machine, well under a second once cached); later calls return it at once.
-    Never raises: a missing compiler, a failed build or ``BUILD_WAIT_S`` seconds spent
+    Never raises: a missing compiler, a failed build or ``build_wait_s()`` seconds spent
     waiting for another process's build all log a warning and give None."""
     global _module, _tried
     with _lock:
@@ -162,11 +196,14 @@ def load_cpu_kernels():
             name = _module_name()
             build_dir = os.path.join(_extensions_root(), name)
             os.makedirs(build_dir, exist_ok=True)
-            logger.info("loading the C++ CPU kernels (the first start compiles them: ~1-3 min)")
-            with _build_lock(build_dir, BUILD_WAIT_S) as held:
-                if not held:
-                    raise TimeoutError(f"another process held {build_dir}.flock for "
-                                       f"{BUILD_WAIT_S:.0f} s")
+            with _build_lock(build_dir, build_wait_s()) as why_not:
+                if why_not is not None:
+                    raise TimeoutError(why_not)
+                if os.path.exists(os.path.join(build_dir, f"{name}.so")):
+                    logger.debug("loading the C++ CPU kernels from %s", build_dir)
+                else:
+                    logger.info("building the C++ CPU kernels in %s (once per machine: ~1-3 min)",
+                                build_dir)
                 _module = load(name=name,
                                sources=[os.path.join(_CSRC, s) for s in _SOURCES],
                                extra_include_paths=[_CSRC],
@@ -174,6 +211,7 @@ def load_cpu_kernels():
                                extra_ldflags=["-fopenmp", "-lmvec"],
                                build_directory=build_dir, verbose=False)
         except Exception as e:  # no compiler, no ninja, a build that waited too long, ...
-            logger.warning("CPU kernels unavailable (%s); using torch ops", e)
+            logger.warning("CPU kernels unavailable (%s); using torch ops",
+                           " ".join(str(e).split()))
             _module = None
         return _module

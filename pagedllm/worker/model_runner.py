@@ -58,7 +58,10 @@ class ModelRunner:
         implementation this runner uses (so fallbacks are visible)."""
         kernels = getattr(self.model, "ops", None) is not None
         packed = getattr(self.model, "packed_lm_head", None) is not None
-        return (f"attention backend {self.attn.name}, C++ CPU kernels {'on' if kernels else 'off'}, "
+        attn = self.attn.name
+        if attn == "cpu_kernel" and getattr(self.attn, "kernels", None) is None:
+            attn = "cpu_kernel (kernels unavailable: torch ops)"
+        return (f"attention backend {attn}, C++ CPU kernels {'on' if kernels else 'off'}, "
                 f"linear layers {'oneDNN (packed weights)' if packed else 'F.linear'}")
 
     def kv_bytes_per_block(self) -> int:
