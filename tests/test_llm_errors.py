@@ -138,3 +138,21 @@ def test_chat_template_kwargs_offline(llm, check_usable):
         llm.chat(msgs, greedy(1), use_tqdm=False, chat_template_kwargs={"tokenize": True})
     with pytest.raises(ValueError, match="chat_template_kwargs must be an object"):
         llm.chat(msgs, greedy(1), use_tqdm=False, chat_template_kwargs=[("shout", True)])
+
+
+def test_chat_message_errors_offline(llm, check_usable):
+    """LLM.chat applies the server's message rules: a ValueError naming messages, not a
+    template error, and nothing queued."""
+    for msgs, words in [([{"role": "robot", "content": "hi"}], "messages[0].role must be one of"),
+                        ([{"role": "user"}], "messages[0].content is required"),
+                        ([{"role": "user", "content": None}], "messages[0].content is required")]:
+        with pytest.raises(ValueError, match=words.replace("[", r"\[").replace("]", r"\]")):
+            llm.chat(msgs, greedy(1), use_tqdm=False)
+    # An assistant turn without content (as after a tool call) renders as empty text.
+    out = llm.chat([{"role": "user", "content": "hi"}, {"role": "assistant", "content": None},
+                    {"role": "user", "content": "again"}], greedy(1), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 1
+    # A kwarg that collides with the renderer's own parameters is named, as a ValueError.
+    with pytest.raises(ValueError, match="chat_template_kwargs"):
+        llm.chat([{"role": "user", "content": "hi"}], greedy(1), use_tqdm=False,
+                 chat_template_kwargs={"self": 1})

@@ -33,6 +33,19 @@ def _error(model, body: dict) -> tuple[str, str | None]:
      "invalid value for stream_options: expected an object (got an integer)", "stream_options"),
     ({"prompt": "x", "frobnicate": 1},
      "unrecognized request argument: frobnicate (this server does not support it)", "frobnicate"),
+    # Unknown keys named like pydantic's union tags are still unknown keys.
+    ({"prompt": "x", "str": 1}, "unrecognized request argument: str (this server does not support it)", "str"),
+    ({"prompt": "x", "list[int]": 1},
+     "unrecognized request argument: list[int] (this server does not support it)", "list[int]"),
+    ({"prompt": "x", "stream_options": {"bool": 1}},
+     "unrecognized request argument: stream_options.bool (this server does not support it)", "stream_options"),
+    # An array with a bad item says what its items are.
+    ({"prompt": [None]}, "invalid value for prompt: expected a string, an array of strings, an array "
+     "of integers or an array of arrays of integers (got an array of null)", "prompt"),
+    ({"prompt": [1, "a"]}, "invalid value for prompt: expected a string, an array of strings, an array "
+     "of integers or an array of arrays of integers (got an array of integers and strings)", "prompt"),
+    ({"prompt": "x", "stop": [1]},
+     "invalid value for stop: expected a string or an array of strings (got an array of integers)", "stop"),
 ])
 def test_completion_body_errors(body, message, param):
     assert _error(CompletionRequest, body) == (message, param)
@@ -63,3 +76,49 @@ def test_assistant_message_may_omit_content():
         {"role": "developer", "content": "be brief"}, {"role": "user", "content": "again"}]})
     assert [m.role for m in req.messages] == ["user", "assistant", "developer", "user"]
     assert req.messages[1].content is None
+
+
+def test_roles_match_the_engine():
+    """The HTTP schema and the engine's own check (LLM.chat) accept the same roles."""
+    from typing import get_args
+
+    from pagedllm.engine.llm_engine import CHAT_ROLES
+    from pagedllm.entrypoints.openai.protocol import ChatMessage
+
+    assert get_args(ChatMessage.model_fields["role"].annotation) == CHAT_ROLES
+
+
+@pytest.mark.parametrize("messages, words", [
+    ([], "messages must be a non-empty list"),
+    ("hi", "messages must be a non-empty list"),
+    (["hi"], "messages[0] must be an object"),
+    ([{"role": "robot", "content": "hi"}], "messages[0].role must be one of system, developer"),
+    ([{"content": "hi"}], "got None"),
+    ([{"role": "user"}], "messages[0].content is required for a message with role 'user'"),
+    ([{"role": "system", "content": "x"}, {"role": "tool", "content": None}],
+     "messages[1].content is required for a message with role 'tool'"),
+    ([{"role": "user", "content": 5}], "messages[0].content must be a string or an array of text parts"),
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+     "only text content parts"),
+    ([{"role": "user", "content": "a\ud800b"}], "lone surrogate '\\ud800' at character 1"),
+])
+def test_normalize_chat_messages_errors(messages, words):
+    from pagedllm.engine.llm_engine import normalize_chat_messages
+    from pagedllm.errors import InvalidParameterError
+
+    with pytest.raises(InvalidParameterError) as e:
+        normalize_chat_messages(messages)
+    assert e.value.param == "messages" and words in str(e.value)
+
+
+def test_normalize_chat_messages_content():
+    from pagedllm.engine.llm_engine import normalize_chat_messages
+
+    msgs = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+            {"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]},
+            {"role": "assistant"}, {"role": "user", "content": "c", "name": "x"}]
+    assert normalize_chat_messages(msgs) == [
+        {"role": "user", "content": "ab"},
+        {"role": "assistant", "content": "", "tool_calls": [{"id": "1"}]},
+        {"role": "assistant", "content": ""}, {"role": "user", "content": "c", "name": "x"}]
+    assert msgs[1]["content"] is None      # the caller's messages are not modified

@@ -237,6 +237,12 @@ def test_max_completion_tokens_wins_and_is_named(server):
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3, r.text
     r = httpx.post(f"{server.url}/v1/chat/completions", json={**body, "max_completion_tokens": 0}, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_completion_tokens", r.text
+    # Over max_model_len (checked when the request is added), with max_tokens absent.
+    del body["max_tokens"]
+    r = httpx.post(f"{server.url}/v1/chat/completions", json={**body, "max_completion_tokens": 10**30}, timeout=60)
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "max_completion_tokens", r.text
+    assert "max_tokens" not in err["message"].replace("max_completion_tokens", ""), r.text
 
 
 def test_prompt_over_max_model_len_is_400(server, client):
@@ -266,6 +272,22 @@ def test_wrong_type_chat_messages_400(server):
 def test_unknown_model_404(server):
     r = httpx.post(f"{server.url}/v1/completions", json={"model": "nope", "prompt": "hi"}, timeout=30)
     assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+
+
+@pytest.mark.parametrize("path, raw, status, param", [
+    ("completions", '{"prompt": "a\\ud800b", "max_tokens": 2}', 400, "prompt"),
+    ("completions", '{"prompt": "hi", "model": "\\ud800"}', 404, "model"),
+    ("chat/completions", '{"messages": [{"role": "user", "content": "\\udfff"}], "max_tokens": 2}', 400,
+     "messages"),
+])
+def test_lone_surrogates_are_client_errors(server, path, raw, status, param):
+    """JSON may escape a lone UTF-16 surrogate, which has no UTF-8 form: the request is
+    refused naming the field (it was a 500 before), and the server keeps serving."""
+    r = httpx.post(f"{server.url}/v1/{path}", content=raw.encode(), timeout=30,
+                   headers={"Content-Type": "application/json"})
+    assert r.status_code == status and r.json()["error"]["param"] == param, r.text
+    assert server.idle_and_free(timeout=10)
+    assert _post(server, "completions", _body(server, "completions")).status_code == 200
 
 
 def test_concurrent_requests_all_served(server):
@@ -444,7 +466,7 @@ def test_chat_template_kwargs(server):
     for bad, words in [({"tokenize": True}, "may not set tokenize"),
                        ({"messages": [], "add_generation_prompt": False}, "add_generation_prompt, messages"),
                        (5, "expected an object (got an integer)"),
-                       (["enable_thinking"], "expected an object (got an array)")]:
+                       (["enable_thinking"], "expected an object (got an array of strings)")]:
         r = _post(server, "chat", {**base, "chat_template_kwargs": bad})
         assert r.status_code == 400, r.text
         err = r.json()["error"]

@@ -13,7 +13,7 @@ from pagedllm.core.engine_core import EngineCore
 from pagedllm.core.scheduler import EngineCoreOutput
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.engine.metrics import FinishedRequestStats, IterationStats, LoggingStatLogger
-from pagedllm.engine.processor import Processor
+from pagedllm.engine.processor import Processor, check_unicode
 from pagedllm.errors import InvalidParameterError
 from pagedllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pagedllm.request import Request
@@ -38,6 +38,51 @@ class _ReqState:
         self.metrics = RequestMetrics(arrival_time=req.arrival_time)
         self.last_token_time: float | None = None
         self.num_cached_tokens = 0
+
+
+# Message roles of OpenAI's chat API.
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+
+
+def normalize_chat_messages(messages) -> list[dict]:
+    """Check a conversation and give each message string ``content``, as chat templates
+    expect: an array of text parts is joined, and an assistant message without content
+    (as after a tool call in OpenAI's API) gets ``""``. Other keys (``name``,
+    ``tool_calls``, ...) are kept for the template.
+
+    Raises:
+        InvalidParameterError(param="messages"): not a non-empty list of objects; a role
+            outside CHAT_ROLES; content missing or null on a non-assistant message; content
+            neither a string nor an array of text parts; a lone UTF-16 surrogate in it.
+    """
+    if not isinstance(messages, list) or not messages:
+        raise InvalidParameterError("messages", "messages must be a non-empty list")
+    out = []
+    for i, msg in enumerate(messages):
+        if not isinstance(msg, dict):
+            raise InvalidParameterError("messages", f"messages[{i}] must be an object")
+        role = msg.get("role")
+        if role not in CHAT_ROLES:
+            raise InvalidParameterError("messages", f"messages[{i}].role must be one of "
+                                                    f"{', '.join(CHAT_ROLES)}; got {role!r}")
+        content = msg.get("content")
+        if content is None:
+            if role != "assistant":
+                raise InvalidParameterError("messages", f"messages[{i}].content is required for a "
+                                                        f"message with role '{role}'")
+            content = ""
+        elif isinstance(content, list):
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
+                raise InvalidParameterError("messages", f"messages[{i}].content: only text content parts "
+                                                        '({"type": "text", "text": ...}) are supported')
+            content = "".join(p["text"] for p in content)
+        elif not isinstance(content, str):
+            raise InvalidParameterError("messages", f"messages[{i}].content must be a string or an array "
+                                                    f"of text parts, got {type(content).__name__}")
+        check_unicode("messages", content)
+        out.append({**msg, "content": content})
+    return out
 
 
 class LLMEngine:
@@ -230,17 +275,12 @@ class LLMEngine:
                 template that does not use a variable ignores it.
 
         Raises:
-            ValueError: malformed messages, or the model has no chat template.
-            InvalidParameterError: ``chat_template_kwargs`` is not an object with string
+            ValueError: the model has no chat template, or it fails to render.
+            InvalidParameterError: malformed ``messages`` (see normalize_chat_messages);
+                ``chat_template_kwargs`` is not an object with string
                 keys, or sets a name the renderer owns (``messages``, ``tokenize``, ...).
         """
-        if not isinstance(messages, list) or not messages:
-            raise ValueError("messages must be a non-empty list")
-        for i, msg in enumerate(messages):
-            if not isinstance(msg, dict) or not isinstance(msg.get("role"), str):
-                raise ValueError(f"messages[{i}] must be an object with a string 'role'")
-            if not isinstance(msg.get("content", ""), (str, list, type(None))):
-                raise ValueError(f"messages[{i}].content must be a string or a list of parts")
+        messages = normalize_chat_messages(messages)
         if not isinstance(chat_template_kwargs, (dict, type(None))) or not all(
                 isinstance(k, str) for k in chat_template_kwargs or {}):
             raise InvalidParameterError("chat_template_kwargs", "chat_template_kwargs must be an object "
@@ -252,8 +292,16 @@ class LLMEngine:
                                         f"chat_template_kwargs may not set {', '.join(reserved)}")
         if chat_template is None and not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this model has no chat template; use the completions endpoint")
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                  tokenize=False, chat_template=chat_template, **extra)
+        try:
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                      tokenize=False, chat_template=chat_template, **extra)
+        except TypeError as e:   # e.g. a chat_template_kwargs key the renderer takes itself
+            if extra:
+                raise InvalidParameterError("chat_template_kwargs",
+                                            f"cannot apply the chat template with chat_template_kwargs: {e}") from e
+            raise ValueError(f"cannot apply the chat template: {e}") from e
+        except Exception as e:   # jinja2 syntax/undefined errors, a template's raise_exception
+            raise ValueError(f"cannot apply the chat template: {e}") from e
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def reset_prefix_cache(self) -> int:

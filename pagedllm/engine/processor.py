@@ -6,6 +6,18 @@ from pagedllm.request import Request
 from pagedllm.sampling_params import SamplingParams
 
 
+def check_unicode(param: str, text: str) -> None:
+    """Raises InvalidParameterError naming ``param`` if ``text`` cannot be encoded as UTF-8:
+    JSON's ``\\ud800``-style escapes can carry a lone UTF-16 surrogate, which no tokenizer
+    accepts."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidParameterError(
+            param, f"{param} is not valid Unicode: a lone surrogate {text[e.start]!a} "
+                   f"at character {e.start}") from None
+
+
 class Processor:
     """Args:
         tokenizer: the model's tokenizer; vocab_size: model vocabulary (ids must be below).
@@ -34,6 +46,7 @@ class Processor:
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidParameterError("prompt", "prompt must not be empty")
+            check_unicode("prompt", prompt)
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, (list, tuple)):
             if not prompt:

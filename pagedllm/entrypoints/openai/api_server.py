@@ -31,8 +31,16 @@ from pagedllm.errors import InvalidParameterError
 logger = logging.getLogger("pagedllm")
 
 
+class _AsciiJSONResponse(JSONResponse):
+    """JSON with non-ASCII characters escaped: an error message may quote what the client
+    sent, and a lone surrogate (valid in JSON's escapes) has no UTF-8 encoding."""
+
+    def render(self, content) -> bytes:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
+
+
 def _err(message: str, param: str | None, code: int = 400, type_: str = "invalid_request_error"):
-    return JSONResponse(error_body(message, param, code, type_), status_code=code)
+    return _AsciiJSONResponse(error_body(message, param, code, type_), status_code=code)
 
 
 def _usage(prompt_tokens: int, completion_tokens: int, cached: int) -> dict:
@@ -236,27 +244,18 @@ def build_app(engine: AsyncLLM, prometheus=None, trust_request_chat_template: bo
                 "chat_template", "chat_template in a request is refused: start the server with "
                                  "--trust-request-chat-template to allow it")
         body.check_supported()
-        messages = []
-        for m in body.messages:
-            content = m.content
-            if isinstance(content, list):
-                parts = []
-                for part in content:
-                    if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                        raise InvalidParameterError("messages", "only text content parts are supported")
-                    parts.append(part["text"])
-                content = "".join(parts)
-            messages.append({"role": m.role, "content": content or ""})
+        # Checked and reduced to string content by the engine (normalize_chat_messages).
+        messages = [{"role": m.role, "content": m.content} for m in body.messages]
         try:
             ids = await engine.apply_chat_template(messages, body.add_generation_prompt, body.chat_template,
                                                    body.chat_template_kwargs)
         except (InvalidParameterError, EngineDeadError):
             raise
-        except Exception as e:
+        except Exception as e:  # the engine's ValueErrors already say what failed
             raise InvalidParameterError(
                 "chat_template" if body.chat_template is not None
                 else "chat_template_kwargs" if body.chat_template_kwargs else "messages",
-                f"cannot apply the chat template: {e}") from e
+                str(e) if isinstance(e, ValueError) else f"cannot apply the chat template: {e}") from e
         if len(ids) >= engine.max_model_len:
             raise InvalidParameterError(
                 "messages", f"the conversation is {len(ids)} tokens, which leaves no room to generate "
@@ -264,16 +263,16 @@ def build_app(engine: AsyncLLM, prometheus=None, trust_request_chat_template: bo
         # OpenAI's current name wins over the deprecated max_tokens, as in vLLM
         if body.max_completion_tokens is not None:
             body.max_tokens = body.max_completion_tokens
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
         try:
             params = body.to_sampling_params(default_max_tokens=None)
+            stream = await engine.add_request(rid, ids, params)
         except InvalidParameterError as e:
             if e.param == "max_tokens" and body.max_completion_tokens is not None:
                 raise InvalidParameterError(
                     "max_completion_tokens", str(e).replace("max_tokens", "max_completion_tokens")) from e
             raise
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
-        created = int(time.time())
-        stream = await engine.add_request(rid, ids, params)
         if body.stream:
             return StreamingResponse(_stream_chat(stream, rid, created, body),
                                      media_type="text/event-stream")

@@ -213,6 +213,13 @@ def describe_validation_error(errors: list[dict]) -> tuple[str, str | None]:
     if loc and loc[0] == "body":
         loc = loc[1:]
     kind = e.get("type")
+    where = ".".join(str(x) for x in loc)
+    param = str(loc[0]) if loc else None
+    # A client's own key names appear in these locations: never read them as union tags.
+    if kind == "missing":
+        return f"missing required parameter: {where}", param
+    if kind == "extra_forbidden":
+        return f"unrecognized request argument: {where} (this server does not support it)", param
     tag_at = next((i for i, x in enumerate(loc) if isinstance(x, str) and _UNION_TAG.match(x)), None)
     if tag_at is not None:
         path = loc[:tag_at]
@@ -220,25 +227,38 @@ def describe_validation_error(errors: list[dict]) -> tuple[str, str | None]:
         for other in errors:
             o = list(other.get("loc", ()))
             o = o[1:] if o and o[0] == "body" else o
-            if len(o) > tag_at and o[:tag_at] == path and o[tag_at] not in tags:
+            if (other.get("type") not in ("missing", "extra_forbidden") and len(o) > tag_at
+                    and o[:tag_at] == path and o[tag_at] not in tags):
                 tags.append(o[tag_at])
         where = ".".join(str(x) for x in path)
         shapes = [_SHAPES.get(t, t) for t in tags]
         expected = shapes[0] if len(shapes) == 1 else ", ".join(shapes[:-1]) + " or " + shapes[-1]
-        got = _JSON_TYPES.get(type(e.get("input")), None) if len(loc) == tag_at + 1 else None
+        got = _describe_json(e.get("input")) if len(loc) == tag_at + 1 else None
         return (f"invalid value for {where}: expected {expected}" + (f" (got {got})" if got else ""),
                 str(path[0]) if path else None)
-    where = ".".join(str(x) for x in loc)
-    param = str(loc[0]) if loc else None
-    if kind == "missing":
-        return f"missing required parameter: {where}", param
-    if kind == "extra_forbidden":
-        return f"unrecognized request argument: {where} (this server does not support it)", param
     msg = str(e.get("msg", "invalid value"))
     msg = msg.removeprefix("Value error, ")
     if kind in ("model_type", "dict_type", "model_attributes_type"):
-        msg = f"expected an object (got {_JSON_TYPES.get(type(e.get('input')), 'another type')})"
+        msg = f"expected an object (got {_describe_json(e.get('input'))})"
     return f"invalid value for {where}: {msg}", param
+
+
+def _describe_json(value) -> str:
+    """'null', 'an integer', ..., and for an array what its items are ('an array of
+    integers and null'), so that a bad item is visible."""
+    kind = _JSON_TYPES.get(type(value), "another type")
+    if not isinstance(value, list):
+        return kind
+    if not value:
+        return "an empty array"
+    plural = {"null": "null", "a boolean": "booleans", "an integer": "integers", "a number": "numbers",
+              "a string": "strings", "an array": "arrays", "an object": "objects"}
+    items = []
+    for v in value:
+        k = plural.get(_JSON_TYPES.get(type(v), ""), "other values")
+        if k not in items:
+            items.append(k)
+    return "an array of " + (items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1])
 
 
 def error_body(message: str, param: str | None, code: int = 400,
