@@ -117,6 +117,20 @@ def _compilers_in(directory: str) -> list[int]:
     return pids
 
 
+def _wait_for(ready, deadline: float, waiting_note: str) -> bool:
+    """Poll ``ready()`` every 0.5 s until it is true (True) or ``time.monotonic()`` passes
+    ``deadline`` (False); logs ``waiting_note`` once if it has to wait."""
+    announced = False
+    while not ready():
+        if time.monotonic() > deadline:
+            return False
+        if not announced:
+            logger.info(waiting_note)
+            announced = True
+        time.sleep(0.5)
+    return True
+
+
 @contextlib.contextmanager
 def _build_lock(build_dir: str, wait_s: float):
     """Hold an exclusive ``flock`` on ``<build_dir>.flock`` for one load of the kernels.
@@ -135,29 +149,23 @@ def _build_lock(build_dir: str, wait_s: float):
     fd = os.open(build_dir + ".flock", os.O_RDWR | os.O_CREAT, 0o644)
     try:
         deadline = time.monotonic() + wait_s
-        announced = False
-        while True:
+
+        def try_flock() -> bool:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
+                return True
             except BlockingIOError:
-                if time.monotonic() > deadline:
-                    yield f"another process held {build_dir}.flock for {wait_s:.0f} s"
-                    return
-                if not announced:
-                    logger.info("waiting for another process that is building the CPU kernels")
-                    announced = True
-                time.sleep(0.5)
-        announced = False
-        while pids := _compilers_in(build_dir):
-            if time.monotonic() > deadline:
-                yield (f"compiler processes {pids} of an interrupted build were still running "
-                       f"in {build_dir} after {wait_s:.0f} s")
-                return
-            if not announced:
-                logger.info("waiting for the compiler processes of an interrupted kernel build to end")
-                announced = True
-            time.sleep(0.5)
+                return False
+
+        if not _wait_for(try_flock, deadline,
+                         "waiting for another process that is building the CPU kernels"):
+            yield f"another process held {build_dir}.flock for {wait_s:.0f} s"
+            return
+        if not _wait_for(lambda: not _compilers_in(build_dir), deadline,
+                         "waiting for the compiler processes of an interrupted kernel build to end"):
+            yield (f"compiler processes {_compilers_in(build_dir)} of an interrupted build were "
+                   f"still running in {build_dir} after {wait_s:.0f} s")
+            return
         stale = os.path.join(build_dir, "lock")
         if os.path.exists(stale):
             logger.warning("removing %s, left by a kernel build that did not finish", stale)

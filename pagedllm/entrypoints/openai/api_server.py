@@ -61,21 +61,7 @@ def build_app(engine: AsyncLLM, prometheus=None, trust_request_chat_template: bo
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_req, exc: RequestValidationError):
-        errs = exc.errors()
-        e = errs[0] if errs else {}
-        kind = e.get("type")
-        loc = list(e.get("loc", ()))
-        if loc and loc[0] == "body":
-            loc = loc[1:]
-        if kind == "json_invalid":  # its loc is the character position, not a parameter
-            detail = (e.get("ctx") or {}).get("error")
-            return _err("the request body is not valid JSON" + (f": {detail}" if detail else ""), None)
-        if not loc:  # the body as a whole
-            if kind == "missing":
-                return _err("the request body is empty; expected a JSON object", None)
-            return _err("the request body must be a JSON object, sent with "
-                        "Content-Type: application/json", None)
-        message, param = describe_validation_error(errs)
+        message, param = describe_validation_error(exc.errors())
         return _err(message, param)
 
     @app.exception_handler(StarletteHTTPException)

@@ -18,6 +18,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from pagedllm.engine.llm_engine import CHAT_ROLES
 from pagedllm.errors import InvalidParameterError
 from pagedllm.sampling_params import SamplingParams
 
@@ -142,7 +143,7 @@ class ChatMessage(BaseModel):
     after a tool call in OpenAI's API; it then renders as empty text."""
 
     model_config = ConfigDict(strict=True, extra="allow")
-    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    role: Literal[CHAT_ROLES]
     content: str | list[dict[str, Any]] | None = None
 
     @model_validator(mode="after")
@@ -196,8 +197,16 @@ _SHAPES = {"str": "a string", "int": "an integer", "float": "a number", "bool": 
            "list[str]": "an array of strings", "list[int]": "an array of integers",
            "list[list[int]]": "an array of arrays of integers",
            "list[dict[str,any]]": "an array of content parts"}
-_JSON_TYPES = {type(None): "null", bool: "a boolean", int: "an integer", float: "a number",
-               str: "a string", list: "an array", dict: "an object"}
+# JSON type of a parsed value: (one, several), as error messages name them.
+_JSON_TYPES = {type(None): ("null", "null"), bool: ("a boolean", "booleans"),
+               int: ("an integer", "integers"), float: ("a number", "numbers"),
+               str: ("a string", "strings"), list: ("an array", "arrays"), dict: ("an object", "objects")}
+
+
+def _loc(error: dict) -> list:
+    """An error's location without the leading ``"body"`` that FastAPI adds."""
+    loc = list(error.get("loc", ()))
+    return loc[1:] if loc and loc[0] == "body" else loc
 
 
 def describe_validation_error(errors: list[dict]) -> tuple[str, str | None]:
@@ -209,10 +218,15 @@ def describe_validation_error(errors: list[dict]) -> tuple[str, str | None]:
     if not errors:
         return "invalid request", None
     e = errors[0]
-    loc = list(e.get("loc", ()))
-    if loc and loc[0] == "body":
-        loc = loc[1:]
+    loc = _loc(e)
     kind = e.get("type")
+    if kind == "json_invalid":  # its loc is the character position, not a parameter
+        detail = (e.get("ctx") or {}).get("error")
+        return "the request body is not valid JSON" + (f": {detail}" if detail else ""), None
+    if not loc:  # the body as a whole
+        if kind == "missing":
+            return "the request body is empty; expected a JSON object", None
+        return "the request body must be a JSON object, sent with Content-Type: application/json", None
     where = ".".join(str(x) for x in loc)
     param = str(loc[0]) if loc else None
     # A client's own key names appear in these locations: never read them as union tags.
@@ -225,8 +239,7 @@ def describe_validation_error(errors: list[dict]) -> tuple[str, str | None]:
         path = loc[:tag_at]
         tags = []
         for other in errors:
-            o = list(other.get("loc", ()))
-            o = o[1:] if o and o[0] == "body" else o
+            o = _loc(other)
             if (other.get("type") not in ("missing", "extra_forbidden") and len(o) > tag_at
                     and o[:tag_at] == path and o[tag_at] not in tags):
                 tags.append(o[tag_at])
@@ -246,16 +259,14 @@ def describe_validation_error(errors: list[dict]) -> tuple[str, str | None]:
 def _describe_json(value) -> str:
     """'null', 'an integer', ..., and for an array what its items are ('an array of
     integers and null'), so that a bad item is visible."""
-    kind = _JSON_TYPES.get(type(value), "another type")
+    one = _JSON_TYPES.get(type(value), ("another type",))[0]
     if not isinstance(value, list):
-        return kind
+        return one
     if not value:
         return "an empty array"
-    plural = {"null": "null", "a boolean": "booleans", "an integer": "integers", "a number": "numbers",
-              "a string": "strings", "an array": "arrays", "an object": "objects"}
     items = []
     for v in value:
-        k = plural.get(_JSON_TYPES.get(type(v), ""), "other values")
+        k = _JSON_TYPES.get(type(v), ("", "other values"))[1]
         if k not in items:
             items.append(k)
     return "an array of " + (items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1])
