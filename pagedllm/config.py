@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedllm import envs
 from pagedllm.errors import InvalidParameterError
 from pagedllm.models.arch_config import ModelArchConfig
 from pagedllm.utils import cpu_has_native_bf16, default_model_path, parse_size, resolve_device
@@ -154,7 +155,7 @@ class EngineConfig:
         dtype = resolve_dtype(args.dtype, device)
         max_len = args.max_model_len or arch.max_position_embeddings
         if (arch.max_position_embeddings and max_len > arch.max_position_embeddings
-                and os.environ.get("PAGEDLLM_ALLOW_LONG_MAX_MODEL_LEN", "0") != "1"):
+                and not envs.allow_long_max_model_len()):
             raise InvalidParameterError(
                 "max_model_len", f"max_model_len {max_len} is longer than the model's context "
                 f"({arch.max_position_embeddings} positions); set PAGEDLLM_ALLOW_LONG_MAX_MODEL_LEN=1 "

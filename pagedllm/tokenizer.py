@@ -14,7 +14,9 @@ logger = logging.getLogger("pagedllm")
 
 
 def _cache_root() -> str:
-    return os.environ.get("PAGEDLLM_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "pagedllm"))
+    from pagedllm import envs
+
+    return envs.cache_root()
 
 
 def get_tokenizer(model: str | None = None):

@@ -73,11 +73,9 @@ class EngineCore:
         self.step_count = 0
         self.profiler = None
         if args.profile_dir:
-            import os
-
+            from pagedllm import envs
             from pagedllm.core.step_profiler import StepProfiler
-            # PAGEDLLM_PROFILE_STEPS="START,NUM": which steps the torch.profiler trace covers
-            start, num = (int(x) for x in os.environ.get("PAGEDLLM_PROFILE_STEPS", "5,20").split(","))
+            start, num = envs.profile_steps()
             self.profiler = StepProfiler(args.profile_dir, start, num)
 
     @property

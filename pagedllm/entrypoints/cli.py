@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
+
+from pagedllm import envs
 
 
 def _setup_logging(level: str = "INFO") -> None:
@@ -55,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     from pagedllm.config import EngineArgs
 
     parser = argparse.ArgumentParser(prog="pagedllm", description="LLM inference and serving engine")
-    parser.add_argument("--log-level", default=os.environ.get("PAGEDLLM_LOG_LEVEL", "INFO"))
+    parser.add_argument("--log-level", default=envs.log_level())
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",

@@ -24,6 +24,8 @@ import time
 
 import torch
 
+from pagedllm import envs
+
 logger = logging.getLogger("pagedllm")
 _lock = threading.Lock()
 _module = None
@@ -64,8 +66,7 @@ def _cpu_tag() -> str:
 def _extensions_root() -> str:
     """Where torch keeps JIT-built extensions: ``$TORCH_EXTENSIONS_DIR`` or
     ``~/.cache/torch_extensions`` (the same default as ``torch.utils.cpp_extension``)."""
-    root = os.environ.get("TORCH_EXTENSIONS_DIR")
-    return root or os.path.join(os.path.expanduser("~"), ".cache", "torch_extensions")
+    return envs.torch_extensions_dir()
 
 
 def _module_name() -> str:
@@ -83,7 +84,7 @@ def _module_name() -> str:
 def build_wait_s() -> float:
     """``$PAGEDLLM_KERNEL_BUILD_WAIT_S`` in seconds (default 1200); a value that is not a
     finite number >= 0 is logged and replaced by the default, never raised."""
-    raw = os.environ.get("PAGEDLLM_KERNEL_BUILD_WAIT_S")
+    raw = envs.kernel_build_wait_raw()
     if raw is None:
         return DEFAULT_BUILD_WAIT_S
     try:
@@ -190,7 +191,7 @@ def load_cpu_kernels():
         if _tried:
             return _module
         _tried = True
-        if os.environ.get("PAGEDLLM_CPU_KERNELS", "1") == "0":
+        if not envs.cpu_kernels_enabled():
             return None
         try:
             from torch.utils.cpp_extension import load

@@ -15,17 +15,18 @@ Elsewhere (CUDA, half precision, no oneDNN, or ``PAGEDLLM_ONEDNN=0``) the plain
 """
 from __future__ import annotations
 
-import os
 
 import torch
 import torch.nn.functional as F
+
+from pagedllm import envs
 
 
 def onednn_packing_available(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether weights for ``device``/``dtype`` are packed for oneDNN (CPU float32 only)."""
     return (torch.device(device).type == "cpu" and dtype == torch.float32
             and torch.backends.mkldnn.is_available()
-            and os.environ.get("PAGEDLLM_ONEDNN", "1") != "0")
+            and envs.onednn_enabled())
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,69 @@
+"""Every environment variable pagedllm reads, in one place.
+
+Each is read when its accessor is called (not at import), so a test or a launcher can set
+it before the engine starts. Names, defaults and meanings:
+
+| variable | default | meaning |
+|---|---|---|
+| ``PAGEDLLM_LOG_LEVEL`` | ``INFO`` | log level of the ``pagedllm`` command |
+| ``PAGEDLLM_CACHE`` | ``~/.cache/pagedllm`` | converted tokenizers |
+| ``PAGEDLLM_CPU_KERNELS`` | ``1`` | ``0``: never build or load the C++ CPU kernels |
+| ``PAGEDLLM_KERNEL_BUILD_WAIT_S`` | ``1200`` | seconds to wait for another process's kernel build |
+| ``TORCH_EXTENSIONS_DIR`` | ``~/.cache/torch_extensions`` | where the kernels are built (torch's own variable) |
+| ``PAGEDLLM_ONEDNN`` | ``1`` | ``0``: CPU float32 linear layers use ``F.linear`` instead of oneDNN-packed weights |
+| ``PAGEDLLM_ALLOW_LONG_MAX_MODEL_LEN`` | ``0`` | ``1``: allow ``max_model_len`` past the model's context |
+| ``PAGEDLLM_PROFILE_STEPS`` | ``5,20`` | ``START,NUM``: engine steps the torch.profiler trace covers |
+"""
+from __future__ import annotations
+
+import os
+
+
+def _get(name: str, default: str) -> str:
+    return os.environ.get(name, default)
+
+
+def log_level() -> str:
+    return _get("PAGEDLLM_LOG_LEVEL", "INFO")
+
+
+def cache_root() -> str:
+    return _get("PAGEDLLM_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "pagedllm"))
+
+
+def cpu_kernels_enabled() -> bool:
+    return _get("PAGEDLLM_CPU_KERNELS", "1") != "0"
+
+
+def kernel_build_wait_raw() -> str | None:
+    """The raw ``PAGEDLLM_KERNEL_BUILD_WAIT_S`` (None when unset); ``kernels.cpu.build_wait_s``
+    parses it, logging and replacing a bad value."""
+    return os.environ.get("PAGEDLLM_KERNEL_BUILD_WAIT_S")
+
+
+def torch_extensions_dir() -> str:
+    """``$TORCH_EXTENSIONS_DIR`` or ``~/.cache/torch_extensions`` (torch.utils.cpp_extension's default)."""
+    return os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(
+        os.path.expanduser("~"), ".cache", "torch_extensions")
+
+
+def onednn_enabled() -> bool:
+    return _get("PAGEDLLM_ONEDNN", "1") != "0"
+
+
+def allow_long_max_model_len() -> bool:
+    return _get("PAGEDLLM_ALLOW_LONG_MAX_MODEL_LEN", "0") == "1"
+
+
+def profile_steps() -> tuple[int, int]:
+    """``PAGEDLLM_PROFILE_STEPS`` as (first step, number of steps) of the torch.profiler trace.
+
+    Raises:
+        ValueError: not two integers separated by a comma (the variable is named).
+    """
+    raw = _get("PAGEDLLM_PROFILE_STEPS", "5,20")
+    try:
+        start, num = (int(x) for x in raw.split(","))
+    except ValueError:
+        raise ValueError(f"PAGEDLLM_PROFILE_STEPS must be 'START,NUM' (two integers), got {raw!r}") from None
+    return start, num
