@@ -18,7 +18,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from engine_helpers import REF_TOKENS, engine_leaks, greedy, run_alone  # noqa: E402,F401
+from engine_helpers import REF_TOKENS, engine_core, engine_leaks, greedy, run_alone  # noqa: E402,F401
 
 torch.set_num_threads(int(os.environ.get("PAGEDLLM_TEST_THREADS", "1")))
 
@@ -210,5 +210,5 @@ def _kv_blocks_released():
             failures[f"LLM({name})"] = problems
             # Clean up so that one leak does not fail every later test too.
             eng = llm.llm_engine
-            eng.abort_request(list(eng.core.scheduler.requests) + list(eng.states))
+            eng.abort_request(list(engine_core(eng).scheduler.requests) + list(eng.states))
     assert not failures, f"engines not idle after the test: {failures}"

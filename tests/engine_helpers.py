@@ -16,10 +16,21 @@ def run_alone(llm, prompts, params) -> list[list[int]]:
     return [llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
 
 
+def engine_core(llm_engine):
+    """The in-process EngineCore behind an LLMEngine (tests may look inside; the front
+    end itself never does)."""
+    return llm_engine.engine_core.engine_core
+
+
+def model_runner(llm_engine):
+    """The in-process ModelRunner behind an LLMEngine (tests only)."""
+    return engine_core(llm_engine).executor.driver_worker.model_runner
+
+
 def engine_leaks(llm) -> list[str]:
     """Problems that show an engine is not back to idle (empty list when it is)."""
     eng = llm.llm_engine
-    core = eng.core
+    core = engine_core(eng)
     sched = core.scheduler
     problems = []
     if core.kv.num_free_blocks != core.kv.num_blocks:

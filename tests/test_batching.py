@@ -9,7 +9,7 @@ import math
 
 import pytest
 
-from engine_helpers import REF_TOKENS, greedy
+from engine_helpers import REF_TOKENS, engine_core, greedy, model_runner
 
 
 class StepRecorder:
@@ -21,9 +21,10 @@ class StepRecorder:
         self.steps: list[tuple[int, int, int]] = []
 
     def record(self, stats, it):
-        so = self.eng.core.last_step
-        if so.scheduled:
-            self.steps.append((len(so.scheduled), so.total_num_scheduled_tokens, stats.num_running))
+        if stats.step_num_reqs:
+            self.steps.append((stats.step_num_reqs,
+                               stats.step_num_prefill_tokens + stats.step_num_decode_tokens,
+                               stats.num_running))
 
     def __enter__(self):
         self.eng.stat_loggers.append(self)
@@ -126,7 +127,7 @@ def test_nan_in_unwritten_kv_slots_changes_nothing(backend, llm, make_llm, mixed
     if backend != "auto":
         llm = make_llm(max_model_len=1024, kv_cache_memory="128MiB", attention_backend=backend)
     llm.reset_prefix_cache()                  # the old contents are about to be destroyed
-    llm.llm_engine.core.runner.kv_cache.fill_(math.nan)
+    model_runner(llm.llm_engine).kv_cache.fill_(math.nan)
     idx = [0, 5, 9, 13, 18, 22, 27, 31]
     outs = llm.generate([mixed_prompts[i] for i in idx], greedy(REF_TOKENS), use_tqdm=False)
     assert_same(tokens(outs), [greedy_alone[i] for i in idx])
@@ -158,7 +159,7 @@ def test_preemption_under_a_tiny_kv_cache(make_llm, llm, mixed_prompts, greedy_a
     from pagedllm import SamplingParams
 
     small = make_llm(num_gpu_blocks_override=12, block_size=16, max_model_len=192)
-    assert small.llm_engine.core.kv.num_blocks == 12
+    assert engine_core(small.llm_engine).kv.num_blocks == 12
     tok = llm.get_tokenizer()
     idx = [i for i, p in enumerate(mixed_prompts) if len(tok.encode(p)) + REF_TOKENS <= 192][:16]
     assert len(idx) == 16

@@ -13,7 +13,7 @@ import contextlib
 import pytest
 import torch
 
-from engine_helpers import greedy
+from engine_helpers import greedy, model_runner
 
 ATOL = 1e-3
 
@@ -38,7 +38,7 @@ HF_PROMPTS = [
 def record_model(llm):
     """Record, for every engine step, the model's inputs and hidden states and the logits
     the runner computed for sampling."""
-    model = llm.llm_engine.core.runner.model
+    model = model_runner(llm.llm_engine).model
     rec = {"forward": [], "logits": []}
     orig_forward, orig_logits = model.forward, model.compute_logits
 
@@ -72,7 +72,7 @@ def hf_prompt_ids(tokenizer) -> list[list[int]]:
 
 
 def test_prefill_logits_match_hf(llm, hf_model, hf_prompt_ids):
-    model = llm.llm_engine.core.runner.model
+    model = model_runner(llm.llm_engine).model
     for ids in hf_prompt_ids:
         llm.reset_prefix_cache()              # the whole prompt is computed in one step
         with record_model(llm) as rec:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from pagedllm.core.kv_cache_manager import KVCacheManager
-from pagedllm.request import Request
+from pagedllm.core.request import Request
 from pagedllm.sampling_params import SamplingParams
 
 BS = 16

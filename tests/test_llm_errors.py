@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine_helpers import REF_TOKENS, engine_leaks, greedy
+from engine_helpers import REF_TOKENS, engine_core, engine_leaks, greedy
 from pagedllm import LLM, SamplingParams
 
 
@@ -95,7 +95,7 @@ def test_duplicate_request_id_and_abort(llm, check_usable, mixed_prompts):
         eng.add_request("dup", mixed_prompts[6], greedy(8))
     eng.step()
     eng.step()
-    assert eng.core.kv.num_free_blocks < eng.core.kv.num_blocks
+    assert engine_core(eng).kv.num_free_blocks < engine_core(eng).kv.num_blocks
     eng.abort_request("dup")
     assert engine_leaks(llm) == []
     assert not eng.has_unfinished_requests()

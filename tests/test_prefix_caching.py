@@ -8,7 +8,7 @@ import random
 import pytest
 
 from pagedllm import SamplingParams
-from engine_helpers import greedy
+from engine_helpers import engine_core, greedy
 
 BS = 16
 
@@ -155,6 +155,6 @@ def test_eviction_under_small_cache(make_llm):
     outs = small.generate(prompts, greedy(8), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == want
     assert all(o.num_cached_tokens % BS == 0 and o.num_cached_tokens <= 95 for o in outs)
-    kv = small.llm_engine.core.kv
+    kv = engine_core(small.llm_engine).kv
     assert kv.num_free_blocks == kv.num_blocks
     assert len(kv.pool.cached) <= kv.num_blocks

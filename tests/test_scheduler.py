@@ -1,19 +1,22 @@
 """Scheduler invariants with a fake model runner (no model needed).
 
-The fake runner keeps, per request, the tokens it has "computed" (its KV cache) and checks
-that every step continues exactly where the cache ends; the token it samples depends only
-on the position, so a request's output is the same whatever the batching, chunking or
-preemption.
+The fake runner knows only what the SchedulerOutput deltas tell it (new requests once,
+then new block ids and computed-token counts), as the real ModelRunner, and checks at
+every step that its rebuilt block tables and token positions equal the scheduler's own;
+the token it samples depends only on the position, so a request's output is the same
+whatever the batching, chunking or preemption.
 """
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
 import pytest
 
 from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler
-from pagedllm.request import Request, RequestStatus
+from pagedllm.messages import ModelRunnerOutput
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.utils import cdiv
 
@@ -29,31 +32,75 @@ def expected_output(prompt_len: int, max_tokens: int) -> list[int]:
     return [fake_token(prompt_len + i - 1) for i in range(max_tokens)]
 
 
+class DeltaState:
+    """A runner's knowledge, rebuilt from SchedulerOutput deltas only."""
+
+    def __init__(self):
+        self.reqs: dict[str, dict] = {}
+
+    def apply(self, so) -> list[SimpleNamespace]:
+        """Apply ``so``'s deltas; returns what each scheduled request computes this step."""
+        for rid in so.finished_req_ids:
+            self.reqs.pop(rid, None)
+        for nr in so.scheduled_new_reqs:
+            assert nr.req_id not in self.reqs, "a known request was sent as new"
+            self.reqs[nr.req_id] = {"tokens": list(nr.prompt_token_ids), "prompt": len(nr.prompt_token_ids),
+                                    "blocks": list(nr.block_ids), "computed": nr.num_computed_tokens}
+        c = so.scheduled_cached_reqs
+        for rid, resumed, blocks, computed in zip(c.req_ids, c.resumed_from_preemption,
+                                                  c.new_block_ids, c.num_computed_tokens):
+            st = self.reqs[rid]
+            st["blocks"] = list(blocks) if resumed else st["blocks"] + list(blocks)
+            st["computed"] = computed
+        views = []
+        for rid, n in so.num_scheduled_tokens.items():
+            st = self.reqs[rid]
+            start, end = st["computed"], st["computed"] + n
+            views.append(SimpleNamespace(
+                req_id=rid, num_computed_tokens=start, num_scheduled_tokens=n,
+                token_ids=st["tokens"][start:end], block_ids=list(st["blocks"]),
+                sample=end >= len(st["tokens"]), num_output_tokens=len(st["tokens"]) - st["prompt"]))
+        return views
+
+    def update(self, sched: Scheduler, so, sampled: dict[str, int]):
+        """Feed the sampled tokens to the scheduler and to this state; returns the outputs."""
+        for rid, tok in sampled.items():
+            self.reqs[rid]["tokens"].append(tok)
+        return sched.update_from_output(so, runner_output(sampled))
+
+
+def runner_output(sampled: dict[str, int]) -> ModelRunnerOutput:
+    return ModelRunnerOutput(list(sampled), [[t] for t in sampled.values()])
+
+
 class FakeRunner:
     """Executes SchedulerOutputs, checking them against the request state."""
 
     def __init__(self, sched: Scheduler):
         self.sched = sched
         self.kv = sched.kv
+        self.state = DeltaState()
         self.cache: dict[str, list[int]] = {}     # tokens "in the KV cache" per request
         self.outputs: dict[str, list[int]] = {}
         self.batches: list[list[str]] = []
 
     def execute(self, so) -> dict[str, int]:
         sched = self.sched
+        views = self.state.apply(so)
+        assert so.total_num_scheduled_tokens == sum(so.num_scheduled_tokens.values())
         assert so.total_num_scheduled_tokens <= sched.max_num_batched_tokens
-        assert len(so.scheduled) <= sched.max_num_seqs
+        assert len(views) <= sched.max_num_seqs
         assert len(sched.running) <= sched.max_num_seqs
-        assert len({sr.req_id for sr in so.scheduled}) == len(so.scheduled)
         for rid in so.finished_req_ids:
             self.cache.pop(rid, None)
         held: dict[int, str] = {}
         out = {}
-        for sr in so.scheduled:
+        for sr in views:
             assert sr.num_scheduled_tokens >= 1
             req = sched.requests[sr.req_id]
             cache = self.cache.setdefault(sr.req_id, [])
             start = sr.num_computed_tokens
+            assert start == req.num_computed_tokens
             if start != len(cache):
                 # Only a (re)admission may start elsewhere than where the cache ends: after
                 # a preemption from 0, or from a prefix-cache hit of whole blocks.
@@ -62,6 +109,7 @@ class FakeRunner:
             end = start + sr.num_scheduled_tokens
             assert sr.token_ids == req.all_token_ids[start:end]
             cache[:] = req.all_token_ids[:end]
+            assert sr.block_ids == self.kv.get_block_ids(sr.req_id), "deltas lost a block"
             assert len(sr.block_ids) >= cdiv(end, self.kv.block_size)
             assert end <= sched.max_model_len
             assert sr.sample == (end == req.num_tokens)
@@ -70,12 +118,12 @@ class FakeRunner:
                     assert held.setdefault(b, sr.req_id) == sr.req_id, "block shared by two requests"
             if sr.sample:
                 out[sr.req_id] = fake_token(end - 1)
-        self.batches.append([sr.req_id for sr in so.scheduled])
+        self.batches.append([sr.req_id for sr in views])
         return out
 
     def step(self):
         so = self.sched.schedule()
-        for o in self.sched.update_from_output(so, self.execute(so)):
+        for o in self.state.update(self.sched, so, self.execute(so)):
             self.outputs.setdefault(o.request_id, []).extend(o.new_token_ids)
         return so
 
@@ -84,7 +132,6 @@ class FakeRunner:
             assert len(self.batches) < max_steps, "the scheduler made no progress"
             self.step()
         return self.outputs
-
 
 def make_sched(num_blocks=64, block_size=16, budget=2048, max_seqs=256, max_len=4096,
                chunked=True, caching=True) -> Scheduler:
@@ -96,6 +143,10 @@ def mkreq(rid, n_prompt, max_tokens, seed=0, **sp) -> Request:
     rng = random.Random(hash((rid, seed)) & 0xFFFF)
     toks = [rng.randrange(3, 1000) for _ in range(n_prompt)]
     return Request(rid, toks, SamplingParams(max_tokens=max_tokens, **sp), eos_token_ids={EOS})
+
+
+def scheduled_ids(so) -> list[str]:
+    return list(so.num_scheduled_tokens)
 
 
 def check_all_done(sched: Scheduler, reqs, outputs):
@@ -152,18 +203,21 @@ def test_budget_is_filled_by_chunks_then_decodes():
     a, b = mkreq("a", 40, 3), mkreq("b", 20, 3)
     sched.add_request(a)
     sched.add_request(b)
+    st = DeltaState()
     so = sched.schedule()
-    assert [(s.req_id, s.num_scheduled_tokens, s.sample) for s in so.scheduled] == [("a", 32, False)]
+    assert [(s.req_id, s.num_scheduled_tokens, s.sample) for s in st.apply(so)] == [("a", 32, False)]
     assert so.num_prefill_tokens == 32
-    sched.update_from_output(so, {})
+    st.update(sched, so, {})
     so = sched.schedule()
     # a finishes its prompt (8 tokens), b's whole 20-token prompt fits the 24 left.
     assert [(s.req_id, s.num_computed_tokens, s.num_scheduled_tokens, s.sample)
-            for s in so.scheduled] == [("a", 32, 8, True), ("b", 0, 20, True)]
+            for s in st.apply(so)] == [("a", 32, 8, True), ("b", 0, 20, True)]
+    assert [nr.req_id for nr in so.scheduled_new_reqs] == ["b"]     # a was sent whole before
     assert so.num_prefill_tokens == 28 and so.num_decode_tokens == 0
-    sched.update_from_output(so, {"a": 11, "b": 12})
+    st.update(sched, so, {"a": 11, "b": 12})
     so = sched.schedule()
-    assert [(s.req_id, s.token_ids) for s in so.scheduled] == [("a", [11]), ("b", [12])]
+    assert [(s.req_id, s.token_ids) for s in st.apply(so)] == [("a", [11]), ("b", [12])]
+    assert not so.scheduled_new_reqs and so.scheduled_cached_reqs.req_ids == ["a", "b"]
     assert so.num_decode_tokens == 2 and so.num_prefill_tokens == 0
     sched.finish_requests(["a", "b"])
     assert sched.kv.num_free_blocks == sched.kv.num_blocks
@@ -192,17 +246,24 @@ def test_preemption_picks_the_most_recently_admitted():
         sched.add_request(r)
     runner = FakeRunner(sched)
     so = runner.step()
-    assert [s.req_id for s in so.scheduled] == ["a", "b", "c"] and so.num_preempted == 0
+    assert scheduled_ids(so) == ["a", "b", "c"] and so.num_preempted == 0
     d = mkreq("d", 1, 1)
     sched.add_request(d)
     so = runner.step()
     assert so.num_preempted == 1
-    assert [s.req_id for s in so.scheduled] == ["a", "b"]    # d is not admitted this step
+    assert scheduled_ids(so) == ["a", "b"]    # d is not admitted this step
     assert c.status == RequestStatus.PREEMPTED and c.num_preemptions == 1
     assert c.num_computed_tokens == 0 and c.output_token_ids == [fake_token(3)]
     assert list(sched.waiting) == [c, d] and sched.running == [a, b]
     assert sched.kv.get_block_ids("c") == []
     assert sched.num_preemptions_total == 1 and sched.stats().num_preemptions_total == 1
+    so = runner.step()
+    while "c" not in so.num_scheduled_tokens:
+        so = runner.step()
+    # c comes back as a known request, resumed, with a whole new block table
+    c_idx = so.scheduled_cached_reqs.req_ids.index("c")
+    assert so.scheduled_cached_reqs.resumed_from_preemption[c_idx]
+    assert so.scheduled_cached_reqs.new_block_ids[c_idx] == sched.kv.get_block_ids("c")
     runner.run()
     check_all_done(sched, [a, b, c, d], runner.outputs)
 
@@ -227,23 +288,19 @@ def test_preemption_victims_are_the_latest_admitted():
     check_all_done(sched, reqs, runner.outputs)
 
 
-def test_request_over_max_model_len_is_rejected():
+def test_requests_the_processor_would_reject_are_assertion_errors():
+    """Validation is the front end's (Processor's, tested in test_llm_errors); the
+    scheduler asserts the invariants it relies on instead of checking them again."""
     sched = make_sched(max_len=64)
-    with pytest.raises(ValueError, match="max_model_len"):
+    with pytest.raises(AssertionError):
         sched.add_request(mkreq("long", 60, 5))
-    with pytest.raises(ValueError, match="max_model_len"):
-        sched.add_request(mkreq("longer", 70, 1))
-    assert not sched.waiting and not sched.requests
     sched.add_request(mkreq("ok", 59, 5))    # exactly 64 is allowed
-    with pytest.raises(ValueError, match="already in use"):
+    with pytest.raises(AssertionError):
         sched.add_request(mkreq("ok", 3, 1))
     out = FakeRunner(sched).run()
     assert out == {"ok": expected_output(59, 5)}
-
-
-def test_prompt_over_budget_without_chunking_is_rejected():
     sched = make_sched(budget=32, chunked=False)
-    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+    with pytest.raises(AssertionError):
         sched.add_request(mkreq("a", 33, 1))
     sched.add_request(mkreq("b", 32, 1))
     assert FakeRunner(sched).run() == {"b": expected_output(32, 1)}
@@ -257,18 +314,21 @@ def test_eos_stop_tokens_and_min_tokens():
     d = mkreq("d", 5, 10, min_tokens=2)
     for r in (a, b, c, d):
         sched.add_request(r)
-    outs = sched.update_from_output(sched.schedule(), {"a": EOS, "b": 77, "c": EOS, "d": 5})
+    st = DeltaState()
+    so = sched.schedule()
+    st.apply(so)
+    outs = st.update(sched, so, {"a": EOS, "b": 77, "c": EOS, "d": 5})
     assert {o.request_id: (o.finish_reason, o.stop_reason) for o in outs} == {
         "a": ("stop", None), "b": ("stop", 77), "c": (None, None), "d": (None, None)}
     assert sched.kv.get_block_ids("a") == [] and sched.kv.get_block_ids("b") == []
     so = sched.schedule()
     assert so.finished_req_ids == {"a", "b"}
-    assert [s.req_id for s in so.scheduled] == ["c", "d"]
-    assert so.scheduled[1].num_output_tokens == 1       # the runner still bans EOS for d
-    outs = sched.update_from_output(so, {"c": 5, "d": 6})
+    assert scheduled_ids(so) == ["c", "d"]
+    assert st.apply(so)[1].num_output_tokens == 1       # the runner still bans EOS for d
+    outs = st.update(sched, so, {"c": 5, "d": 6})
     so = sched.schedule()
-    assert so.scheduled[1].num_output_tokens == 2       # min_tokens reached: EOS allowed
-    outs = sched.update_from_output(so, {"c": 5, "d": EOS})
+    assert st.apply(so)[1].num_output_tokens == 2       # min_tokens reached: EOS allowed
+    outs = st.update(sched, so, {"c": 5, "d": EOS})
     assert {o.request_id: o.finish_reason for o in outs} == {"c": None, "d": "stop"}
     sched.finish_requests(["c"])
     assert sched.kv.num_free_blocks == sched.kv.num_blocks
@@ -278,7 +338,7 @@ def test_eos_stop_tokens_and_min_tokens():
 def test_max_tokens_and_max_model_len_finish_with_length():
     sched = make_sched(max_len=12)
     a = mkreq("a", 4, 3)
-    b = Request("b", [5] * 4, SamplingParams(max_tokens=None), {EOS})   # up to max_model_len
+    b = Request("b", [5] * 4, SamplingParams(max_tokens=8), {EOS})   # up to max_model_len
     sched.add_request(a)
     sched.add_request(b)
     out = FakeRunner(sched).run()
@@ -292,12 +352,12 @@ def test_abort_frees_waiting_and_running_requests():
     sched.add_request(a)
     sched.add_request(b)
     so = sched.schedule()
-    assert [s.req_id for s in so.scheduled] == ["a"]
+    assert scheduled_ids(so) == ["a"]
     done = sched.finish_requests(["a", "b", "unknown"])
     assert [r.request_id for r in done] == ["a", "b"]
     assert a.finish_reason == b.finish_reason == "abort"
     # The step that was in flight when a was aborted is ignored.
-    assert sched.update_from_output(so, {"a": 5}) == []
+    assert sched.update_from_output(so, runner_output({"a": 5})) == []
     assert sched.kv.num_free_blocks == 8 and not sched.has_unfinished_requests()
 
 

@@ -13,6 +13,7 @@ import time
 import httpx
 import openai
 import pytest
+from engine_helpers import engine_core
 
 from pagedllm.config import EngineArgs
 from pagedllm.engine.async_llm import AsyncLLM
@@ -57,7 +58,7 @@ class _Server:
 
     def idle_and_free(self, timeout: float = 10.0) -> bool:
         """True once no request is alive and every KV block is free."""
-        core = self.engine.engine.core
+        core = engine_core(self.engine.engine)
         deadline = time.time() + timeout
         while time.time() < deadline:
             if (not core.has_unfinished_requests() and not self.engine.engine.states
@@ -183,7 +184,7 @@ def _stream_then_disconnect(server, at_third_chunk) -> None:
 
 def test_disconnect_mid_stream_frees_blocks(server):
     """A client that goes away mid-stream aborts its request; its blocks are freed."""
-    core = server.engine.engine.core
+    core = engine_core(server.engine.engine)
 
     def holds_blocks():
         assert core.kv.num_free_blocks < core.kv.num_blocks

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pagedllm.core.block_pool import BlockPool, KVCacheBlock, hash_block_tokens
-from pagedllm.request import Request
+from pagedllm.core.request import Request
 from pagedllm.utils import cdiv
 
 

@@ -11,88 +11,11 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
 
 from pagedllm.core.kv_cache_manager import KVCacheManager
-from pagedllm.request import Request, RequestStatus
-
-
-@dataclass
-class ScheduledRequest:
-    """What the ModelRunner needs about one request this step.
-
-    Attributes:
-        req_id: request id.
-        token_ids: ids of the ``num_scheduled_tokens`` tokens to compute, at positions
-            ``num_computed_tokens ..``.
-        num_computed_tokens: tokens already in the cache before this step.
-        block_ids: the request's whole block table.
-        sample: True when this step reaches the end of the known tokens, so a new token
-            is sampled from the last position's logits.
-        sampling_params: the request's SamplingParams (sent when the runner first sees
-            the request; None afterwards).
-        output_token_ids: tokens generated so far (for min_tokens; only when sampling).
-    """
-
-    req_id: str
-    token_ids: list[int]
-    num_computed_tokens: int
-    block_ids: list[int]
-    sample: bool
-    sampling_params: object | None = None
-    num_output_tokens: int = 0
-
-    @property
-    def num_scheduled_tokens(self) -> int:
-        return len(self.token_ids)
-
-
-@dataclass
-class SchedulerOutput:
-    """One step's batch: requests with their token counts, and requests the runner can forget."""
-
-    scheduled: list[ScheduledRequest]
-    finished_req_ids: set[str] = field(default_factory=set)
-    num_prefill_tokens: int = 0
-    num_decode_tokens: int = 0
-    num_preempted: int = 0
-
-    @property
-    def total_num_scheduled_tokens(self) -> int:
-        return sum(r.num_scheduled_tokens for r in self.scheduled)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
-
-
-@dataclass
-class EngineCoreOutput:
-    """Per request per step: new tokens, and the finish reason once it ended."""
-
-    request_id: str
-    new_token_ids: list[int]
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0
-    arrival_time: float = 0.0
-    scheduled_time: float | None = None
-    first_token_time: float | None = None
-    finished_time: float | None = None
-    num_preemptions: int = 0
-
-
-@dataclass
-class SchedulerStats:
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_cache_usage: float = 0.0
-    num_blocks_used: int = 0
-    num_blocks_total: int = 0
-    num_preemptions_total: int = 0
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
+from pagedllm.core.request import Request, RequestStatus
+from pagedllm.messages import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput, NewRequestData,
+                               SchedulerOutput, SchedulerStats)
 
 
 class Scheduler:
@@ -121,22 +44,12 @@ class Scheduler:
 
     # -- requests --------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
-        """Queue a request.
-
-        Raises:
-            ValueError: duplicate id, or prompt + max_tokens over max_model_len.
-        """
-        if req.request_id in self.requests:
-            raise ValueError(f"request_id {req.request_id!r} is already in use")
-        max_tokens = req.sampling_params.max_tokens or 0
-        if req.num_prompt_tokens + max_tokens > self.max_model_len:
-            raise ValueError(
-                f"prompt ({req.num_prompt_tokens} tokens) + max_tokens ({max_tokens}) exceeds "
-                f"max_model_len ({self.max_model_len})")
-        if not self.enable_chunked_prefill and req.num_prompt_tokens > self.max_num_batched_tokens:
-            raise ValueError(
-                f"prompt ({req.num_prompt_tokens} tokens) exceeds max_num_batched_tokens "
-                f"({self.max_num_batched_tokens}) and chunked prefill is off")
+        """Queue a request. The front end's Processor has validated it (unique id, prompt +
+        max_tokens within max_model_len, a prompt within the budget when chunked prefill
+        is off); these are asserted, not checked again."""
+        assert req.request_id not in self.requests, req.request_id
+        assert req.num_prompt_tokens + req.sampling_params.max_tokens <= self.max_model_len
+        assert self.enable_chunked_prefill or req.num_prompt_tokens <= self.max_num_batched_tokens
         self.requests[req.request_id] = req
         self.waiting.append(req)
 
@@ -177,29 +90,18 @@ class Scheduler:
         self.num_preemptions_total += 1
         self.waiting.appendleft(req)
 
-    def _make(self, req: Request, n: int) -> ScheduledRequest:
-        start = req.num_computed_tokens
-        sample = start + n >= req.num_tokens
-        first = req.request_id not in self.runner_known
-        self.runner_known.add(req.request_id)
-        return ScheduledRequest(
-            req_id=req.request_id,
-            token_ids=req.all_token_ids[start:start + n],
-            num_computed_tokens=start,
-            block_ids=self.kv.get_block_ids(req.request_id),
-            sample=sample,
-            sampling_params=req.sampling_params if first else None,
-            num_output_tokens=req.num_output_tokens,
-        )
-
     def schedule(self) -> SchedulerOutput:
-        """Form this step's batch (never over the token budget or max_num_seqs)."""
+        """Form this step's batch (never over the token budget or max_num_seqs).
+
+        A request the runner has not seen goes out whole (``NewRequestData``); one it
+        holds goes out as deltas: the blocks allocated since it last ran, or, when it
+        resumes after a preemption, its whole new block table."""
         # The runner forgets finished requests at the start of this step, so an id that
         # is reused after finishing must be sent as new (with its sampling params).
-        for rid in self.finished_req_ids:
-            self.runner_known.discard(rid)
+        self.runner_known.difference_update(self.finished_req_ids)
         budget = self.max_num_batched_tokens
-        scheduled: list[tuple[Request, int]] = []
+        # (request, tokens to compute, new block ids, resumed after preemption)
+        scheduled: list[tuple[Request, int, list[int], bool]] = []
         num_preempted = 0
         i = 0
         while i < len(self.running) and budget > 0:
@@ -210,18 +112,17 @@ class Scheduler:
                 i += 1
                 continue
             while True:
-                if self.kv.allocate_slots(req, n) is not None:
-                    ok = True
+                new_blocks = self.kv.allocate_slots(req, n)
+                if new_blocks is not None:
                     break
                 victim = self.running.pop()
                 self._preempt(victim)
                 num_preempted += 1
                 if victim is req:
-                    ok = False
                     break
-            if not ok:
+            if new_blocks is None:
                 break
-            scheduled.append((req, n))
+            scheduled.append((req, n, [b.block_id for b in new_blocks], False))
             budget -= n
             i += 1
 
@@ -231,7 +132,7 @@ class Scheduler:
                 hit_blocks, n_hit = self.kv.get_computed_blocks(req)
                 n = req.num_tokens - n_hit
                 # Without chunked prefill a prompt waits until it fits the budget whole
-                # (add_request rejects prompts over the whole budget). A preempted
+                # (the Processor rejects prompts over the whole budget). A preempted
                 # request may have grown past the budget with its outputs: its
                 # recomputation is chunked, or it would never run again.
                 if not self.enable_chunked_prefill and n > budget and req.num_preemptions == 0:
@@ -247,70 +148,87 @@ class Scheduler:
                     req.scheduled_time = time.time()
                 req.status = RequestStatus.RUNNING
                 self.running.append(req)
-                scheduled.append((req, n))
+                scheduled.append((req, n, self.kv.get_block_ids(req.request_id), True))
                 budget -= n
 
-        out = SchedulerOutput(
-            scheduled=[self._make(r, n) for r, n in scheduled],
-            finished_req_ids=self.finished_req_ids,
-            num_preempted=num_preempted,
-        )
-        for r, n in scheduled:
-            if r.num_computed_tokens >= r.num_prompt_tokens:
+        new_reqs: list[NewRequestData] = []
+        cached = CachedRequestData()
+        num_scheduled: dict[str, int] = {}
+        out = SchedulerOutput(new_reqs, cached, num_scheduled, self.max_num_batched_tokens - budget,
+                              finished_req_ids=self.finished_req_ids, num_preempted=num_preempted)
+        for req, n, block_ids, admitted in scheduled:
+            rid = req.request_id
+            num_scheduled[rid] = n
+            if rid not in self.runner_known:
+                self.runner_known.add(rid)
+                new_reqs.append(NewRequestData(
+                    rid, req.prompt_token_ids, req.sampling_params, sorted(req.eos_token_ids), block_ids,
+                    req.num_computed_tokens))
+            else:
+                cached.req_ids.append(rid)
+                cached.resumed_from_preemption.append(admitted)
+                cached.new_block_ids.append(block_ids)
+                cached.num_computed_tokens.append(req.num_computed_tokens)
+            if req.num_computed_tokens >= req.num_prompt_tokens:
                 out.num_decode_tokens += n
             else:
                 out.num_prefill_tokens += n
         self.finished_req_ids = set()
         return out
 
-    def update_from_output(self, so: SchedulerOutput,
-                           sampled: dict[str, int]) -> list[EngineCoreOutput]:
-        """Advance computed tokens, append sampled tokens, apply stop conditions and free
-        finished requests.
+    def update_from_output(self, so: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        """Advance computed tokens, append the sampled tokens, apply stop conditions and
+        free finished requests.
 
         Args:
-            sampled: req_id → the token sampled for it this step (requests with
-                ``sample`` set only).
+            runner_output: the tokens each scheduled request produced (none for a prompt
+                chunk short of the prompt's end).
         """
         now = time.time()
         outputs: list[EngineCoreOutput] = []
-        for sr in so.scheduled:
-            req = self.requests.get(sr.req_id)
+        sampled = dict(zip(runner_output.req_ids, runner_output.sampled_token_ids))
+        for rid, n in so.num_scheduled_tokens.items():
+            req = self.requests.get(rid)
             if req is None or req.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran
-            req.num_computed_tokens += sr.num_scheduled_tokens
-            tok = sampled.get(sr.req_id)
-            if tok is None:
+            req.num_computed_tokens += n
+            tokens = sampled.get(rid)
+            if not tokens:
                 continue
-            req.append_output_token(tok)
             if req.first_token_time is None:
                 req.first_token_time = now
-            sp = req.sampling_params
-            status = None
-            if req.num_output_tokens > sp.min_tokens:
-                if not sp.ignore_eos and tok in req.eos_token_ids:
-                    status = RequestStatus.FINISHED_STOPPED
-                elif tok in sp.stop_token_ids:
-                    status = RequestStatus.FINISHED_STOPPED
-                    req.stop_reason = tok
-            if status is None and (
-                    (sp.max_tokens is not None and req.num_output_tokens >= sp.max_tokens)
-                    or req.num_tokens >= self.max_model_len):
-                status = RequestStatus.FINISHED_LENGTH
-            if status is not None:
-                req.status = status
-                req.finished_time = now
-                self.running.remove(req)
-                self._free(req)
-            outputs.append(self._output(req, [tok]))
+            new_tokens = []
+            for tok in tokens:
+                req.append_output_token(tok)
+                new_tokens.append(tok)
+                status = self._check_stop(req, tok)
+                if status is not None:
+                    req.status = status
+                    req.finished_time = now
+                    self.running.remove(req)
+                    self._free(req)
+                    break
+            outputs.append(self._output(req, new_tokens))
         return outputs
+
+    def _check_stop(self, req: Request, tok: int) -> RequestStatus | None:
+        """The finished status ``tok`` (just appended) gives ``req``, or None to go on."""
+        sp = req.sampling_params
+        if req.num_output_tokens > sp.min_tokens:
+            if not sp.ignore_eos and tok in req.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if tok in sp.stop_token_ids:
+                req.stop_reason = tok
+                return RequestStatus.FINISHED_STOPPED
+        if req.num_output_tokens >= sp.max_tokens or req.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
 
     def _output(self, req: Request, new_tokens: list[int]) -> EngineCoreOutput:
         return EngineCoreOutput(
             request_id=req.request_id, new_token_ids=new_tokens,
             finish_reason=req.finish_reason, stop_reason=req.stop_reason,
-            num_prompt_tokens=req.num_prompt_tokens, num_cached_tokens=max(req.num_cached_tokens, 0),
-            arrival_time=req.arrival_time, scheduled_time=req.scheduled_time,
+            num_cached_tokens=max(req.num_cached_tokens, 0), scheduled_time=req.scheduled_time,
             first_token_time=req.first_token_time, finished_time=req.finished_time,
             num_preemptions=req.num_preemptions)
 

@@ -24,7 +24,7 @@ from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 
 from pagedllm.config import EngineArgs
-from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.engine.llm_engine import EngineStepError, LLMEngine
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -71,6 +71,15 @@ class AsyncLLM:
     @property
     def max_model_len(self) -> int:
         return self.engine.max_model_len
+
+    @property
+    def model_path(self) -> str:
+        """The model's file or directory, as given or resolved at start."""
+        return self.engine.config.model_path
+
+    def add_stat_logger(self, stat_logger) -> None:
+        """Attach a logger with ``record(SchedulerStats, IterationStats)`` (e.g. Prometheus's)."""
+        self.engine.stat_loggers.append(stat_logger)
 
     def new_request_id(self, prefix: str = "req") -> str:
         with self._lock:
@@ -153,7 +162,8 @@ class AsyncLLM:
         self._check_alive()
 
     def stats(self):
-        return self.engine.core.stats()
+        """Scheduler statistics now (SchedulerStats)."""
+        return self.engine.get_scheduler_stats()
 
     def shutdown(self) -> None:
         self._stop = True
@@ -231,20 +241,22 @@ class AsyncLLM:
                 pass
             if self._stop or not eng.has_unfinished_requests():
                 continue
-            prev = getattr(eng.core, "last_step", None)
             try:
                 outputs = eng.step()
             except Exception as e:  # fail the requests of this step, keep serving others
                 self._failed_steps += 1
                 if self._failed_steps >= MAX_CONSECUTIVE_STEP_FAILURES:
                     raise
-                logger.exception("engine step failed")
-                so = getattr(eng.core, "last_step", None)
-                # a failure before this step was scheduled fails every request
-                ids = [r.req_id for r in so.scheduled] if so is not None and so is not prev else list(eng.states)
-                eng.abort_request(ids)
+                if isinstance(e, EngineStepError):  # the core freed them already
+                    for out in e.outputs:
+                        self._deliver(out.request_id, out)
+                    ids, err = e.request_ids, RuntimeError(str(e))
+                else:  # outside the executor: which requests it hit is unknown, so all
+                    logger.exception("engine step failed")
+                    ids, err = list(eng.states), RuntimeError(f"engine step failed: {e}")
+                    eng.abort_request(ids)
                 for rid in ids:
-                    self._deliver(rid, RuntimeError(f"engine step failed: {e}"))
+                    self._deliver(rid, err)
                 continue
             self._failed_steps = 0
             for out in outputs:

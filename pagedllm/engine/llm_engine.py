@@ -1,7 +1,9 @@
-"""LLMEngine: the synchronous front end over an in-process EngineCore.
+"""LLMEngine: the synchronous front end. It talks to the engine core only through an
+``EngineCoreClient`` (typed messages: ``EngineCoreRequest`` in, ``EngineCoreOutputs`` out).
 
-It owns the tokenizer, the per-request detokenizers and stop-string matching, and the
-stat loggers; ``step()`` runs one core step and returns RequestOutputs.
+It owns the tokenizer, the Processor (validation), the per-request detokenizers and
+stop-string matching, and the stat loggers; ``step()`` runs one core step and returns
+RequestOutputs.
 """
 from __future__ import annotations
 
@@ -9,14 +11,13 @@ import logging
 import time
 
 from pagedllm.config import EngineArgs, EngineConfig
-from pagedllm.core.engine_core import EngineCore
-from pagedllm.core.scheduler import EngineCoreOutput
+from pagedllm.engine.core_client import EngineCoreClient
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.engine.metrics import FinishedRequestStats, IterationStats, LoggingStatLogger
 from pagedllm.engine.processor import Processor, check_unicode
 from pagedllm.errors import InvalidParameterError
+from pagedllm.messages import FINISH_ABORT, FINISH_STOP, EngineCoreOutput, EngineCoreRequest, SchedulerStats
 from pagedllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from pagedllm.request import Request
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.tokenizer import eos_token_ids, get_tokenizer
 
@@ -27,7 +28,7 @@ class _ReqState:
     __slots__ = ("request_id", "prompt", "prompt_token_ids", "detok", "token_ids", "finish_reason",
                  "stop_reason", "metrics", "last_token_time", "num_cached_tokens")
 
-    def __init__(self, req: Request, prompt: str | None, detok: IncrementalDetokenizer):
+    def __init__(self, req: EngineCoreRequest, prompt: str | None, detok: IncrementalDetokenizer):
         self.request_id = req.request_id
         self.prompt = prompt
         self.prompt_token_ids = req.prompt_token_ids
@@ -85,6 +86,20 @@ def normalize_chat_messages(messages) -> list[dict]:
     return out
 
 
+class EngineStepError(RuntimeError):
+    """A step failed in the engine core; its requests are gone (their KV blocks freed).
+
+    Attributes:
+        request_ids: the failed requests; outputs: RequestOutputs the same step produced
+            for other requests (to deliver before handling the failure).
+    """
+
+    def __init__(self, message: str, request_ids: list[str], outputs: list[RequestOutput]):
+        super().__init__(message)
+        self.request_ids = request_ids
+        self.outputs = outputs
+
+
 class LLMEngine:
     """Args:
         args: EngineArgs. ``stat_loggers``: extra objects with ``record(SchedulerStats,
@@ -94,12 +109,12 @@ class LLMEngine:
     def __init__(self, args: EngineArgs, stat_loggers: list | None = None, log_stats: bool = True):
         self.config = EngineConfig.from_args(args)
         self.tokenizer = get_tokenizer(self.config.model_path)
-        self.core = EngineCore(self.config)
         self.eos_token_ids = eos_token_ids(self.tokenizer, self.config.arch.eos_token_ids,
                                            self.config.model_path)
-        self.core.runner.eos_token_ids = self.eos_token_ids
-        self.processor = Processor(self.tokenizer, self.config.arch.vocab_size,
-                                   self.core.max_model_len, self.eos_token_ids)
+        self.engine_core = EngineCoreClient.make_client(self.config)
+        self.processor = Processor(self.tokenizer, self.config.arch.vocab_size, self.max_model_len,
+                                   self.eos_token_ids, args.max_num_batched_tokens,
+                                   args.enable_chunked_prefill)
         self.states: dict[str, _ReqState] = {}
         self.stat_loggers = list(stat_loggers or [])
         if log_stats:
@@ -108,7 +123,7 @@ class LLMEngine:
 
     @property
     def max_model_len(self) -> int:
-        return self.core.max_model_len
+        return self.engine_core.info.max_model_len
 
     @property
     def model_name(self) -> str:
@@ -120,21 +135,26 @@ class LLMEngine:
 
     # ------------------------------------------------------------------------------
     def process(self, request_id: str, prompt, params: SamplingParams | None,
-                arrival_time: float | None = None) -> tuple[Request, str | None]:
+                arrival_time: float | None = None) -> tuple[EngineCoreRequest, str | None]:
         """Validate and tokenize (safe to call from another thread than ``step``).
 
         Raises:
             ValueError: bad prompt or parameters (the message names which).
         """
-        if request_id in self.states:
-            raise ValueError(f"request_id {request_id!r} is already in use")
         return self.processor.process(request_id, prompt, params, arrival_time)
 
-    def add_processed(self, req: Request, prompt_text: str | None) -> None:
+    def add_processed(self, req: EngineCoreRequest, prompt_text: str | None) -> None:
+        """Send a processed request to the core.
+
+        Raises:
+            ValueError: ``request_id`` belongs to a request that is still alive.
+        """
+        if req.request_id in self.states:
+            raise ValueError(f"request_id {req.request_id!r} is already in use")
         sp = req.sampling_params
         detok = IncrementalDetokenizer(self.tokenizer, sp.stop_strings, sp.include_stop_str_in_output,
                                        sp.skip_special_tokens)
-        self.core.add_request(req)
+        self.engine_core.add_request(req)
         self.states[req.request_id] = _ReqState(req, prompt_text, detok)
 
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None,
@@ -153,15 +173,15 @@ class LLMEngine:
         engine takes no further step that would refresh them."""
         if isinstance(request_ids, str):
             request_ids = [request_ids]
-        self.core.abort_requests(request_ids)
+        outs = self.engine_core.abort_requests(list(request_ids))
         it = IterationStats()
         for rid in request_ids:
             if self.states.pop(rid, None) is not None:
                 it.num_aborted += 1
-        self._record_stats(it)
+        self._record_stats(it, outs.scheduler_stats)
 
     def has_unfinished_requests(self) -> bool:
-        return self.core.has_unfinished_requests()
+        return bool(self.states)
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.states)
@@ -169,20 +189,29 @@ class LLMEngine:
     # ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one engine step; returns a RequestOutput for every request that got new
-        tokens (cumulative text/tokens, plus the delta since its previous output)."""
-        core_outs = self.core.step()
+        tokens (cumulative text/tokens, plus the delta since its previous output).
+
+        Raises:
+            EngineStepError: the step failed for some requests (they are gone); it
+                carries the step's outputs for the others.
+        """
+        outs = self.engine_core.get_output()
         it = IterationStats()
-        so = getattr(self.core, "last_step", None)
-        if so is not None:
-            it.num_prompt_tokens = so.num_prefill_tokens
-        results = self._process_outputs(core_outs, it)
-        self._record_stats(it)
+        if outs.scheduler_stats is not None:
+            it.num_prompt_tokens = outs.scheduler_stats.step_num_prefill_tokens
+        results = self._process_outputs(outs.outputs, it)
+        for rid in outs.failed_request_ids:
+            if self.states.pop(rid, None) is not None:
+                it.num_aborted += 1
+        self._record_stats(it, outs.scheduler_stats)
+        if outs.failed_request_ids:
+            raise EngineStepError(f"engine step failed: {outs.error}", list(outs.failed_request_ids),
+                                  results)
         return results
 
-    def _record_stats(self, it: IterationStats) -> None:
-        if not self.stat_loggers:
+    def _record_stats(self, it: IterationStats, stats: SchedulerStats | None) -> None:
+        if not self.stat_loggers or stats is None:
             return
-        stats = self.core.stats()
         for sl in self.stat_loggers:
             sl.record(stats, it)
 
@@ -210,23 +239,23 @@ class LLMEngine:
             finish, stop_reason = co.finish_reason, co.stop_reason
             matched = st.detok.update(co.new_token_ids)
             if matched is not None and finish is None:
-                finish, stop_reason = "stop", matched
+                finish, stop_reason = FINISH_STOP, matched
                 stop_aborts.append(co.request_id)
             elif matched is not None:
-                finish, stop_reason = "stop", matched
+                finish, stop_reason = FINISH_STOP, matched
             finished = finish is not None
             if finished:
                 m.finished_time = co.finished_time or now
                 st.finish_reason, st.stop_reason = finish, stop_reason
                 self.states.pop(co.request_id, None)
-                if finish != "abort":
+                if finish != FINISH_ABORT:
                     self._record_finished(st, co, it)
                 else:
                     it.num_aborted += 1
             delta = st.detok.delta(finished)
             results.append(self._make_output(st, finished, delta, co.new_token_ids))
         if stop_aborts:
-            self.core.abort_requests(stop_aborts)
+            self.engine_core.abort_requests(stop_aborts)
         return results
 
     def _record_finished(self, st: _ReqState, co: EngineCoreOutput, it: IterationStats) -> None:
@@ -248,11 +277,11 @@ class LLMEngine:
     def abort_output(self, request_id: str) -> RequestOutput | None:
         """Finish a request as aborted and return its final output (None if unknown)."""
         st = self.states.pop(request_id, None)
-        self.core.abort_requests([request_id])
-        self._record_stats(IterationStats(num_aborted=int(st is not None)))
+        outs = self.engine_core.abort_requests([request_id])
+        self._record_stats(IterationStats(num_aborted=int(st is not None)), outs.scheduler_stats)
         if st is None:
             return None
-        st.finish_reason = "abort"
+        st.finish_reason = FINISH_ABORT
         st.metrics.finished_time = time.time()
         return self._make_output(st, True, st.detok.delta(True), [])
 
@@ -305,9 +334,14 @@ class LLMEngine:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def reset_prefix_cache(self) -> int:
-        n = self.core.reset_prefix_cache()
-        self._record_stats(IterationStats())  # KV use as it is now
+        n = self.engine_core.reset_prefix_cache()
+        if self.stat_loggers:  # KV use as it is now: an idle engine takes no step to say it
+            self._record_stats(IterationStats(), self.engine_core.get_scheduler_stats())
         return n
 
+    def get_scheduler_stats(self) -> SchedulerStats:
+        """Running/waiting requests, KV use, prefix-cache queries and hits, now."""
+        return self.engine_core.get_scheduler_stats()
+
     def shutdown(self) -> None:
-        self.core.shutdown()
+        self.engine_core.shutdown()

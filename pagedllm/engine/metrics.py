@@ -12,7 +12,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from pagedllm.core.scheduler import SchedulerStats
+from pagedllm.messages import SchedulerStats
 
 logger = logging.getLogger("pagedllm")
 

@@ -1,8 +1,16 @@
-"""Front-end input processing: validate and tokenize a prompt into an engine Request."""
+"""Front-end input processing: validate and tokenize a prompt into an EngineCoreRequest.
+
+The one owner of request validation: what it accepts, the engine core can always serve
+(the scheduler only asserts it). The HTTP layer maps OpenAI's field names onto the
+parameter names used here.
+"""
 from __future__ import annotations
 
+import dataclasses
+import time
+
 from pagedllm.errors import InvalidParameterError
-from pagedllm.request import Request
+from pagedllm.messages import EngineCoreRequest
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -22,13 +30,18 @@ class Processor:
     """Args:
         tokenizer: the model's tokenizer; vocab_size: model vocabulary (ids must be below).
         max_model_len: tokens per request; eos_token_ids: ids that end generation.
+        max_num_batched_tokens / enable_chunked_prefill: without chunked prefill a prompt
+            must fit one step's token budget.
     """
 
-    def __init__(self, tokenizer, vocab_size: int, max_model_len: int, eos_token_ids: set[int]):
+    def __init__(self, tokenizer, vocab_size: int, max_model_len: int, eos_token_ids: set[int],
+                 max_num_batched_tokens: int, enable_chunked_prefill: bool):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
-        self.eos_token_ids = eos_token_ids
+        self.eos_token_ids = sorted(eos_token_ids)
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.enable_chunked_prefill = enable_chunked_prefill
 
     def tokenize(self, prompt) -> tuple[str | None, list[int]]:
         """``prompt``: a string, a list of token ids, or {"prompt": str} / {"prompt_token_ids": [...]}.
@@ -60,11 +73,15 @@ class Processor:
         raise InvalidParameterError("prompt", f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
 
     def process(self, request_id: str, prompt, params: SamplingParams | None,
-                arrival_time: float | None = None) -> tuple[Request, str | None]:
-        """Build a Request. ``max_tokens=None`` means up to ``max_model_len``.
+                arrival_time: float | None = None) -> tuple[EngineCoreRequest, str | None]:
+        """Build an EngineCoreRequest; returns it with the prompt text (None for token ids).
+        ``max_tokens=None`` means up to ``max_model_len``.
 
         Raises:
-            ValueError: bad prompt, or prompt + max_tokens over max_model_len (named).
+            InvalidParameterError (a ValueError): bad prompt (``prompt``); prompt +
+                max_tokens over max_model_len (``max_tokens``); a prompt over the step
+                budget with chunked prefill off (``prompt``); stop ids outside the
+                vocabulary (``stop_token_ids``); sampling_params not a SamplingParams.
         """
         if params is None:
             params = SamplingParams()
@@ -75,9 +92,11 @@ class Processor:
             raise InvalidParameterError(
                 "prompt", f"prompt is {len(ids)} tokens, which leaves no room to generate within "
                 f"max_model_len ({self.max_model_len})")
+        if not self.enable_chunked_prefill and len(ids) > self.max_num_batched_tokens:
+            raise InvalidParameterError(
+                "prompt", f"prompt ({len(ids)} tokens) exceeds max_num_batched_tokens "
+                f"({self.max_num_batched_tokens}) and chunked prefill is off")
         if params.max_tokens is None:
-            import dataclasses
-
             params = dataclasses.replace(params, max_tokens=self.max_model_len - len(ids))
         elif len(ids) + params.max_tokens > self.max_model_len:
             raise InvalidParameterError(
@@ -86,4 +105,5 @@ class Processor:
         for t in params.stop_token_ids:
             if t >= self.vocab_size:
                 raise InvalidParameterError("stop_token_ids", f"stop_token_ids contains {t}, outside the vocabulary")
-        return Request(request_id, ids, params, self.eos_token_ids, arrival_time), text
+        return EngineCoreRequest(request_id, ids, params, self.eos_token_ids,
+                                 time.time() if arrival_time is None else arrival_time), text

@@ -124,7 +124,7 @@ class LLM:
 
     def stats(self):
         """Scheduler statistics (running/waiting, KV use, prefix-cache queries and hits)."""
-        return self.llm_engine.core.stats()
+        return self.llm_engine.get_scheduler_stats()
 
     def shutdown(self) -> None:
         self.llm_engine.shutdown()

@@ -1,11 +1,12 @@
 """ModelRunner: turns a SchedulerOutput into one flattened, unpadded batch, runs the
 model, and samples.
 
-Per step it builds (numpy, vectorised, on persistent host buffers): ``input_ids[T]``,
-``positions[T]``, ``query_start_loc[B+1]``, ``seq_lens[B]``, ``slot_mapping[T]`` and
+It keeps a persistent input batch (``worker/input_batch.py``) updated by the scheduler's
+deltas; per step it gathers from it, vectorised: ``input_ids[T]``, ``positions[T]``,
+``query_start_loc[B+1]``, ``seq_lens[B]``, ``slot_mapping[T]`` and
 ``block_table[B, max_blocks]``. Requests with one query token (decodes) are placed first,
 which the attention backends use to batch them. Logits are computed only at the last
-position of requests that sample this step.
+position of requests that reach the end of their known tokens this step.
 """
 from __future__ import annotations
 
@@ -16,19 +17,12 @@ import torch
 
 from pagedllm.attention.backend import CommonAttentionMetadata, get_attention_backend
 from pagedllm.config import EngineConfig
-from pagedllm.core.scheduler import SchedulerOutput
+from pagedllm.messages import ModelRunnerOutput, SchedulerOutput
 from pagedllm.sample.sampler import Sampler, SamplingMetadata
-from pagedllm.utils import empty_cpu_hugepages
+from pagedllm.utils import cdiv, empty_cpu_hugepages
+from pagedllm.worker.input_batch import CachedRequestState, InputBatch
 
 logger = logging.getLogger("pagedllm")
-
-
-class _ReqState:
-    __slots__ = ("params", "generator")
-
-    def __init__(self, params, generator):
-        self.params = params
-        self.generator = generator
 
 
 class ModelRunner:
@@ -47,11 +41,8 @@ class ModelRunner:
                                  max_positions=max(config.max_model_len, 1))
         self.sampler = Sampler()
         self.kv_cache: torch.Tensor | None = None
-        self.states: dict[str, _ReqState] = {}
-        self.eos_token_ids: set[int] = set(arch.eos_token_ids)
-        n = config.args.max_num_batched_tokens
-        self._ids = np.zeros(n, dtype=np.int64)
-        self._pos = np.zeros(n, dtype=np.int64)
+        self.requests: dict[str, CachedRequestState] = {}
+        self.input_batch: InputBatch | None = None   # made with the KV cache
 
     def describe_compute_path(self) -> str:
         """One line for the start-up log: which attention backend, kernels and linear
@@ -71,6 +62,11 @@ class ModelRunner:
         return 2 * a.num_hidden_layers * self.block_size * a.num_key_value_heads * a.head_dim * elem
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
+        """Allocate the KV cache and the input batch (after KV sizing has fixed
+        ``config.max_model_len``)."""
+        max_len = self.config.max_model_len
+        self.input_batch = InputBatch(self.config.args.max_num_seqs, max_len,
+                                      cdiv(max_len, self.block_size))
         a = self.config.arch
         shape = self.attn.kv_cache_shape(a.num_hidden_layers, num_blocks, self.block_size,
                                          a.num_key_value_heads, a.head_dim)
@@ -84,73 +80,97 @@ class ModelRunner:
 
     # ------------------------------------------------------------------------------
     def _update_states(self, so: SchedulerOutput) -> None:
+        """Apply the step's deltas to the persistent batch: forget finished requests,
+        take rows out for requests not scheduled this step (kept in ``requests``), add new
+        ones, and extend (or, after a preemption, replace) block tables."""
+        batch = self.input_batch
         for rid in so.finished_req_ids:
-            self.states.pop(rid, None)
-        for sr in so.scheduled:
-            if sr.sampling_params is not None:
-                sp = sr.sampling_params
-                g = None
-                if sp.seed is not None:
-                    g = torch.Generator(device=self.device)
-                    g.manual_seed(sp.seed)
-                self.states[sr.req_id] = _ReqState(sp, g)
+            self.requests.pop(rid, None)
+            if rid in batch.row_of:
+                batch.remove(rid)
+        scheduled = so.num_scheduled_tokens
+        for rid in [r for r in batch.row_of if r not in scheduled]:
+            batch.remove(rid, self.requests[rid])
+        for nr in so.scheduled_new_reqs:
+            g = None
+            if nr.sampling_params.seed is not None:
+                g = torch.Generator(device=self.device)
+                g.manual_seed(nr.sampling_params.seed)
+            st = CachedRequestState(nr.req_id, nr.prompt_token_ids, nr.sampling_params,
+                                    nr.eos_token_ids, nr.block_ids, nr.num_computed_tokens, g)
+            self.requests[nr.req_id] = st
+            batch.add(st)
+        c = so.scheduled_cached_reqs
+        for rid, resumed, new_blocks, n_computed in zip(c.req_ids, c.resumed_from_preemption,
+                                                         c.new_block_ids, c.num_computed_tokens):
+            row = batch.row_of.get(rid)
+            if row is None:   # back after a preemption or an unscheduled step
+                st = self.requests[rid]
+                st.block_ids = list(new_blocks) if resumed else st.block_ids + list(new_blocks)
+                st.num_computed_tokens = n_computed
+                batch.add(st)
+                continue
+            if resumed:
+                batch.set_block_ids(row, new_blocks)
+            else:
+                batch.append_block_ids(row, new_blocks)
+            batch.num_computed_tokens[row] = n_computed
 
-    def _sampling_metadata(self, reqs) -> SamplingMetadata:
-        params = [self.states[sr.req_id].params for sr in reqs]
+    def _sampling_metadata(self, rows: np.ndarray) -> SamplingMetadata:
+        """Sampling tensors for the batch rows that sample this step (int64 [N])."""
+        b = self.input_batch
         dev = self.device
-        temp = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
-        top_k = torch.tensor([p.top_k for p in params], dtype=torch.int64, device=dev)
-        top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev)
-        min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=dev)
-        banned_rows, banned_cols = [], []
-        for i, (sr, p) in enumerate(zip(reqs, params)):
-            if sr.num_output_tokens < p.min_tokens:
-                ids = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids)
-                for t in ids:
-                    banned_rows.append(i)
-                    banned_cols.append(t)
+        temp = b.temperature[rows]
+        top_k, top_p, min_p = b.top_k[rows], b.top_p[rows], b.min_p[rows]
+        random = temp > 0
         banned = None
-        if banned_rows:
-            banned = (torch.tensor(banned_rows, device=dev), torch.tensor(banned_cols, device=dev))
+        if b.stop_ids:
+            below_min = (b.num_tokens[rows] - b.num_prompt_tokens[rows]) < b.min_tokens[rows]
+            pending = set(rows[below_min].tolist()) & b.stop_ids.keys()
+            pairs = [(i, t) for i, r in enumerate(rows.tolist()) if r in pending for t in b.stop_ids[r]]
+            if pairs:
+                banned = tuple(torch.tensor(x, device=dev) for x in zip(*pairs))
+        to = lambda a: torch.from_numpy(a).to(dev)  # noqa: E731
         return SamplingMetadata(
-            temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p,
-            generators=[self.states[sr.req_id].generator for sr in reqs],
-            all_greedy=all(p.temperature == 0 for p in params),
-            need_top_k=any(p.top_k > 0 and p.temperature > 0 for p in params),
-            need_top_p=any(p.top_p < 1 and p.temperature > 0 for p in params),
-            need_min_p=any(p.min_p > 0 and p.temperature > 0 for p in params),
+            temperature=to(temp), top_k=to(top_k), top_p=to(top_p), min_p=to(min_p),
+            generators=[b.generators.get(r) for r in rows.tolist()] if random.any() else [],
+            all_greedy=not random.any(),
+            need_top_k=bool((random & (top_k > 0)).any()),
+            need_top_p=bool((random & (top_p < 1)).any()),
+            need_min_p=bool((random & (min_p > 0)).any()),
             banned=banned)
 
     @torch.inference_mode()
-    def execute_model(self, so: SchedulerOutput) -> dict[str, int]:
-        """Run one step.
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step: update the persistent batch, run the model over every scheduled
+        token, sample where a request reaches the end of its known tokens.
 
         Returns:
-            req_id → sampled token id, for each request whose ``sample`` flag is set.
+            the scheduled requests (decodes first) and the tokens each produced.
         """
         self._update_states(so)
-        if not so.scheduled:
-            return {}
-        # Decodes (one query token) first.
-        reqs = sorted(so.scheduled, key=lambda r: r.num_scheduled_tokens != 1)
-        B = len(reqs)
+        if so.is_empty:
+            return ModelRunnerOutput([], [])
+        b = self.input_batch
         bs = self.block_size
-        q_lens = np.fromiter((r.num_scheduled_tokens for r in reqs), dtype=np.int64, count=B)
-        ctx = np.fromiter((r.num_computed_tokens for r in reqs), dtype=np.int64, count=B)
+        req_ids = list(so.num_scheduled_tokens)
+        B = len(req_ids)
+        rows = np.fromiter((b.row_of[r] for r in req_ids), dtype=np.int64, count=B)
+        q_lens = np.fromiter(so.num_scheduled_tokens.values(), dtype=np.int64, count=B)
+        # Decodes (one query token) first.
+        order = np.argsort(q_lens != 1, kind="stable")
+        rows, q_lens = rows[order], q_lens[order]
+        req_ids = [req_ids[i] for i in order.tolist()]
+        ctx = b.num_computed_tokens[rows]
         qsl = np.zeros(B + 1, dtype=np.int64)
         np.cumsum(q_lens, out=qsl[1:])
         T = int(qsl[-1])
         num_decodes = int((q_lens == 1).sum())
         seq_lens = ctx + q_lens
-        max_blocks = max(len(r.block_ids) for r in reqs)
-        block_table = np.zeros((B, max_blocks), dtype=np.int32)
-        for i, r in enumerate(reqs):
-            block_table[i, : len(r.block_ids)] = r.block_ids
-        ids = self._ids[:T] if T <= len(self._ids) else np.zeros(T, dtype=np.int64)
-        pos = self._pos[:T] if T <= len(self._pos) else np.zeros(T, dtype=np.int64)
-        ids[:] = [t for r in reqs for t in r.token_ids]
+        block_table = b.block_table[rows, : int(b.num_blocks[rows].max())]
         req_of_tok = np.repeat(np.arange(B), q_lens)
-        pos[:] = ctx[req_of_tok] + (np.arange(T) - qsl[:-1][req_of_tok])
+        pos = ctx[req_of_tok] + (np.arange(T) - qsl[:-1][req_of_tok])
+        ids = b.token_ids[rows[req_of_tok], pos].astype(np.int64)
         slot_mapping = block_table[req_of_tok, pos // bs].astype(np.int64) * bs + pos % bs
 
         dev = self.device
@@ -166,11 +186,14 @@ class ModelRunner:
         attn_md = self.attn.build_metadata(common)
         hidden = self.model(to(ids), to(pos), self.kv_cache, self.attn, attn_md)
 
-        sample_rows = [i for i, r in enumerate(reqs) if r.sample]
-        if not sample_rows:
-            return {}
-        last = torch.from_numpy(qsl[1:][sample_rows] - 1).to(dev)
-        logits = self.model.compute_logits(hidden.index_select(0, last))
-        sreqs = [reqs[i] for i in sample_rows]
-        tokens = self.sampler(logits, self._sampling_metadata(sreqs)).tolist()
-        return {r.req_id: t for r, t in zip(sreqs, tokens)}
+        sampled: list[list[int]] = [[] for _ in range(B)]
+        sample_idx = np.flatnonzero(seq_lens >= b.num_tokens[rows])
+        if len(sample_idx):
+            last = torch.from_numpy(qsl[1:][sample_idx] - 1).to(dev)
+            logits = self.model.compute_logits(hidden.index_select(0, last))
+            srows = rows[sample_idx]
+            tokens = self.sampler(logits, self._sampling_metadata(srows)).cpu().numpy()
+            b.append_tokens(srows, tokens)
+            for i, t in zip(sample_idx.tolist(), tokens.tolist()):
+                sampled[i] = [t]
+        return ModelRunnerOutput(req_ids, sampled)

@@ -84,7 +84,7 @@ def build_app(engine: AsyncLLM, prometheus=None, trust_request_chat_template: bo
         return _err(str(exc), None, 503, "service_unavailable")
 
     def check_model(name: str | None):
-        if name not in (None, "", engine.model_name, engine.engine.config.model_path):
+        if name not in (None, "", engine.model_name, engine.model_path):
             return _err(f"The model `{name}` does not exist.", "model", 404, "NotFoundError")
         return None
 
@@ -97,7 +97,7 @@ def build_app(engine: AsyncLLM, prometheus=None, trust_request_chat_template: bo
     async def models():
         return {"object": "list", "data": [{
             "id": engine.model_name, "object": "model", "created": int(time.time()),
-            "owned_by": "pagedllm", "root": engine.engine.config.model_path,
+            "owned_by": "pagedllm", "root": engine.model_path,
             "max_model_len": engine.max_model_len}]}
 
     @app.get("/metrics")
@@ -329,7 +329,7 @@ def run_server(args) -> None:
     # The Prometheus logger is labelled with the served model name, known only once the
     # engine has loaded; the engine thread picks it up at its next step.
     prom = PrometheusStatLogger(engine.model_name)
-    engine.engine.stat_loggers.append(prom)
+    engine.add_stat_logger(prom)
     app = build_app(engine, prom, trust_request_chat_template=args.trust_request_chat_template)
     logger.info("serving %s on http://%s:%d", engine.model_name, args.host, args.port)
     try:

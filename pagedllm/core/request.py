@@ -1,9 +1,10 @@
-"""Engine-side state of one request."""
+"""The engine core's state of one request."""
 from __future__ import annotations
 
 import enum
 import time
 
+from pagedllm.messages import EngineCoreRequest
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -42,7 +43,7 @@ class Request:
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.sampling_params = sampling_params
-        self.eos_token_ids = eos_token_ids
+        self.eos_token_ids = set(eos_token_ids)
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.num_preemptions = 0
@@ -53,6 +54,11 @@ class Request:
         self.first_token_time: float | None = None
         self.finished_time: float | None = None
         self.num_cached_tokens = -1
+
+    @classmethod
+    def from_engine_core_request(cls, r: EngineCoreRequest) -> Request:
+        return cls(r.request_id, r.prompt_token_ids, r.sampling_params, set(r.eos_token_ids),
+                   r.arrival_time)
 
     @property
     def num_tokens(self) -> int:

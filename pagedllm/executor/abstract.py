@@ -1,0 +1,53 @@
+"""The executor interface: what the engine core asks of the workers, whatever their
+number or where they run (vLLM V1's ``Executor``). ``uniproc`` drives one worker in this
+process; a multi-process or Ray executor would fan the same calls out to its workers."""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+from pagedllm.config import EngineConfig
+from pagedllm.messages import ModelRunnerOutput, SchedulerOutput
+
+
+class Executor(ABC):
+    """Args:
+        config: the resolved engine config; building an executor loads the model.
+    """
+
+    @staticmethod
+    def get_class(config: EngineConfig) -> type[Executor]:
+        """The executor for ``config`` (today always the single-process one)."""
+        from pagedllm.executor.uniproc_executor import UniProcExecutor
+
+        return UniProcExecutor
+
+    @abstractmethod
+    def __init__(self, config: EngineConfig): ...
+
+    @abstractmethod
+    def kv_bytes_per_block(self) -> int:
+        """Bytes one KV block takes across all layers (on each worker)."""
+
+    @abstractmethod
+    def determine_num_kv_blocks(self) -> int:
+        """KV blocks that fit the memory budget (the minimum over workers)."""
+
+    @abstractmethod
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        """Allocate ``num_blocks`` KV blocks on every worker."""
+
+    @abstractmethod
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step on every worker; the driver's output is returned.
+
+        Raises:
+            Exception: whatever the model or a kernel raised; the core fails the step's
+                requests and goes on.
+        """
+
+    @abstractmethod
+    def describe_compute_path(self) -> str:
+        """One line for the start-up log: kernels and linear implementation in use."""
+
+    def shutdown(self) -> None:
+        """Release workers (nothing to do in-process)."""

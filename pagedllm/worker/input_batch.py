@@ -1,0 +1,137 @@
+"""The runner's persistent input batch (vLLM V1's ``InputBatch``): one row per request the
+runner is running, holding its token ids, block table and sampling parameters in
+preallocated numpy arrays that live across steps.
+
+Rows change by deltas from each ``SchedulerOutput`` (a request added once, new block ids
+appended, sampled tokens appended, a row freed when its request finishes or is not
+scheduled), so a step's input ids, positions, slot mapping and sampling tensors are
+gathers from these arrays, never lists rebuilt in Python.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from pagedllm.sampling_params import SamplingParams
+
+
+class CachedRequestState:
+    """What the runner keeps of a request while it is out of the batch (preempted, or not
+    scheduled in a step): its tokens, block ids and sampling state, to rebuild its row.
+
+    Attributes:
+        token_ids: prompt and output token ids (refreshed from the row when it leaves).
+        generator: the request's ``torch.Generator`` when it has a seed (its state
+            carries on across preemption, so seeded output does not depend on it).
+    """
+
+    __slots__ = ("req_id", "num_prompt_tokens", "token_ids", "sampling_params", "eos_token_ids",
+                 "block_ids", "num_computed_tokens", "generator")
+
+    def __init__(self, req_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
+                 eos_token_ids: list[int], block_ids: list[int], num_computed_tokens: int,
+                 generator: torch.Generator | None):
+        self.req_id = req_id
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_ids = eos_token_ids
+        self.block_ids = list(block_ids)
+        self.num_computed_tokens = num_computed_tokens
+        self.generator = generator
+
+
+class InputBatch:
+    """Rows of requests in preallocated arrays.
+
+    Args:
+        max_num_reqs: rows (``max_num_seqs``).
+        max_model_len: token capacity of a row.
+        max_num_blocks_per_req: block-table capacity of a row (ceil(max_model_len / block_size)).
+
+    Arrays (row-indexed): ``token_ids`` int32 [R, max_model_len]; ``num_tokens``,
+    ``num_prompt_tokens``, ``num_computed_tokens`` int64 [R]; ``block_table`` int32
+    [R, max_num_blocks_per_req] with ``num_blocks`` int32 [R]; ``temperature``, ``top_p``,
+    ``min_p`` float32 [R]; ``top_k``, ``min_tokens`` int64 [R]. Per row, only when needed:
+    ``generators`` (seeded rows) and ``stop_ids`` (ids banned until ``min_tokens``).
+    """
+
+    def __init__(self, max_num_reqs: int, max_model_len: int, max_num_blocks_per_req: int):
+        R = max_num_reqs
+        self.token_ids = np.zeros((R, max_model_len), dtype=np.int32)
+        self.num_tokens = np.zeros(R, dtype=np.int64)
+        self.num_prompt_tokens = np.zeros(R, dtype=np.int64)
+        self.num_computed_tokens = np.zeros(R, dtype=np.int64)
+        self.block_table = np.zeros((R, max_num_blocks_per_req), dtype=np.int32)
+        self.num_blocks = np.zeros(R, dtype=np.int32)
+        self.temperature = np.zeros(R, dtype=np.float32)
+        self.top_p = np.ones(R, dtype=np.float32)
+        self.min_p = np.zeros(R, dtype=np.float32)
+        self.top_k = np.zeros(R, dtype=np.int64)
+        self.min_tokens = np.zeros(R, dtype=np.int64)
+        self.generators: dict[int, torch.Generator] = {}
+        self.stop_ids: dict[int, list[int]] = {}
+        self.row_of: dict[str, int] = {}
+        self.req_id_of: list[str | None] = [None] * R
+        self._free_rows = list(range(R - 1, -1, -1))
+
+    def __len__(self) -> int:
+        return len(self.row_of)
+
+    def add(self, st: CachedRequestState) -> int:
+        """Give ``st`` a row, filled from its state; returns the row.
+
+        Raises:
+            RuntimeError: every row is taken (more running requests than max_num_seqs).
+        """
+        if not self._free_rows:
+            raise RuntimeError("input batch is full: more running requests than max_num_seqs")
+        row = self._free_rows.pop()
+        self.row_of[st.req_id] = row
+        self.req_id_of[row] = st.req_id
+        n = len(st.token_ids)
+        self.token_ids[row, :n] = st.token_ids
+        self.num_tokens[row] = n
+        self.num_prompt_tokens[row] = st.num_prompt_tokens
+        self.num_computed_tokens[row] = st.num_computed_tokens
+        self.set_block_ids(row, st.block_ids)
+        sp = st.sampling_params
+        self.temperature[row] = sp.temperature
+        self.top_p[row] = sp.top_p
+        self.min_p[row] = sp.min_p
+        self.top_k[row] = sp.top_k
+        self.min_tokens[row] = sp.min_tokens
+        if st.generator is not None:
+            self.generators[row] = st.generator
+        if sp.min_tokens > 0:
+            banned = set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(st.eos_token_ids))
+            self.stop_ids[row] = sorted(banned)
+        return row
+
+    def remove(self, req_id: str, st: CachedRequestState | None = None) -> None:
+        """Free ``req_id``'s row; when ``st`` is given, save the row's tokens and blocks
+        into it first (the request may come back)."""
+        row = self.row_of.pop(req_id)
+        if st is not None:
+            st.token_ids = self.token_ids[row, : self.num_tokens[row]].tolist()
+            st.block_ids = self.block_table[row, : self.num_blocks[row]].tolist()
+        self.req_id_of[row] = None
+        self.generators.pop(row, None)
+        self.stop_ids.pop(row, None)
+        self._free_rows.append(row)
+
+    def set_block_ids(self, row: int, block_ids: list[int]) -> None:
+        """Replace a row's block table (a request resumed after preemption)."""
+        self.block_table[row, : len(block_ids)] = block_ids
+        self.num_blocks[row] = len(block_ids)
+
+    def append_block_ids(self, row: int, block_ids: list[int]) -> None:
+        if block_ids:
+            n = self.num_blocks[row]
+            self.block_table[row, n: n + len(block_ids)] = block_ids
+            self.num_blocks[row] = n + len(block_ids)
+
+    def append_tokens(self, rows: np.ndarray, tokens: np.ndarray) -> None:
+        """Append one token to each of ``rows`` (int64 [N]); ``tokens`` int [N]."""
+        self.token_ids[rows, self.num_tokens[rows]] = tokens
+        self.num_tokens[rows] += 1

@@ -1,0 +1,56 @@
+"""Worker: one device's share of the engine. It sets up the device (threads, seed), owns
+the ModelRunner, and answers the executor: how many KV blocks fit, allocate them, run a
+step. One worker per device; with tensor parallelism there would be one per rank."""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from pagedllm.config import EngineConfig
+from pagedllm.messages import ModelRunnerOutput, SchedulerOutput
+from pagedllm.utils import parse_size
+from pagedllm.worker.model_runner import ModelRunner
+
+logger = logging.getLogger("pagedllm")
+
+
+class Worker:
+    """Loads the model on ``config.device`` (the slow part of start-up: seconds)."""
+
+    def __init__(self, config: EngineConfig):
+        args = config.args
+        if config.device.type == "cpu" and args.num_threads:
+            torch.set_num_threads(args.num_threads)
+        torch.manual_seed(args.seed)
+        t0 = time.time()
+        self.config = config
+        self.model_runner = ModelRunner(config)
+        logger.info("loaded %s (%s, %s) on %s in %.1f s; %s", config.served_model_name,
+                    config.arch.architecture, str(config.dtype).replace("torch.", ""),
+                    config.device, time.time() - t0, self.model_runner.describe_compute_path())
+
+    def kv_bytes_per_block(self) -> int:
+        return self.model_runner.kv_bytes_per_block()
+
+    def determine_num_kv_blocks(self) -> int:
+        """KV blocks the memory budget allows: on CPU ``kv_cache_memory`` bytes; on CUDA
+        ``gpu_memory_utilization`` of the device's memory minus what is already in use
+        after loading the model. May be 0 or less when nothing is left."""
+        args = self.config.args
+        per_block = self.kv_bytes_per_block()
+        if self.config.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.config.device)
+            budget = total * args.gpu_memory_utilization - (total - free)
+            return int(budget // per_block)
+        return parse_size(args.kv_cache_memory) // per_block
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.model_runner.initialize_kv_cache(num_blocks)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.model_runner.execute_model(scheduler_output)
+
+    def describe_compute_path(self) -> str:
+        return self.model_runner.describe_compute_path()
