@@ -75,11 +75,14 @@ def get_model_class(cfg: ModelArchConfig) -> type[torch.nn.Module]:
 
 def build_model(path: str, cfg: ModelArchConfig, dtype: torch.dtype, device: torch.device,
                 max_positions: int) -> torch.nn.Module:
-    """Instantiate the registered class and load weights from a GGUF file or HF dir."""
+    """Instantiate the registered class, load weights from a GGUF file or HF dir, then let
+    every linear method prepare its layer's loaded weights (e.g. oneDNN packing)."""
     from pagedllm.models.loader import iter_weights
 
     model = get_model_class(cfg)(cfg, dtype, device, max_positions)
     model.load_weights(iter_weights(path, cfg))
-    if hasattr(model, "pack_weights"):
-        model.pack_weights()
+    for module in model.modules():
+        method = getattr(module, "linear_method", None)
+        if method is not None:
+            method.process_weights_after_loading(module)
     return model.eval()
