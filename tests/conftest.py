@@ -11,6 +11,7 @@ Environment knobs:
 """
 from __future__ import annotations
 
+import copy
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -112,11 +113,23 @@ def long_prompts() -> list[str]:
 # --------------------------------------------------------------------------------------
 # Engines and references
 # --------------------------------------------------------------------------------------
+def _module_copy(module: torch.nn.Module, memo: dict[int, torch.nn.Module]) -> torch.nn.Module:
+    """A copy of ``module``'s tree of modules that shares every tensor (weights, packed
+    weights, RoPE tables) but has attributes of its own, such as the KV cache each
+    engine binds to its attention layers. A module used in several places (the RoPE
+    shared by all layers) is copied once."""
+    if id(module) not in memo:
+        c = memo[id(module)] = copy.copy(module)
+        c._modules = {name: _module_copy(m, memo) for name, m in module._modules.items()}
+    return memo[id(module)]
+
+
 def _share_weights(monkeypatch: pytest.MonkeyPatch) -> None:
     """Let engines of the same model, dtype and device share one set of (read-only)
     weights, so that each further engine costs a KV-cache allocation instead of another
-    ~10 s GGUF load. The model is stateless apart from its weights and RoPE tables; a
-    model built for more positions serves engines that need fewer."""
+    ~10 s GGUF load. Each engine gets its own copy of the modules (``_module_copy``), to
+    which it binds its KV cache; a model built for more positions serves engines that
+    need fewer."""
     from pagedllm.models import registry
 
     original = getattr(registry, "build_model", None)
@@ -128,7 +141,7 @@ def _share_weights(monkeypatch: pytest.MonkeyPatch) -> None:
         key = (os.path.abspath(path), str(dtype), str(device), args, tuple(sorted(kwargs.items())))
         if key not in built or built[key][0] < max_positions:
             built[key] = (max_positions, original(path, cfg, dtype, device, max_positions, *args, **kwargs))
-        return built[key][1]
+        return _module_copy(built[key][1], {})
 
     monkeypatch.setattr(registry, "build_model", build_model)
 

@@ -113,3 +113,26 @@ def test_bfloat16_uses_torch_path():
     out = backend.forward(q.bfloat16(), k.bfloat16(), v.bfloat16(), layer_cache.bfloat16(),
                           backend.build_metadata(c), 0.125)
     assert (out.float() - ref).abs().max().item() < 5e-2
+
+
+@pytest.mark.parametrize("name", ["torch", "cpu_kernel"])
+def test_attention_layer_bound_to_its_layer_cache(name):
+    """The model's Attention layer, bound by bind_kv_cache to layer 1 of a two-layer cache
+    and given the step's metadata by the forward context, computes what the backend
+    computes and writes only its own layer's K/V."""
+    from torch import nn
+
+    from pagedllm.forward_context import set_forward_context
+    from pagedllm.layers import bind_kv_cache
+    from pagedllm.layers.attention import Attention
+
+    c, layer_cache, q, k, v, info = _batch()
+    backend = get_attention_backend(name, torch.device("cpu"), torch.float32)
+    ref, ref_cache = _naive(layer_cache, q, k, v, c, info, 0.125)
+    kv_cache = torch.stack([layer_cache, layer_cache])        # [layers, 2, slots, kv_heads, hd]
+    model = nn.ModuleList(Attention(9, 64, 0.125, 3, i, torch.float32, torch.device("cpu")) for i in range(2))
+    bind_kv_cache(model, kv_cache, backend)
+    with set_forward_context(backend.build_metadata(c)):
+        out = model[1](q, k, v)
+    assert (out - ref).abs().max().item() < 1e-5
+    assert torch.equal(kv_cache[1], ref_cache) and torch.equal(kv_cache[0], layer_cache)

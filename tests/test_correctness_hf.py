@@ -42,8 +42,8 @@ def record_model(llm):
     rec = {"forward": [], "logits": []}
     orig_forward, orig_logits = model.forward, model.compute_logits
 
-    def forward(input_ids, positions, *args, **kwargs):
-        hidden = orig_forward(input_ids, positions, *args, **kwargs)
+    def forward(input_ids, positions):
+        hidden = orig_forward(input_ids, positions)
         rec["forward"].append((input_ids.clone(), positions.clone(), hidden.clone()))
         return hidden
 

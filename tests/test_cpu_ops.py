@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.kernels.cpu import load_cpu_kernels
-from pagedllm.models.llama import rms_norm
-from pagedllm.models.rotary import apply_rotary
+from pagedllm.layers.layernorm import rms_norm
+from pagedllm.layers.rotary_embedding import apply_rotary
 
 
 @pytest.fixture(scope="module")

@@ -8,6 +8,8 @@ import pytest
 import torch
 
 from pagedllm.attention.backend import CommonAttentionMetadata, get_attention_backend
+from pagedllm.forward_context import set_forward_context
+from pagedllm.layers import bind_kv_cache
 from pagedllm.models.loader import load_arch_config
 from pagedllm.models.registry import build_model
 
@@ -74,7 +76,9 @@ def _our_prefill_logits(path: str, ids: list[int]) -> torch.Tensor:
                                 torch.tensor([T], dtype=torch.int32), torch.tensor([0], dtype=torch.int32),
                                 torch.from_numpy(bt), torch.from_numpy(slots), bs,
                                 np.array([0, T]), np.array([T]), np.array([0]), bt)
-    hidden = model(torch.tensor(ids), torch.arange(T), kv, attn, attn.build_metadata(c))
+    bind_kv_cache(model, kv, attn)
+    with set_forward_context(attn.build_metadata(c)):
+        hidden = model(torch.tensor(ids), torch.arange(T))
     return model.compute_logits(hidden)
 
 

@@ -7,15 +7,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-# GGUF ``general.architecture`` → HF architecture name used by the model registry.
-GGUF_ARCH_TO_HF = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-}
-# HF architecture names the model registry implements.
-SUPPORTED_ARCHITECTURES = frozenset(GGUF_ARCH_TO_HF.values())
+from pagedllm.models.registry import arch_info, architecture_for_gguf
 
 
 @dataclass
@@ -55,10 +47,9 @@ class ModelArchConfig:
 
 
 def _arch_flags(architecture: str) -> dict[str, bool]:
-    return {
-        "attention_bias": architecture == "Qwen2ForCausalLM",
-        "qk_norm": architecture == "Qwen3ForCausalLM",
-    }
+    """The registry's variant flags of ``architecture``; raises ValueError if unsupported."""
+    info = arch_info(architecture)
+    return {"attention_bias": info.attention_bias, "qk_norm": info.qk_norm}
 
 
 def config_from_hf_dir(path: str) -> ModelArchConfig:
@@ -77,8 +68,7 @@ def config_from_hf_dir(path: str) -> ModelArchConfig:
     if not archs:
         raise ValueError(f"{cfg_path} names no 'architectures'")
     arch = archs[0]
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(f"unsupported model architecture {arch!r}; supported: {sorted(SUPPORTED_ARCHITECTURES)}")
+    flags = _arch_flags(arch)
     heads = c["num_attention_heads"]
     eos = c.get("eos_token_id")
     eos_ids = [] if eos is None else (list(eos) if isinstance(eos, list) else [eos])
@@ -89,7 +79,6 @@ def config_from_hf_dir(path: str) -> ModelArchConfig:
     rope_scaling = c.get("rope_scaling")
     if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
         rope_scaling = {k: v for k, v in rope_params.items() if k != "rope_theta"}
-    flags = _arch_flags(arch)
     if "attention_bias" in c:
         flags["attention_bias"] = bool(c["attention_bias"]) or flags["attention_bias"]
     return ModelArchConfig(
@@ -123,11 +112,7 @@ def config_from_gguf(reader) -> ModelArchConfig:
         return default if f is None else f.contents()
 
     g_arch = get("general.architecture")
-    if g_arch not in GGUF_ARCH_TO_HF:
-        raise ValueError(
-            f"unsupported GGUF architecture {g_arch!r}; supported: {sorted(GGUF_ARCH_TO_HF)}"
-        )
-    arch = GGUF_ARCH_TO_HF[g_arch]
+    arch = architecture_for_gguf(g_arch)
     p = g_arch + "."
     heads = int(get(p + "attention.head_count"))
     hidden = int(get(p + "embedding_length"))

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from pagedllm.models.arch_config import ModelArchConfig, config_from_gguf, config_from_hf_dir
+from pagedllm.models.registry import arch_info
 
 _GGUF_LAYER_MAP = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -95,7 +96,7 @@ def iter_gguf_weights(path: str, cfg: ModelArchConfig) -> Iterator[tuple[str, to
 
     reader = _gguf_reader(path)
     _cached_gguf_reader.cache_clear()   # the weights are read once; free the mapping after
-    permute = cfg.architecture in ("LlamaForCausalLM", "MistralForCausalLM")
+    permute = arch_info(cfg.architecture).gguf_rope_permuted
     for t in reader.tensors:
         arr = dequantize(t.data, t.tensor_type)
         arr = np.asarray(arr, dtype=np.float32).reshape(tuple(reversed([int(x) for x in t.shape])))

@@ -1,35 +1,88 @@
-"""Model registry: HF architecture name → model class."""
+"""Model registry: the one owner of what each supported architecture is (its model class,
+its GGUF ``general.architecture`` name, and the flags that tell the variants apart). The
+config readers (``arch_config``) and the GGUF loader ask here; the model classes are
+imported only when a model is built, so reading a config imports no model code."""
 from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from pagedllm.models.arch_config import ModelArchConfig
-from pagedllm.models.llama import LlamaForCausalLM
+if TYPE_CHECKING:
+    from pagedllm.models.arch_config import ModelArchConfig
 
-MODEL_REGISTRY: dict[str, type[torch.nn.Module]] = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": LlamaForCausalLM,
-    "Qwen2ForCausalLM": LlamaForCausalLM,
-    "Qwen3ForCausalLM": LlamaForCausalLM,
+
+@dataclass(frozen=True)
+class ArchInfo:
+    """One architecture.
+
+    Attributes:
+        model_class: ``"module:Class"`` of the implementation (imported on first use).
+        gguf_arch: llama.cpp's ``general.architecture`` for it.
+        attention_bias: q/k/v projections carry a bias (Qwen2).
+        qk_norm: per-head RMSNorm on q and k before RoPE (Qwen3).
+        gguf_rope_permuted: llama.cpp's converter permuted the q/k rows for its
+            interleaved RoPE (``convert_hf_to_gguf.py: LlamaModel.permute``); the loader
+            undoes it.
+    """
+
+    model_class: str
+    gguf_arch: str
+    attention_bias: bool = False
+    qk_norm: bool = False
+    gguf_rope_permuted: bool = False
+
+
+_LLAMA = "pagedllm.models.llama:LlamaForCausalLM"
+
+# HF architecture name (config.json "architectures"[0]) → what it is.
+ARCHITECTURES: dict[str, ArchInfo] = {
+    "LlamaForCausalLM": ArchInfo(_LLAMA, "llama", gguf_rope_permuted=True),
+    "MistralForCausalLM": ArchInfo(_LLAMA, "mistral", gguf_rope_permuted=True),
+    "Qwen2ForCausalLM": ArchInfo(_LLAMA, "qwen2", attention_bias=True),
+    "Qwen3ForCausalLM": ArchInfo(_LLAMA, "qwen3", qk_norm=True),
 }
+
+
+def arch_info(architecture: str) -> ArchInfo:
+    """Raises ValueError naming an ``architecture`` that is not registered (and the supported ones)."""
+    if architecture not in ARCHITECTURES:
+        raise ValueError(
+            f"unsupported model architecture {architecture!r}; supported: {sorted(ARCHITECTURES)}")
+    return ARCHITECTURES[architecture]
+
+
+def architecture_for_gguf(gguf_arch: str) -> str:
+    """The HF architecture name of a GGUF file's ``general.architecture``.
+
+    Raises:
+        ValueError: no registered architecture has it (named, with the supported ones).
+    """
+    for name, info in ARCHITECTURES.items():
+        if info.gguf_arch == gguf_arch:
+            return name
+    raise ValueError(f"unsupported GGUF architecture {gguf_arch!r}; "
+                     f"supported: {sorted(i.gguf_arch for i in ARCHITECTURES.values())}")
 
 
 def get_model_class(cfg: ModelArchConfig) -> type[torch.nn.Module]:
     """Raises ValueError naming an architecture that is not registered."""
-    if cfg.architecture not in MODEL_REGISTRY:
-        raise ValueError(
-            f"unsupported model architecture {cfg.architecture!r}; supported: {sorted(MODEL_REGISTRY)}")
-    return MODEL_REGISTRY[cfg.architecture]
+    module, cls = arch_info(cfg.architecture).model_class.split(":")
+    return getattr(importlib.import_module(module), cls)
 
 
 def build_model(path: str, cfg: ModelArchConfig, dtype: torch.dtype, device: torch.device,
                 max_positions: int) -> torch.nn.Module:
-    """Instantiate the registered class and load weights from a GGUF file or HF dir."""
+    """Instantiate the registered class, load weights from a GGUF file or HF dir, then let
+    every linear method prepare its layer's loaded weights (e.g. oneDNN packing)."""
     from pagedllm.models.loader import iter_weights
 
-    cls = get_model_class(cfg)
-    model = cls(cfg, dtype, device, max_positions)
+    model = get_model_class(cfg)(cfg, dtype, device, max_positions)
     model.load_weights(iter_weights(path, cfg))
-    if hasattr(model, "pack_weights"):
-        model.pack_weights()
+    for module in model.modules():
+        method = getattr(module, "linear_method", None)
+        if method is not None:
+            method.process_weights_after_loading(module)
     return model.eval()

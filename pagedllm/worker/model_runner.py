@@ -17,6 +17,8 @@ import torch
 
 from pagedllm.attention.backend import CommonAttentionMetadata, get_attention_backend
 from pagedllm.config import EngineConfig
+from pagedllm.forward_context import set_forward_context
+from pagedllm.layers import bind_kv_cache, describe_compute_path
 from pagedllm.messages import ModelRunnerOutput, SchedulerOutput
 from pagedllm.sample.sampler import Sampler, SamplingMetadata
 from pagedllm.utils import cdiv, empty_cpu_hugepages
@@ -47,13 +49,10 @@ class ModelRunner:
     def describe_compute_path(self) -> str:
         """One line for the start-up log: which attention backend, kernels and linear
         implementation this runner uses (so fallbacks are visible)."""
-        kernels = getattr(self.model, "ops", None) is not None
-        packed = getattr(self.model, "packed_lm_head", None) is not None
         attn = self.attn.name
         if attn == "cpu_kernel" and getattr(self.attn, "kernels", None) is None:
             attn = "cpu_kernel (kernels unavailable: torch ops)"
-        return (f"attention backend {attn}, C++ CPU kernels {'on' if kernels else 'off'}, "
-                f"linear layers {'oneDNN (packed weights)' if packed else 'F.linear'}")
+        return f"attention backend {attn}, {describe_compute_path(self.model)}"
 
     def kv_bytes_per_block(self) -> int:
         """Bytes of K and V for one block across all layers."""
@@ -77,6 +76,7 @@ class ModelRunner:
             self.kv_cache = empty_cpu_hugepages(shape, self.dtype)
         else:
             self.kv_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
+        bind_kv_cache(self.model, self.kv_cache, self.attn)
 
     # ------------------------------------------------------------------------------
     def _update_states(self, so: SchedulerOutput) -> None:
@@ -184,7 +184,8 @@ class ModelRunner:
             query_start_loc_np=qsl, seq_lens_np=seq_lens, context_lens_np=ctx,
             block_table_np=block_table)
         attn_md = self.attn.build_metadata(common)
-        hidden = self.model(to(ids), to(pos), self.kv_cache, self.attn, attn_md)
+        with set_forward_context(attn_md):
+            hidden = self.model(to(ids), to(pos))
 
         sampled: list[list[int]] = [[] for _ in range(B)]
         sample_idx = np.flatnonzero(seq_lens >= b.num_tokens[rows])

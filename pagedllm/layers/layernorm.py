@@ -1,0 +1,51 @@
+"""RMSNorm (Zhang & Sennrich 2019, arXiv:1910.07467), alone or fused with the residual add
+that precedes it in a pre-norm decoder layer."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedllm.kernels.cpu import trace
+from pagedllm.layers.utils import cpu_kernels_for
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / sqrt(mean(x^2) + eps) * weight over the last dimension of ``x`` [..., d], in
+    float32 (torch's fused ``F.rms_norm`` for float32 inputs; half inputs are upcast as
+    HF does and the result comes back in their dtype)."""
+    dtype = x.dtype
+    if dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return xf.to(dtype) * weight
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm with a learned ``weight`` [hidden_size] (ones until loaded).
+
+    ``forward(x)`` normalises x [..., hidden_size] (e.g. [T, hidden] or Qwen3's per-head
+    [T, heads, head_dim]) into a new tensor. ``forward(x, residual)`` with x and residual
+    contiguous [T, hidden_size] returns ``(rms_norm(residual + x), residual + x)``; on CPU
+    float32 with the C++ kernels this happens in place (``x`` becomes the normed rows,
+    ``residual`` the sum), else with torch ops (new tensors). Results agree to float32
+    rounding.
+    """
+
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device), requires_grad=False)
+        self._kernels = cpu_kernels_for(device, dtype)
+        self.compute_path = ("rms_norm", "torch" if self._kernels is None else "C++")
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is None:
+            return rms_norm(x, self.weight, self.eps)
+        if self._kernels is not None:
+            with trace("pagedllm::fused_add_rms_norm"):
+                self._kernels.fused_add_rms_norm(x, residual, self.weight, self.eps)
+            return x, residual
+        residual = residual + x
+        return rms_norm(residual, self.weight, self.eps), residual

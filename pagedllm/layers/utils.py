@@ -1,0 +1,51 @@
+"""What every layer shares: the one place that decides whether the C++ CPU kernels serve
+a layer (``cpu_kernels_for``), and the start-up description of what each layer kind
+picked (``describe_compute_path``); and the plain weight loader."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagedllm.kernels.cpu import load_cpu_kernels
+
+
+def cpu_kernels_for(device: torch.device | str, dtype: torch.dtype):
+    """The compiled C++ kernel module (``pagedllm/kernels/cpu.py``) for layers computing in
+    ``dtype`` on ``device``: only CPU float32 has kernels. None elsewhere, and when they
+    are disabled (``PAGEDLLM_CPU_KERNELS=0``) or failed to build; callers then use torch
+    ops with the same maths. Never raises."""
+    if torch.device(device).type == "cpu" and dtype == torch.float32:
+        return load_cpu_kernels()
+    return None
+
+
+def describe_compute_path(model: nn.Module) -> str:
+    """The implementation each layer kind of ``model`` picked, for the start-up log, e.g.
+    ``"linear oneDNN-packed, rms_norm C++, rotary C++, silu_and_mul C++"``. Every layer
+    that has a choice says ``compute_path = (kind, implementation)``; kinds in alphabetical
+    order, several implementations of one kind joined by ``/``."""
+    kinds: dict[str, list[str]] = {}
+    for m in model.modules():
+        path = getattr(m, "compute_path", None)
+        if path is not None:
+            impls = kinds.setdefault(path[0], [])
+            if path[1] not in impls:
+                impls.append(path[1])
+    return ", ".join(f"{kind} {'/'.join(kinds[kind])}" for kind in sorted(kinds))
+
+
+def check_shape(name: str, target: torch.Tensor, loaded: torch.Tensor) -> None:
+    """Raises ValueError naming the weight ``name`` when ``loaded``'s shape is not ``target``'s."""
+    if tuple(target.shape) != tuple(loaded.shape):
+        raise ValueError(f"weight {name}: shape {tuple(loaded.shape)} != expected {tuple(target.shape)}")
+
+
+def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor, name: str) -> None:
+    """Copy the checkpoint tensor ``loaded_weight`` into ``param`` whole (cast to its dtype):
+    for parameters whose layer has no ``weight_loader`` of its own.
+
+    Raises:
+        ValueError: the shapes differ (``name`` and both shapes in the message).
+    """
+    check_shape(name, param, loaded_weight)
+    param.data.copy_(loaded_weight.to(param.dtype))
