@@ -21,18 +21,6 @@ from typing import Sequence
 __all__ = ["register_bench_subcommands", "register_profile_subcommands", "build_parser", "main"]
 
 
-def _serve(args: argparse.Namespace) -> int:
-    from .serve import serve_main
-
-    return serve_main(args)
-
-
-def _sweep(args: argparse.Namespace) -> int:
-    from .sweep import sweep_main
-
-    return sweep_main(args)
-
-
 def _summarize(args: argparse.Namespace) -> int:
     from .profile_summary import summarize_main
 
@@ -41,22 +29,10 @@ def _summarize(args: argparse.Namespace) -> int:
 
 def register_bench_subcommands(bench_subparsers: "argparse._SubParsersAction") -> None:
     """Add ``serve`` and ``sweep`` to the ``bench`` sub-parsers."""
-    from .serve import add_serve_arguments
-    from .sweep import add_sweep_arguments
+    from . import serve, sweep
 
-    p = bench_subparsers.add_parser(
-        "serve", help="load-test an OpenAI-compatible server (TTFT, TPOT, ITL, E2E, goodput)",
-        description="Benchmark an OpenAI-compatible streaming server with a chosen dataset and load shape.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    add_serve_arguments(p)
-    p.set_defaults(func=_serve)
-
-    p = bench_subparsers.add_parser(
-        "sweep", help="find the highest request rate / concurrency that meets an SLO",
-        description="Run 'bench serve' at increasing load and report the highest load meeting the SLO.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    add_sweep_arguments(p)
-    p.set_defaults(func=_sweep)
+    serve.register(bench_subparsers)
+    sweep.register(bench_subparsers)
 
 
 def register_profile_subcommands(profile_subparsers: "argparse._SubParsersAction") -> None:

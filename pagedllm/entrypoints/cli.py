@@ -83,10 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("bench", help="benchmarks")
     bench = p.add_subparsers(dest="bench_command", required=True)
-    from pagedllm.benchmarks.throughput import add_throughput_parser
-    add_throughput_parser(bench)
-    from pagedllm.benchmarks.prefix import add_prefix_parser
-    add_prefix_parser(bench)
+    from pagedllm.benchmarks import prefix, throughput
+    throughput.register(bench)
+    prefix.register(bench)
     from pagedllm.benchmarks.cli import register_bench_subcommands, register_profile_subcommands
     register_bench_subcommands(bench)
 

@@ -119,6 +119,6 @@ def test_multi_turn_chat_run(server, tmp_path):
 
 
 def _bundled_tokenizer():
-    from pagedllm.benchmarks.serve import load_tokenizer
+    from pagedllm.benchmarks.serve_options import load_tokenizer
 
     return load_tokenizer(None)
