@@ -16,6 +16,7 @@ Reads what ``--profile-dir DIR`` writes:
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -26,7 +27,7 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 
 __all__ = ["load_steps", "split_runs", "summarize_steps", "summarize_trace", "summarize_profile_dir",
-           "format_profile_summary", "add_summarize_arguments", "summarize_main", "ProfileError"]
+           "format_profile_summary", "add_summarize_arguments", "summarize_main", "register", "ProfileError"]
 
 
 class ProfileError(ValueError):
@@ -298,6 +299,15 @@ def format_profile_summary(s: dict) -> str:
             L.append(f"{o['name'][:48]:<48} {o['category'][:14]:<14} {o['count']:>7} {o['self_ms']:>10.3f}"
                      f" {_f(o['self_share'], '.1%'):>7} {o['total_ms']:>10.3f}")
     return "\n".join(L)
+
+
+def register(subparsers: "argparse._SubParsersAction") -> None:
+    """Add ``summarize`` to the ``profile`` sub-parsers; its ``func`` is :func:`summarize_main`."""
+    p = subparsers.add_parser(
+        "summarize", help="summarize an engine profile directory (steps.jsonl, trace.json)",
+        description="Print where the engine's time went, from a --profile-dir directory.")
+    add_summarize_arguments(p)
+    p.set_defaults(func=summarize_main)
 
 
 def add_summarize_arguments(p: Any) -> None:
