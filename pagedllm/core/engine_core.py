@@ -109,13 +109,14 @@ class EngineCore:
         t3 = time.perf_counter()
         if prof is not None and so.scheduled:
             st = self.scheduler.stats()
-            prof.after_step({
-                "step": self.step_count, "ts": time.time(), "step_time_s": t3 - t0,
-                "schedule_time_s": t1 - t0, "execute_time_s": t2 - t1, "update_time_s": t3 - t2,
-                "num_prefill_tokens": so.num_prefill_tokens, "num_decode_tokens": so.num_decode_tokens,
-                "num_reqs": len(so.scheduled), "num_running": st.num_running,
-                "num_waiting": st.num_waiting, "kv_blocks_used": st.num_blocks_used,
-                "kv_blocks_total": st.num_blocks_total, "num_preemptions": so.num_preempted})
+            from pagedllm.core.step_profiler import StepRecord
+            prof.after_step(StepRecord(
+                step=self.step_count, ts=time.time(), step_time_s=t3 - t0,
+                schedule_time_s=t1 - t0, execute_time_s=t2 - t1, update_time_s=t3 - t2,
+                num_prefill_tokens=so.num_prefill_tokens, num_decode_tokens=so.num_decode_tokens,
+                num_reqs=len(so.scheduled), num_running=st.num_running,
+                num_waiting=st.num_waiting, kv_blocks_used=st.num_blocks_used,
+                kv_blocks_total=st.num_blocks_total, num_preemptions=so.num_preempted))
         if so.scheduled:
             self.step_count += 1
         return outputs
