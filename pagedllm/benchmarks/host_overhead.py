@@ -13,6 +13,7 @@ every request decodes are counted; the median over them is reported (millisecond
 """
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import tempfile
@@ -20,6 +21,9 @@ import time
 
 import numpy as np
 import torch
+
+from pagedllm.benchmarks.report import save_json
+from pagedllm.benchmarks.serve_options import positive_int
 
 
 def make_tiny_llama(path: str, vocab_size: int = 512, seed: int = 0) -> str:
@@ -104,13 +108,17 @@ def measure(num_requests: int, input_len: int, output_len: int, num_threads: int
             "threads": torch.get_num_threads()}
 
 
-def add_arguments(p) -> None:
-    p.add_argument("--num-requests", type=int, default=256)
-    p.add_argument("--input-len", type=int, default=32)
-    p.add_argument("--output-len", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=3, help="runs; the best (lowest host time) is kept")
-    p.add_argument("--num-threads", type=int, default=None)
+def register(subparsers: "argparse._SubParsersAction") -> None:
+    """Add ``host-overhead`` to the ``bench`` sub-parsers; its ``func`` is :func:`main`."""
+    p = subparsers.add_parser("host-overhead", help="host-side time per decode step (tiny random model)",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--num-requests", type=positive_int, default=256)
+    p.add_argument("--input-len", type=positive_int, default=32)
+    p.add_argument("--output-len", type=positive_int, default=64)
+    p.add_argument("--repeats", type=positive_int, default=3, help="runs; the best (lowest host time) is kept")
+    p.add_argument("--num-threads", type=positive_int, default=None)
     p.add_argument("--output-json", default=None)
+    p.set_defaults(func=main)
 
 
 def main(args) -> int:
@@ -127,6 +135,5 @@ def main(args) -> int:
           f"(step {best['step_ms']:.2f} ms, forward {best['forward_ms']:.2f} ms, "
           f"logits {best['logits_ms']:.2f} ms; median of {best['decode_steps']} steps)")
     if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump(result, f, indent=2)
+        save_json(result, args.output_json)
     return 0

@@ -33,6 +33,7 @@ import numpy as np
 __all__ = [
     "RequestResult",
     "percentile",
+    "pct_key",
     "latency_stats",
     "compute_tpot",
     "parse_slos",
@@ -151,7 +152,8 @@ def percentile(values: Sequence[float], q: float) -> float | None:
     return float(np.percentile(np.asarray(values, dtype=float), q))
 
 
-def _pct_key(q: float) -> str:
+def pct_key(q: float) -> str:
+    """Result key of percentile ``q``: ``p99``, ``p99_9`` (``.`` -> ``_``)."""
     return f"p{q:g}".replace(".", "_")
 
 
@@ -170,7 +172,7 @@ def latency_stats(
         for k in ("mean", "median", "std", "min", "max"):
             out[k] = None
         for q in qs:
-            out[_pct_key(q)] = None
+            out[pct_key(q)] = None
         return out
     a = np.asarray(values_s, dtype=float) * 1e3
     out["mean"] = float(a.mean())
@@ -179,7 +181,7 @@ def latency_stats(
     out["min"] = float(a.min())
     out["max"] = float(a.max())
     for q in qs:
-        out[_pct_key(q)] = float(np.percentile(a, q))
+        out[pct_key(q)] = float(np.percentile(a, q))
     return out
 
 

@@ -10,21 +10,24 @@ on an unrelated prompt first, and the cache is reset before the timed run.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 import numpy as np
 
+from .report import save_json
+from .serve_options import positive_int
 
-def add_prefix_parser(subparsers) -> None:
+
+def register(subparsers: "argparse._SubParsersAction") -> None:
+    """Add ``prefix`` to the ``bench`` sub-parsers; its ``func`` is :func:`prefix_main`."""
     from pagedllm.config import EngineArgs
 
     p = subparsers.add_parser("prefix", help="shared-prefix workload, prefix caching on vs off",
                               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--num-requests", type=int, default=32)
-    p.add_argument("--prefix-len", type=int, default=1000)
+    p.add_argument("--num-requests", type=positive_int, default=32)
+    p.add_argument("--prefix-len", type=positive_int, default=1000)
     p.add_argument("--suffix-len", type=int, default=20)
-    p.add_argument("--output-len", type=int, default=32)
+    p.add_argument("--output-len", type=positive_int, default=32)
     p.add_argument("--modes", default="on,off", help="which runs, in order: on, off or both")
     p.add_argument("--output-json", default=None)
     EngineArgs.add_cli_args(p)
@@ -65,12 +68,10 @@ def run_once(args, prompts, caching: bool) -> dict:
 
 
 def prefix_main(args) -> int:
+    """Entry point of ``pagedllm bench prefix``; returns 0. Raises ``ValueError`` naming a bad flag."""
     from pagedllm.models.loader import load_arch_config
     from pagedllm.utils import default_model_path
 
-    for name in ("num_requests", "prefix_len", "output_len"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
     if args.suffix_len < 0:
         raise ValueError("--suffix-len must be >= 0")
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
@@ -98,6 +99,5 @@ def prefix_main(args) -> int:
         print(f"mean TTFT {report['ttft_speedup']:.1f}x lower, total time {report['total_speedup']:.1f}x "
               f"lower with caching; greedy outputs identical: {same}")
     if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump(report, f, indent=2)
+        save_json(report, args.output_json)
     return 0

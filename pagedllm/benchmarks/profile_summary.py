@@ -2,12 +2,10 @@
 
 Reads what ``--profile-dir DIR`` writes:
 
-* ``DIR/steps.jsonl``: one JSON object per engine step with ``step``, ``ts``
-  (unix s at the step's end), ``step_time_s``, ``schedule_time_s``, ``execute_time_s``,
-  ``update_time_s``, ``num_prefill_tokens``, ``num_decode_tokens``,
-  ``num_reqs``, ``num_running``, ``num_waiting``, ``kv_blocks_used``,
-  ``kv_blocks_total`` and ``num_preemptions`` (preemptions *in that step*;
-  they are summed);
+* ``DIR/steps.jsonl``: one :class:`~pagedllm.core.step_profiler.StepRecord` per
+  engine step (the schema, with every field's unit, is defined there and shared
+  with the writer); ``num_preemptions`` counts preemptions *in that step*, so
+  they are summed;
 * ``DIR/trace.json`` (optional): a torch.profiler chrome trace. Complete
   events (``"ph": "X"``) are grouped by name; *total* time sums ``dur``
   (microseconds), *self* time subtracts the time of events nested inside
@@ -16,81 +14,78 @@ Reads what ``--profile-dir DIR`` writes:
 
 from __future__ import annotations
 
+import argparse
 import json
-import math
 import os
 import sys
 from collections import defaultdict
-from typing import Any, Iterable, Sequence
+from typing import Any, Sequence
 
+import msgspec
 import numpy as np
 
+from pagedllm.core.step_profiler import STEP_DECODER, StepRecord
+
+from .metrics import latency_stats
+from .report import fmt_value
+
 __all__ = ["load_steps", "split_runs", "summarize_steps", "summarize_trace", "summarize_profile_dir",
-           "format_profile_summary", "add_summarize_arguments", "summarize_main", "ProfileError"]
+           "format_profile_summary", "add_summarize_arguments", "summarize_main", "register", "ProfileError"]
 
 
 class ProfileError(ValueError):
     """A profile directory or file is missing or malformed (message names the file and line)."""
 
 
-def load_steps(path: str) -> list[dict]:
-    """Parse ``steps.jsonl``; blank lines are skipped. Raises ``ProfileError`` on bad JSON."""
+def load_steps(path: str) -> list[StepRecord]:
+    """Decode ``steps.jsonl`` into :class:`StepRecord` s; blank lines are skipped.
+
+    Raises ``ProfileError`` naming the file and line for a line that is not JSON
+    or not a step record (a missing or mistyped field is named).
+    """
     steps = []
-    with open(path, encoding="utf-8") as f:
+    with open(path, "rb") as f:
         for lineno, line in enumerate(f, 1):
             line = line.strip()
             if not line:
                 continue
             try:
-                d = json.loads(line)
-            except json.JSONDecodeError as e:
+                steps.append(STEP_DECODER.decode(line))
+            except msgspec.ValidationError as e:
+                raise ProfileError(f"{path}, line {lineno}: not a step record: {e}") from None
+            except msgspec.DecodeError as e:
                 raise ProfileError(f"{path}, line {lineno}: invalid JSON: {e}") from None
-            if not isinstance(d, dict):
-                raise ProfileError(f"{path}, line {lineno}: expected a JSON object")
-            steps.append(d)
     return steps
 
 
-def _num(d: dict, key: str) -> float:
-    v = d.get(key)
-    try:
-        v = float(v)
-    except (TypeError, ValueError):
-        return 0.0
-    return 0.0 if math.isnan(v) else v
-
-
-def summarize_steps(steps: Sequence[dict]) -> dict:
+def summarize_steps(steps: Sequence[StepRecord]) -> dict:
     """Aggregate step records (see module docstring). Times in the result are
-    seconds (``*_s``) or milliseconds (``*_ms``); shares are fractions of the
-    total step time. "Prefill steps" are steps with any prefill token (they
-    may also decode); "decode-only steps" have decode tokens and no prefill.
+    seconds (``*_s``) or milliseconds (``*_ms``; ``step_time_ms`` is
+    :func:`~pagedllm.benchmarks.metrics.latency_stats` with p50/p90/p99); shares
+    are fractions of the total step time. "Prefill steps" are steps with any
+    prefill token (they may also decode); "decode-only steps" have decode tokens
+    and no prefill.
     """
     n = len(steps)
     out: dict[str, Any] = {"num_steps": n}
     if n == 0:
         return out
-    st = np.array([_num(s, "step_time_s") for s in steps])
-    sched = np.array([_num(s, "schedule_time_s") for s in steps])
-    exe = np.array([_num(s, "execute_time_s") for s in steps])
-    upd = np.array([_num(s, "update_time_s") for s in steps])
-    pre = np.array([_num(s, "num_prefill_tokens") for s in steps])
-    dec = np.array([_num(s, "num_decode_tokens") for s in steps])
-    reqs = np.array([_num(s, "num_reqs") for s in steps])
+
+    def col(name: str) -> np.ndarray:
+        return np.array([getattr(s, name) for s in steps], dtype=float)
+
+    st = col("step_time_s")
+    sched, exe, upd = col("schedule_time_s"), col("execute_time_s"), col("update_time_s")
+    pre, dec, reqs = col("num_prefill_tokens"), col("num_decode_tokens"), col("num_reqs")
     total = float(st.sum())
-    ts = [(_num(s, "ts"), _num(s, "step_time_s")) for s in steps if s.get("ts") is not None]
+    first, last = min(steps, key=lambda s: s.ts), max(steps, key=lambda s: s.ts)
     out.update({
         "total_step_time_s": total,
         # first step's start to last step's end (the engine stamps ts when a step ends)
-        "wall_span_s": (max(ts)[0] - min(ts)[0] + min(ts)[1]) if ts else None,
-        "step_time_ms": {
-            "mean": float(st.mean() * 1e3),
-            "p50": float(np.percentile(st, 50) * 1e3),
-            "p90": float(np.percentile(st, 90) * 1e3),
-            "p99": float(np.percentile(st, 99) * 1e3),
-            "max": float(st.max() * 1e3),
-        },
+        "wall_span_s": last.ts - first.ts + first.step_time_s,
+        "step_time_ms": latency_stats(st, (50.0, 90.0, 99.0)),
     })
+
     def share(x: np.ndarray) -> float | None:
         return float(x.sum() / total) if total > 0 else None
 
@@ -124,11 +119,11 @@ def summarize_steps(steps: Sequence[dict]) -> dict:
         "mean_num_reqs": float(reqs[busy].mean()) if busy.any() else 0.0,
         "max_num_reqs": int(reqs.max()),
         "mean_decode_tokens_per_decode_step": float(dec[dec_only].mean()) if dec_only.any() else None,
-        "mean_running": float(np.mean([_num(s, "num_running") for s in steps])),
-        "max_waiting": int(max(_num(s, "num_waiting") for s in steps)),
+        "mean_running": float(col("num_running").mean()),
+        "max_waiting": int(col("num_waiting").max()),
     }
-    used = [_num(s, "kv_blocks_used") for s in steps]
-    tot = [_num(s, "kv_blocks_total") for s in steps]
+    used = [s.kv_blocks_used for s in steps]
+    tot = [s.kv_blocks_total for s in steps]
     peak_i = int(np.argmax(used))
     out["kv_cache"] = {
         "peak_blocks_used": int(used[peak_i]),
@@ -136,7 +131,7 @@ def summarize_steps(steps: Sequence[dict]) -> dict:
         "peak_usage": (used[peak_i] / tot[peak_i]) if tot[peak_i] > 0 else None,
         "mean_usage": float(np.mean([u / t for u, t in zip(used, tot) if t > 0])) if any(t > 0 for t in tot) else None,
     }
-    out["preemptions"] = int(sum(_num(s, "num_preemptions") for s in steps))
+    out["preemptions"] = int(sum(s.num_preemptions for s in steps))
     return out
 
 
@@ -208,16 +203,15 @@ def summarize_trace(path: str, top: int = 15) -> dict:
     }
 
 
-def split_runs(steps: Sequence[dict]) -> list[list[dict]]:
+def split_runs(steps: Sequence[StepRecord]) -> list[list[StepRecord]]:
     """Split an appended step log into runs: a new run starts where ``step`` does not increase."""
-    runs: list[list[dict]] = []
+    runs: list[list[StepRecord]] = []
     prev = None
     for s in steps:
-        k = s.get("step")
-        if not runs or (isinstance(k, (int, float)) and isinstance(prev, (int, float)) and k <= prev):
+        if not runs or (prev is not None and s.step <= prev):
             runs.append([])
         runs[-1].append(s)
-        prev = k
+        prev = s.step
     return runs
 
 
@@ -247,12 +241,9 @@ def summarize_profile_dir(d: str, top: int = 15, last_run: bool = False) -> dict
     }
 
 
-def _f(v: Any, spec: str) -> str:
-    return "n/a" if v is None else format(v, spec)
-
-
 def format_profile_summary(s: dict) -> str:
     """Text report of ``summarize_profile_dir``."""
+    fv = fmt_value
     L: list[str] = [f"Profile: {s['dir']}"]
     st = s.get("steps")
     if st is None:
@@ -266,26 +257,26 @@ def format_profile_summary(s: dict) -> str:
             L.append(f"steps.jsonl holds {runs} runs; "
                      + ("showing the last" if st.get("only_last_run") else "showing all (see --last-run)"))
         L.append(f"Steps: {st['num_steps']}, total step time {st['total_step_time_s']:.3f} s"
-                 f" (wall span {_f(st['wall_span_s'], '.3f')} s)")
+                 f" (wall span {fv(st['wall_span_s'], '.3f')} s)")
         L.append(f"Step time ms: mean {t['mean']:.2f}  p50 {t['p50']:.2f}  p90 {t['p90']:.2f}"
                  f"  p99 {t['p99']:.2f}  max {t['max']:.2f}")
         sh = st["time_share"]
-        L.append(f"Time share: schedule {_f(sh['schedule'], '.1%')}  execute {_f(sh['execute'], '.1%')}"
-                 f"  update {_f(sh['update'], '.1%')}  other {_f(sh['other'], '.1%')}")
+        L.append(f"Time share: schedule {fv(sh['schedule'], '.1%')}  execute {fv(sh['execute'], '.1%')}"
+                 f"  update {fv(sh['update'], '.1%')}  other {fv(sh['other'], '.1%')}")
         tk = st["tokens"]
-        L.append(f"Tokens: prefill {tk['prefill']} ({_f(tk['prefill_share'], '.1%')}), decode {tk['decode']}"
-                 f" ({_f(tk['decode_share'], '.1%')}), {_f(tk['per_second'], '.1f')} tok/s of step time")
+        L.append(f"Tokens: prefill {tk['prefill']} ({fv(tk['prefill_share'], '.1%')}), decode {tk['decode']}"
+                 f" ({fv(tk['decode_share'], '.1%')}), {fv(tk['per_second'], '.1f')} tok/s of step time")
         for key, name in (("prefill_steps", "Steps with prefill"), ("decode_only_steps", "Decode-only steps"),
                           ("idle_steps", "Steps without tokens")):
             g = st["split"][key]
-            L.append(f"{name}: {g['steps']} steps, {g['time_s']:.3f} s ({_f(g['time_share'], '.1%')}),"
-                     f" mean {_f(g['mean_step_ms'], '.2f')} ms")
+            L.append(f"{name}: {g['steps']} steps, {g['time_s']:.3f} s ({fv(g['time_share'], '.1%')}),"
+                     f" mean {fv(g['mean_step_ms'], '.2f')} ms")
         b = st["batch"]
         L.append(f"Batch: mean {b['mean_num_reqs']:.2f} requests/step (max {b['max_num_reqs']}),"
                  f" mean running {b['mean_running']:.2f}, max waiting {b['max_waiting']}")
         kv = st["kv_cache"]
         L.append(f"KV cache: peak {kv['peak_blocks_used']}/{kv['blocks_total']} blocks"
-                 f" ({_f(kv['peak_usage'], '.1%')}), mean use {_f(kv['mean_usage'], '.1%')}")
+                 f" ({fv(kv['peak_usage'], '.1%')}), mean use {fv(kv['mean_usage'], '.1%')}")
         L.append(f"Preemptions: {st['preemptions']}")
     tr = s.get("trace")
     if tr is None:
@@ -296,8 +287,17 @@ def format_profile_summary(s: dict) -> str:
         L.append(f"{'op':<48} {'category':<14} {'calls':>7} {'self ms':>10} {'share':>7} {'total ms':>10}")
         for o in tr["top_ops"]:
             L.append(f"{o['name'][:48]:<48} {o['category'][:14]:<14} {o['count']:>7} {o['self_ms']:>10.3f}"
-                     f" {_f(o['self_share'], '.1%'):>7} {o['total_ms']:>10.3f}")
+                     f" {fv(o['self_share'], '.1%'):>7} {o['total_ms']:>10.3f}")
     return "\n".join(L)
+
+
+def register(subparsers: "argparse._SubParsersAction") -> None:
+    """Add ``summarize`` to the ``profile`` sub-parsers; its ``func`` is :func:`summarize_main`."""
+    p = subparsers.add_parser(
+        "summarize", help="summarize an engine profile directory (steps.jsonl, trace.json)",
+        description="Print where the engine's time went, from a --profile-dir directory.")
+    add_summarize_arguments(p)
+    p.set_defaults(func=summarize_main)
 
 
 def add_summarize_arguments(p: Any) -> None:

@@ -20,6 +20,7 @@ and ``cost_per_1k_requests = cost_per_hour / (3600 * req_per_s) * 1e3``.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import dataclasses
 import math
@@ -27,19 +28,13 @@ import sys
 from typing import Any, Sequence
 
 from .datasets import Dataset, TokenSource
-from .metrics import parse_slos
-from .serve import (
-    BenchConfig,
-    BenchError,
-    _pos_int,
-    add_common_arguments,
-    prepare,
-    run_benchmark,
-    save_json,
-)
+from .metrics import parse_slos, pct_key
+from .report import fmt_value, save_json
+from .runner import run_benchmark
+from .serve_options import BenchConfig, BenchError, add_common_arguments, positive_int, prepare
 
 __all__ = ["evaluate_point", "best_load", "run_sweep", "cost_at", "format_sweep", "add_sweep_arguments",
-           "sweep_main", "parse_loads"]
+           "sweep_main", "parse_loads", "register"]
 
 
 def parse_loads(text: str, flag: str, integer: bool) -> list[float]:
@@ -63,16 +58,12 @@ def parse_loads(text: str, flag: str, integer: bool) -> list[float]:
     return [int(v) for v in vals] if integer else vals
 
 
-def _pkey(p: float) -> str:
-    return f"p{p:g}".replace(".", "_")
-
-
 def evaluate_point(summary: dict, slos_ms: dict, percentile: float, max_error_rate: float) -> tuple[bool, list[str]]:
     """Whether one run's ``summary`` meets the SLOs; returns (ok, list of violations).
 
     ``summary`` is ``run_benchmark(...)["summary"]`` (latencies in ms).
     """
-    key = _pkey(percentile)
+    key = pct_key(percentile)
     why = []
     if not summary.get("completed"):
         why.append("no request completed")
@@ -118,7 +109,7 @@ def _point_record(load: float, mode: str, res: dict, slos_ms: dict, percentile: 
                   max_error_rate: float) -> dict:
     s = res["summary"]
     ok, why = evaluate_point(s, slos_ms, percentile, max_error_rate)
-    key = _pkey(percentile)
+    key = pct_key(percentile)
     lat = {m: {"mean": s[f"{m}_ms"]["mean"], key: s[f"{m}_ms"].get(key), "p99": s[f"{m}_ms"].get("p99")}
            for m in ("ttft", "tpot", "itl", "e2e")}
     sm = res["server_metrics"]
@@ -219,7 +210,7 @@ async def run_sweep(cfg: BenchConfig, dataset: Dataset, tokens: TokenSource | No
         "loads_requested": list(loads),
         "slos_ms": dict(slos_ms),
         "slo_percentile": slo_percentile,
-        "slo_percentile_key": _pkey(slo_percentile),
+        "slo_percentile_key": pct_key(slo_percentile),
         "max_error_rate": max_error_rate,
         "dataset": dataset.describe(),
         "points": points,
@@ -230,15 +221,10 @@ async def run_sweep(cfg: BenchConfig, dataset: Dataset, tokens: TokenSource | No
     return out
 
 
-def _f(v: Any, spec: str = ".1f") -> str:
-    if v is None:
-        return "n/a"
-    return format(v, spec) if isinstance(v, (int, float)) else str(v)
-
-
 def format_sweep(sweeps: Sequence[dict]) -> str:
     """Text table of one sweep, or of several side by side (``--compare``)."""
     lines = []
+    fv = fmt_value
     key = sweeps[0]["slo_percentile_key"]
     slo = " ".join(f"{k}:{v:g}ms" for k, v in sweeps[0]["slos_ms"].items())
     lines.append(f"SLO: {key} {slo}; max error rate {sweeps[0]['max_error_rate']:.2%}")
@@ -261,9 +247,10 @@ def format_sweep(sweeps: Sequence[dict]) -> str:
                 row += f" | {'-':>7} {'-':>8} {'-':>10} {'-':>10} {'-':>10} {'-':>6} {'-':>4}"
                 continue
             lat = pt["latency_ms"]
-            row += (f" | {_f(pt['request_throughput'], '.2f'):>7} {_f(pt['output_token_throughput']):>8}"
-                    f" {_f(lat['ttft'][key]):>10} {_f(lat['tpot'][key]):>10} {_f(lat['e2e'][key]):>10}"
-                    f" {_f(pt['error_rate'], '.1%'):>6} {'ok' if pt['meets_slo'] else 'FAIL':>4}")
+            row += (f" | {fv(pt['request_throughput'], '.2f'):>7} {fv(pt['output_token_throughput'], '.1f'):>8}"
+                    f" {fv(lat['ttft'][key], '.1f'):>10} {fv(lat['tpot'][key], '.1f'):>10}"
+                    f" {fv(lat['e2e'][key], '.1f'):>10}"
+                    f" {fv(pt['error_rate'], '.1%'):>6} {'ok' if pt['meets_slo'] else 'FAIL':>4}")
         lines.append(row)
     lines.append("")
     unit = "req/s" if sweeps[0]["mode"] == "rate" else "concurrent sessions"
@@ -276,9 +263,19 @@ def format_sweep(sweeps: Sequence[dict]) -> str:
         lines.append(f"{tag}: highest load meeting the SLO = {sw['best_load']:g} {unit} "
                      f"({bp['request_throughput']:.2f} req/s, {bp['output_token_throughput']:.1f} output tok/s)")
         if sw.get("cost_per_hour_usd") is not None:
-            lines.append(f"    at ${sw['cost_per_hour_usd']:g}/h: ${_f(sw['cost_per_1m_output_tokens_usd'], '.4f')} "
-                         f"per 1M output tokens, ${_f(sw['cost_per_1k_requests_usd'], '.4f')} per 1k requests")
+            lines.append(f"    at ${sw['cost_per_hour_usd']:g}/h: ${fv(sw['cost_per_1m_output_tokens_usd'], '.4f')} "
+                         f"per 1M output tokens, ${fv(sw['cost_per_1k_requests_usd'], '.4f')} per 1k requests")
     return "\n".join(lines)
+
+
+def register(subparsers: "argparse._SubParsersAction") -> None:
+    """Add ``sweep`` to the ``bench`` sub-parsers; its ``func`` is :func:`sweep_main`."""
+    p = subparsers.add_parser(
+        "sweep", help="find the highest request rate / concurrency that meets an SLO",
+        description="Run 'bench serve' at increasing load and report the highest load meeting the SLO.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_sweep_arguments(p)
+    p.set_defaults(func=sweep_main)
 
 
 def add_sweep_arguments(p: Any) -> None:
@@ -290,7 +287,7 @@ def add_sweep_arguments(p: Any) -> None:
                    help="increasing offered request rates (req/s) to try")
     g.add_argument("--concurrencies", default=None, metavar="C1,C2,...",
                    help="increasing max concurrencies to try (requests sent as fast as allowed)")
-    s.add_argument("--max-concurrency", type=_pos_int, default=None,
+    s.add_argument("--max-concurrency", type=positive_int, default=None,
                    help="in --request-rates mode, also cap sessions in flight")
     s.add_argument("--slo", nargs="+", required=True, metavar="METRIC:MS",
                    help="latency SLOs, e.g. --slo ttft:500 tpot:50 (metrics: ttft, tpot, itl, e2e)")

@@ -9,23 +9,26 @@ a fraction of ``torch.mm``'s float32 rate measured in the same run.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 import numpy as np
 import torch
 
+from .report import save_json
+from .serve_options import positive_int
 
-def add_throughput_parser(subparsers) -> None:
+
+def register(subparsers: "argparse._SubParsersAction") -> None:
+    """Add ``throughput`` to the ``bench`` sub-parsers; its ``func`` is :func:`throughput_main`."""
     from pagedllm.config import EngineArgs
 
     p = subparsers.add_parser("throughput", help="offline throughput (random prompts, ignore_eos)",
                               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--backend", choices=["pagedllm", "hf", "both"], default="pagedllm",
                    help="hf: HF transformers batched generate; both: HF then pagedllm in one run")
-    p.add_argument("--num-prompts", type=int, default=64)
-    p.add_argument("--input-len", type=int, default=200)
-    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--num-prompts", type=positive_int, default=64)
+    p.add_argument("--input-len", type=positive_int, default=200)
+    p.add_argument("--output-len", type=positive_int, default=128)
     p.add_argument("--hf-batch-size", type=int, default=None, help="HF generate batch (default: all prompts)")
     p.add_argument("--no-mm", action="store_true", help="skip the torch.mm fp32 reference measurement")
     p.add_argument("--output-json", default=None)
@@ -124,11 +127,10 @@ def run_hf(args, prompts) -> dict:
 
 
 def throughput_main(args) -> int:
+    """Entry point of ``pagedllm bench throughput``; returns 0."""
     from pagedllm.models.loader import load_arch_config
     from pagedllm.utils import default_model_path
 
-    if args.num_prompts < 1 or args.input_len < 1 or args.output_len < 1:
-        raise ValueError("--num-prompts, --input-len and --output-len must be >= 1")
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
     arch = load_arch_config(args.model or default_model_path())
@@ -164,6 +166,5 @@ def throughput_main(args) -> int:
         report["speedup_output_tokens"] = round(ratio, 2)
         print(f"pagedllm / hf output tokens/s: {ratio:.2f}x")
     if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump(report, f, indent=2)
+        save_json(report, args.output_json)
     return 0

@@ -6,10 +6,12 @@ from __future__ import annotations
 import logging
 import time
 
+from pagedllm import envs
 from pagedllm.config import EngineConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler
+from pagedllm.core.step_profiler import StepProfiler, StepRecord
 from pagedllm.executor.abstract import Executor
 from pagedllm.messages import EngineCoreInfo, EngineCoreOutputs, EngineCoreRequest
 
@@ -61,8 +63,6 @@ class EngineCore:
         self.step_count = 0
         self.profiler = None
         if args.profile_dir:
-            from pagedllm import envs
-            from pagedllm.core.step_profiler import StepProfiler
             start, num = envs.profile_steps()
             self.profiler = StepProfiler(args.profile_dir, start, num)
 
@@ -110,13 +110,13 @@ class EngineCore:
         stats.step_num_prefill_tokens = so.num_prefill_tokens
         stats.step_num_decode_tokens = so.num_decode_tokens
         if prof is not None:
-            prof.after_step({
-                "step": self.step_count, "ts": time.time(), "step_time_s": t3 - t0,
-                "schedule_time_s": t1 - t0, "execute_time_s": t2 - t1, "update_time_s": t3 - t2,
-                "num_prefill_tokens": so.num_prefill_tokens, "num_decode_tokens": so.num_decode_tokens,
-                "num_reqs": len(so.num_scheduled_tokens), "num_running": stats.num_running,
-                "num_waiting": stats.num_waiting, "kv_blocks_used": stats.num_blocks_used,
-                "kv_blocks_total": stats.num_blocks_total, "num_preemptions": so.num_preempted})
+            prof.after_step(StepRecord(
+                step=self.step_count, ts=time.time(), step_time_s=t3 - t0,
+                schedule_time_s=t1 - t0, execute_time_s=t2 - t1, update_time_s=t3 - t2,
+                num_prefill_tokens=so.num_prefill_tokens, num_decode_tokens=so.num_decode_tokens,
+                num_reqs=stats.step_num_reqs, num_running=stats.num_running,
+                num_waiting=stats.num_waiting, kv_blocks_used=stats.num_blocks_used,
+                kv_blocks_total=stats.num_blocks_total, num_preemptions=so.num_preempted))
         self.step_count += 1
         return EngineCoreOutputs(outputs, stats)
 

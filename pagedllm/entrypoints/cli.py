@@ -1,11 +1,32 @@
-"""The ``pagedllm`` command: serve, generate, bench, profile."""
+"""The ``pagedllm`` command: serve, generate, bench, profile.
+
+Subcommands are registered one way. A *command module* has
+``register(subparsers)``, which adds its parser(s) to an argparse sub-parsers
+object and sets ``func`` (a callable taking the parsed ``Namespace`` and returning
+an exit code, or raising ``ValueError``/``FileNotFoundError`` for exit code 2).
+:data:`COMMANDS` lists the modules once, per parent command; the order is the
+order of ``--help``. This module is the command module of ``serve`` and
+``generate``. A new ``pagedllm bench X``: a module with ``register`` adding
+parser ``X``, and its dotted name in ``COMMANDS["bench"]``.
+"""
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import sys
 
 from pagedllm import envs
+
+#: Parent command -> (its help, the command modules registered under it).
+#: The parent "" is ``pagedllm`` itself.
+COMMANDS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "": ("LLM inference and serving engine", ("pagedllm.entrypoints.cli",)),
+    "bench": ("benchmarks", ("pagedllm.benchmarks.throughput", "pagedllm.benchmarks.prefix",
+                             "pagedllm.benchmarks.serve", "pagedllm.benchmarks.sweep",
+                             "pagedllm.benchmarks.host_overhead")),
+    "profile": ("inspect --profile-dir output", ("pagedllm.benchmarks.profile_summary",)),
+}
 
 
 def _setup_logging(level: str = "INFO") -> None:
@@ -52,15 +73,12 @@ def _generate(args) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+def register(subparsers: "argparse._SubParsersAction") -> None:
+    """Add ``serve`` and ``generate`` to ``pagedllm``'s sub-parsers."""
     from pagedllm.config import EngineArgs
 
-    parser = argparse.ArgumentParser(prog="pagedllm", description="LLM inference and serving engine")
-    parser.add_argument("--log-level", default=envs.log_level())
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = subparsers.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
+                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     EngineArgs.add_cli_args(p)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
@@ -70,8 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "the server runs; off by default, as in vLLM)")
     p.set_defaults(func=_serve)
 
-    p = sub.add_parser("generate", help="print a completion of PROMPT",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = subparsers.add_parser("generate", help="print a completion of PROMPT",
+                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("prompt")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
@@ -81,18 +99,21 @@ def build_parser() -> argparse.ArgumentParser:
     EngineArgs.add_cli_args(p)
     p.set_defaults(func=_generate)
 
-    p = sub.add_parser("bench", help="benchmarks")
-    bench = p.add_subparsers(dest="bench_command", required=True)
-    from pagedllm.benchmarks.throughput import add_throughput_parser
-    add_throughput_parser(bench)
-    from pagedllm.benchmarks.prefix import add_prefix_parser
-    add_prefix_parser(bench)
-    from pagedllm.benchmarks.cli import register_bench_subcommands, register_profile_subcommands
-    register_bench_subcommands(bench)
 
-    p = sub.add_parser("profile", help="inspect --profile-dir output")
-    prof = p.add_subparsers(dest="profile_command", required=True)
-    register_profile_subcommands(prof)
+def build_parser() -> argparse.ArgumentParser:
+    """The ``pagedllm`` parser: every module of :data:`COMMANDS` registered under its parent.
+
+    A parent ``X`` other than ``""`` is a ``pagedllm X`` parser whose sub-command
+    lands in ``args.X_command``; ``args.command`` holds the top-level one.
+    """
+    parser = argparse.ArgumentParser(prog="pagedllm", description=COMMANDS[""][0])
+    parser.add_argument("--log-level", default=envs.log_level())
+    sub = parser.add_subparsers(dest="command", required=True)
+    for parent, (help_text, modules) in COMMANDS.items():
+        target = sub if not parent else sub.add_parser(parent, help=help_text).add_subparsers(
+            dest=f"{parent}_command", required=True)
+        for name in modules:
+            importlib.import_module(name).register(target)
     return parser
 
 

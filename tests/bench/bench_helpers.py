@@ -26,14 +26,14 @@ class WordTokenizer:
 
 
 def run_cli(argv, tokenizer=None):
-    """Parse ``argv`` with the standalone parser and run it with an injected tokenizer.
+    """Parse ``argv`` with the ``pagedllm`` parser and run it with an injected tokenizer.
 
     Returns the exit code. ``tokenizer=None`` means no tokenizer (fallback ids).
     """
-    from pagedllm.benchmarks.cli import build_parser
     from pagedllm.benchmarks.profile_summary import summarize_main
     from pagedllm.benchmarks.serve import serve_main
     from pagedllm.benchmarks.sweep import sweep_main
+    from pagedllm.entrypoints.cli import build_parser
 
     args = build_parser().parse_args(argv)
     if args.command == "profile":

@@ -17,7 +17,7 @@ import pytest
 from bench_helpers import REQUEST_KEYS, SERVER_KEYS, STAT_KEYS, SUMMARY_KEYS, TOP_KEYS, check_png, run_cli
 from fake_server import free_port
 
-from pagedllm.benchmarks.cli import main
+from pagedllm.entrypoints.cli import main
 
 HEALTH_TIMEOUT_S = 600
 
@@ -119,6 +119,6 @@ def test_multi_turn_chat_run(server, tmp_path):
 
 
 def _bundled_tokenizer():
-    from pagedllm.benchmarks.serve import load_tokenizer
+    from pagedllm.benchmarks.serve_options import load_tokenizer
 
     return load_tokenizer(None)

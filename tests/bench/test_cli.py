@@ -5,7 +5,8 @@ import sys
 import pytest
 from bench_helpers import run_cli
 
-from pagedllm.benchmarks.cli import build_parser, register_bench_subcommands, register_profile_subcommands
+from pagedllm.benchmarks import profile_summary, serve, sweep
+from pagedllm.entrypoints.cli import build_parser
 
 
 @pytest.mark.parametrize("argv,flag", [
@@ -73,9 +74,10 @@ def test_register_into_foreign_parser():
     parser = argparse.ArgumentParser(prog="pagedllm")
     sub = parser.add_subparsers(dest="cmd")
     bench = sub.add_parser("bench").add_subparsers(dest="bench_cmd")
-    register_bench_subcommands(bench)
+    serve.register(bench)
+    sweep.register(bench)
     bench.add_parser("throughput").set_defaults(func=lambda a: 0)
-    register_profile_subcommands(sub.add_parser("profile").add_subparsers(dest="profile_cmd"))
+    profile_summary.register(sub.add_parser("profile").add_subparsers(dest="profile_cmd"))
     a = parser.parse_args(["bench", "serve", "--num-prompts", "3", "--request-rate", "inf"])
     assert callable(a.func) and a.num_prompts == 3 and a.request_rate == float("inf")
     a = parser.parse_args(["bench", "sweep", "--concurrencies", "1,2", "--slo", "ttft:100", "tpot:20"])
@@ -86,7 +88,7 @@ def test_register_into_foreign_parser():
 
 
 def test_module_entry_point_help():
-    out = subprocess.run([sys.executable, "-m", "pagedllm.benchmarks.cli", "bench", "serve", "--help"],
+    out = subprocess.run([sys.executable, "-m", "pagedllm.entrypoints.cli", "bench", "serve", "--help"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0
     for flag in ("--base-url", "--dataset", "--request-rate", "--burstiness", "--max-concurrency", "--goodput",

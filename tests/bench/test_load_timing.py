@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from pagedllm.benchmarks.datasets import RandomDataset, TokenSource, TraceDataset
-from pagedllm.benchmarks.serve import BenchConfig, arrival_intervals, iter_arrival_offsets, run_benchmark
+from pagedllm.benchmarks.runner import arrival_intervals, iter_arrival_offsets, run_benchmark
+from pagedllm.benchmarks.serve_options import BenchConfig
 
 MAX_LATE_S = 0.030
 MEAN_LATE_S = 0.010

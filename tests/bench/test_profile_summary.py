@@ -1,21 +1,24 @@
 import json
 
+import msgspec
 import pytest
 from bench_helpers import run_cli
 
 from pagedllm.benchmarks.profile_summary import (
     ProfileError,
+    load_steps,
     split_runs,
     summarize_profile_dir,
     summarize_steps,
 )
+from pagedllm.core.step_profiler import StepProfiler, StepRecord
 
 
 def step(i, st, sch, ex, up, pre, dec, reqs, used, pre_empt=0, waiting=0):
-    return {"step": i, "ts": 1000.0 + i, "step_time_s": st, "schedule_time_s": sch, "execute_time_s": ex,
-            "update_time_s": up, "num_prefill_tokens": pre, "num_decode_tokens": dec, "num_reqs": reqs,
-            "num_running": reqs, "num_waiting": waiting, "kv_blocks_used": used, "kv_blocks_total": 100,
-            "num_preemptions": pre_empt}
+    return StepRecord(step=i, ts=1000.0 + i, step_time_s=st, schedule_time_s=sch, execute_time_s=ex,
+                      update_time_s=up, num_prefill_tokens=pre, num_decode_tokens=dec, num_reqs=reqs,
+                      num_running=reqs, num_waiting=waiting, kv_blocks_used=used, kv_blocks_total=100,
+                      num_preemptions=pre_empt)
 
 
 STEPS = [
@@ -30,7 +33,7 @@ STEPS = [
 def write_dir(tmp_path, steps=STEPS, trace=True):
     d = tmp_path / "prof"
     d.mkdir()
-    (d / "steps.jsonl").write_text("\n".join(json.dumps(s) for s in steps) + "\n")
+    (d / "steps.jsonl").write_bytes(b"".join(msgspec.json.encode(s) + b"\n" for s in steps))
     if trace:
         ev = [
             {"ph": "X", "name": "A", "cat": "cpu_op", "pid": 1, "tid": 1, "ts": 0, "dur": 100},
@@ -120,9 +123,45 @@ def test_errors(tmp_path, capsys):
     assert "neither steps.jsonl nor trace.json" in capsys.readouterr().err
     d = tmp_path / "bad"
     d.mkdir()
-    (d / "steps.jsonl").write_text('{"step": 0}\nnot json\n')
+    good = msgspec.json.encode(STEPS[0]).decode()
+    (d / "steps.jsonl").write_text(good + "\nnot json\n")
     with pytest.raises(ProfileError, match="line 2"):
         summarize_profile_dir(str(d))
+    # a line that is JSON but not a step record: the file, the line and the field are named
+    (d / "steps.jsonl").write_text(good + "\n\n" + '{"step": 0}\n')
+    with pytest.raises(ProfileError, match=r"steps\.jsonl, line 3: not a step record.*`ts`"):
+        summarize_profile_dir(str(d))
+    (d / "steps.jsonl").write_text(good.replace('"num_reqs":2', '"num_reqs":"2"') + "\n")
+    with pytest.raises(ProfileError, match=r"line 1: .*num_reqs"):
+        summarize_profile_dir(str(d))
+
+
+def test_writer_output_round_trips_through_reader(tmp_path):
+    # StepProfiler (the engine's writer) and load_steps (the reader) share StepRecord:
+    # every record the writer appends decodes back equal, across two appended runs.
+    d = tmp_path / "prof"
+    for run in (STEPS, STEPS[:2]):
+        prof = StepProfiler(str(d), trace_start_step=10**9)  # no torch.profiler window
+        for rec in run:
+            prof.after_step(rec)
+        prof.close()
+    back = load_steps(str(d / "steps.jsonl"))
+    assert back == STEPS + STEPS[:2]
+    assert all(type(r) is StepRecord for r in back)
+    assert [len(r) for r in split_runs(back)] == [5, 2]
+    assert summarize_profile_dir(str(d), last_run=True)["steps"]["num_steps"] == 2
+    # one JSON object per line, with every field of the schema
+    first = json.loads((d / "steps.jsonl").read_text().splitlines()[0])
+    assert set(first) == set(StepRecord.__struct_fields__)
+
+
+def test_reader_ignores_unknown_keys(tmp_path):
+    d = tmp_path / "prof"
+    d.mkdir()
+    rec = json.loads(msgspec.json.encode(STEPS[0]))
+    rec["added_by_a_newer_writer"] = 1
+    (d / "steps.jsonl").write_text(json.dumps(rec) + "\n")
+    assert load_steps(str(d / "steps.jsonl")) == [STEPS[0]]
 
 
 def test_profiler_window_span_is_ignored(tmp_path):

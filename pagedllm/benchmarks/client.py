@@ -1,0 +1,267 @@
+"""The HTTP side of ``pagedllm bench serve``: an async client for an
+OpenAI-compatible streaming server. One :meth:`OpenAIStreamClient.send` is one
+request: it streams the answer (SSE over aiohttp) and fills a
+:class:`~pagedllm.benchmarks.metrics.RequestResult` with its timings
+(``time.perf_counter()`` seconds), token counts and error, if any.
+
+Retries: an attempt that fails before any token arrived with a connection
+error, a timeout, HTTP 408/429 or 5xx is retried up to ``max_retries`` times
+with exponential back-off; TTFT and E2E still count from the first attempt.
+Any failure after tokens arrived, HTTP 4xx (other than 408/429) or an error
+event in the stream fails the request without retry. Network errors never
+raise: they are failed requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Any
+
+from .datasets import TokenSource
+from .metrics import RequestResult, parse_prometheus_text
+from .serve_options import BenchConfig
+
+__all__ = ["OpenAIStreamClient"]
+
+#: Statuses retried (besides 5xx) when no token has arrived yet.
+_RETRYABLE_STATUS = {408, 429}
+
+
+class _Attempt:
+    """State of one HTTP attempt."""
+
+    def __init__(self) -> None:
+        self.text_parts: list[str] = []
+        self.first_token: float | None = None
+        self.first_chunk: float | None = None
+        self.last_token: float | None = None
+        self.itl: list[float] = []
+        self.usage: dict | None = None
+        self.chunks = 0
+        self.non_stream = False  # the server answered with one JSON body
+
+
+def _chunk_text(obj: dict) -> str:
+    parts = []
+    for c in obj.get("choices") or []:
+        if not isinstance(c, dict):
+            continue
+        t = c.get("text")
+        if t is None:
+            delta = c.get("delta") or {}
+            t = (delta.get("content") or "") + (delta.get("reasoning_content") or delta.get("reasoning") or "")
+        if t:
+            parts.append(t)
+    return "".join(parts)
+
+
+class OpenAIStreamClient:
+    """Sends streaming completions/chat requests and times them.
+
+    Use as ``async with OpenAIStreamClient(cfg) as c: await c.send(...)``.
+    """
+
+    def __init__(self, cfg: BenchConfig, tokens: TokenSource | None = None):
+        self.cfg = cfg
+        self.tokens = tokens
+        self.http = None
+
+    async def __aenter__(self) -> "OpenAIStreamClient":
+        import aiohttp
+
+        self.http = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300),
+            timeout=aiohttp.ClientTimeout(total=None),
+        )
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        if self.http is not None:
+            await self.http.close()
+
+    async def get_json(self, path: str, timeout_s: float = 10.0) -> Any:
+        """GET ``root_url + path`` as JSON; raises on HTTP or network errors."""
+        import aiohttp
+
+        async with self.http.get(self.cfg.root_url + path,
+                                 timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
+            r.raise_for_status()
+            return await r.json(content_type=None)
+
+    async def scrape_metrics(self) -> dict | None:
+        """Parsed Prometheus snapshot from ``/metrics`` (or ``metrics_url``); ``None`` if unavailable."""
+        import aiohttp
+
+        if not self.cfg.scrape_metrics:
+            return None
+        url = self.cfg.metrics_url or (self.cfg.root_url + "/metrics")
+        try:
+            async with self.http.get(url, timeout=aiohttp.ClientTimeout(total=10)) as r:
+                if r.status != 200:
+                    return None
+                text = await r.text()
+            return parse_prometheus_text(text)
+        except Exception:  # noqa: BLE001 - any failure means "n/a"
+            return None
+
+    def url_for(self, kind: str) -> str:
+        """Full URL for a request of ``kind`` ("completions" or "chat")."""
+        if self.cfg.endpoint:
+            ep = self.cfg.endpoint
+            return ep if ep.startswith("http") else self.cfg.root_url + "/" + ep.lstrip("/")
+        return self.cfg.root_url + ("/v1/chat/completions" if kind == "chat" else "/v1/completions")
+
+    def body(self, kind: str, payload: Any, max_tokens: int) -> dict:
+        """Request JSON: ``payload`` is the prompt (completions) or message list (chat)."""
+        b: dict = {"model": self.cfg.model, "max_tokens": int(max_tokens), "stream": True,
+                   "temperature": self.cfg.temperature}
+        if kind == "chat":
+            b["messages"] = payload
+        else:
+            b["prompt"] = payload
+        if self.cfg.stream_usage:
+            b["stream_options"] = {"include_usage": True}
+        if self.cfg.ignore_eos:
+            b["ignore_eos"] = True
+        b.update(self.cfg.extra_body)
+        return b
+
+    async def _attempt(self, url: str, body: dict, t_start: float, st: _Attempt) -> tuple[str, str | None, int | None]:
+        """One HTTP attempt; returns (outcome, error, status) with outcome in ok/retry/fail."""
+        import aiohttp
+
+        status = None
+        try:
+            async with self.http.post(url, json=body,
+                                      timeout=aiohttp.ClientTimeout(total=self.cfg.timeout_s)) as resp:
+                status = resp.status
+                if resp.status != 200:
+                    detail = (await resp.text())[:200].strip()
+                    retry = resp.status in _RETRYABLE_STATUS or resp.status >= 500
+                    return ("retry" if retry else "fail"), f"HTTP {resp.status}: {detail}", status
+                ctype = resp.headers.get("Content-Type", "")
+                if ctype.startswith("application/json"):
+                    # The server ignored stream=true: one JSON answer; TTFT = E2E.
+                    obj = await resp.json(content_type=None)
+                    if isinstance(obj, dict) and obj.get("error"):
+                        return "fail", f"server error: {str(obj['error'])[:200]}", status
+                    now = time.perf_counter()
+                    st.first_chunk = st.first_token = st.last_token = now
+                    st.non_stream = True
+                    for c in (obj.get("choices") or []) if isinstance(obj, dict) else []:
+                        t = c.get("text") or (c.get("message") or {}).get("content") or ""
+                        if t:
+                            st.text_parts.append(t)
+                            st.chunks += 1
+                    st.usage = obj.get("usage") if isinstance(obj, dict) else None
+                    return "ok", None, status
+                buf = b""
+                done = False
+                async for data in resp.content.iter_any():
+                    buf += data
+                    while b"\n" in buf:
+                        line, buf = buf.split(b"\n", 1)
+                        err = self._handle_line(line, t_start, st)
+                        if err == "[DONE]":
+                            done = True
+                            break
+                        if err:
+                            return "fail", err, status
+                    if done:
+                        break
+                if not done and buf.strip():
+                    err = self._handle_line(buf, t_start, st)
+                    if err and err != "[DONE]":
+                        return "fail", err, status
+                if st.chunks == 0 and st.usage is None and st.first_chunk is None:
+                    return ("retry" if st.first_token is None else "fail"), "empty response stream", status
+                return "ok", None, status
+        except asyncio.TimeoutError:
+            err = f"timeout after {self.cfg.timeout_s:g} s"
+        except aiohttp.ClientError as e:
+            err = f"{type(e).__name__}: {e}"
+        except OSError as e:
+            err = f"{type(e).__name__}: {e}"
+        return ("retry" if st.first_token is None else "fail"), err, status
+
+    def _handle_line(self, raw: bytes, t_start: float, st: _Attempt) -> str | None:
+        line = raw.decode("utf-8", errors="replace").strip()
+        if not line or line.startswith(":") or not line.startswith("data:"):
+            return None
+        data = line[5:].strip()
+        if data == "[DONE]":
+            return "[DONE]"
+        try:
+            obj = json.loads(data)
+        except json.JSONDecodeError:
+            return f"bad SSE chunk: {data[:100]!r}"
+        if not isinstance(obj, dict):
+            return None
+        if obj.get("error"):
+            e = obj["error"]
+            return "server error: " + (e.get("message", str(e)) if isinstance(e, dict) else str(e))[:200]
+        now = time.perf_counter()
+        if obj.get("choices") and st.first_chunk is None:
+            st.first_chunk = now
+        text = _chunk_text(obj)
+        if text:
+            if st.first_token is None:
+                st.first_token = now
+            else:
+                st.itl.append(now - st.last_token)
+            st.last_token = now
+            st.chunks += 1
+            st.text_parts.append(text)
+        if obj.get("usage"):
+            st.usage = obj["usage"]
+        return None
+
+    async def send(self, kind: str, payload: Any, max_tokens: int, result: RequestResult,
+                   prompt_len_estimate: int) -> RequestResult:
+        """Send one request with retries, filling ``result`` (times, tokens, error)."""
+        url = self.url_for(kind)
+        body = self.body(kind, payload, max_tokens)
+        result.start_time = t_start = time.perf_counter()
+        attempt = 0
+        while True:
+            st = _Attempt()
+            try:
+                outcome, err, status = await self._attempt(url, body, t_start, st)
+            except Exception as e:  # noqa: BLE001 - a request failure must never end the run
+                outcome, err, status = "fail", f"unexpected {type(e).__name__}: {e}", None
+            result.http_status = status
+            if outcome == "ok":
+                break
+            if outcome == "fail" or attempt >= self.cfg.max_retries:
+                result.success = False
+                result.error = err
+                result.end_time = time.perf_counter()
+                result.prompt_tokens = prompt_len_estimate
+                return result
+            attempt += 1
+            result.retries += 1
+            await asyncio.sleep(min(self.cfg.retry_backoff_s * (2 ** (attempt - 1)), 5.0))
+        end = st.first_token if st.non_stream else time.perf_counter()
+        result.success = True
+        result.end_time = end
+        result.e2e = end - t_start
+        first = st.first_token if st.first_token is not None else (st.first_chunk or end)
+        result.first_token_time = first
+        result.ttft = first - t_start
+        result.itl = st.itl
+        result.generated_text = "".join(st.text_parts)
+        usage = st.usage or {}
+        if isinstance(usage.get("completion_tokens"), int):
+            result.output_tokens, result.output_tokens_source = usage["completion_tokens"], "usage"
+        elif self.tokens is not None and self.tokens.exact:
+            result.output_tokens = self.tokens.count(result.generated_text)
+            result.output_tokens_source = "tokenizer"
+        else:
+            result.output_tokens, result.output_tokens_source = st.chunks, "chunks"
+        if isinstance(usage.get("prompt_tokens"), int):
+            result.prompt_tokens = usage["prompt_tokens"]
+        else:
+            result.prompt_tokens = prompt_len_estimate
+        return result

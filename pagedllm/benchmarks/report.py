@@ -1,0 +1,188 @@
+"""The report side of ``pagedllm bench serve``: one run's raw requests
+aggregated into the result dict (``SCHEMA_VERSION``), its text table, and the
+output helpers every ``pagedllm bench``/``profile`` command shares (value
+formatting, strict JSON files).
+
+Result dict (``build_result``): ``schema_version``, ``tool``, ``label``,
+``date``, ``start_unix_s``, ``config`` (the :class:`BenchConfig` fields plus
+``endpoint_kind`` and ``num_prompts_effective``), ``dataset``,
+``tokenizer_exact``, ``summary`` (:func:`~pagedllm.benchmarks.metrics.summarize_results`
+plus ``peak_in_flight``, ``num_sessions``, ``num_warmups``),
+``server_metrics`` (:func:`~pagedllm.benchmarks.metrics.server_metrics_delta`)
+and ``requests`` (``RequestResult.to_dict``, times relative to the run start).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import asdict
+from typing import TYPE_CHECKING, Any, Sequence
+
+from .datasets import Dataset, TokenSource
+from .metrics import RequestResult, server_metrics_delta, summarize_results
+from .serve_options import BenchConfig
+
+if TYPE_CHECKING:
+    from .runner import LoadRun
+
+__all__ = ["SCHEMA_VERSION", "build_result", "peak_in_flight", "format_report", "fmt_value", "json_safe",
+           "save_json"]
+
+SCHEMA_VERSION = 1
+
+
+# ---------------------------------------------------------------------------
+# Shared output helpers
+# ---------------------------------------------------------------------------
+
+
+def fmt_value(v: Any, spec: str = ".2f") -> str:
+    """``v`` for a text table: "n/a" for None or NaN, floats with ``spec``, anything else ``str``."""
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "n/a"
+    if isinstance(v, float):
+        return format(v, spec)
+    return str(v)
+
+
+def json_safe(o: Any) -> Any:
+    """``o`` with non-finite floats made strict JSON: NaN -> None, infinities -> "inf"/"-inf"
+    (recursing into dicts, lists and tuples)."""
+    if isinstance(o, float) and not math.isfinite(o):
+        return None if math.isnan(o) else ("inf" if o > 0 else "-inf")
+    if isinstance(o, dict):
+        return {k: json_safe(v) for k, v in o.items()}
+    if isinstance(o, (list, tuple)):
+        return [json_safe(v) for v in o]
+    return o
+
+
+def save_json(obj: dict, path: str) -> None:
+    """Write ``obj`` to ``path`` as strict, indented JSON (see :func:`json_safe`; other
+    non-JSON values via ``str``), creating parent directories. Raises ``OSError``."""
+    d = os.path.dirname(os.path.abspath(path))
+    os.makedirs(d, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(json_safe(obj), f, indent=2, allow_nan=False, default=str)
+        f.write("\n")
+
+
+# ---------------------------------------------------------------------------
+# bench serve result
+# ---------------------------------------------------------------------------
+
+
+def peak_in_flight(results: Sequence[RequestResult]) -> int:
+    """Most requests in flight at once (between ``start_time`` and ``end_time``);
+    a request ending when another starts does not overlap it."""
+    events = sorted([(r.start_time, 1) for r in results] + [(r.end_time, -1) for r in results],
+                    key=lambda e: (e[0], e[1]))
+    cur = peak = 0
+    for _, d in events:
+        cur += d
+        peak = max(peak, cur)
+    return peak
+
+
+def build_result(cfg: BenchConfig, dataset: Dataset, tokens: TokenSource, run: "LoadRun") -> dict:
+    """The result dict of one run (see the module docstring); throughputs are per
+    second of the measured part, latencies in ms."""
+    results = run.results
+    duration = max(run.t_end - run.t0, 1e-9)
+    summary = summarize_results(results, duration, cfg.goodput_ms or None, cfg.percentiles)
+    summary["peak_in_flight"] = peak_in_flight(results) if results else 0
+    summary["num_sessions"] = len({r.session_id for r in results})
+    summary["num_warmups"] = run.num_warmups
+    config = asdict(cfg)
+    config["request_rate"] = "inf" if math.isinf(cfg.request_rate) else cfg.request_rate
+    config["percentiles"] = list(cfg.percentiles)
+    config["endpoint_kind"] = run.endpoint_kind
+    config["num_prompts_effective"] = run.num_prompts
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "tool": "pagedllm bench serve",
+        "label": cfg.label,
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(run.wall0)),
+        "start_unix_s": run.wall0,
+        "config": config,
+        "dataset": dataset.describe(),
+        "tokenizer_exact": tokens.exact,
+        "summary": summary,
+        "server_metrics": server_metrics_delta(run.metrics_before, run.metrics_after),
+        "requests": [r.to_dict(run.t0) for r in results],
+    }
+
+
+def format_report(res: dict) -> str:
+    """Human-readable table of a ``run_benchmark`` result ("n/a" for missing values)."""
+    s, m, c = res["summary"], res["server_metrics"], res["config"]
+    w = 44
+    lines = []
+
+    def title(t: str) -> None:
+        lines.append(f"{'-' * 8} {t} ".ljust(w + 16, "-"))
+
+    def row(k: str, v: Any, spec: str = ".2f") -> None:
+        val = fmt_value(v, spec)
+        lines.append(k + val.rjust(max(len(val) + 2, w + 16 - len(k))))
+
+    lines.append("=" * (w + 16))
+    lines.append(" Serving Benchmark Result ".center(w + 16, "="))
+    lines.append("=" * (w + 16))
+    row("Dataset", res["dataset"]["name"])
+    row("Model", c.get("model"))
+    row("Request rate (req/s)", c["request_rate"])
+    row("Max concurrency", c["max_concurrency"])
+    row("Requests issued", s["num_requests"])
+    row("Successful requests", s["completed"])
+    row("Failed requests", s["failed"])
+    row("Error rate", s["error_rate"], ".2%")
+    row("Retries (total)", s["total_retries"])
+    row("Retry rate (requests retried)", s["retry_rate"], ".2%")
+    row("Benchmark duration (s)", s["duration_s"])
+    row("Total input tokens", s["total_input_tokens"])
+    row("Total output tokens", s["total_output_tokens"])
+    row("Request throughput (req/s)", s["request_throughput"])
+    if s.get("goodput_slos_ms"):
+        slo = " ".join(f"{k}:{v:g}" for k, v in s["goodput_slos_ms"].items())
+        row(f"Goodput (req/s) [{slo} ms]", s["goodput"])
+        row("Requests meeting SLOs", s["goodput_fraction"], ".2%")
+    row("Input token throughput (tok/s)", s["input_token_throughput"])
+    row("Output token throughput (tok/s)", s["output_token_throughput"])
+    row("Total token throughput (tok/s)", s["total_token_throughput"])
+    row("Peak requests in flight", s.get("peak_in_flight"))
+    for key, name in (("ttft_ms", "Time to First Token"), ("tpot_ms", "Time per Output Token (excl. 1st)"),
+                      ("itl_ms", "Inter-token Latency"), ("e2e_ms", "End-to-end Latency")):
+        title(name)
+        st = s[key]
+        short = key.split("_")[0].upper()
+        for stat in ("mean", "median", "p90", "p99", "max"):
+            row(f"{stat.capitalize() if stat in ('mean', 'median', 'max') else stat.upper()} {short} (ms)", st.get(stat))
+        for k, v in st.items():
+            if k.startswith("p") and k not in ("p90", "p99", "p50"):
+                row(f"{k.upper()} {short} (ms)", v)
+    title("Client time split")
+    row("Waiting for first token (share of E2E)", s["client_prefill_share"], ".2%")
+    row("Streaming after first token (share)", s["client_decode_share"], ".2%")
+    row("Mean client-side wait (ms)", s["client_wait_ms"]["mean"])
+    title("Server metrics (Prometheus, over the run)")
+    if not m["available"]:
+        row("/metrics", "n/a")
+    row("Mean queue time (ms)", m["queue_mean_ms"])
+    row("Mean prefill time (ms)", m["prefill_mean_ms"])
+    row("Mean decode time (ms)", m["decode_mean_ms"])
+    row("Queue time share", m["queue_time_share"], ".2%")
+    row("Prefill time share", m["prefill_time_share"], ".2%")
+    row("Decode time share", m["decode_time_share"], ".2%")
+    row("Preemptions", m["num_preemptions"], ".0f")
+    row("Prefix cache hit rate", m["prefix_cache_hit_rate"], ".2%")
+    row("Server-side mean TTFT (ms)", m["ttft_mean_ms"])
+    if s["errors"]:
+        title("Errors")
+        for e, n in sorted(s["errors"].items(), key=lambda kv: -kv[1])[:5]:
+            lines.append(f"{n:>6} x {e[:w + 6]}")
+    lines.append("=" * (w + 16))
+    return "\n".join(lines)

@@ -1,0 +1,271 @@
+"""The load side of ``pagedllm bench serve``: when each session starts and
+how many run at once.
+
+Arrivals follow a gamma process with rate ``request_rate`` (req/s) and shape
+``burstiness`` (shape 1 = Poisson; < 1 burstier; > 1 more regular), or a
+trace's own timestamps. ``max_concurrency`` bounds in-flight *sessions* (for
+single-turn datasets, in-flight requests); a session that arrives while the
+bound is reached waits on the client, which is recorded as client wait.
+Warm-up requests run first, unpaced, and are left out of the results.
+A multi-turn session sends its turns one after another, each after the
+previous reply plus the turn's think time.
+
+:func:`run_load` drives the load and returns the raw :class:`LoadRun`;
+:func:`run_benchmark` is that plus :func:`~pagedllm.benchmarks.report.build_result`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import numpy as np
+
+from .client import OpenAIStreamClient
+from .datasets import Dataset, MultiTurnDataset, Session, TokenSource
+from .metrics import RequestResult
+from .report import build_result
+from .serve_options import BenchConfig, BenchError
+
+__all__ = ["arrival_intervals", "iter_arrival_offsets", "sleep_until", "LoadRun", "run_load", "run_benchmark"]
+
+
+def arrival_intervals(n: int, rate: float, burstiness: float, rng: np.random.Generator) -> np.ndarray:
+    """``n`` inter-arrival gaps in seconds for mean rate ``rate`` (req/s).
+
+    Gaps are gamma distributed with shape ``burstiness`` and scale
+    ``1 / (rate * burstiness)``: mean ``1/rate``, coefficient of variation
+    ``1/sqrt(burstiness)``; ``burstiness == 1`` is a Poisson process
+    (exponential gaps). ``rate == inf`` gives zeros. Raises ``ValueError``
+    for non-positive rate or burstiness.
+    """
+    if not rate > 0 or not burstiness > 0:
+        raise ValueError("rate and burstiness must be > 0")
+    if math.isinf(rate):
+        return np.zeros(n)
+    return rng.gamma(shape=burstiness, scale=1.0 / (rate * burstiness), size=n)
+
+
+def iter_arrival_offsets(rate: float, burstiness: float, seed: int) -> Iterator[float]:
+    """Infinite arrival offsets (seconds from start): 0 first, then cumulative gaps."""
+    rng = np.random.default_rng([seed, 99])
+    t = 0.0
+    while True:
+        yield t
+        for gap in arrival_intervals(256, rate, burstiness, rng):
+            t += float(gap)
+            yield t
+
+
+async def sleep_until(deadline: float) -> None:
+    """Sleep until ``time.perf_counter() >= deadline`` (seconds)."""
+    delay = deadline - time.perf_counter()
+    if delay > 0:
+        await asyncio.sleep(delay)
+
+
+
+class _Runner:
+    """Sends sessions through ``client``: pacing, the concurrency bound and the turns of a session."""
+
+    def __init__(self, cfg: BenchConfig, client: OpenAIStreamClient, tokens: TokenSource, kind_override: str):
+        self.cfg, self.client, self.tokens, self.kind_override = cfg, client, tokens, kind_override
+        self.results: list[RequestResult] = []
+        self._next_id = 0
+        self.progress: Any = None  # a tqdm bar while the measured run is going
+
+    def _kind(self, s: Session) -> str:
+        return s.kind if self.kind_override == "auto" else self.kind_override
+
+    async def run_session(self, s: Session, scheduled: float, sink: list[RequestResult]) -> None:
+        kind = self._kind(s)
+        messages: list[dict] = []
+        est = 0
+        if s.system_prompt:
+            messages.append({"role": "system", "content": s.system_prompt})
+            est += self.tokens.count(s.system_prompt)
+        prev_end = None
+        for k, turn in enumerate(s.turns):
+            if prev_end is not None:
+                scheduled = prev_end + turn.think_time_s
+                await sleep_until(scheduled)
+            if kind == "chat":
+                content = turn.message
+                if content is None:
+                    content = turn.prompt if isinstance(turn.prompt, str) else self.tokens.decode(turn.prompt or [])
+                messages.append({"role": "user", "content": content})
+                payload: Any = list(messages)
+                est += turn.prompt_len
+                prompt_est = est
+            else:
+                if len(s.turns) > 1:
+                    raise BenchError("multi-turn sessions need the chat endpoint (--endpoint-type chat)")
+                payload = turn.prompt if turn.prompt is not None else turn.message
+                if self.cfg.prompt_format == "text" and isinstance(payload, list):
+                    payload = self.tokens.decode(payload)
+                prompt_est = turn.prompt_len
+            r = RequestResult(request_id=self._next_id, scheduled_time=scheduled, session_id=s.session_id, turn=k)
+            self._next_id += 1
+            sink.append(r)
+            await self.client.send(kind, payload, turn.output_len, r, prompt_est)
+            if self.progress is not None:
+                self.progress.update(1)
+            prev_end = r.end_time
+            if not r.success:
+                break
+            if kind == "chat":
+                messages.append({"role": "assistant", "content": r.generated_text})
+                est = r.prompt_tokens + r.output_tokens
+
+    async def run_sessions(self, sessions: Iterator[Session], timed: bool, t0: float,
+                           paced: bool, sink: list[RequestResult], limit: int | None,
+                           duration_s: float | None, concurrency: int | None) -> None:
+        cfg = self.cfg
+        sem = asyncio.Semaphore(concurrency) if concurrency else None
+        offsets = iter_arrival_offsets(cfg.request_rate, cfg.burstiness, cfg.seed)
+        tasks: list[asyncio.Task] = []
+        count = 0
+
+        async def wrapped(s: Session, scheduled: float) -> None:
+            try:
+                await self.run_session(s, scheduled, sink)
+            finally:
+                if sem is not None:
+                    sem.release()
+
+        for s in sessions:
+            if limit is not None and count >= limit:
+                break
+            if not paced:
+                scheduled = t0
+            elif timed and s.arrival_s is not None:
+                scheduled = t0 + s.arrival_s
+            else:
+                scheduled = t0 + next(offsets)
+            if duration_s is not None and scheduled - t0 >= duration_s:
+                break
+            await sleep_until(scheduled)
+            if sem is not None:
+                await sem.acquire()
+                if duration_s is not None and time.perf_counter() - t0 >= duration_s:
+                    sem.release()
+                    break
+            tasks.append(asyncio.create_task(wrapped(s, scheduled)))
+            count += 1
+        if tasks:
+            await asyncio.gather(*tasks)
+
+
+def _progress_bar(cfg: BenchConfig, dataset: Dataset, num_prompts: int | None) -> Any:
+    """A tqdm bar over requests on stderr (None when quiet or tqdm is missing)."""
+    if cfg.quiet:
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    total = None
+    if dataset.timed:
+        n = len(getattr(dataset, "rows", []))
+        total = min(n, num_prompts) if num_prompts else n
+    elif num_prompts is not None and cfg.duration_s is None:
+        total = num_prompts * getattr(dataset, "num_turns", 1)
+    return tqdm(total=total, unit="req", desc="requests", file=sys.stderr, leave=False)
+
+
+@dataclass
+class LoadRun:
+    """What one measured run produced, before aggregation.
+
+    ``results`` are the measured requests sorted by id; ``num_warmups`` counts
+    warm-up requests sent. ``t0``/``t_end`` are ``time.perf_counter()`` seconds
+    around the measured part, ``wall0`` the unix time at ``t0``.
+    ``metrics_before``/``metrics_after`` are ``/metrics`` snapshots (None when
+    unavailable). ``endpoint_kind`` is "completions" or "chat";
+    ``num_prompts`` the session limit used (None: until ``duration_s`` or
+    the trace ends).
+    """
+
+    results: list[RequestResult]
+    num_warmups: int
+    t0: float
+    t_end: float
+    wall0: float
+    metrics_before: dict | None
+    metrics_after: dict | None
+    endpoint_kind: str
+    num_prompts: int | None
+
+
+async def run_load(cfg: BenchConfig, dataset: Dataset, tokens: TokenSource | None = None) -> LoadRun:
+    """Send ``dataset``'s sessions in ``cfg``'s load shape and collect the results.
+
+    Fills ``cfg.model`` from ``/v1/models`` when it is not set. Raises
+    ``BenchError`` for invalid options or when no ``model`` is given and
+    ``/v1/models`` cannot be read. Request failures never raise.
+    """
+    cfg.validate()
+    tokens = tokens or TokenSource(None)
+    kind = dataset.kind if cfg.endpoint_type == "auto" else cfg.endpoint_type
+    if isinstance(dataset, MultiTurnDataset) and kind != "chat":
+        raise BenchError("--dataset multi-turn needs --endpoint-type chat (or auto)")
+    id_prompts = dataset.name in ("random", "shared-prefix", "trace")
+    if id_prompts and not tokens.exact and (kind == "chat" or cfg.prompt_format == "text"):
+        flag = "--endpoint-type chat" if kind == "chat" else "--prompt-format text"
+        raise BenchError(f"{flag} with --dataset {dataset.name} turns token ids into text and needs a "
+                         f"tokenizer (--tokenizer)")
+    num_prompts = cfg.num_prompts
+    if num_prompts is None and cfg.duration_s is None and not dataset.timed:
+        num_prompts = 100
+    async with OpenAIStreamClient(cfg, tokens) as client:
+        if not cfg.model:
+            try:
+                models = await client.get_json("/v1/models")
+                cfg.model = models["data"][0]["id"]
+            except Exception as e:  # noqa: BLE001
+                raise BenchError(f"cannot read {cfg.root_url}/v1/models to pick a model ({e}); pass --model") from None
+        runner = _Runner(cfg, client, tokens, cfg.endpoint_type)
+        warm: list[RequestResult] = []
+        if cfg.num_warmups:
+            if not cfg.quiet:
+                print(f"warm-up: {cfg.num_warmups} request(s)", file=sys.stderr)
+            wsessions = dataset.sessions(cfg.seed) if dataset.timed else dataset.sessions(cfg.seed + 1)
+            await runner.run_sessions(wsessions, False, time.perf_counter(), False, warm, cfg.num_warmups,
+                                      None, cfg.max_concurrency or cfg.num_warmups)
+            if warm and not any(r.success for r in warm) and not cfg.quiet:
+                print(f"warning: all warm-up requests failed: {warm[0].error}", file=sys.stderr)
+        before = await client.scrape_metrics()
+        results: list[RequestResult] = []
+        runner._next_id = 0
+        if not cfg.quiet:
+            what = f"{num_prompts} session(s)" if num_prompts else "sessions"
+            dur = f" for {cfg.duration_s:g} s" if cfg.duration_s else ""
+            print(f"benchmark: {what}{dur} against {cfg.root_url} (model {cfg.model})", file=sys.stderr)
+        runner.progress = _progress_bar(cfg, dataset, num_prompts)
+        wall0 = time.time()
+        t0 = time.perf_counter()
+        try:
+            await runner.run_sessions(dataset.sessions(cfg.seed), dataset.timed, t0, True, results, num_prompts,
+                                      cfg.duration_s, cfg.max_concurrency)
+        finally:
+            if runner.progress is not None:
+                runner.progress.close()
+        t_end = time.perf_counter()
+        after = await client.scrape_metrics()
+    results.sort(key=lambda r: r.request_id)
+    return LoadRun(results, len(warm), t0, t_end, wall0, before, after, kind, num_prompts)
+
+
+async def run_benchmark(cfg: BenchConfig, dataset: Dataset, tokens: TokenSource | None = None) -> dict:
+    """Run one benchmark and return the result dict (schema:
+    :func:`~pagedllm.benchmarks.report.build_result`, ``SCHEMA_VERSION``).
+
+    Raises ``BenchError`` as :func:`run_load` does. Request failures never raise.
+    """
+    tokens = tokens or TokenSource(None)
+    run = await run_load(cfg, dataset, tokens)
+    return build_result(cfg, dataset, tokens, run)
