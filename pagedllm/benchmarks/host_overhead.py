@@ -46,7 +46,7 @@ def make_tiny_llama(path: str, vocab_size: int = 512, seed: int = 0) -> str:
 def _find_model(llm):
     """The in-process model module behind ``llm`` (a benchmark may look inside)."""
     eng = llm.llm_engine
-    for path in ("engine_core.engine_core.model_executor.driver_worker.model_runner.model",
+    for path in ("engine_core.engine_core.executor.driver_worker.model_runner.model",
                  "core.runner.model"):
         obj = eng
         try:

@@ -34,6 +34,9 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching)
         self.req_blocks: dict[str, list[KVCacheBlock]] = {}
+        # leading blocks of each request already registered in the prefix cache (a held
+        # block keeps its hash), so each step registers only the newly full ones
+        self.num_cached_blocks: dict[str, int] = {}
         self.stats = PrefixCacheStats()
 
     # -- hashing -------------------------------------------------------------------
@@ -109,14 +112,16 @@ class KVCacheManager:
         if self.enable_caching:
             self.update_block_hashes(req)
             n_full = min(total // self.block_size, len(req.block_hashes))
-            for i in range(n_full):
+            for i in range(self.num_cached_blocks.get(req.request_id, 0), n_full):
                 self.pool.cache_block(blocks[i], req.block_hashes[i])
+            self.num_cached_blocks[req.request_id] = n_full
         return new_blocks
 
     def free(self, req: Request) -> None:
         """Release the request's blocks, tail first, so that eviction takes a chain's
         deepest blocks before its shared parents."""
         blocks = self.req_blocks.pop(req.request_id, None)
+        self.num_cached_blocks.pop(req.request_id, None)
         if blocks:
             self.pool.free_blocks(reversed(blocks))
 

@@ -54,7 +54,7 @@ class InprocClient(EngineCoreClient):
     in-process tools only; the front end never reaches through it."""
 
     def __init__(self, config: EngineConfig):
-        from pagedllm.core.engine_core import EngineCore
+        from pagedllm.core import EngineCore
 
         self.engine_core = EngineCore(config)
         self.info = self.engine_core.info

@@ -1,0 +1,106 @@
+"""Imports only go down the layers, and the packages form no cycle.
+
+Every ``import`` of a ``pagedllm`` module (at module level or inside a function) is read
+from the source with ``ast``; each top-level unit of the package (a subpackage or a
+module) has a rank below, and an import may only reach a unit of strictly lower rank.
+A new unit must be given a rank here, which is where its place in the design is decided.
+"""
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+
+import pagedllm
+
+# Low to high: an import may only point to a lower rank.
+RANKS = {
+    "errors": 0, "envs": 0, "outputs": 0, "forward_context": 0,
+    "utils": 1, "sampling_params": 1, "kernels": 1, "sample": 1,
+    "messages": 2, "attention": 2, "tokenizer": 2,
+    "layers": 3,
+    "models": 4,
+    "config": 5,
+    "worker": 6,
+    "executor": 7,
+    "core": 8,
+    "engine": 9,
+    "entrypoints": 10,
+    "benchmarks": 11,
+}
+ROOT = pathlib.Path(pagedllm.__file__).parent
+
+
+def _module_name(path: pathlib.Path) -> str:
+    parts = ("pagedllm",) + path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: pathlib.Path) -> list[tuple[str, int]]:
+    """(imported module, line) for every pagedllm import in ``path``."""
+    mod = _module_name(path)
+    package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out += [(a.name, node.lineno) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module
+            # "from pagedllm import envs" imports the module pagedllm.envs
+            out += [(f"{module}.{a.name}" if module == "pagedllm" else module, node.lineno)
+                    for a in node.names]
+    return [(m, line) for m, line in out if m == "pagedllm" or m.startswith("pagedllm.")]
+
+
+def _unit(module: str) -> str | None:
+    parts = module.split(".")
+    if len(parts) < 2:
+        return None
+    if parts[1] not in RANKS and hasattr(pagedllm, parts[1]):   # a re-export, e.g. pagedllm.LLM
+        return getattr(pagedllm, parts[1]).__module__.split(".")[1]
+    return parts[1]
+
+
+def test_every_unit_has_a_rank():
+    units = {p.stem if p.is_file() else p.name for p in ROOT.iterdir()
+             if (p.is_dir() and (p / "__init__.py").exists()) or (p.suffix == ".py" and p.stem != "__init__")}
+    assert units == set(RANKS), f"rank these units: {sorted(units - set(RANKS))}; gone: {sorted(set(RANKS) - units)}"
+
+
+def test_imports_only_go_down():
+    back_edges = []
+    for path in sorted(ROOT.rglob("*.py")):
+        src = _unit(_module_name(path))
+        if src is None:   # pagedllm/__init__.py re-exports the public API from the top
+            continue
+        for module, line in _imports(path):
+            dst = _unit(module)
+            if dst is None or dst == src:
+                continue
+            if RANKS[dst] >= RANKS[src]:
+                back_edges.append(f"{path.relative_to(ROOT.parent)}:{line}: {src} -> {dst}")
+    assert not back_edges, "imports that go up or sideways:\n" + "\n".join(back_edges)
+
+
+@pytest.mark.parametrize("package", ["engine", "entrypoints"])
+def test_front_end_reaches_no_core_internals(package):
+    """The front end talks to the core through EngineCoreClient and messages only."""
+    bad = []
+    for path in (ROOT / package).rglob("*.py"):
+        text = path.read_text()
+        for needle in (".core.", "last_step", ".runner."):
+            if needle in text:
+                bad.append(f"{path.name}: {needle}")
+    assert not bad, bad
+
+
+def test_model_files_import_only_layers():
+    for path in (ROOT / "models").glob("*.py"):
+        for module, line in _imports(path):
+            assert not module.startswith(("pagedllm.kernels", "pagedllm.attention")), (
+                f"{path.name}:{line} imports {module}: models are built from layers/ only")
