@@ -177,6 +177,9 @@ class SchedulerOutput(msgspec.Struct):
         total_num_scheduled_tokens: their sum (<= max_num_batched_tokens).
         scheduled_spec_decode_tokens: req_id → proposed draft tokens to verify (empty
             without speculative decoding).
+        grammar_bitmask: for structured outputs, allowed-token bitmasks of the requests
+            that have a grammar; nothing produces one yet, and the runner refuses one
+            rather than ignore it.
         finished_req_ids: requests that ended since the last step; the runner forgets them.
         num_prefill_tokens / num_decode_tokens / num_preempted: for statistics.
     """
@@ -186,6 +189,7 @@ class SchedulerOutput(msgspec.Struct):
     num_scheduled_tokens: dict[str, int]
     total_num_scheduled_tokens: int
     scheduled_spec_decode_tokens: dict[str, list[int]] = {}
+    grammar_bitmask: bytes | None = None
     finished_req_ids: set[str] = set()
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0

@@ -250,3 +250,14 @@ def test_eos_stops_unless_ignored(llm):
     out = llm.generate([prompt], sp, use_tqdm=False)[0].outputs[0]
     assert len(out.token_ids) >= hits[0] + 2
     assert not set(out.token_ids[: hits[0] + 2]) & eos
+
+
+def test_runner_forgets_finished_requests(llm, mixed_prompts):
+    """The persistent batch holds a row only while its request runs: the step after the
+    last one (here an idle one) tells the runner what finished, and it frees the rows."""
+    llm.generate(mixed_prompts[:3], greedy(4), use_tqdm=False)
+    eng = llm.llm_engine
+    runner = model_runner(eng)
+    assert len(runner.requests) == 3
+    eng.engine_core.get_output()
+    assert not runner.requests and len(runner.input_batch) == 0

@@ -52,13 +52,6 @@ def test_completion_body_errors(body, message, param):
 
 
 @pytest.mark.parametrize("messages, message", [
-    ([{"role": "user", "content": None}],
-     "invalid value for messages.0: content is required for a message with role 'user'"),
-    ([{"role": "system", "content": "be brief"}, {"role": "user"}],
-     "invalid value for messages.1: content is required for a message with role 'user'"),
-    ([{"role": "bot", "content": "hi"}],
-     "invalid value for messages.0.role: Input should be 'system', 'developer', 'user', "
-     "'assistant', 'tool' or 'function'"),
     ([{"content": "hi"}], "missing required parameter: messages.0.role"),
     ([{"role": "user", "content": 5}],
      "invalid value for messages.0.content: expected a string or an array of content parts "
@@ -78,14 +71,33 @@ def test_assistant_message_may_omit_content():
     assert req.messages[1].content is None
 
 
-def test_roles_match_the_engine():
-    """The HTTP schema and the engine's own check (LLM.chat) accept the same roles."""
-    from typing import get_args
+def test_message_rules_live_in_the_engine_only():
+    """The HTTP schema checks the JSON shape; which roles exist and when content may be
+    null is decided once, by normalize_chat_messages (HTTP and LLM.chat alike)."""
+    from pagedllm.engine.llm_engine import normalize_chat_messages
+    from pagedllm.errors import InvalidParameterError
 
-    from pagedllm.engine.llm_engine import CHAT_ROLES
-    from pagedllm.entrypoints.openai.protocol import ChatMessage
+    for msgs, words in [([{"role": "bot", "content": "hi"}], "messages[0].role must be one of"),
+                        ([{"role": "user", "content": None}], "messages[0].content is required")]:
+        req = ChatCompletionRequest.model_validate({"messages": msgs})
+        with pytest.raises(InvalidParameterError) as e:
+            normalize_chat_messages([m.model_dump() for m in req.messages])
+        assert e.value.param == "messages" and words in str(e.value)
 
-    assert get_args(ChatMessage.model_fields["role"].annotation) == CHAT_ROLES
+
+def test_openai_names_map_onto_the_engine_once():
+    from pagedllm.errors import InvalidParameterError
+
+    req = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}],
+                                                "max_tokens": 5, "max_completion_tokens": 3})
+    assert req.to_sampling_params(None).max_tokens == 3
+    err = req.to_api_error(InvalidParameterError("max_tokens", "max_tokens (3) is too many"))
+    assert (err.param, str(err)) == ("max_completion_tokens", "max_completion_tokens (3) is too many")
+    assert req.to_api_error(InvalidParameterError("prompt", "x")).param == "messages"
+    plain = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}], "max_tokens": 5})
+    assert plain.to_api_error(InvalidParameterError("max_tokens", "m")).param == "max_tokens"
+    assert CompletionRequest.model_validate({"prompt": "x"}).to_api_error(
+        InvalidParameterError("prompt", "m")).param == "prompt"
 
 
 @pytest.mark.parametrize("messages, words", [

@@ -16,10 +16,6 @@ class PrefixCacheStats:
     hits: int = 0
     requests: int = 0
 
-    @property
-    def hit_rate(self) -> float:
-        return self.hits / self.queries if self.queries else 0.0
-
 
 class KVCacheManager:
     """Allocates blocks for requests and finds their cached prefixes.

@@ -51,7 +51,6 @@ class AsyncLLM:
         self._inbox: queue.Queue = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._lock = threading.Lock()
-        self._counter = 0
         self._dead: BaseException | None = None
         self._stop = False
         self._failed_steps = 0  # consecutive
@@ -80,11 +79,6 @@ class AsyncLLM:
     def add_stat_logger(self, stat_logger) -> None:
         """Attach a logger with ``record(SchedulerStats, IterationStats)`` (e.g. Prometheus's)."""
         self.engine.stat_loggers.append(stat_logger)
-
-    def new_request_id(self, prefix: str = "req") -> str:
-        with self._lock:
-            self._counter += 1
-            return f"{prefix}-{self._counter}"
 
     def _check_alive(self) -> None:
         if self._dead is not None:

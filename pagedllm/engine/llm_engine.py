@@ -183,9 +183,6 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.states)
 
-    def get_num_unfinished_requests(self) -> int:
-        return len(self.states)
-
     # ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one engine step; returns a RequestOutput for every request that got new

@@ -90,7 +90,7 @@ class Processor:
         text, ids = self.tokenize(prompt)
         if len(ids) >= self.max_model_len:
             raise InvalidParameterError(
-                "prompt", f"prompt is {len(ids)} tokens, which leaves no room to generate within "
+                "prompt", f"prompt ({len(ids)} tokens) leaves no room to generate within "
                 f"max_model_len ({self.max_model_len})")
         if not self.enable_chunked_prefill and len(ids) > self.max_num_batched_tokens:
             raise InvalidParameterError(

@@ -148,6 +148,8 @@ class ModelRunner:
         Returns:
             the scheduled requests (decodes first) and the tokens each produced.
         """
+        if so.grammar_bitmask is not None or so.scheduled_spec_decode_tokens:
+            raise NotImplementedError("structured outputs and speculative decoding are not implemented")
         self._update_states(so)
         if so.is_empty:
             return ModelRunnerOutput([], [])

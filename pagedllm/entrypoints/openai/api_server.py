@@ -132,7 +132,10 @@ def build_app(engine: AsyncLLM, prometheus=None, trust_request_chat_template: bo
     async def completions(body: CompletionRequest, raw: Request):
         if (r := check_model(body.model)) is not None:
             return r
-        params = body.to_sampling_params(default_max_tokens=16)
+        try:
+            params = body.to_sampling_params(default_max_tokens=16)
+        except InvalidParameterError as e:
+            raise body.to_api_error(e) from e
         p = body.prompt
         if isinstance(p, str) or (isinstance(p, list) and p and isinstance(p[0], int)):
             prompts = [p]
@@ -230,35 +233,25 @@ def build_app(engine: AsyncLLM, prometheus=None, trust_request_chat_template: bo
                 "chat_template", "chat_template in a request is refused: start the server with "
                                  "--trust-request-chat-template to allow it")
         body.check_supported()
-        # Checked and reduced to string content by the engine (normalize_chat_messages).
-        messages = [{"role": m.role, "content": m.content} for m in body.messages]
-        try:
-            ids = await engine.apply_chat_template(messages, body.add_generation_prompt, body.chat_template,
-                                                   body.chat_template_kwargs)
-        except (InvalidParameterError, EngineDeadError):
-            raise
-        except Exception as e:  # the engine's ValueErrors already say what failed
-            raise InvalidParameterError(
-                "chat_template" if body.chat_template is not None
-                else "chat_template_kwargs" if body.chat_template_kwargs else "messages",
-                str(e) if isinstance(e, ValueError) else f"cannot apply the chat template: {e}") from e
-        if len(ids) >= engine.max_model_len:
-            raise InvalidParameterError(
-                "messages", f"the conversation is {len(ids)} tokens, which leaves no room to generate "
-                            f"within max_model_len ({engine.max_model_len})")
-        # OpenAI's current name wins over the deprecated max_tokens, as in vLLM
-        if body.max_completion_tokens is not None:
-            body.max_tokens = body.max_completion_tokens
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         try:
+            # Checked and reduced to string content by the engine (normalize_chat_messages).
+            messages = [{"role": m.role, "content": m.content} for m in body.messages]
+            try:
+                ids = await engine.apply_chat_template(messages, body.add_generation_prompt, body.chat_template,
+                                                       body.chat_template_kwargs)
+            except (InvalidParameterError, EngineDeadError):
+                raise
+            except Exception as e:  # the engine's ValueErrors already say what failed
+                raise InvalidParameterError(
+                    "chat_template" if body.chat_template is not None
+                    else "chat_template_kwargs" if body.chat_template_kwargs else "messages",
+                    str(e) if isinstance(e, ValueError) else f"cannot apply the chat template: {e}") from e
             params = body.to_sampling_params(default_max_tokens=None)
             stream = await engine.add_request(rid, ids, params)
         except InvalidParameterError as e:
-            if e.param == "max_tokens" and body.max_completion_tokens is not None:
-                raise InvalidParameterError(
-                    "max_completion_tokens", str(e).replace("max_tokens", "max_completion_tokens")) from e
-            raise
+            raise body.to_api_error(e) from e
         if body.stream:
             return StreamingResponse(_stream_chat(stream, rid, created, body),
                                      media_type="text/event-stream")

@@ -14,11 +14,10 @@ and ignored.
 from __future__ import annotations
 
 import re
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field
 
-from pagedllm.engine.llm_engine import CHAT_ROLES
 from pagedllm.errors import InvalidParameterError
 from pagedllm.sampling_params import SamplingParams
 
@@ -98,9 +97,26 @@ class _SamplingFields(_Strict):
                 raise InvalidParameterError(
                     name, f"{name} is not supported{f' ({why})' if why else ''}")
 
+    def requested_max_tokens(self) -> int | None:
+        """The output-token limit the client asked for (None: not set)."""
+        return self.max_tokens
+
+    def api_param_names(self) -> dict[str, str]:
+        """Engine parameter name -> the field of this request that carried it, where they
+        differ (the one place OpenAI's names are mapped onto the engine's)."""
+        return {}
+
+    def to_api_error(self, e: InvalidParameterError) -> InvalidParameterError:
+        """``e`` with its parameter (and the name in its message) as this request spells it."""
+        name = self.api_param_names().get(e.param)
+        if name is None:
+            return e
+        return InvalidParameterError(name, str(e).replace(e.param, name))
+
     def to_sampling_params(self, default_max_tokens: int | None) -> SamplingParams:
-        """Raises InvalidParameterError naming the field."""
+        """Raises InvalidParameterError naming the engine's parameter (see ``to_api_error``)."""
         self.check_supported()
+        max_tokens = self.requested_max_tokens()
         return SamplingParams(
             n=self.n,
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -108,7 +124,7 @@ class _SamplingFields(_Strict):
             top_k=0 if self.top_k is None else self.top_k,
             min_p=0.0 if self.min_p is None else self.min_p,
             seed=self.seed,
-            max_tokens=default_max_tokens if self.max_tokens is None else self.max_tokens,
+            max_tokens=default_max_tokens if max_tokens is None else max_tokens,
             min_tokens=self.min_tokens,
             stop=self.stop,
             stop_token_ids=self.stop_token_ids,
@@ -138,19 +154,14 @@ class CompletionRequest(_SamplingFields):
 
 
 class ChatMessage(BaseModel):
-    """One message of ``messages``: a role OpenAI defines, and text content (a string or an
-    array of text parts). Only an assistant message may omit ``content`` (or send null), as
-    after a tool call in OpenAI's API; it then renders as empty text."""
+    """The JSON shape of one message of ``messages``: a role string and text content (a
+    string, an array of content parts, or null). The rules (which roles, when content may
+    be null, which parts) are the engine's, checked once for HTTP and offline alike by
+    ``normalize_chat_messages``."""
 
     model_config = ConfigDict(strict=True, extra="allow")
-    role: Literal[CHAT_ROLES]
+    role: str
     content: str | list[dict[str, Any]] | None = None
-
-    @model_validator(mode="after")
-    def _content_required(self):
-        if self.content is None and self.role != "assistant":
-            raise ValueError(f"content is required for a message with role '{self.role}'")
-        return self
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -176,7 +187,7 @@ class ChatCompletionRequest(_SamplingFields):
     }
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
+    max_completion_tokens: int | None = None  # OpenAI's current name of max_tokens; wins over it
     add_generation_prompt: bool = True
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # extra template variables (vLLM's field)
@@ -188,6 +199,16 @@ class ChatCompletionRequest(_SamplingFields):
     function_call: Any = None
     modalities: Any = None
     parallel_tool_calls: bool | None = None  # only meaningful with tools, which are rejected
+
+    def requested_max_tokens(self) -> int | None:
+        # OpenAI's current name wins over the deprecated max_tokens, as in vLLM
+        return self.max_tokens if self.max_completion_tokens is None else self.max_completion_tokens
+
+    def api_param_names(self) -> dict[str, str]:
+        names = {"prompt": "messages"}   # the rendered conversation is the engine's prompt
+        if self.max_completion_tokens is not None:
+            names["max_tokens"] = "max_completion_tokens"
+        return names
 
 
 # pydantic marks which member of a union an error belongs to with the member's type in the
