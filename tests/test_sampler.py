@@ -183,3 +183,17 @@ def test_seeded_rows_do_not_advance_the_global_rng():
     torch.manual_seed(7)
     b = sample(logits[1:], md(1, temperature=1.0))[0].item()
     assert a == b
+
+
+def test_top_k_1_is_greedy_even_with_ties():
+    """Tied top logits (common when the LM head's output was rounded to bf16): top_k=1
+    must pick what greedy picks, for every seed, not one of the tied tokens at random."""
+    logits = rand_logits(4)
+    logits[:, 7] = logits[:, 30] = logits.max() + 1.0       # a two-way tie at the top
+    greedy_ids = sample(logits, md(4, temperature=0.0))
+    assert greedy_ids.tolist() == [7] * 4
+    for seed in range(6):
+        got = sample(logits, md(4, temperature=1.0, top_k=1, seeds=[seed, seed + 1, None, seed]))
+        assert got.tolist() == greedy_ids.tolist()
+    mixed = sample(logits, md(4, temperature=[0.0, 1.0, 1.0, 1.0], top_k=[0, 1, 2, 1], seeds=[0, 1, 2, 3]))
+    assert mixed[[0, 1, 3]].tolist() == [7, 7, 7] and mixed[2].item() in (7, 30)

@@ -53,6 +53,10 @@ def _apply_top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Te
 class Sampler:
     """Turns float32 logits [N, V] into token ids int64 [N].
 
+    Rows with temperature 0, or with ``top_k == 1`` (one candidate: the argmax), are
+    greedy: argmax, whose first-index rule also settles ties, which low-precision logits
+    make common (sampling among tied top tokens would make top_k=1 random).
+
     Random rows draw with the exponential-race trick: argmax(p_i / E_i) with
     E_i ~ Exp(1) selects token i with probability p_i (a Gumbel-max equivalent), so each
     row consumes exactly V draws from its own generator per step: a seeded request's
@@ -81,4 +85,4 @@ class Sampler:
             else:
                 q[i].exponential_(generator=g)
         sampled = (probs / q).argmax(dim=-1)
-        return torch.where(md.temperature > 0, sampled, greedy_ids)
+        return torch.where((md.temperature > 0) & (md.top_k != 1), sampled, greedy_ids)

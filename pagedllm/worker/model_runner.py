@@ -122,7 +122,7 @@ class ModelRunner:
         dev = self.device
         temp = b.temperature[rows]
         top_k, top_p, min_p = b.top_k[rows], b.top_p[rows], b.min_p[rows]
-        random = temp > 0
+        random = (temp > 0) & (top_k != 1)   # top_k=1 is greedy (see Sampler)
         banned = None
         if b.stop_ids:
             below_min = (b.num_tokens[rows] - b.num_prompt_tokens[rows]) < b.min_tokens[rows]
