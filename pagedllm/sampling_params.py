@@ -29,7 +29,8 @@ class SamplingParams:
         min_p: drop tokens whose probability is below min_p × the top probability, [0, 1].
         seed: per-request RNG seed; the same seed gives the same tokens whatever the batch.
         max_tokens: most tokens to generate (>= 1); None = up to max_model_len.
-        min_tokens: EOS and stop token ids are suppressed until this many tokens exist.
+        min_tokens: EOS and stop token ids are suppressed, and stop strings not looked
+            for, until this many tokens exist.
         stop: strings that end generation; the matched string is not in the text
             (unless ``include_stop_str_in_output``).
         stop_token_ids: token ids that end generation (kept in token ids, not in text).

@@ -120,3 +120,21 @@ def test_stop_string_in_the_first_token(tokenizer):
     ids = tokenizer.encode("Hello world", add_special_tokens=False)
     deltas, last, matched, d = stream(tokenizer, ids, stop=["Hello"])
     assert (deltas, last, matched, d.text) == ([], "", "Hello", "")
+
+
+def test_stop_strings_wait_for_min_tokens(tokenizer):
+    """As vLLM: a stop string completed before min_tokens tokens exist does not end the
+    request; one completed after it does."""
+    text = "Paris. Rome. Berlin. Madrid."
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    _, _, matched, d = stream(tokenizer, ids, stop=["."])
+    assert (matched, d.text) == (".", "Paris")
+    first_dot = next(i for i in range(len(ids)) if "." in tokenizer.decode(ids[: i + 1]))
+    d = IncrementalDetokenizer(tokenizer, ["."], min_tokens=first_dot + 2)
+    matched = None
+    for t in ids:
+        matched = d.update([t])
+        if matched is not None:
+            break
+    assert matched == "." and d.num_tokens >= first_dot + 2
+    assert d.text.startswith("Paris.") and d.text.count(".") == 1

@@ -544,3 +544,40 @@ def test_abort_on_idle_server_refreshes_metrics(server):
     while (now := read()) != (0, 0, 0, aborted_before + 1) and time.time() < deadline:
         time.sleep(0.05)
     assert now == (0, 0, 0, aborted_before + 1)
+
+
+def test_bad_prompt_in_a_list_queues_none_of_them(server):
+    """A completions request with several prompts is validated whole before any prompt is
+    queued: one bad prompt is a 400 and no request was admitted (nor aborted)."""
+    def aborted():
+        return _metric(httpx.get(f"{server.url}/metrics", timeout=30).text,
+                       "vllm:request_success_total", finished_reason="abort")
+
+    before = aborted()
+    r = httpx.post(f"{server.url}/v1/completions", timeout=60,
+                   json={"model": server.engine.model_name, "prompt": ["hi", "hello", ""], "max_tokens": 4})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+    assert server.idle_and_free(timeout=10)
+    assert aborted() == before
+    assert not server.engine._streams
+
+
+def test_chat_message_extra_keys_reach_the_template(server):
+    """Keys beside role/content (a message's name, an assistant's tool_calls) are kept for
+    the chat template, as normalize_chat_messages documents, not dropped by the HTTP layer."""
+    seen = []
+    orig = server.engine.engine.apply_chat_template
+
+    def spy(messages, *args):
+        seen.append(messages)
+        return orig(messages, *args)
+
+    server.engine.engine.apply_chat_template = spy
+    try:
+        r = httpx.post(f"{server.url}/v1/chat/completions", timeout=60, json={
+            "model": server.engine.model_name, "max_tokens": 2, "temperature": 0,
+            "messages": [{"role": "user", "content": "hi", "name": "bob"}]})
+    finally:
+        del server.engine.engine.apply_chat_template
+    assert r.status_code == 200, r.text
+    assert seen and seen[0][0]["name"] == "bob"

@@ -8,6 +8,7 @@ or chrome://tracing. ``pagedllm profile summarize DIR`` reads both; it decodes
 """
 from __future__ import annotations
 
+import atexit
 import os
 from typing import TYPE_CHECKING
 
@@ -93,6 +94,9 @@ class StepProfiler:
         self.prof = torch.profiler.profile(activities=acts, record_shapes=False)
         self.prof.__enter__()
         self._traced = 0
+        # A run shorter than the window must still stop the profiler and write its trace:
+        # left running, it crashes the interpreter at exit.
+        atexit.register(self.finish)
 
     def after_step(self, record: StepRecord) -> None:
         """Append ``record`` to ``steps.jsonl`` (one line, written at once) and end the

@@ -101,17 +101,33 @@ class AsyncLLM:
             ValueError (InvalidParameterError): bad prompt or parameters; nothing is queued.
             EngineDeadError: the engine loop has died.
         """
+        return (await self.add_requests([(request_id, prompt, sampling_params)]))[0]
+
+    async def add_requests(self, requests: list[tuple[str, object, SamplingParams]]) -> list["RequestStream"]:
+        """``add_request`` for several (request_id, prompt, sampling_params) at once, all or
+        nothing: every one is validated and tokenized before any is queued.
+
+        Raises:
+            ValueError (InvalidParameterError): a bad prompt or parameter, or a request id
+                in use (twice in ``requests`` included); nothing is queued.
+            EngineDeadError: the engine loop has died.
+        """
         self._check_alive()
-        req, text = await self._in_tokenizer_thread(self.engine.process, request_id, prompt, sampling_params)
+        processed = [await self._in_tokenizer_thread(self.engine.process, rid, prompt, params)
+                     for rid, prompt, params in requests]
+        ids = [req.request_id for req, _ in processed]
         loop = asyncio.get_running_loop()
-        q: asyncio.Queue = asyncio.Queue()
+        queues = [asyncio.Queue() for _ in processed]
         with self._lock:  # _die fails every stream registered before it marks the engine dead
             self._check_alive()
-            if request_id in self._streams:
-                raise ValueError(f"request_id {request_id!r} is already in use")
-            self._streams[request_id] = (loop, q)
-        self._inbox.put(("add", req, text))
-        return RequestStream(self, request_id, q)
+            taken = [rid for i, rid in enumerate(ids) if rid in self._streams or rid in ids[:i]]
+            if taken:
+                raise ValueError(f"request_id {taken[0]!r} is already in use")
+            for rid, q in zip(ids, queues):
+                self._streams[rid] = (loop, q)
+        for req, text in processed:
+            self._inbox.put(("add", req, text))
+        return [RequestStream(self, rid, q) for rid, q in zip(ids, queues)]
 
     async def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                                   chat_template: str | None = None,

@@ -5,7 +5,8 @@ the bytes seen so far form whole UTF-8 characters, so a streamed Korean or emoji
 never contains a broken character and the deltas concatenate to the final text.
 Stop strings are searched in the produced text; while a request runs, the last
 ``max(len(stop)) - 1`` characters are held back so a stop string split across tokens is
-never streamed before it is recognised.
+never streamed before it is recognised. As in vLLM, stop strings are not looked for
+until ``min_tokens`` tokens exist (text completed before then is not searched again).
 """
 from __future__ import annotations
 
@@ -17,15 +18,18 @@ class IncrementalDetokenizer:
         tokenizer: a ``transformers`` fast tokenizer.
         stop: stop strings; include_stop_str_in_output: keep the matched stop string.
         skip_special_tokens: drop special tokens from the text.
+        min_tokens: stop strings count only from this many generated tokens on.
     """
 
     def __init__(self, tokenizer, stop: list[str], include_stop_str_in_output: bool = False,
-                 skip_special_tokens: bool = True):
+                 skip_special_tokens: bool = True, min_tokens: int = 0):
         self._tok = tokenizer.backend_tokenizer
         self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
         self.stop = stop
         self.include_stop = include_stop_str_in_output
         self.hold = max((len(s) for s in stop), default=1) - 1
+        self.min_tokens = min_tokens
+        self.num_tokens = 0
         self.text = ""
         self.sent = 0
 
@@ -36,7 +40,8 @@ class IncrementalDetokenizer:
             piece = self._stream.step(self._tok, t)
             if piece:
                 self.text += piece
-            if self.stop and len(self.text) > start:
+            self.num_tokens += 1
+            if self.stop and len(self.text) > start and self.num_tokens >= self.min_tokens:
                 lo = max(0, start - self.hold)
                 best = None
                 for s in self.stop:

@@ -153,7 +153,7 @@ class LLMEngine:
             raise ValueError(f"request_id {req.request_id!r} is already in use")
         sp = req.sampling_params
         detok = IncrementalDetokenizer(self.tokenizer, sp.stop_strings, sp.include_stop_str_in_output,
-                                       sp.skip_special_tokens)
+                                       sp.skip_special_tokens, sp.min_tokens)
         self.engine_core.add_request(req)
         self.states[req.request_id] = _ReqState(req, prompt_text, detok)
 

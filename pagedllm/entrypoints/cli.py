@@ -65,10 +65,13 @@ def _generate(args) -> int:
     # are checked by LLM before it reads the tokenizer or any weight.
     kwargs = {k: v for k, v in vars(ea).items() if k != "model"}
     llm = pagedllm.LLM(model=ea.model, **kwargs)
-    if args.chat:
-        out = llm.chat([{"role": "user", "content": args.prompt}], sp, use_tqdm=False)[0]
-    else:
-        out = llm.generate(args.prompt, sp, use_tqdm=False)[0]
+    try:
+        if args.chat:
+            out = llm.chat([{"role": "user", "content": args.prompt}], sp, use_tqdm=False)[0]
+        else:
+            out = llm.generate(args.prompt, sp, use_tqdm=False)[0]
+    finally:
+        llm.shutdown()   # ends a --profile-dir trace and writes it
     print(out.outputs[0].text)
     return 0
 

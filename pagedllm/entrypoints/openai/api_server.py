@@ -145,14 +145,8 @@ def build_app(engine: AsyncLLM, prometheus=None, trust_request_chat_template: bo
                 raise InvalidParameterError("prompt", "prompt must not be empty")
         base = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
-        streams = []
-        try:
-            for i, pr in enumerate(prompts):
-                streams.append(await engine.add_request(f"{base}-{i}", pr, params))
-        except BaseException:
-            for st in streams:
-                await st.aclose()
-            raise
+        # all prompts are validated before any is queued (a bad one queues nothing)
+        streams = await engine.add_requests([(f"{base}-{i}", pr, params) for i, pr in enumerate(prompts)])
         if body.stream:
             return StreamingResponse(_stream_completion(streams, base, created, body),
                                      media_type="text/event-stream")
@@ -237,7 +231,7 @@ def build_app(engine: AsyncLLM, prometheus=None, trust_request_chat_template: bo
         created = int(time.time())
         try:
             # Checked and reduced to string content by the engine (normalize_chat_messages).
-            messages = [{"role": m.role, "content": m.content} for m in body.messages]
+            messages = [m.model_dump() for m in body.messages]   # extra keys (name, ...) reach the template
             try:
                 ids = await engine.apply_chat_template(messages, body.add_generation_prompt, body.chat_template,
                                                        body.chat_template_kwargs)
