@@ -62,57 +62,101 @@ def _naive(layer_cache, q, k_new, v_new, c, info, scale):
     return out, cache
 
 
+# Tolerances against the float32 reference: float32 to rounding; bfloat16 inputs are the
+# reference's inputs rounded to bf16 (so the reference is exact for them), and the output
+# is rounded once to bf16 (relative error <= 2^-8) on values of magnitude ~1.
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+def _as(dtype, *tensors):
+    return [t.to(dtype) for t in tensors]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", ["torch", "cpu_kernel"])
-def test_backend_matches_naive(name):
+def test_backend_matches_naive(name, dtype):
     c, layer_cache, q, k, v, info = _batch()
-    backend = get_attention_backend(name, torch.device("cpu"), torch.float32)
+    layer_cache, q, k, v = _as(dtype, layer_cache, q, k, v)
+    backend = get_attention_backend(name, torch.device("cpu"), dtype)
     if name == "cpu_kernel":
         assert backend.kernels is not None, "the C++ kernel did not build"
-    ref, ref_cache = _naive(layer_cache, q, k, v, c, info, 0.125)
+    ref, ref_cache = _naive(*_as(torch.float32, layer_cache, q, k, v), c, info, 0.125)
     cache = layer_cache.clone()
     out = backend.forward(q, k, v, cache, backend.build_metadata(c), 0.125)
-    assert (out - ref).abs().max().item() < 1e-5
-    assert torch.equal(cache, ref_cache)  # K/V written exactly at the slot mapping
+    assert out.dtype == dtype
+    assert (out.float() - ref).abs().max().item() < TOL[dtype]
+    assert torch.equal(cache.float(), ref_cache)  # K/V written exactly at the slot mapping
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("nh,nkv,hd", [(8, 2, 128), (4, 4, 64), (6, 2, 32), (12, 4, 24)])
-def test_cpu_kernel_head_shapes(nh, nkv, hd):
+def test_cpu_kernel_head_shapes(nh, nkv, hd, dtype):
     """Other GQA groupings and head sizes: the AVX2 path (head_dim a multiple of 64, any
     group size) and the generic path (other head sizes) agree with the reference."""
     c, layer_cache, q, k, v, info = _batch(seed=1, nh=nh, nkv=nkv, hd=hd)
-    backend = get_attention_backend("cpu_kernel", torch.device("cpu"), torch.float32)
+    layer_cache, q, k, v = _as(dtype, layer_cache, q, k, v)
+    backend = get_attention_backend("cpu_kernel", torch.device("cpu"), dtype)
     assert backend.kernels is not None, "the C++ kernel did not build"
     scale = hd ** -0.5
-    ref, _ = _naive(layer_cache, q, k, v, c, info, scale)
+    ref, _ = _naive(*_as(torch.float32, layer_cache, q, k, v), c, info, scale)
     out = backend.forward(q, k, v, layer_cache.clone(), backend.build_metadata(c), scale)
-    assert (out - ref).abs().max().item() < 1e-5
+    assert (out.float() - ref).abs().max().item() < TOL[dtype]
 
 
-def test_decode_result_does_not_depend_on_batch():
-    """The kernel computes each request alone: bitwise equal with or without neighbours."""
+def _one_request(c, info, i, q_from, q_to):
+    """Metadata for queries [q_from, q_to) of request i of ``_batch``, alone in a batch
+    (its earlier queries' K/V already in the cache)."""
+    bt, seq, ctx, qlens, qsl, bs = info
+    n = q_to - q_from
+    seq_i = ctx[i] + q_to
+    return CommonAttentionMetadata(
+        1, n, int(n == 1), torch.tensor([0, n], dtype=torch.int32), torch.tensor([seq_i], dtype=torch.int32),
+        torch.tensor([ctx[i] + q_from], dtype=torch.int32), torch.from_numpy(bt[i:i + 1].copy()),
+        c.slot_mapping[qsl[i] + q_from: qsl[i] + q_to].clone(), bs, np.array([0, n]), np.array([seq_i]),
+        np.array([ctx[i] + q_from]), bt[i:i + 1].copy())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_result_does_not_depend_on_batch_or_chunking(dtype):
+    """Each (query, head) is computed alone: a decode alone equals the same decode among
+    neighbours, bit for bit; a prompt chunk's queries run one at a time (as decodes over
+    the K/V the earlier ones wrote) or in other chunk splits equal the whole chunk's."""
     c, layer_cache, q, k, v, info = _batch()
-    backend = get_attention_backend("cpu_kernel", torch.device("cpu"), torch.float32)
-    full = backend.forward(q, k, v, layer_cache.clone(), backend.build_metadata(c), 0.125)
+    layer_cache, q, k, v = _as(dtype, layer_cache, q, k, v)
+    backend = get_attention_backend("cpu_kernel", torch.device("cpu"), dtype)
+    full_cache = layer_cache.clone()
+    full = backend.forward(q, k, v, full_cache, backend.build_metadata(c), 0.125)
     bt, seq, ctx, qlens, qsl, bs = info
     i = 3  # the 290-token decode, alone
-    one = CommonAttentionMetadata(
-        1, 1, 1, torch.tensor([0, 1], dtype=torch.int32), torch.tensor([seq[i]], dtype=torch.int32),
-        torch.tensor([ctx[i]], dtype=torch.int32), torch.from_numpy(bt[i:i + 1].copy()),
-        c.slot_mapping[i:i + 1].clone(), bs, np.array([0, 1]), seq[i:i + 1], np.array(ctx[i:i + 1]),
-        bt[i:i + 1].copy())
+    one = _one_request(c, info, i, 0, 1)
     alone = backend.forward(q[i:i + 1], k[i:i + 1], v[i:i + 1], layer_cache.clone(),
                             backend.build_metadata(one), 0.125)
     assert torch.equal(alone[0], full[i])
+    i = 8  # the 33-token chunk over 47 cached tokens: split as 1 + 15 + 17, and one by one
+    for splits in ([0, 1, 16, 33], list(range(34))):
+        cache = layer_cache.clone()
+        parts = []
+        for a, b in zip(splits, splits[1:]):
+            t0 = qsl[i]
+            md = backend.build_metadata(_one_request(c, info, i, a, b))
+            parts.append(backend.forward(q[t0 + a:t0 + b], k[t0 + a:t0 + b], v[t0 + a:t0 + b], cache, md, 0.125))
+        assert torch.equal(torch.cat(parts), full[qsl[i]:qsl[i + 1]])
 
 
-def test_bfloat16_uses_torch_path():
+def test_kernel_rejects_bad_metadata():
+    """A block id past the cache or a seq_len below the query count is an error, not a
+    read out of bounds."""
     c, layer_cache, q, k, v, info = _batch()
-    backend = get_attention_backend("auto", torch.device("cpu"), torch.bfloat16)
-    assert backend.kernels is None
-    ref, _ = _naive(layer_cache, q, k, v, c, info, 0.125)
-    out = backend.forward(q.bfloat16(), k.bfloat16(), v.bfloat16(), layer_cache.bfloat16(),
-                          backend.build_metadata(c), 0.125)
-    assert (out.float() - ref).abs().max().item() < 5e-2
+    backend = get_attention_backend("cpu_kernel", torch.device("cpu"), torch.float32)
+    md = backend.build_metadata(c)
+    md.block_table[0, 0] = 10_000
+    with pytest.raises(RuntimeError, match="out of range"):
+        backend.forward(q, k, v, layer_cache.clone(), md, 0.125)
+    c, layer_cache, q, k, v, info = _batch()    # (the metadata shares the batch's arrays)
+    md = backend.build_metadata(c)
+    md.seq_lens[7] = 3
+    with pytest.raises(RuntimeError, match="query length"):
+        backend.forward(q, k, v, layer_cache.clone(), md, 0.125)
 
 
 @pytest.mark.parametrize("name", ["torch", "cpu_kernel"])

@@ -57,6 +57,10 @@ class AttentionBackend(ABC):
 
     name: str = "abstract"
 
+    def describe(self) -> str:
+        """How this backend computes, for the start-up log (default: its name)."""
+        return self.name
+
     @staticmethod
     @abstractmethod
     def kv_cache_shape(num_layers: int, num_blocks: int, block_size: int,
@@ -98,13 +102,13 @@ def register_backend(cls: type[AttentionBackend]) -> type[AttentionBackend]:
 
 def get_attention_backend(name: str = "auto", device: torch.device | None = None,
                           dtype: torch.dtype = torch.float32) -> AttentionBackend:
-    """Instantiate a backend by name. ``"auto"``: ``cpu_kernel`` on the CPU (torch ops
-    plus a C++ decode kernel, falling back to torch ops), ``torch`` elsewhere.
+    """Instantiate a backend by name. ``"auto"``: ``cpu_kernel`` on the CPU (the C++
+    paged-attention kernel, falling back to torch ops), ``torch`` elsewhere.
 
     Raises:
         ValueError: no backend has that name (the known names are listed).
     """
-    from pagedllm.attention import torch_backend  # noqa: F401  (registers itself)
+    from pagedllm.attention import cpu_backend, torch_backend  # noqa: F401  (register themselves)
 
     if name == "auto":
         name = "cpu_kernel" if (device is None or device.type == "cpu") else "torch"

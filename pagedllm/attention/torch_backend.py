@@ -4,11 +4,12 @@ Cache layout: one tensor ``[num_layers, 2, num_blocks * block_size, num_kv_heads
 so a layer's K (or V) is a flat array of slots and slot ``s`` is token ``s % block_size``
 of block ``s // block_size`` (PagedAttention, Kwon et al. 2023, SOSP).
 
-Decodes (one query each) run as one batched masked attention over their gathered context
-(or, in ``CpuKernelAttentionBackend``, a C++ kernel reading the blocks in place);
+Decodes (one query each) run as one batched masked attention over their gathered context;
 each request with several queries (a prompt, a prompt chunk on top of cached context, or
 speculative tokens) runs ``scaled_dot_product_attention`` with a causal mask offset by its
-context length, so query ``i`` sees keys ``0 .. context_len + i``.
+context length, so query ``i`` sees keys ``0 .. context_len + i``. This is the portable
+reference path (any device, any dtype); on the CPU, ``cpu_backend.py`` reads the blocks in
+place instead of gathering them.
 """
 from __future__ import annotations
 
@@ -19,7 +20,6 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.attention.backend import AttentionBackend, CommonAttentionMetadata, register_backend
-from pagedllm.kernels.cpu import trace
 
 
 @dataclass
@@ -36,8 +36,6 @@ class TorchAttentionMetadata:
     slot_mapping: torch.Tensor      # int64 [T]
     num_decodes: int
     block_size: int
-    decode_block_table: torch.Tensor | None   # int32 [num_decodes, max_blocks] (kernel path)
-    decode_seq_lens: torch.Tensor | None      # int32 [num_decodes] (kernel path)
     decode_slots: torch.Tensor | None   # int64 [num_decodes * max_ctx]
     decode_max_ctx: int
     decode_bias: torch.Tensor | None    # float [1, num_decodes, 1, max_ctx], 0 or -inf
@@ -48,14 +46,8 @@ class TorchAttentionMetadata:
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
-    def __init__(self, device: torch.device | None = None, dtype: torch.dtype = torch.float32,
-                 use_cpu_kernel: bool = False):
-        self.kernels = None
-        on_cpu = device is None or torch.device(device).type == "cpu"
-        if use_cpu_kernel and on_cpu and dtype == torch.float32:
-            from pagedllm.kernels.cpu import load_cpu_kernels
-
-            self.kernels = load_cpu_kernels()
+    def __init__(self, device: torch.device | None = None, dtype: torch.dtype = torch.float32):
+        self.device, self.dtype = device, dtype
 
     @staticmethod
     def kv_cache_shape(num_layers, num_blocks, block_size, num_kv_heads, head_dim):
@@ -71,12 +63,7 @@ class TorchAttentionBackend(AttentionBackend):
         nd = c.num_decodes
         decode_slots = decode_bias = None
         max_ctx = 0
-        kernel_bt = kernel_sl = None
-        use_kernel = self.kernels is not None and device.type == "cpu"
-        if nd and use_kernel:
-            kernel_bt = torch.from_numpy(np.ascontiguousarray(c.block_table_np[:nd], dtype=np.int32))
-            kernel_sl = torch.from_numpy(np.ascontiguousarray(c.seq_lens_np[:nd], dtype=np.int32))
-        elif nd:
+        if nd:
             lens = c.seq_lens_np[:nd]
             max_ctx = int(lens.max())
             pos = np.arange(max_ctx, dtype=np.int64)
@@ -101,29 +88,18 @@ class TorchAttentionBackend(AttentionBackend):
                 q_pos = cl + np.arange(e - s)
                 mask = torch.from_numpy(pos[None, :] <= q_pos[:, None]).to(device, non_blocking=True)
             prefills.append(_PrefillItem(s, e, cl, slots, mask))
-        return TorchAttentionMetadata(c.slot_mapping, nd, bs, kernel_bt, kernel_sl, decode_slots,
+        return TorchAttentionMetadata(c.slot_mapping, nd, bs, decode_slots,
                                       max_ctx, decode_bias, prefills)
 
     def forward(self, q, k, v, layer_cache, md: TorchAttentionMetadata, scale):
         T, nh, hd = q.shape
         nkv = k.shape[1]
         key_cache, value_cache = layer_cache[0], layer_cache[1]
-        if self.kernels is not None and q.dtype == torch.float32 and q.device.type == "cpu":
-            with trace("pagedllm::reshape_and_cache"):
-                self.kernels.reshape_and_cache(k, v, key_cache, value_cache, md.slot_mapping)
-        else:
-            key_cache.index_copy_(0, md.slot_mapping, k)
-            value_cache.index_copy_(0, md.slot_mapping, v)
+        key_cache.index_copy_(0, md.slot_mapping, k)
+        value_cache.index_copy_(0, md.slot_mapping, v)
         out = torch.empty(T, nh, hd, dtype=q.dtype, device=q.device)
         nd = md.num_decodes
-        if nd and md.decode_block_table is not None and q.dtype == torch.float32:
-            with trace("pagedllm::paged_decode_attention"):
-                self.kernels.paged_decode_attention(out[:nd], q[:nd].contiguous(), key_cache,
-                                                    value_cache, md.decode_block_table,
-                                                    md.decode_seq_lens, md.block_size, scale)
-        elif nd:
-            if md.decode_slots is None:
-                raise RuntimeError("decode metadata was built for the CPU kernel")
+        if nd:
             g = nh // nkv
             ctx = md.decode_max_ctx
             # [nkv, nd, g, hd] queries against [nkv, nd, ctx, hd] keys: kv heads as the
@@ -147,16 +123,3 @@ class TorchAttentionBackend(AttentionBackend):
                                                    enable_gqa=nkv != nh)
             out[p.q_start:p.q_end] = o[0].transpose(0, 1)
         return out.view(T, nh * hd)
-
-
-@register_backend
-class CpuKernelAttentionBackend(TorchAttentionBackend):
-    """The torch backend with decodes run by the C++ paged-attention kernel
-    (``pagedllm/kernels/csrc/paged_attention_cpu.cpp``: reads K/V in place through the block table, no
-    gather copy) when the model runs in float32 on the CPU; everything else, or a failed
-    kernel build, takes the torch-ops path."""
-
-    name = "cpu_kernel"
-
-    def __init__(self, device: torch.device | None = None, dtype: torch.dtype = torch.float32):
-        super().__init__(device, dtype, use_cpu_kernel=True)

@@ -12,7 +12,8 @@ from pagedllm.layers.utils import cpu_kernels_for
 class SiluAndMul(nn.Module):
     """SiLU(gate) * up for the fused gate|up projection's output: x [T, 2I] (gate in the
     first I columns, up in the last I; rows may be strided) → new [T, I] in x's dtype. C++
-    kernel on CPU float32 when built, torch ops elsewhere; same maths to float32 rounding."""
+    kernel on CPU float32/bfloat16 when built (float32 arithmetic, one rounding), torch ops
+    elsewhere."""
 
     def __init__(self, dtype: torch.dtype, device: torch.device):
         super().__init__()

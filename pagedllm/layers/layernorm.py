@@ -28,7 +28,7 @@ class RMSNorm(nn.Module):
     ``forward(x)`` normalises x [..., hidden_size] (e.g. [T, hidden] or Qwen3's per-head
     [T, heads, head_dim]) into a new tensor. ``forward(x, residual)`` with x and residual
     contiguous [T, hidden_size] returns ``(rms_norm(residual + x), residual + x)``; on CPU
-    float32 with the C++ kernels this happens in place (``x`` becomes the normed rows,
+    float32 or bfloat16 with the C++ kernels (float32 arithmetic) this happens in place (``x`` becomes the normed rows,
     ``residual`` the sum), else with torch ops (new tensors). Results agree to float32
     rounding.
     """

@@ -70,7 +70,7 @@ class RotaryEmbedding(torch.nn.Module):
     rows of the step's ``positions`` tensor are looked up on the first layer's call and
     reused by the others (the key is the tensor object and the step, so a positions
     buffer refilled in place for the next step is looked up afresh). C++ kernel on CPU
-    float32 when built, torch ops elsewhere; same maths to float32 rounding.
+    float32 and bfloat16 when built (float32 arithmetic), torch ops elsewhere.
 
     Args:
         head_dim: rotated dimensions per head (even).
@@ -96,16 +96,20 @@ class RotaryEmbedding(torch.nn.Module):
         self._memo: tuple[ForwardContext, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin for ``positions`` (int64 [T]) as contiguous [T, head_dim // 2] in the
-        layer's dtype (memoised per step, see the class docstring)."""
+        """cos, sin for ``positions`` (int64 [T]) as contiguous [T, head_dim // 2]: float32
+        for the C++ kernel, else in the layer's dtype (memoised per step, see the class
+        docstring)."""
         try:
             step = get_forward_context()
         except RuntimeError:    # outside a model step: nothing to share
             step = None
         m = self._memo
         if step is None or m is None or m[0] is not step or m[1] is not positions:
-            m = (step, positions, self.cos.index_select(0, positions).to(self.dtype),
-                 self.sin.index_select(0, positions).to(self.dtype))
+            # the C++ kernel rotates in float32 whatever x's dtype; the torch ops as HF
+            # does, with the tables cast to x's dtype
+            dtype = torch.float32 if self._kernels is not None else self.dtype
+            m = (step, positions, self.cos.index_select(0, positions).to(dtype),
+                 self.sin.index_select(0, positions).to(dtype))
             self._memo = None if step is None else m
         return m[2], m[3]
 

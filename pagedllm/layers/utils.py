@@ -11,10 +11,11 @@ from pagedllm.kernels.cpu import load_cpu_kernels
 
 def cpu_kernels_for(device: torch.device | str, dtype: torch.dtype):
     """The compiled C++ kernel module (``pagedllm/kernels/cpu.py``) for layers computing in
-    ``dtype`` on ``device``: only CPU float32 has kernels. None elsewhere, and when they
-    are disabled (``PAGEDLLM_CPU_KERNELS=0``) or failed to build; callers then use torch
-    ops with the same maths. Never raises."""
-    if torch.device(device).type == "cpu" and dtype == torch.float32:
+    ``dtype`` on ``device``: the kernels cover the CPU in float32 and bfloat16 (bf16
+    storage, float32 arithmetic). None elsewhere, and when they are disabled
+    (``PAGEDLLM_CPU_KERNELS=0``) or failed to build; callers then use torch ops with the
+    same maths. Never raises."""
+    if torch.device(device).type == "cpu" and dtype in (torch.float32, torch.bfloat16):
         return load_cpu_kernels()
     return None
 

@@ -49,10 +49,7 @@ class ModelRunner:
     def describe_compute_path(self) -> str:
         """One line for the start-up log: which attention backend, kernels and linear
         implementation this runner uses (so fallbacks are visible)."""
-        attn = self.attn.name
-        if attn == "cpu_kernel" and getattr(self.attn, "kernels", None) is None:
-            attn = "cpu_kernel (kernels unavailable: torch ops)"
-        return f"attention backend {attn}, {describe_compute_path(self.model)}"
+        return f"attention backend {self.attn.describe()}, {describe_compute_path(self.model)}"
 
     def kv_bytes_per_block(self) -> int:
         """Bytes of K and V for one block across all layers."""

@@ -1,8 +1,8 @@
 #include "ops.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention,
-        "Paged decode attention (CPU, float32), written into out");
+  m.def("paged_attention", &paged_attention,
+        "Causal paged attention over a flattened batch (float32 or bfloat16), written into out");
   m.def("reshape_and_cache", &reshape_and_cache,
         "Write K/V rows [T, kv_heads, head_dim] into the paged cache at slot_mapping");
   m.def("silu_and_mul", &silu_and_mul, "out = silu(x[:, :d]) * x[:, d:]");

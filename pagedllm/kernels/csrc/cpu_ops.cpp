@@ -1,28 +1,41 @@
-// Elementwise CPU kernels for the float32 model path, each one pass over memory where
-// the torch composition makes several (vLLM's csrc/cpu has the same set):
+// Elementwise CPU kernels of the model path, each one pass over memory where the torch
+// composition makes several (vLLM's csrc/cpu has the same set), for float32 and bfloat16
+// storage with float32 arithmetic (vec.h):
 //  * reshape_and_cache: copy each token's K and V rows into the paged cache at its slot
 //    (torch's index_copy_ runs this serially, ~3 ms for 2048 tokens a layer);
 //  * silu_and_mul: SiLU(gate) * up for the fused gate|up projection output;
 //  * fused_add_rms_norm: residual += x, then x = RMSNorm(residual) * weight;
-//  * rotary_embedding: rotate-half RoPE (Su et al. 2021, RoFormer) in place on q and k.
-// Rows are split across threads with at::parallel_for; inner loops are vectorised by
-// the compiler (-O3 -march=native -ffast-math; expf from libmvec).
+//  * rotary_embedding: rotate-half RoPE (Su et al. 2021, RoFormer) in place on q and k,
+//    with float32 cos/sin tables.
+// Rows are split across threads with at::parallel_for; every row is computed alone, in a
+// fixed order, so its result never depends on the other rows (batch invariance).
 #include "ops.h"
+#include "vec.h"
 
 #include <ATen/Parallel.h>
 
 #include <cmath>
 #include <cstring>
 
-static void check_f32(const torch::Tensor& t, const char* name) {
-  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kFloat32, name,
-              " must be a float32 CPU tensor");
+using pagedllm::bf16;
+using pagedllm::from_f32;
+using pagedllm::to_f32;
+
+static void check_model_dtype(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() &&
+                  (t.scalar_type() == torch::kFloat32 || t.scalar_type() == torch::kBFloat16),
+              name, " must be a float32 or bfloat16 CPU tensor");
+}
+
+static void check_same_dtype(const torch::Tensor& a, const torch::Tensor& b, const char* what) {
+  TORCH_CHECK(a.scalar_type() == b.scalar_type(), what, " must have the same dtype");
 }
 
 void reshape_and_cache(torch::Tensor key, torch::Tensor value, torch::Tensor key_cache,
                        torch::Tensor value_cache, torch::Tensor slot_mapping) {
-  check_f32(key, "key"); check_f32(value, "value");
-  check_f32(key_cache, "key_cache"); check_f32(value_cache, "value_cache");
+  check_model_dtype(key, "key");
+  for (const auto* t : {&value, &key_cache, &value_cache})
+    check_same_dtype(key, *t, "key, value and the caches");
   TORCH_CHECK(key.dim() == 3 && value.dim() == 3 && key_cache.dim() == 3 && value_cache.dim() == 3,
               "key/value [T, kv_heads, head_dim], caches [slots, kv_heads, head_dim]");
   TORCH_CHECK(slot_mapping.scalar_type() == torch::kInt64 && slot_mapping.is_contiguous(),
@@ -39,93 +52,117 @@ void reshape_and_cache(torch::Tensor key, torch::Tensor value, torch::Tensor key
   const int64_t nslots = key_cache.size(0);
   for (int64_t i = 0; i < T; ++i)
     TORCH_CHECK(slots[i] >= 0 && slots[i] < nslots, "slot ", slots[i], " out of range");
-  const float* k = key.data_ptr<float>();
-  const float* v = value.data_ptr<float>();
-  float* kc = key_cache.data_ptr<float>();
-  float* vc = value_cache.data_ptr<float>();
-  const int64_t ks = key.stride(0), vs = value.stride(0);
-  const int64_t kcs = key_cache.stride(0), vcs = value_cache.stride(0);
+  const int64_t es = key.element_size();
+  const char* k = static_cast<const char*>(key.data_ptr());
+  const char* v = static_cast<const char*>(value.data_ptr());
+  char* kc = static_cast<char*>(key_cache.data_ptr());
+  char* vc = static_cast<char*>(value_cache.data_ptr());
+  const int64_t ks = key.stride(0) * es, vs = value.stride(0) * es;
+  const int64_t kcs = key_cache.stride(0) * es, vcs = value_cache.stride(0) * es;
   at::parallel_for(0, T, 64, [&](int64_t b, int64_t e) {
     for (int64_t i = b; i < e; ++i) {
-      std::memcpy(kc + slots[i] * kcs, k + i * ks, row * sizeof(float));
-      std::memcpy(vc + slots[i] * vcs, v + i * vs, row * sizeof(float));
+      std::memcpy(kc + slots[i] * kcs, k + i * ks, row * es);
+      std::memcpy(vc + slots[i] * vcs, v + i * vs, row * es);
+    }
+  });
+}
+
+template <typename T>
+static void silu_and_mul_impl(T* op, const T* xp, int64_t rows, int64_t d, int64_t xs) {
+  at::parallel_for(0, rows, 16, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+      const T* g = xp + t * xs;
+      const T* u = g + d;
+      T* o = op + t * d;
+#pragma omp simd
+      for (int64_t i = 0; i < d; ++i) {
+        const float gf = to_f32(g[i]);
+        o[i] = from_f32<T>(gf / (1.f + expf(-gf)) * to_f32(u[i]));
+      }
     }
   });
 }
 
 void silu_and_mul(torch::Tensor out, torch::Tensor x) {
-  check_f32(out, "out"); check_f32(x, "x");
+  check_model_dtype(x, "x");
+  check_same_dtype(out, x, "out and x");
   TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && x.stride(1) == 1 && out.is_contiguous(),
               "x [T, 2d] with contiguous rows, out [T, d] contiguous");
   const int64_t T = x.size(0), d = out.size(1);
   TORCH_CHECK(out.size(0) == T && x.size(1) == 2 * d, "out must be [T, d] for x [T, 2d]");
-  const float* xp = x.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const int64_t xs = x.stride(0);
-  at::parallel_for(0, T, 16, [&](int64_t b, int64_t e) {
+  if (x.scalar_type() == torch::kFloat32)
+    silu_and_mul_impl(out.data_ptr<float>(), x.data_ptr<float>(), T, d, x.stride(0));
+  else
+    silu_and_mul_impl(out.data_ptr<bf16>(), x.data_ptr<bf16>(), T, d, x.stride(0));
+}
+
+template <typename T>
+static void fused_add_rms_norm_impl(T* xp, T* rp, const T* w, int64_t rows, int64_t h, float eps) {
+  at::parallel_for(0, rows, 16, [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t) {
-      const float* g = xp + t * xs;
-      const float* u = g + d;
-      float* o = op + t * d;
+      T* xr = xp + t * h;
+      T* rr = rp + t * h;
 #pragma omp simd
-      for (int64_t i = 0; i < d; ++i) o[i] = g[i] / (1.f + expf(-g[i])) * u[i];
+      for (int64_t i = 0; i < h; ++i) rr[i] = from_f32<T>(to_f32(rr[i]) + to_f32(xr[i]));
+      const float ss = pagedllm::sum_squares(rr, h);
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(h) + eps);
+#pragma omp simd
+      for (int64_t i = 0; i < h; ++i) xr[i] = from_f32<T>((to_f32(rr[i]) * inv) * to_f32(w[i]));
     }
   });
 }
 
 void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps) {
-  check_f32(x, "x"); check_f32(residual, "residual"); check_f32(weight, "weight");
+  check_model_dtype(x, "x");
+  check_same_dtype(x, residual, "x and residual");
+  check_same_dtype(x, weight, "x and weight");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && residual.is_contiguous() &&
               residual.sizes() == x.sizes() && weight.is_contiguous() && weight.size(0) == x.size(1),
               "x and residual contiguous [T, hidden], weight [hidden]");
   const int64_t T = x.size(0), h = x.size(1);
-  float* xp = x.data_ptr<float>();
-  float* rp = residual.data_ptr<float>();
-  const float* w = weight.data_ptr<float>();
   const float feps = static_cast<float>(eps);
-  at::parallel_for(0, T, 16, [&](int64_t b, int64_t e) {
+  if (x.scalar_type() == torch::kFloat32)
+    fused_add_rms_norm_impl(x.data_ptr<float>(), residual.data_ptr<float>(), weight.data_ptr<float>(),
+                            T, h, feps);
+  else
+    fused_add_rms_norm_impl(x.data_ptr<bf16>(), residual.data_ptr<bf16>(), weight.data_ptr<bf16>(),
+                            T, h, feps);
+}
+
+template <typename T>
+static void rotary_impl(T* xp, const float* cp, const float* sp, int64_t rows, int64_t H,
+                        int64_t half, int64_t s0, int64_t s1) {
+  at::parallel_for(0, rows, 16, [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t) {
-      float* xr = xp + t * h;
-      float* rr = rp + t * h;
-      float ss = 0.f;
-#pragma omp simd reduction(+ : ss)
-      for (int64_t i = 0; i < h; ++i) {
-        const float r = rr[i] + xr[i];
-        rr[i] = r;
-        ss += r * r;
-      }
-      const float inv = 1.f / std::sqrt(ss / static_cast<float>(h) + feps);
+      const float* c = cp + t * half;
+      const float* s = sp + t * half;
+      for (int64_t hh = 0; hh < H; ++hh) {
+        T* x1 = xp + t * s0 + hh * s1;
+        T* x2 = x1 + half;
 #pragma omp simd
-      for (int64_t i = 0; i < h; ++i) xr[i] = (rr[i] * inv) * w[i];
+        for (int64_t i = 0; i < half; ++i) {
+          const float a = to_f32(x1[i]), bb = to_f32(x2[i]);
+          x1[i] = from_f32<T>(a * c[i] - bb * s[i]);
+          x2[i] = from_f32<T>(bb * c[i] + a * s[i]);
+        }
+      }
     }
   });
 }
 
 void rotary_embedding(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
-  check_f32(x, "x"); check_f32(cos, "cos"); check_f32(sin, "sin");
+  check_model_dtype(x, "x");
+  TORCH_CHECK(cos.scalar_type() == torch::kFloat32 && sin.scalar_type() == torch::kFloat32,
+              "cos and sin must be float32");
   TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1, "x [T, heads, head_dim] with contiguous heads");
   const int64_t T = x.size(0), H = x.size(1), half = x.size(2) / 2;
   TORCH_CHECK(x.size(2) % 2 == 0, "head_dim must be even");
   TORCH_CHECK(cos.dim() == 2 && cos.is_contiguous() && sin.is_contiguous() && cos.size(0) == T &&
               cos.size(1) == half && sin.sizes() == cos.sizes(), "cos/sin [T, head_dim/2] contiguous");
-  float* xp = x.data_ptr<float>();
-  const float* cp = cos.data_ptr<float>();
-  const float* sp = sin.data_ptr<float>();
-  const int64_t s0 = x.stride(0), s1 = x.stride(1);
-  at::parallel_for(0, T, 16, [&](int64_t b, int64_t e) {
-    for (int64_t t = b; t < e; ++t) {
-      const float* c = cp + t * half;
-      const float* s = sp + t * half;
-      for (int64_t hh = 0; hh < H; ++hh) {
-        float* x1 = xp + t * s0 + hh * s1;
-        float* x2 = x1 + half;
-#pragma omp simd
-        for (int64_t i = 0; i < half; ++i) {
-          const float a = x1[i], bb = x2[i];
-          x1[i] = a * c[i] - bb * s[i];
-          x2[i] = bb * c[i] + a * s[i];
-        }
-      }
-    }
-  });
+  if (x.scalar_type() == torch::kFloat32)
+    rotary_impl(x.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), T, H, half,
+                x.stride(0), x.stride(1));
+  else
+    rotary_impl(x.data_ptr<bf16>(), cos.data_ptr<float>(), sin.data_ptr<float>(), T, H, half,
+                x.stride(0), x.stride(1));
 }

@@ -3,9 +3,10 @@
 #include <torch/extension.h>
 
 // paged_attention_cpu.cpp
-void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor key_cache,
-                            torch::Tensor value_cache, torch::Tensor block_table,
-                            torch::Tensor seq_lens, int64_t block_size, double scale);
+void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor key_cache,
+                     torch::Tensor value_cache, torch::Tensor block_table,
+                     torch::Tensor query_start_loc, torch::Tensor seq_lens, int64_t block_size,
+                     double scale);
 
 // cpu_ops.cpp
 void reshape_and_cache(torch::Tensor key, torch::Tensor value, torch::Tensor key_cache,

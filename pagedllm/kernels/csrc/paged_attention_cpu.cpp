@@ -1,18 +1,34 @@
-// Paged decode attention for CPU, float32: one query token per request attends over
-// all of the request's cached tokens, read in place through its block table (no gather
-// copy). A work item is one request and a range of its kv heads: with many requests,
-// all heads at once, so each token's K/V row (every kv head, contiguous) is streamed
-// once from memory; with few requests, one kv head per item for parallelism.
-// Per item: scores = q·k * scale, a max-subtracted softmax, then the probability-
-// weighted sum of V rows.
+// Paged attention for the CPU over one flattened batch (PagedAttention, Kwon et al. 2023):
+// every request's query tokens (one for a decode; a prompt, a prompt chunk on top of a
+// cached prefix, or several speculative tokens otherwise) attend causally over the
+// request's cached tokens, read in place through its block table: no gather into
+// contiguous copies, no per-request call from Python. Query j of a request with
+// context c (tokens cached before this step) sees keys 0 .. c + j.
 //
-// Two implementations of one item:
-//  * attend_avx2 (x86 with AVX2+FMA, head_dim a multiple of 64):
-//    q·k for 8 tokens (whole K rows, in order) per query head in 8 accumulators, folded into one vector of 8
-//    scores with a horizontal-add tree; V accumulated in registers, 64 dims at a time
-//    (software prefetch of the next block was tried and measured no gain).
-//  * attend_generic (any head_dim or CPU): the same maths with GCC vector types.
+// Storage float32 or bfloat16 (q, caches, out all the same); scores, softmax and the
+// weighted sum of V in float32; out rounded once.
+//
+// Work items: (request, kv heads, query rows). A decode request is one item covering all
+// its kv heads when there are many requests (each token's K/V row, all kv heads, is
+// streamed once), one item per kv head when there are few. A request with several
+// queries is split into items of one kv head and up to kQueryTile queries, handed out
+// dynamically (later queries see more keys). Per (query, head) row:
+//   1. scores s_t = (q . k_t) * scale for t < L (L = c + j + 1), 8 keys at a time, each
+//      dot product accumulated over head_dim in one fixed order;
+//   2. p_t = exp(s_t - max s), sum in a fixed 8-lane order (vec.h);
+//   3. out = (sum_t p_t v_t) / sum_t p_t, t in order.
+// Every step depends only on that row's query and the request's cached K/V, never on the
+// item it ran in, the other requests, the chunking of the prompt, or whether the keys
+// were cached by an earlier step: attention is batch-invariant by construction.
+//
+// Two implementations of a row's maths, chosen at compile time per head size:
+//  * AVX2+FMA, head_dim a multiple of 64 (float32 and bfloat16 loads widened in
+//    registers): scores for 8 keys in 8 accumulators folded by a horizontal-add tree; V
+//    accumulated in 8 registers, 64 dims at a time;
+//  * generic (any head_dim or CPU): the same maths with GCC vector types.
 #include "ops.h"
+#include "vec.h"
+
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -20,248 +36,295 @@
 #include <math.h>
 #include <vector>
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define PAGEDLLM_AVX2 1
-#endif
+using pagedllm::bf16;
+using pagedllm::from_f32;
+using pagedllm::hsum8;
+using pagedllm::load8;
+using pagedllm::to_f32;
+using pagedllm::v8;
 
-typedef float v8 __attribute__((vector_size(32)));
+namespace {
 
-static inline v8 load8(const float* p) {
-  v8 v;
-  __builtin_memcpy(&v, p, sizeof(v));
-  return v;
-}
+constexpr int64_t kQueryTile = 16;
 
-static inline float hsum8(v8 a) {
-  return ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7]));
-}
-
+template <typename T>
 struct Args {
-  const float* q; const float* k; const float* v; float* out;
-  const int32_t* bt; const int32_t* sl;
-  int64_t nh, nkv, g, hd, mb, bs, k_slot, k_head, v_slot, v_head;
+  const T* q; const T* k; const T* v; T* out;
+  const int32_t* bt; const int32_t* qsl; const int32_t* sl;
+  int64_t nh, nkv, g, hd, mb, bs, k_slot, k_head, v_slot, v_head, q_tok;
   float scale;
 };
 
+struct Item {
+  int32_t req, kh0, kh1, j0, j1;  // request, kv heads [kh0, kh1), queries [j0, j1)
+};
+
 // Softmax numerators in place over s[0, L): s[i] = exp(s[i] - max); returns 1 / sum.
-static inline float softmax_numerators(float* s, int64_t L) {
+inline float softmax_numerators(float* s, int64_t L) {
   float m = -INFINITY;
   for (int64_t i = 0; i < L; ++i) m = std::max(m, s[i]);
-  float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t i = 0; i < L; ++i) {
-    s[i] = expf(s[i] - m);
-    sum += s[i];
-  }
-  return 1.f / sum;
+  for (int64_t i = 0; i < L; ++i) s[i] = expf(s[i] - m);
+  return 1.f / pagedllm::sum_f32(s, L);
 }
 
-static void attend_generic(const Args& a, int64_t n, int64_t kh0, int64_t kh1,
-                   std::vector<float>& scores, std::vector<float>& acc) {
-  const int64_t L = a.sl[n];
-  const int64_t nheads = (kh1 - kh0) * a.g;  // query heads handled here
-  const int64_t hd = a.hd;
-  scores.resize(nheads * L);
-  acc.assign(nheads * hd, 0.f);
-  const int32_t* row = a.bt + n * a.mb;
-  const float* qn = a.q + (n * a.nh + kh0 * a.g) * hd;
-  auto slot_of = [&](int64_t t) {
-    return static_cast<int64_t>(row[t / a.bs]) * a.bs + t % a.bs;
-  };
-  int64_t t = 0;
-  if (hd % 8 == 0) {
-    for (; t + 4 <= L; t += 4) {
-      const float* kr[4];
-      for (int u = 0; u < 4; ++u) kr[u] = a.k + slot_of(t + u) * a.k_slot;
-      for (int64_t kh = kh0; kh < kh1; ++kh) {
-        const int64_t off = kh * a.k_head;
-        for (int64_t j = 0; j < a.g; ++j) {
-          const int64_t h = (kh - kh0) * a.g + j;
-          const float* qj = qn + h * hd;
-          v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
-          for (int64_t d = 0; d < hd; d += 8) {
-            const v8 qv = load8(qj + d);
-            a0 += qv * load8(kr[0] + off + d);
-            a1 += qv * load8(kr[1] + off + d);
-            a2 += qv * load8(kr[2] + off + d);
-            a3 += qv * load8(kr[3] + off + d);
-          }
-          float* s = scores.data() + h * L + t;
-          s[0] = hsum8(a0) * a.scale;
-          s[1] = hsum8(a1) * a.scale;
-          s[2] = hsum8(a2) * a.scale;
-          s[3] = hsum8(a3) * a.scale;
-        }
-      }
-    }
-  }
-  for (; t < L; ++t) {
-    const float* kr = a.k + slot_of(t) * a.k_slot;
-    for (int64_t kh = kh0; kh < kh1; ++kh) {
-      for (int64_t j = 0; j < a.g; ++j) {
-        const int64_t h = (kh - kh0) * a.g + j;
-        const float* qj = qn + h * hd;
-        const float* kk = kr + kh * a.k_head;
-        float s = 0.f;
-#pragma omp simd reduction(+ : s)
-        for (int64_t d = 0; d < hd; ++d) s += qj[d] * kk[d];
-        scores[h * L + t] = s * a.scale;
-      }
-    }
-  }
-  std::vector<float> inv(nheads);
-  for (int64_t h = 0; h < nheads; ++h) inv[h] = softmax_numerators(scores.data() + h * L, L);
-  for (int64_t i = 0; i < L; ++i) {
-    const float* vr = a.v + slot_of(i) * a.v_slot;
-    for (int64_t kh = kh0; kh < kh1; ++kh) {
-      const float* vv = vr + kh * a.v_head;
-      for (int64_t j = 0; j < a.g; ++j) {
-        const int64_t h = (kh - kh0) * a.g + j;
-        const float p = scores[h * L + i];
-        float* ah = acc.data() + h * hd;
-#pragma omp simd
-        for (int64_t d = 0; d < hd; ++d) ah[d] += p * vv[d];
-      }
-    }
-  }
-  float* o = a.out + (n * a.nh + kh0 * a.g) * hd;
-  for (int64_t h = 0; h < nheads; ++h)
-    for (int64_t d = 0; d < hd; ++d) o[h * hd + d] = acc[h * hd + d] * inv[h];
-}
+// Per-thread scratch.
+struct Scratch {
+  std::vector<float> scores;
+  std::vector<int64_t> slots;
+  std::vector<float> acc;
+};
 
 #ifdef PAGEDLLM_AVX2
+using pagedllm::load8_avx;
+using pagedllm::store8_avx;
+
 // Sum each of 8 vectors: returns {sum(x0), ..., sum(x7)}.
-static inline __m256 fold8(__m256 x0, __m256 x1, __m256 x2, __m256 x3, __m256 x4, __m256 x5,
-                           __m256 x6, __m256 x7) {
+inline __m256 fold8(__m256 x0, __m256 x1, __m256 x2, __m256 x3, __m256 x4, __m256 x5,
+                    __m256 x6, __m256 x7) {
   const __m256 h01 = _mm256_hadd_ps(x0, x1), h23 = _mm256_hadd_ps(x2, x3);
   const __m256 h45 = _mm256_hadd_ps(x4, x5), h67 = _mm256_hadd_ps(x6, x7);
-  // lanes: lo = {x0 x1 x2 x3 partials of 128-bit half 0}, hi = same for half 1
   const __m256 a = _mm256_hadd_ps(h01, h23);  // [s0l s1l s2l s3l | s0h s1h s2h s3h]
   const __m256 b = _mm256_hadd_ps(h45, h67);  // [s4l s5l s6l s7l | s4h s5h s6h s7h]
-  const __m256 lo = _mm256_permute2f128_ps(a, b, 0x20);  // [s0l..s3l | s4l..s7l]
-  const __m256 hi = _mm256_permute2f128_ps(a, b, 0x31);  // [s0h..s3h | s4h..s7h]
+  const __m256 lo = _mm256_permute2f128_ps(a, b, 0x20);
+  const __m256 hi = _mm256_permute2f128_ps(a, b, 0x31);
   return _mm256_add_ps(lo, hi);
 }
 
-static void attend_avx2(const Args& a, int64_t n, int64_t kh0, int64_t kh1,
-                        std::vector<float>& scores, std::vector<int64_t>& slots) {
-  const int64_t L = a.sl[n];
+// Scores of one query head against 8 keys: s[u] = q . k[u] * scale.
+template <typename T>
+inline void scores8_avx(const T* qj, const T* const* kr, int64_t off, int64_t hd, float scale,
+                        float* s) {
+  __m256 c0 = _mm256_setzero_ps(), c1 = c0, c2 = c0, c3 = c0, c4 = c0, c5 = c0, c6 = c0, c7 = c0;
+  for (int64_t d = 0; d < hd; d += 8) {
+    const __m256 qv = load8_avx(qj + d);
+    c0 = _mm256_fmadd_ps(qv, load8_avx(kr[0] + off + d), c0);
+    c1 = _mm256_fmadd_ps(qv, load8_avx(kr[1] + off + d), c1);
+    c2 = _mm256_fmadd_ps(qv, load8_avx(kr[2] + off + d), c2);
+    c3 = _mm256_fmadd_ps(qv, load8_avx(kr[3] + off + d), c3);
+    c4 = _mm256_fmadd_ps(qv, load8_avx(kr[4] + off + d), c4);
+    c5 = _mm256_fmadd_ps(qv, load8_avx(kr[5] + off + d), c5);
+    c6 = _mm256_fmadd_ps(qv, load8_avx(kr[6] + off + d), c6);
+    c7 = _mm256_fmadd_ps(qv, load8_avx(kr[7] + off + d), c7);
+  }
+  _mm256_storeu_ps(s, _mm256_mul_ps(fold8(c0, c1, c2, c3, c4, c5, c6, c7), _mm256_set1_ps(scale)));
+}
+
+// out[0, hd) = inv * sum_{t < L} p[t] * v_t, v_t = vh + slots[t] * v_slot.
+template <typename T>
+inline void weighted_sum_avx(const float* p, const int64_t* slots, int64_t L, const T* vh,
+                             int64_t v_slot, int64_t hd, float inv, T* o) {
+  const __m256 iv = _mm256_set1_ps(inv);
+  for (int64_t d0 = 0; d0 < hd; d0 += 64) {
+    __m256 o0 = _mm256_setzero_ps(), o1 = o0, o2 = o0, o3 = o0, o4 = o0, o5 = o0, o6 = o0, o7 = o0;
+    for (int64_t t = 0; t < L; ++t) {
+      const T* vr = vh + slots[t] * v_slot + d0;
+      const __m256 pt = _mm256_broadcast_ss(p + t);
+      o0 = _mm256_fmadd_ps(pt, load8_avx(vr), o0);
+      o1 = _mm256_fmadd_ps(pt, load8_avx(vr + 8), o1);
+      o2 = _mm256_fmadd_ps(pt, load8_avx(vr + 16), o2);
+      o3 = _mm256_fmadd_ps(pt, load8_avx(vr + 24), o3);
+      o4 = _mm256_fmadd_ps(pt, load8_avx(vr + 32), o4);
+      o5 = _mm256_fmadd_ps(pt, load8_avx(vr + 40), o5);
+      o6 = _mm256_fmadd_ps(pt, load8_avx(vr + 48), o6);
+      o7 = _mm256_fmadd_ps(pt, load8_avx(vr + 56), o7);
+    }
+    store8_avx(o + d0, _mm256_mul_ps(o0, iv));
+    store8_avx(o + d0 + 8, _mm256_mul_ps(o1, iv));
+    store8_avx(o + d0 + 16, _mm256_mul_ps(o2, iv));
+    store8_avx(o + d0 + 24, _mm256_mul_ps(o3, iv));
+    store8_avx(o + d0 + 32, _mm256_mul_ps(o4, iv));
+    store8_avx(o + d0 + 40, _mm256_mul_ps(o5, iv));
+    store8_avx(o + d0 + 48, _mm256_mul_ps(o6, iv));
+    store8_avx(o + d0 + 56, _mm256_mul_ps(o7, iv));
+  }
+}
+#endif
+
+// The generic versions of the two functions above (any head_dim).
+template <typename T>
+inline void scores8_generic(const T* qj, const T* const* kr, int64_t off, int64_t hd, float scale,
+                            float* s) {
+  for (int u = 0; u < 8; ++u) {
+    const T* kk = kr[u] + off;
+    v8 acc = {0, 0, 0, 0, 0, 0, 0, 0};
+    int64_t d = 0;
+    for (; d + 8 <= hd; d += 8) acc += load8(qj + d) * load8(kk + d);
+    float x = hsum8(acc);
+    for (; d < hd; ++d) x += to_f32(qj[d]) * to_f32(kk[d]);
+    s[u] = x * scale;
+  }
+}
+
+template <typename T>
+inline void weighted_sum_generic(const float* p, const int64_t* slots, int64_t L, const T* vh,
+                                 int64_t v_slot, int64_t hd, float inv, T* o, float* acc) {
+  std::fill(acc, acc + hd, 0.f);
+  for (int64_t t = 0; t < L; ++t) {
+    const T* vr = vh + slots[t] * v_slot;
+    const float pt = p[t];
+    for (int64_t d = 0; d < hd; ++d) acc[d] += pt * to_f32(vr[d]);
+  }
+  for (int64_t d = 0; d < hd; ++d) o[d] = from_f32<T>(acc[d] * inv);
+}
+
+template <typename T>
+void attend(const Args<T>& a, const Item& it, Scratch& sc) {
+  const int64_t n = it.req;
+  const int64_t q0 = a.qsl[n], qlen = a.qsl[n + 1] - q0;
+  const int64_t ctx = a.sl[n] - qlen;
   const int64_t g = a.g, hd = a.hd, bs = a.bs;
-  const int64_t nkh = kh1 - kh0, nheads = nkh * g;
-  const int64_t Lp = (L + 7) / 8 * 8;  // score row stride: whole 8-token chunks
-  scores.resize(nheads * Lp);
-  // token -> slot, once per item (no division in the inner loops)
-  slots.resize(L + 8);
-  const int32_t* row = a.bt + n * a.mb;
-  for (int64_t t = 0, b = 0; t < L; ++b)
-    for (int64_t i = 0; i < bs && t < L; ++i, ++t) slots[t] = static_cast<int64_t>(row[b]) * bs + i;
-  for (int64_t t = L; t < L + 8; ++t) slots[t] = slots[L - 1];  // pad: repeat the last token
-  const float* kb = a.k + kh0 * a.k_head;   // K rows of this item's kv heads
-  const float* vb = a.v + kh0 * a.v_head;
-  const float* qn = a.q + (n * a.nh + kh0 * g) * hd;
-  // ---- scores = q·k * scale, 8 tokens at a time; K rows read whole, in order ----
-  for (int64_t t0 = 0; t0 < L; t0 += 8) {
-    const float* kr[8];
-    for (int64_t u = 0; u < 8; ++u) kr[u] = kb + slots[t0 + u] * a.k_slot;
-    for (int64_t kh = 0; kh < nkh; ++kh) {
-      const int64_t off = kh * a.k_head;
-      for (int64_t j = 0; j < g; ++j) {
-        const int64_t h = kh * g + j;
-        const float* qj = qn + h * hd;
-        __m256 c0 = _mm256_setzero_ps(), c1 = c0, c2 = c0, c3 = c0, c4 = c0, c5 = c0,
-               c6 = c0, c7 = c0;
-        for (int64_t d = off; d < off + hd; d += 8) {
-          const __m256 qv = _mm256_loadu_ps(qj + d - off);
-          c0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr[0] + d), c0);
-          c1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr[1] + d), c1);
-          c2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr[2] + d), c2);
-          c3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr[3] + d), c3);
-          c4 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr[4] + d), c4);
-          c5 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr[5] + d), c5);
-          c6 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr[6] + d), c6);
-          c7 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr[7] + d), c7);
-        }
-        const __m256 sc = _mm256_mul_ps(fold8(c0, c1, c2, c3, c4, c5, c6, c7),
-                                        _mm256_set1_ps(a.scale));
-        // rows are Lp long: a partial last chunk may store all 8 lanes
-        _mm256_storeu_ps(scores.data() + h * Lp + t0, sc);
-      }
-    }
-  }
-  // ---- softmax per query head (max-subtracted), then out = sum_t p_t v_t / sum_t p_t ----
-  for (int64_t h = 0; h < nheads; ++h) {
-    float* s = scores.data() + h * Lp;
-    const __m256 iv = _mm256_set1_ps(softmax_numerators(s, L));
-    const float* vh = vb + (h / g) * a.v_head;
-    float* o = a.out + (n * a.nh + kh0 * g + h) * hd;
-    for (int64_t d0 = 0; d0 < hd; d0 += 64) {
-      __m256 o0 = _mm256_setzero_ps(), o1 = o0, o2 = o0, o3 = o0, o4 = o0, o5 = o0,
-             o6 = o0, o7 = o0;
-      for (int64_t t = 0; t < L; ++t) {
-        const float* vr = vh + slots[t] * a.v_slot + d0;
-        const __m256 p = _mm256_broadcast_ss(s + t);
-        o0 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vr), o0);
-        o1 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vr + 8), o1);
-        o2 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vr + 16), o2);
-        o3 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vr + 24), o3);
-        o4 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vr + 32), o4);
-        o5 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vr + 40), o5);
-        o6 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vr + 48), o6);
-        o7 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vr + 56), o7);
-      }
-      _mm256_storeu_ps(o + d0, _mm256_mul_ps(o0, iv));
-      _mm256_storeu_ps(o + d0 + 8, _mm256_mul_ps(o1, iv));
-      _mm256_storeu_ps(o + d0 + 16, _mm256_mul_ps(o2, iv));
-      _mm256_storeu_ps(o + d0 + 24, _mm256_mul_ps(o3, iv));
-      _mm256_storeu_ps(o + d0 + 32, _mm256_mul_ps(o4, iv));
-      _mm256_storeu_ps(o + d0 + 40, _mm256_mul_ps(o5, iv));
-      _mm256_storeu_ps(o + d0 + 48, _mm256_mul_ps(o6, iv));
-      _mm256_storeu_ps(o + d0 + 56, _mm256_mul_ps(o7, iv));
-    }
-  }
-}
-#endif
-
-static void attend(const Args& a, int64_t n, int64_t kh0, int64_t kh1,
-                   std::vector<float>& scores, std::vector<float>& acc,
-                   std::vector<int64_t>& slots) {
+  const int64_t nq = it.j1 - it.j0;
+  const int64_t Lmax = ctx + it.j1;             // keys the last query of the item sees
+  const int64_t Lp = (Lmax + 7) / 8 * 8;        // score row stride: whole 8-key chunks
+  const int64_t nkh = it.kh1 - it.kh0;
+  const int64_t rows = nq * nkh * g;            // (query, head) rows of this item
 #ifdef PAGEDLLM_AVX2
-  if (a.hd % 64 == 0) return attend_avx2(a, n, kh0, kh1, scores, slots);
+  const bool avx = hd % 64 == 0;
+#else
+  const bool avx = false;
 #endif
-  attend_generic(a, n, kh0, kh1, scores, acc);
+  sc.scores.resize(rows * Lp);
+  // key index -> cache slot, once per item; the padding repeats the last key
+  sc.slots.resize(Lp);
+  const int32_t* brow = a.bt + n * a.mb;
+  for (int64_t t = 0, b = 0; t < Lmax; ++b)
+    for (int64_t i = 0; i < bs && t < Lmax; ++i, ++t) sc.slots[t] = static_cast<int64_t>(brow[b]) * bs + i;
+  for (int64_t t = Lmax; t < Lp; ++t) sc.slots[t] = sc.slots[Lmax - 1];
+  const int64_t* slots = sc.slots.data();
+  // row r = ((j - j0) * nkh + (kh - kh0)) * g + hh
+  auto qrow = [&](int64_t j, int64_t kh, int64_t hh) {
+    return a.q + (q0 + j) * a.q_tok + (kh * g + hh) * hd;
+  };
+  // ---- 1. scores, 8 keys at a time: K rows read once per chunk for all rows ----
+  for (int64_t t0 = 0; t0 < Lmax; t0 += 8) {
+    const T* kr[8];
+    for (int64_t u = 0; u < 8; ++u) kr[u] = a.k + slots[t0 + u] * a.k_slot;
+    for (int64_t j = it.j0; j < it.j1; ++j) {
+      if (t0 >= ctx + j + 1) continue;        // past this query's causal limit
+      for (int64_t kh = it.kh0; kh < it.kh1; ++kh) {
+        for (int64_t hh = 0; hh < g; ++hh) {
+          const int64_t r = ((j - it.j0) * nkh + (kh - it.kh0)) * g + hh;
+          float* s = sc.scores.data() + r * Lp + t0;
+#ifdef PAGEDLLM_AVX2
+          if (avx) { scores8_avx(qrow(j, kh, hh), kr, kh * a.k_head, hd, a.scale, s); continue; }
+#endif
+          scores8_generic(qrow(j, kh, hh), kr, kh * a.k_head, hd, a.scale, s);
+        }
+      }
+    }
+  }
+  // ---- 2-3. softmax and the weighted sum of V, per row ----
+  if (!avx) sc.acc.resize(hd);
+  for (int64_t j = it.j0; j < it.j1; ++j) {
+    const int64_t L = ctx + j + 1;
+    for (int64_t kh = it.kh0; kh < it.kh1; ++kh) {
+      const T* vh = a.v + kh * a.v_head;
+      for (int64_t hh = 0; hh < g; ++hh) {
+        const int64_t r = ((j - it.j0) * nkh + (kh - it.kh0)) * g + hh;
+        float* p = sc.scores.data() + r * Lp;
+        const float inv = softmax_numerators(p, L);
+        T* o = a.out + ((q0 + j) * a.nh + kh * g + hh) * hd;
+#ifdef PAGEDLLM_AVX2
+        if (avx) { weighted_sum_avx(p, slots, L, vh, a.v_slot, hd, inv, o); continue; }
+#endif
+        weighted_sum_generic(p, slots, L, vh, a.v_slot, hd, inv, o, sc.acc.data());
+      }
+    }
+  }
 }
 
-void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor key_cache,
-                            torch::Tensor value_cache, torch::Tensor block_table,
-                            torch::Tensor seq_lens, int64_t block_size, double scale) {
-  TORCH_CHECK(q.dtype() == torch::kFloat32 && key_cache.dtype() == torch::kFloat32 &&
-              value_cache.dtype() == torch::kFloat32 && out.dtype() == torch::kFloat32, "float32 only");
-  TORCH_CHECK(q.dim() == 3 && key_cache.dim() == 3, "q [n, heads, dim], cache [slots, kv_heads, dim]");
-  TORCH_CHECK(q.is_contiguous() && out.is_contiguous(), "q/out must be contiguous");
-  TORCH_CHECK(key_cache.stride(2) == 1 && value_cache.stride(2) == 1, "cache rows must be contiguous");
-  TORCH_CHECK(block_table.dtype() == torch::kInt32 && block_table.is_contiguous(), "block_table int32");
-  TORCH_CHECK(seq_lens.dtype() == torch::kInt32 && seq_lens.is_contiguous(), "seq_lens int32");
-  Args a;
-  const int64_t nd = q.size(0);
+template <typename T>
+void run(const Args<T>& a, int64_t num_reqs) {
+  // Plan the work items (cheap: one per decode, or per kv head and query tile).
+  std::vector<Item> items;
+  int64_t decodes = 0;
+  for (int64_t n = 0; n < num_reqs; ++n) decodes += (a.qsl[n + 1] - a.qsl[n]) == 1;
+  const int64_t threads = at::get_num_threads();
+  const bool split_decode_heads = decodes < 2 * threads;
+  for (int64_t n = 0; n < num_reqs; ++n) {
+    const int32_t qlen = a.qsl[n + 1] - a.qsl[n];
+    if (qlen == 0) continue;
+    if (qlen == 1 && !split_decode_heads) {
+      items.push_back({static_cast<int32_t>(n), 0, static_cast<int32_t>(a.nkv), 0, 1});
+      continue;
+    }
+    for (int32_t kh = 0; kh < a.nkv; ++kh)
+      for (int32_t j0 = 0; j0 < qlen; j0 += kQueryTile)
+        items.push_back({static_cast<int32_t>(n), kh, kh + 1, j0,
+                         static_cast<int32_t>(std::min<int64_t>(qlen, j0 + kQueryTile))});
+  }
+  // Longest items first, dynamically scheduled, so that a long prompt's last tiles do not
+  // finish alone at the end of the step.
+  std::stable_sort(items.begin(), items.end(), [&](const Item& x, const Item& y) {
+    const int64_t cx = (a.sl[x.req] - (a.qsl[x.req + 1] - a.qsl[x.req]) + x.j1) * (x.j1 - x.j0) * (x.kh1 - x.kh0);
+    const int64_t cy = (a.sl[y.req] - (a.qsl[y.req + 1] - a.qsl[y.req]) + y.j1) * (y.j1 - y.j0) * (y.kh1 - y.kh0);
+    return cx > cy;
+  });
+  const int64_t count = static_cast<int64_t>(items.size());
+#pragma omp parallel num_threads(std::max<int64_t>(1, std::min<int64_t>(threads, count)))
+  {
+    Scratch sc;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t w = 0; w < count; ++w) attend(a, items[w], sc);
+  }
+}
+
+template <typename T>
+void launch(torch::Tensor out, torch::Tensor q, torch::Tensor key_cache, torch::Tensor value_cache,
+            torch::Tensor block_table, torch::Tensor query_start_loc, torch::Tensor seq_lens,
+            int64_t num_reqs, int64_t block_size, double scale) {
+  Args<T> a;
   a.nh = q.size(1); a.hd = q.size(2); a.nkv = key_cache.size(1);
-  TORCH_CHECK(out.size(0) == nd && block_table.size(0) >= nd && seq_lens.size(0) >= nd,
-              "batch sizes of q, out, block_table and seq_lens disagree");
-  TORCH_CHECK(a.nh % a.nkv == 0, "num_heads must be a multiple of num_kv_heads");
+  a.q_tok = q.stride(0);
   a.g = a.nh / a.nkv; a.mb = block_table.size(1); a.bs = block_size;
   a.k_slot = key_cache.stride(0); a.k_head = key_cache.stride(1);
   a.v_slot = value_cache.stride(0); a.v_head = value_cache.stride(1);
-  a.q = q.data_ptr<float>(); a.k = key_cache.data_ptr<float>(); a.v = value_cache.data_ptr<float>();
-  a.out = out.data_ptr<float>(); a.bt = block_table.data_ptr<int32_t>(); a.sl = seq_lens.data_ptr<int32_t>();
+  a.q = q.data_ptr<T>(); a.k = key_cache.data_ptr<T>(); a.v = value_cache.data_ptr<T>();
+  a.out = out.data_ptr<T>(); a.bt = block_table.data_ptr<int32_t>();
+  a.qsl = query_start_loc.data_ptr<int32_t>(); a.sl = seq_lens.data_ptr<int32_t>();
   a.scale = static_cast<float>(scale);
-  const bool split_heads = nd < 2 * at::get_num_threads();
-  const int64_t items = split_heads ? nd * a.nkv : nd;
-  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, acc;
-    std::vector<int64_t> slots;
-    for (int64_t w = begin; w < end; ++w) {
-      if (split_heads) attend(a, w / a.nkv, w % a.nkv, w % a.nkv + 1, scores, acc, slots);
-      else attend(a, w, 0, a.nkv, scores, acc, slots);
-    }
-  });
+  run(a, num_reqs);
+}
+
+}  // namespace
+
+void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor key_cache,
+                     torch::Tensor value_cache, torch::Tensor block_table,
+                     torch::Tensor query_start_loc, torch::Tensor seq_lens, int64_t block_size,
+                     double scale) {
+  const auto dt = q.scalar_type();
+  TORCH_CHECK(dt == torch::kFloat32 || dt == torch::kBFloat16, "q must be float32 or bfloat16");
+  TORCH_CHECK(key_cache.scalar_type() == dt && value_cache.scalar_type() == dt && out.scalar_type() == dt,
+              "q, the caches and out must have the same dtype");
+  TORCH_CHECK(q.dim() == 3 && out.dim() == 3 && key_cache.dim() == 3 && value_cache.dim() == 3,
+              "q/out [T, heads, dim], caches [slots, kv_heads, dim]");
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), "each token's q heads must be contiguous");
+  TORCH_CHECK(out.is_contiguous() && out.sizes() == q.sizes(), "out must be contiguous, q's shape");
+  TORCH_CHECK(key_cache.stride(2) == 1 && value_cache.stride(2) == 1, "cache rows must be contiguous");
+  TORCH_CHECK(key_cache.size(2) == q.size(2) && value_cache.size(2) == q.size(2) &&
+              value_cache.size(1) == key_cache.size(1), "head shapes disagree");
+  TORCH_CHECK(block_table.scalar_type() == torch::kInt32 && block_table.is_contiguous(), "block_table int32");
+  TORCH_CHECK(query_start_loc.scalar_type() == torch::kInt32 && query_start_loc.is_contiguous(),
+              "query_start_loc int32");
+  TORCH_CHECK(seq_lens.scalar_type() == torch::kInt32 && seq_lens.is_contiguous(), "seq_lens int32");
+  TORCH_CHECK(q.size(1) % key_cache.size(1) == 0, "num_heads must be a multiple of num_kv_heads");
+  const int64_t B = seq_lens.size(0);
+  TORCH_CHECK(query_start_loc.size(0) == B + 1 && block_table.size(0) >= B, "batch sizes disagree");
+  const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
+  const int32_t* sl = seq_lens.data_ptr<int32_t>();
+  TORCH_CHECK(qsl[0] == 0 && qsl[B] == q.size(0), "query_start_loc must run from 0 to T");
+  const int64_t slots = key_cache.size(0), mb = block_table.size(1);
+  for (int64_t n = 0; n < B; ++n) {
+    const int64_t qlen = qsl[n + 1] - qsl[n];
+    TORCH_CHECK(qlen >= 0 && sl[n] >= qlen, "request ", n, ": seq_len ", sl[n], " < query length ", qlen);
+    TORCH_CHECK((sl[n] + block_size - 1) / block_size <= mb, "request ", n, ": block table too short");
+    const int32_t* row = block_table.data_ptr<int32_t>() + n * mb;
+    for (int64_t b = 0; b < (sl[n] + block_size - 1) / block_size; ++b)
+      TORCH_CHECK(row[b] >= 0 && (row[b] + 1) * block_size <= slots, "request ", n, ": block ",
+                  row[b], " out of range");
+  }
+  if (dt == torch::kFloat32)
+    launch<float>(out, q, key_cache, value_cache, block_table, query_start_loc, seq_lens, B, block_size, scale);
+  else
+    launch<bf16>(out, q, key_cache, value_cache, block_table, query_start_loc, seq_lens, B, block_size, scale);
 }

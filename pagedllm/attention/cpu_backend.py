@@ -1,0 +1,91 @@
+"""Paged attention on the CPU by the C++ kernel (``pagedllm/kernels/csrc/paged_attention_cpu.cpp``),
+float32 or bfloat16.
+
+One kernel call per layer covers the whole flattened batch (decodes, prompts, prompt
+chunks over a cached prefix, several query tokens per request) and reads K/V in place
+through the block tables: no gather into contiguous copies and no Python loop over
+requests. Each (query, head) is computed alone in a fixed order, with float32 scores,
+softmax and accumulation, so a token's attention output never depends on the batch it
+ran in, on how its prompt was chunked, or on whether its prefix came from the cache.
+
+The cache layout is the torch backend's (``[layers, 2, slots, kv_heads, head_dim]``), so
+the two backends are interchangeable on one cache; without the compiled kernels (no
+compiler, ``PAGEDLLM_CPU_KERNELS=0``) or off the CPU, this backend runs the torch
+backend's ops instead, and says so in the start-up log (``describe``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pagedllm.attention.backend import CommonAttentionMetadata, register_backend
+from pagedllm.attention.torch_backend import TorchAttentionBackend
+from pagedllm.kernels.cpu import load_cpu_kernels, trace
+
+# dtypes the kernel stores K/V and computes attention outputs in
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+
+
+@dataclass
+class CpuAttentionMetadata:
+    """What the kernel reads for one step (CPU tensors sharing the runner's numpy buffers
+    where they can).
+
+    Attributes:
+        slot_mapping: int64 [T], cache slot of each new token.
+        block_table: int32 [B, max_blocks].
+        query_start_loc: int32 [B+1].
+        seq_lens: int32 [B], cached tokens after this step (context + queries).
+        block_size: tokens per block.
+    """
+
+    slot_mapping: torch.Tensor
+    block_table: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_size: int
+
+
+@register_backend
+class CpuKernelAttentionBackend(TorchAttentionBackend):
+    """The C++ paged-attention kernel where it applies (CPU, float32/bfloat16, kernels
+    built), else the torch backend's ops. ``kernels`` is the compiled module or None."""
+
+    name = "cpu_kernel"
+
+    def __init__(self, device: torch.device | None = None, dtype: torch.dtype = torch.float32):
+        super().__init__(device, dtype)
+        on_cpu = device is None or torch.device(device).type == "cpu"
+        self.kernels = load_cpu_kernels() if on_cpu and dtype in KERNEL_DTYPES else None
+
+    def describe(self) -> str:
+        """``cpu_kernel`` or, when it fell back, why (for the start-up log)."""
+        if self.kernels is None:
+            return f"{self.name} (kernels unavailable for {self.dtype}: torch ops)"
+        return f"{self.name} (C++ paged attention, {str(self.dtype).removeprefix('torch.')})"
+
+    def build_metadata(self, c: CommonAttentionMetadata):
+        if self.kernels is None:
+            return super().build_metadata(c)
+        B = c.num_reqs
+        return CpuAttentionMetadata(
+            c.slot_mapping,
+            torch.from_numpy(np.ascontiguousarray(c.block_table_np[:B], dtype=np.int32)),
+            torch.from_numpy(np.ascontiguousarray(c.query_start_loc_np[:B + 1], dtype=np.int32)),
+            torch.from_numpy(np.ascontiguousarray(c.seq_lens_np[:B], dtype=np.int32)),
+            c.block_size)
+
+    def forward(self, q, k, v, layer_cache, md, scale):
+        if not isinstance(md, CpuAttentionMetadata):
+            return super().forward(q, k, v, layer_cache, md, scale)
+        T, nh, hd = q.shape
+        key_cache, value_cache = layer_cache[0], layer_cache[1]
+        with trace("pagedllm::reshape_and_cache"):
+            self.kernels.reshape_and_cache(k, v, key_cache, value_cache, md.slot_mapping)
+        out = torch.empty(T, nh, hd, dtype=q.dtype)
+        with trace("pagedllm::paged_attention"):
+            self.kernels.paged_attention(out, q, key_cache, value_cache, md.block_table,
+                                         md.query_start_loc, md.seq_lens, md.block_size, scale)
+        return out.view(T, nh * hd)

@@ -1,0 +1,122 @@
+"""Batch invariance in every dtype: greedy token ids must not change with batch
+composition, prompt chunking, prefix caching or preemption, in float32 and in bfloat16
+("Defeating Nondeterminism in LLM Inference", Thinking Machines 2025).
+
+Two models:
+- a tiny random-weight Llama (head_dim 64, so the attention kernel's vector path runs)
+  in float32 and bfloat16 on every CPU: without bf16 arithmetic its bf16 matmuls are
+  slow, but the model is small, so the bf16 kernels and their invariance are tested on
+  both of the project's CPU kinds;
+- the bundled SmolLM2-135M in bfloat16 where the CPU computes bf16 natively (the dtype
+  ``--dtype auto`` may pick there); test_batching.py covers it in float32.
+
+Each scenario compares with the same prompts run one at a time, without chunking or
+caching: a shared random-token prefix (warmed into the cache first), random suffixes.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.utils import cpu_has_native_bf16
+
+VOCAB = 49152
+NATIVE_BF16 = cpu_has_native_bf16()
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    import transformers as tf
+
+    from pagedllm.tokenizer import get_tokenizer
+
+    torch.manual_seed(0)
+    cfg = tf.LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                         rms_norm_eps=1e-6, tie_word_embeddings=False, rope_theta=10000.0)
+    model = tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    with torch.no_grad():   # larger-than-init weights: logits far from uniform
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.1)
+    path = tmp_path_factory.mktemp("tiny-llama")
+    model.save_pretrained(path, safe_serialization=True)
+    get_tokenizer().save_pretrained(path)
+    return str(path)
+
+
+def _workload(n: int, prefix_len: int, seed: int) -> list[list[int]]:
+    """n prompts: one shared random-token prefix, then 5..40 random tokens each."""
+    rng = np.random.default_rng(seed)
+    prefix = rng.integers(100, VOCAB - 100, prefix_len).tolist()
+    return [prefix + rng.integers(100, VOCAB - 100, int(rng.integers(5, 40))).tolist() for _ in range(n)]
+
+
+def _greedy(llm: LLM, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def _check_invariance(model: str | None, dtype: str, prompts: list[list[int]], max_tokens: int,
+                      block_size: int = 16) -> None:
+    common = dict(model=model, dtype=dtype, device="cpu", seed=0, max_model_len=1024, block_size=block_size)
+    alone_llm = LLM(**common, enable_prefix_caching=False, kv_cache_memory="256MiB")
+    try:
+        assert alone_llm.llm_engine.config.dtype == getattr(torch, dtype)
+        alone = [_greedy(alone_llm, [p], max_tokens)[0] for p in prompts]
+        # the references are not degenerate: outputs differ between prompts
+        assert len({tuple(a) for a in alone}) > len(prompts) // 2
+        batched = _greedy(alone_llm, prompts, max_tokens)
+        assert batched == alone, "batched outputs differ from the same prompts run alone"
+    finally:
+        alone_llm.shutdown()
+    for label, kw in [
+        ("chunked prefill (13-token budget)", dict(max_num_batched_tokens=13, enable_prefix_caching=False)),
+        ("prefix caching", dict(enable_prefix_caching=True)),
+        ("preemption (tiny KV cache)", dict(enable_prefix_caching=True)),
+    ]:
+        kw = dict(kw)
+        if label.startswith("preemption"):
+            per_req = -(-(max(len(p) for p in prompts) + max_tokens) // block_size)
+            # room for two requests at most: the rest wait, and running ones get preempted
+            kw["kv_cache_memory"] = _bytes_for_blocks(model, dtype, per_req * 2 + 1, block_size)
+            kw["max_model_len"] = per_req * block_size
+        else:
+            kw.setdefault("kv_cache_memory", "256MiB")
+        llm = LLM(**{**common, **kw})
+        try:
+            if kw.get("enable_prefix_caching"):
+                _greedy(llm, prompts[:1], 1)      # warm the shared prefix
+            before = llm.stats().num_preemptions_total
+            got = _greedy(llm, prompts, max_tokens)
+            bad = [i for i, (g, r) in enumerate(zip(got, alone)) if g != r]
+            assert not bad, f"{dtype}, {label}: {len(bad)} of {len(prompts)} outputs differ, e.g. #{bad[0]}"
+            if label.startswith("preemption"):
+                assert llm.stats().num_preemptions_total > before, "the scenario did not preempt"
+            if label.startswith("prefix"):
+                assert llm.stats().prefix_cache_hits > 0
+        finally:
+            llm.shutdown()
+
+
+def _bytes_for_blocks(model, dtype: str, blocks: int, block_size: int) -> int:
+    from pagedllm.models.loader import load_arch_config
+    from pagedllm.utils import default_model_path
+
+    cfg = load_arch_config(model or default_model_path())
+    elem = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    return blocks * block_size * 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * elem
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_tiny_model_invariant_in_every_dtype(tiny_dir, dtype):
+    _check_invariance(tiny_dir, dtype, _workload(8, 100, seed=1), max_tokens=12)
+
+
+@pytest.mark.skipif(not NATIVE_BF16, reason="the CPU has no bf16 arithmetic (AVX512-BF16/AMX): "
+                                            "bf16 is not a dtype it runs natively")
+def test_bundled_model_invariant_in_bfloat16():
+    _check_invariance(None, "bfloat16", _workload(8, 300, seed=2), max_tokens=16)
