@@ -23,8 +23,8 @@
 //
 // Two implementations of a row's maths, chosen at compile time per head size:
 //  * AVX2+FMA, head_dim a multiple of 64 (float32 and bfloat16 loads widened in
-//    registers): scores for 8 keys in 8 accumulators folded by a horizontal-add tree; V
-//    accumulated in 8 registers, 64 dims at a time;
+//    registers): up to 3 heads of a kv head at once against 8 keys, folded by a
+//    horizontal-add tree; V accumulated in registers, 32 dims at a time;
 //  * generic (any head_dim or CPU): the same maths with GCC vector types.
 #include "ops.h"
 #include "vec.h"
@@ -90,52 +90,69 @@ inline __m256 fold8(__m256 x0, __m256 x1, __m256 x2, __m256 x3, __m256 x4, __m25
   return _mm256_add_ps(lo, hi);
 }
 
-// Scores of one query head against 8 keys: s[u] = q . k[u] * scale.
-template <typename T>
-inline void scores8_avx(const T* qj, const T* const* kr, int64_t off, int64_t hd, float scale,
-                        float* s) {
-  __m256 c0 = _mm256_setzero_ps(), c1 = c0, c2 = c0, c3 = c0, c4 = c0, c5 = c0, c6 = c0, c7 = c0;
-  for (int64_t d = 0; d < hd; d += 8) {
-    const __m256 qv = load8_avx(qj + d);
-    c0 = _mm256_fmadd_ps(qv, load8_avx(kr[0] + off + d), c0);
-    c1 = _mm256_fmadd_ps(qv, load8_avx(kr[1] + off + d), c1);
-    c2 = _mm256_fmadd_ps(qv, load8_avx(kr[2] + off + d), c2);
-    c3 = _mm256_fmadd_ps(qv, load8_avx(kr[3] + off + d), c3);
-    c4 = _mm256_fmadd_ps(qv, load8_avx(kr[4] + off + d), c4);
-    c5 = _mm256_fmadd_ps(qv, load8_avx(kr[5] + off + d), c5);
-    c6 = _mm256_fmadd_ps(qv, load8_avx(kr[6] + off + d), c6);
-    c7 = _mm256_fmadd_ps(qv, load8_avx(kr[7] + off + d), c7);
+// Scores of G query heads that share one kv head (GQA) against 8 keys,
+// s[r][u] = q_r . k_u * scale, and their weighted sums of V rows,
+// o_r = inv_r * sum_{t < L} p_r[t] v_t. Each K or V vector loaded feeds G FMAs (keys in
+// two halves of 4, 32 dims of V at a time: G*4 accumulators in registers). Every
+// (head, key) dot product runs over d in one order and folds by one tree (fold8), and
+// every (head, dim) sum runs over t in order, whatever G is: a head's result does not
+// depend on how many heads were computed with it.
+template <int G, typename T>
+inline void scores8_rows_avx(const T* const* qs, const T* const* kr, int64_t off, int64_t hd,
+                             float scale, float* const* s) {
+  __m256 acc[G][8];
+  for (int half = 0; half < 2; ++half) {
+    __m256 c[G][4];
+    for (int r = 0; r < G; ++r)
+      for (int u = 0; u < 4; ++u) c[r][u] = _mm256_setzero_ps();
+    const T* k0 = kr[half * 4] + off;
+    const T* k1 = kr[half * 4 + 1] + off;
+    const T* k2 = kr[half * 4 + 2] + off;
+    const T* k3 = kr[half * 4 + 3] + off;
+    for (int64_t d = 0; d < hd; d += 8) {
+      __m256 qv[G];
+      for (int r = 0; r < G; ++r) qv[r] = load8_avx(qs[r] + d);
+      const __m256 x0 = load8_avx(k0 + d), x1 = load8_avx(k1 + d);
+      const __m256 x2 = load8_avx(k2 + d), x3 = load8_avx(k3 + d);
+      for (int r = 0; r < G; ++r) {
+        c[r][0] = _mm256_fmadd_ps(qv[r], x0, c[r][0]);
+        c[r][1] = _mm256_fmadd_ps(qv[r], x1, c[r][1]);
+        c[r][2] = _mm256_fmadd_ps(qv[r], x2, c[r][2]);
+        c[r][3] = _mm256_fmadd_ps(qv[r], x3, c[r][3]);
+      }
+    }
+    for (int r = 0; r < G; ++r)
+      for (int u = 0; u < 4; ++u) acc[r][half * 4 + u] = c[r][u];
   }
-  _mm256_storeu_ps(s, _mm256_mul_ps(fold8(c0, c1, c2, c3, c4, c5, c6, c7), _mm256_set1_ps(scale)));
+  const __m256 sc = _mm256_set1_ps(scale);
+  for (int r = 0; r < G; ++r)
+    _mm256_storeu_ps(s[r], _mm256_mul_ps(fold8(acc[r][0], acc[r][1], acc[r][2], acc[r][3], acc[r][4],
+                                                acc[r][5], acc[r][6], acc[r][7]), sc));
 }
 
-// out[0, hd) = inv * sum_{t < L} p[t] * v_t, v_t = vh + slots[t] * v_slot.
-template <typename T>
-inline void weighted_sum_avx(const float* p, const int64_t* slots, int64_t L, const T* vh,
-                             int64_t v_slot, int64_t hd, float inv, T* o) {
-  const __m256 iv = _mm256_set1_ps(inv);
-  for (int64_t d0 = 0; d0 < hd; d0 += 64) {
-    __m256 o0 = _mm256_setzero_ps(), o1 = o0, o2 = o0, o3 = o0, o4 = o0, o5 = o0, o6 = o0, o7 = o0;
+template <int G, typename T>
+inline void weighted_sum_rows_avx(const float* const* p, const int64_t* slots, int64_t L, const T* vh,
+                                  int64_t v_slot, int64_t hd, const float* inv, T* const* o) {
+  for (int64_t d0 = 0; d0 < hd; d0 += 32) {
+    __m256 c[G][4];
+    for (int r = 0; r < G; ++r)
+      for (int i = 0; i < 4; ++i) c[r][i] = _mm256_setzero_ps();
     for (int64_t t = 0; t < L; ++t) {
       const T* vr = vh + slots[t] * v_slot + d0;
-      const __m256 pt = _mm256_broadcast_ss(p + t);
-      o0 = _mm256_fmadd_ps(pt, load8_avx(vr), o0);
-      o1 = _mm256_fmadd_ps(pt, load8_avx(vr + 8), o1);
-      o2 = _mm256_fmadd_ps(pt, load8_avx(vr + 16), o2);
-      o3 = _mm256_fmadd_ps(pt, load8_avx(vr + 24), o3);
-      o4 = _mm256_fmadd_ps(pt, load8_avx(vr + 32), o4);
-      o5 = _mm256_fmadd_ps(pt, load8_avx(vr + 40), o5);
-      o6 = _mm256_fmadd_ps(pt, load8_avx(vr + 48), o6);
-      o7 = _mm256_fmadd_ps(pt, load8_avx(vr + 56), o7);
+      const __m256 x0 = load8_avx(vr), x1 = load8_avx(vr + 8);
+      const __m256 x2 = load8_avx(vr + 16), x3 = load8_avx(vr + 24);
+      for (int r = 0; r < G; ++r) {
+        const __m256 pt = _mm256_broadcast_ss(p[r] + t);
+        c[r][0] = _mm256_fmadd_ps(pt, x0, c[r][0]);
+        c[r][1] = _mm256_fmadd_ps(pt, x1, c[r][1]);
+        c[r][2] = _mm256_fmadd_ps(pt, x2, c[r][2]);
+        c[r][3] = _mm256_fmadd_ps(pt, x3, c[r][3]);
+      }
     }
-    store8_avx(o + d0, _mm256_mul_ps(o0, iv));
-    store8_avx(o + d0 + 8, _mm256_mul_ps(o1, iv));
-    store8_avx(o + d0 + 16, _mm256_mul_ps(o2, iv));
-    store8_avx(o + d0 + 24, _mm256_mul_ps(o3, iv));
-    store8_avx(o + d0 + 32, _mm256_mul_ps(o4, iv));
-    store8_avx(o + d0 + 40, _mm256_mul_ps(o5, iv));
-    store8_avx(o + d0 + 48, _mm256_mul_ps(o6, iv));
-    store8_avx(o + d0 + 56, _mm256_mul_ps(o7, iv));
+    for (int r = 0; r < G; ++r) {
+      const __m256 iv = _mm256_set1_ps(inv[r]);
+      for (int i = 0; i < 4; ++i) store8_avx(o[r] + d0 + 8 * i, _mm256_mul_ps(c[r][i], iv));
+    }
   }
 }
 #endif
@@ -202,14 +219,28 @@ void attend(const Args<T>& a, const Item& it, Scratch& sc) {
     for (int64_t j = it.j0; j < it.j1; ++j) {
       if (t0 >= ctx + j + 1) continue;        // past this query's causal limit
       for (int64_t kh = it.kh0; kh < it.kh1; ++kh) {
-        for (int64_t hh = 0; hh < g; ++hh) {
-          const int64_t r = ((j - it.j0) * nkh + (kh - it.kh0)) * g + hh;
-          float* s = sc.scores.data() + r * Lp + t0;
+        const int64_t r0 = ((j - it.j0) * nkh + (kh - it.kh0)) * g;
 #ifdef PAGEDLLM_AVX2
-          if (avx) { scores8_avx(qrow(j, kh, hh), kr, kh * a.k_head, hd, a.scale, s); continue; }
-#endif
-          scores8_generic(qrow(j, kh, hh), kr, kh * a.k_head, hd, a.scale, s);
+        if (avx) {
+          // the g heads of this kv head, up to 3 at a time
+          for (int64_t hh = 0; hh < g; hh += 3) {
+            const T* qs[3];
+            float* ss[3];
+            const int64_t G = std::min<int64_t>(3, g - hh);
+            for (int64_t r = 0; r < G; ++r) {
+              qs[r] = qrow(j, kh, hh + r);
+              ss[r] = sc.scores.data() + (r0 + hh + r) * Lp + t0;
+            }
+            if (G == 3) scores8_rows_avx<3>(qs, kr, kh * a.k_head, hd, a.scale, ss);
+            else if (G == 2) scores8_rows_avx<2>(qs, kr, kh * a.k_head, hd, a.scale, ss);
+            else scores8_rows_avx<1>(qs, kr, kh * a.k_head, hd, a.scale, ss);
+          }
+          continue;
         }
+#endif
+        for (int64_t hh = 0; hh < g; ++hh)
+          scores8_generic(qrow(j, kh, hh), kr, kh * a.k_head, hd, a.scale,
+                          sc.scores.data() + (r0 + hh) * Lp + t0);
       }
     }
   }
@@ -219,15 +250,28 @@ void attend(const Args<T>& a, const Item& it, Scratch& sc) {
     const int64_t L = ctx + j + 1;
     for (int64_t kh = it.kh0; kh < it.kh1; ++kh) {
       const T* vh = a.v + kh * a.v_head;
-      for (int64_t hh = 0; hh < g; ++hh) {
-        const int64_t r = ((j - it.j0) * nkh + (kh - it.kh0)) * g + hh;
-        float* p = sc.scores.data() + r * Lp;
-        const float inv = softmax_numerators(p, L);
-        T* o = a.out + ((q0 + j) * a.nh + kh * g + hh) * hd;
+      const int64_t r0 = ((j - it.j0) * nkh + (kh - it.kh0)) * g;
+      for (int64_t hh = 0; hh < g; hh += 3) {
+        const int64_t G = std::min<int64_t>(3, g - hh);
+        const float* ps[3];
+        float inv[3];
+        T* os[3];
+        for (int64_t r = 0; r < G; ++r) {
+          float* p = sc.scores.data() + (r0 + hh + r) * Lp;
+          inv[r] = softmax_numerators(p, L);
+          ps[r] = p;
+          os[r] = a.out + ((q0 + j) * a.nh + kh * g + hh + r) * hd;
+        }
 #ifdef PAGEDLLM_AVX2
-        if (avx) { weighted_sum_avx(p, slots, L, vh, a.v_slot, hd, inv, o); continue; }
+        if (avx) {
+          if (G == 3) weighted_sum_rows_avx<3>(ps, slots, L, vh, a.v_slot, hd, inv, os);
+          else if (G == 2) weighted_sum_rows_avx<2>(ps, slots, L, vh, a.v_slot, hd, inv, os);
+          else weighted_sum_rows_avx<1>(ps, slots, L, vh, a.v_slot, hd, inv, os);
+          continue;
+        }
 #endif
-        weighted_sum_generic(p, slots, L, vh, a.v_slot, hd, inv, o, sc.acc.data());
+        for (int64_t r = 0; r < G; ++r)
+          weighted_sum_generic(ps[r], slots, L, vh, a.v_slot, hd, inv[r], os[r], sc.acc.data());
       }
     }
   }
