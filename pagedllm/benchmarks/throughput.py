@@ -4,7 +4,8 @@ by side with HF transformers' batched ``generate`` on the same prompts.
 Figures: requests/s, output tokens/s, total (prompt + output) tokens/s, over the
 generation time only (model loading excluded). The achieved compute rate is the model's
 FLOPs for the workload (see ``workload_flops``) divided by that time, and is reported as
-a fraction of ``torch.mm``'s float32 rate measured in the same run.
+a fraction of ``torch.mm``'s rate in the run's dtype measured in the same run. The report
+names the CPU (as ``lscpu`` does) and its ISA flags.
 """
 from __future__ import annotations
 
@@ -30,7 +31,8 @@ def register(subparsers: "argparse._SubParsersAction") -> None:
     p.add_argument("--input-len", type=positive_int, default=200)
     p.add_argument("--output-len", type=positive_int, default=128)
     p.add_argument("--hf-batch-size", type=int, default=None, help="HF generate batch (default: all prompts)")
-    p.add_argument("--no-mm", action="store_true", help="skip the torch.mm fp32 reference measurement")
+    p.add_argument("--no-mm", action="store_true",
+                   help="skip the torch.mm reference measurement (in the run's dtype)")
     p.add_argument("--output-json", default=None)
     EngineArgs.add_cli_args(p)
     p.set_defaults(func=throughput_main)
@@ -60,9 +62,9 @@ def workload_flops(arch, num_prompts: int, input_len: int, output_len: int) -> f
     return per_tok * tokens + attn + head
 
 
-def measure_mm_gflops(n: int = 2048, repeats: int = 5) -> float:
-    """Best-of-``repeats`` float32 ``torch.mm`` rate for n×n matrices, GFLOP/s."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
+def measure_mm_gflops(n: int = 2048, repeats: int = 5, dtype: torch.dtype = torch.float32) -> float:
+    """Best-of-``repeats`` ``torch.mm`` rate for n×n matrices in ``dtype`` on the CPU, GFLOP/s."""
+    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
     torch.mm(a, b)
     best = 0.0
     for _ in range(repeats):
@@ -88,16 +90,19 @@ def run_pagedllm(args, prompts) -> dict:
     arch = llm.llm_engine.config.arch
     llm.shutdown()
     return {"backend": "pagedllm", "elapsed_s": elapsed, "output_tokens": n_out, "arch": arch,
-            "dtype": str(llm.llm_engine.config.dtype)}
+            "dtype": str(llm.llm_engine.config.dtype), "torch_dtype": llm.llm_engine.config.dtype}
 
 
-def run_hf(args, prompts) -> dict:
+def load_hf_model(args):
+    """The HF transformers model of ``args.model`` (a GGUF through transformers' GGUF
+    loader, or a HF directory) in the dtype ``--dtype`` resolves to, on ``--device``:
+    returns (model, dtype, device)."""
     import os
 
     from transformers import AutoModelForCausalLM
 
     from pagedllm.config import resolve_dtype
-    from pagedllm.models.loader import is_gguf, load_arch_config
+    from pagedllm.models.loader import is_gguf
     from pagedllm.utils import default_model_path, resolve_device
 
     path = args.model or default_model_path()
@@ -108,7 +113,15 @@ def run_hf(args, prompts) -> dict:
                                                      gguf_file=os.path.basename(path), dtype=dtype)
     else:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-    model = model.to(device).eval()
+    return model.to(device).eval(), dtype, device
+
+
+def run_hf(args, prompts) -> dict:
+    from pagedllm.models.loader import load_arch_config
+    from pagedllm.utils import default_model_path
+
+    path = args.model or default_model_path()
+    model, dtype, device = load_hf_model(args)
     bsz = args.hf_batch_size or len(prompts)
     n_out = 0
     kw = dict(do_sample=False, max_new_tokens=args.output_len, min_new_tokens=args.output_len,
@@ -123,7 +136,7 @@ def run_hf(args, prompts) -> dict:
             n_out += (out.shape[1] - batch.shape[1]) * out.shape[0]
         elapsed = time.perf_counter() - t
     return {"backend": "hf", "elapsed_s": elapsed, "output_tokens": n_out,
-            "arch": load_arch_config(path), "dtype": str(dtype)}
+            "arch": load_arch_config(path), "dtype": str(dtype), "torch_dtype": dtype}
 
 
 def throughput_main(args) -> int:
@@ -139,15 +152,21 @@ def throughput_main(args) -> int:
     backends = ["hf", "pagedllm"] if args.backend == "both" else [args.backend]
     for b in backends:
         results.append(run_hf(args, prompts) if b == "hf" else run_pagedllm(args, prompts))
-    mm = None if args.no_mm else measure_mm_gflops()
+    from pagedllm.benchmarks.machine import machine_info
+
+    mm_dtype = results[-1]["torch_dtype"]
+    mm = None if args.no_mm else measure_mm_gflops(dtype=mm_dtype)
+    mm_name = str(mm_dtype).removeprefix("torch.")
     flops = workload_flops(arch, args.num_prompts, args.input_len, args.output_len)
-    report = {"num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
-              "torch_mm_fp32_gflops": mm, "workload_gflop": flops / 1e9, "threads": torch.get_num_threads(),
-              "results": []}
-    print(f"\nworkload: {args.num_prompts} prompts x ({args.input_len} in, {args.output_len} out), "
-          f"{flops / 1e12:.2f} TFLOP; torch threads {torch.get_num_threads()}")
+    machine = machine_info()
+    report = {"machine": machine, "num_prompts": args.num_prompts, "input_len": args.input_len,
+              "output_len": args.output_len, "torch_mm_gflops": mm, "torch_mm_dtype": mm_name,
+              "workload_gflop": flops / 1e9, "threads": torch.get_num_threads(), "results": []}
+    print(f"\n{machine['cpu']} ({' '.join(machine['isa'])}); workload: {args.num_prompts} prompts x "
+          f"({args.input_len} in, {args.output_len} out), {flops / 1e12:.2f} TFLOP; "
+          f"torch threads {torch.get_num_threads()}")
     if mm:
-        print(f"torch.mm fp32 (2048^3): {mm:.1f} GFLOP/s")
+        print(f"torch.mm {mm_name} (2048^3): {mm:.1f} GFLOP/s")
     for r in results:
         el = r["elapsed_s"]
         total = args.num_prompts * args.input_len + r["output_tokens"]

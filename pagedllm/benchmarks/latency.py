@@ -1,0 +1,176 @@
+"""``pagedllm bench latency``: single-stream (or small-batch) latency, as ``vllm bench
+latency``: time to first token, decode tokens/s and the time per decode step, split into
+the model's matmuls and everything else, beside HF transformers ``generate`` on the same
+prompt in the same run.
+
+The split: ``matmul_ms_per_step`` is the time of one pass through every linear layer of
+the model (all layers' q|k|v, o, gate|up and down projections, then the LM head), built
+with the engine's own ``LinearMethod`` in the run's dtype, random weights of the model's
+shapes, on ``batch_size`` rows, timed alone (best of several passes). Each layer has its
+own weights, as in the model, so a pass streams all of them from memory the way a
+decode step does. The rest of a decode step (attention, norms, RoPE, activation,
+sampling, scheduling, per-op dispatch from Python) is the measured step time minus that.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from .report import save_json
+from .serve_options import positive_int
+
+
+def register(subparsers: "argparse._SubParsersAction") -> None:
+    """Add ``latency`` to the ``bench`` sub-parsers; its ``func`` is :func:`latency_main`."""
+    from pagedllm.config import EngineArgs
+
+    p = subparsers.add_parser("latency", help="single-stream latency: TTFT, decode tok/s, matmul vs rest",
+                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--backend", choices=["pagedllm", "hf", "both"], default="pagedllm",
+                   help="hf: HF transformers generate; both: HF then pagedllm in one run")
+    p.add_argument("--batch-size", type=positive_int, default=1, help="requests decoded together")
+    p.add_argument("--input-len", type=positive_int, default=200)
+    p.add_argument("--output-len", type=positive_int, default=128)
+    p.add_argument("--num-iters", type=positive_int, default=3, help="timed runs (the best is reported)")
+    p.add_argument("--output-json", default=None)
+    EngineArgs.add_cli_args(p)
+    p.set_defaults(func=latency_main)
+
+
+def matmul_seconds_per_step(arch, dtype: torch.dtype, device: torch.device, rows: int,
+                            repeats: int = 5) -> float:
+    """Best-of-``repeats`` seconds for one pass of ``rows`` rows through every linear layer
+    of a model shaped as ``arch`` (random weights, the engine's linear method for
+    ``dtype`` on ``device``), in model order, LM head last."""
+    from pagedllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, ReplicatedLinear
+
+    a = arch
+    g = torch.Generator(device="cpu").manual_seed(0)
+    layers = []
+
+    def init(layer):
+        w = layer.weight
+        w.data.copy_(torch.randn(w.shape, generator=g).mul_(0.02).to(dtype))
+        layer.linear_method.process_weights_after_loading(layer)
+        return layer
+
+    for _ in range(a.num_hidden_layers):
+        layers.append(init(QKVParallelLinear(a.hidden_size, a.head_dim, a.num_attention_heads,
+                                             a.num_key_value_heads, False, dtype, device)))
+        layers.append(init(ReplicatedLinear(a.num_attention_heads * a.head_dim, a.hidden_size, False,
+                                            dtype, device)))
+        layers.append(init(MergedColumnParallelLinear(a.hidden_size, [a.intermediate_size] * 2, False,
+                                                      dtype, device)))
+        layers.append(init(ReplicatedLinear(a.intermediate_size, a.hidden_size, False, dtype, device)))
+    layers.append(init(ReplicatedLinear(a.hidden_size, a.vocab_size, False, dtype, device)))
+    inputs = {n: torch.randn(rows, n, generator=g).to(dtype).to(device)
+              for n in {m.input_size for m in layers}}
+    best = float("inf")
+    with torch.inference_mode():
+        for _ in range(repeats + 1):            # the first pass warms up
+            t = time.perf_counter()
+            for m in layers:
+                m(inputs[m.input_size])
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            best = min(best, time.perf_counter() - t)
+    return best
+
+
+def _summary(prefill_s: float, decode_s: float, batch: int, output_len: int) -> dict:
+    steps = max(output_len - 1, 1)
+    return {"ttft_s": round(prefill_s, 4), "decode_s": round(decode_s, 3),
+            "decode_ms_per_step": round(1e3 * decode_s / steps, 2),
+            "decode_tokens_per_s": round(batch * steps / decode_s, 1)}
+
+
+def run_pagedllm(args, prompts) -> dict:
+    """Best of ``num_iters`` runs: TTFT and decode time from the requests' own metrics
+    (first token to finish)."""
+    from pagedllm import LLM, SamplingParams
+    from pagedllm.config import EngineArgs
+
+    ea = EngineArgs.from_cli_args(args)
+    llm = LLM(model=ea.model, **{k: v for k, v in vars(ea).items() if k != "model"})
+    try:
+        sp = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+        inputs = [{"prompt_token_ids": p} for p in prompts]
+        llm.generate(inputs, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+        best = None
+        for _ in range(args.num_iters):
+            llm.reset_prefix_cache()
+            outs = llm.generate(inputs, sp, use_tqdm=False)
+            ttft = max(o.metrics.ttft for o in outs)
+            first = max(o.metrics.first_token_time for o in outs)
+            decode = max(o.metrics.finished_time for o in outs) - first
+            r = _summary(ttft, decode, len(prompts), args.output_len)
+            if best is None or r["decode_s"] < best["decode_s"]:
+                best = r
+        cfg = llm.llm_engine.config
+        return {"backend": "pagedllm", "dtype": str(cfg.dtype).removeprefix("torch."), **best,
+                "_arch": cfg.arch, "_dtype": cfg.dtype, "_device": cfg.device}
+    finally:
+        llm.shutdown()
+
+
+def run_hf(args, prompts) -> dict:
+    """Best of ``num_iters``: prefill = ``generate`` of one token; decode = a full
+    ``generate`` minus that."""
+    from .throughput import load_hf_model
+
+    model, dtype, device = load_hf_model(args)
+    batch = torch.tensor(prompts, device=device)
+    kw = dict(do_sample=False, pad_token_id=0, attention_mask=torch.ones_like(batch))
+    best = None
+    with torch.inference_mode():
+        model.generate(batch, max_new_tokens=4, min_new_tokens=4, **kw)
+        for _ in range(args.num_iters):
+            t = time.perf_counter()
+            model.generate(batch, max_new_tokens=1, min_new_tokens=1, **kw)
+            prefill = time.perf_counter() - t
+            t = time.perf_counter()
+            model.generate(batch, max_new_tokens=args.output_len, min_new_tokens=args.output_len, **kw)
+            full = time.perf_counter() - t
+            r = _summary(prefill, max(full - prefill, 1e-9), len(prompts), args.output_len)
+            if best is None or r["decode_s"] < best["decode_s"]:
+                best = r
+    return {"backend": "hf", "dtype": str(dtype).removeprefix("torch."), **best}
+
+
+def latency_main(args) -> int:
+    """Entry point of ``pagedllm bench latency``; returns 0."""
+    from pagedllm.benchmarks.machine import machine_info
+    from pagedllm.models.loader import load_arch_config
+    from pagedllm.utils import default_model_path
+
+    from .throughput import random_prompts
+
+    if args.num_threads:
+        torch.set_num_threads(args.num_threads)
+    arch = load_arch_config(args.model or default_model_path())
+    prompts = random_prompts(args.batch_size, args.input_len, arch.vocab_size, args.seed)
+    backends = ["hf", "pagedllm"] if args.backend == "both" else [args.backend]
+    results = [run_hf(args, prompts) if b == "hf" else run_pagedllm(args, prompts) for b in backends]
+    machine = machine_info()
+    print(f"\n{machine['cpu']} ({' '.join(machine['isa'])}); torch threads {torch.get_num_threads()}; "
+          f"batch {args.batch_size} x ({args.input_len} in, {args.output_len} out)")
+    for r in results:
+        extra = ""
+        if r["backend"] == "pagedllm":
+            mm = matmul_seconds_per_step(r.pop("_arch"), r.pop("_dtype"), r.pop("_device"), args.batch_size)
+            r["matmul_ms_per_step"] = round(1e3 * mm, 2)
+            r["other_ms_per_step"] = round(r["decode_ms_per_step"] - 1e3 * mm, 2)
+            extra = f" = matmuls {r['matmul_ms_per_step']:.1f} + rest {r['other_ms_per_step']:.1f} ms"
+        print(f"[{r['backend']:>8}] {r['dtype']} | TTFT {r['ttft_s'] * 1e3:.0f} ms | decode "
+              f"{r['decode_tokens_per_s']:.1f} tok/s | {r['decode_ms_per_step']:.1f} ms/step{extra}")
+    report = {"machine": machine, "batch_size": args.batch_size, "input_len": args.input_len,
+              "output_len": args.output_len, "results": results}
+    if len(results) == 2:
+        ratio = results[1]["decode_tokens_per_s"] / results[0]["decode_tokens_per_s"]
+        report["speedup_decode_tokens"] = round(ratio, 2)
+        print(f"pagedllm / hf decode tokens/s: {ratio:.2f}x")
+    if args.output_json:
+        save_json(report, args.output_json)
+    return 0
