@@ -13,7 +13,8 @@ import torch
 from pagedllm import envs
 from pagedllm.errors import InvalidParameterError
 from pagedllm.models.arch_config import ModelArchConfig
-from pagedllm.utils import cpu_has_native_bf16, default_model_path, parse_size, resolve_device
+from pagedllm.platform import has_native_bf16
+from pagedllm.utils import default_model_path, parse_size, resolve_device
 
 logger = logging.getLogger("pagedllm")
 
@@ -31,7 +32,7 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     if dtype == "auto":
         if device.type == "cuda":
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+        return torch.bfloat16 if has_native_bf16() else torch.float32
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of auto, float32, bfloat16, float16; got {dtype!r}")
     return _DTYPES[dtype]
