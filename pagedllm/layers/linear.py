@@ -23,6 +23,10 @@ tiny probe): on the project's Intel Xeon a 64-row 576 -> 1536 linear ran ~1200 G
 packed vs ~830 with ``F.linear``; on its AVX2 AMD EPYC the reorder raises and
 ``F.linear`` runs. Elsewhere (CUDA, float16, no oneDNN, or ``PAGEDLLM_ONEDNN=0``) the
 plain ``F.linear`` runs.
+
+Batch invariance. Where a method's per-row result does depend on the number of rows
+(``pagedllm/layers/batch_invariance.py`` probes each shape at load),
+``RowChunkedLinearMethod`` wraps it so that every call it makes has the same row count.
 """
 from __future__ import annotations
 
@@ -133,6 +137,49 @@ def get_linear_method(device: torch.device | str, dtype: torch.dtype) -> LinearM
     return UnquantizedLinearMethod()
 
 
+class RowChunkedLinearMethod(LinearMethod):
+    """``inner`` computed in fixed-size row chunks, so that each output row is bitwise
+    independent of how many rows the batch has (Thinking Machines, "Defeating
+    Nondeterminism in LLM Inference", 2025; vLLM's batch-invariant mode): x [T, in] is cut
+    into ``ceil(T / chunk_rows)`` chunks of ``chunk_rows`` rows, the last one padded with
+    zero rows, and ``inner.apply`` is called once per chunk, always with ``chunk_rows`` rows.
+    Kernels that pick another algorithm (or split the reduction differently) for another
+    row count then see one row count only. A row's result can still depend on its place
+    within its chunk; ``batch_invariance.probe_row_invariance`` checks the wrapped method too.
+
+    Cost: up to ``chunk_rows - 1`` padded rows per call (a one-row decode step computes
+    ``chunk_rows`` rows; at small row counts a linear layer is bound by reading its weight,
+    so this costs less than the factor suggests) and one ``inner.apply`` per chunk.
+
+    Args:
+        inner: the method that computes each chunk (its weights are the layer's, prepared
+            by ``inner.process_weights_after_loading``, which this delegates to).
+        chunk_rows: rows per call, >= 1.
+    """
+
+    def __init__(self, inner: LinearMethod, chunk_rows: int):
+        if chunk_rows < 1:
+            raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
+        self.inner, self.chunk_rows = inner, chunk_rows
+        self.name = f"{inner.name} in {chunk_rows}-row chunks"
+
+    def create_weights(self, layer, input_size, output_partition_sizes, params_dtype, device):
+        self.inner.create_weights(layer, input_size, output_partition_sizes, params_dtype, device)
+
+    def process_weights_after_loading(self, layer):
+        self.inner.process_weights_after_loading(layer)
+
+    def apply(self, layer, x, bias=None):
+        rows, c = x.shape[0], self.chunk_rows
+        if rows == c:
+            return self.inner.apply(layer, x, bias)
+        pad = -rows % c
+        if pad or rows == 0:
+            x = torch.cat([x, x.new_zeros(pad or c, x.shape[1])])
+        outs = [self.inner.apply(layer, x[i:i + c], bias) for i in range(0, x.shape[0], c)]
+        return torch.cat(outs)[:rows]
+
+
 def measure_linear_gflops(in_features: int, out_features: int, rows: int, dtype: torch.dtype,
                           device: torch.device | str = "cpu", reps: int = 5,
                           max_weight_elements: int = 1 << 24) -> tuple[float, str]:
@@ -193,7 +240,13 @@ class LinearBase(nn.Module):
         for p in (self.weight, self.bias):
             if p is not None:
                 p.weight_loader = self.weight_loader
-        self.compute_path = ("linear", self.linear_method.name)
+        self.output_size = sum(self.output_sizes)
+
+    @property
+    def compute_path(self) -> tuple[str, str, str]:
+        """("linear", the method's name, the layer's short name such as "qkv_proj"), for
+        ``describe_compute_path``; follows the method if it is replaced (wrapped) later."""
+        return ("linear", self.linear_method.name, self.prefix.rpartition(".")[2] or "linear")
 
     def _param_name(self, param: nn.Parameter) -> str:
         return f"{self.prefix}.{'bias' if param is self.bias else 'weight'}"
