@@ -157,8 +157,8 @@ def test_bf16_f_linear_rows_are_invariant_on_avx2(fin, fout):
 @pytest.mark.parametrize("dtype", [F32, BF16])
 def test_dense_methods_end_invariant_after_the_probe(dtype):
     """Whatever MKL does at this thread count (float32 F.linear's rows differ at 1-5 rows
-    here, and the dense LM head's 1-row F.linear from its multi-row W @ h.T), the layers
-    come out of ensure_batch_invariant_linears invariant."""
+    here, and the dense float32 LM head's 1-row F.linear from its multi-row W @ h.T), the
+    layers come out of ensure_batch_invariant_linears invariant."""
     class Tiny(nn.Module):
         def __init__(self):
             super().__init__()
@@ -167,7 +167,7 @@ def test_dense_methods_end_invariant_after_the_probe(dtype):
             self.lm_head.weight.data.copy_(torch.randn(4096, 576, generator=torch.Generator().manual_seed(2)))
 
     model = Tiny()
-    budget = 300_000_000     # fewer rows than at load: bf16 torch.mm is very slow on AVX2 CPUs
+    budget = 300_000_000     # fewer rows than at load: bf16 matmuls are very slow on AVX2 CPUs
     results = bi.ensure_batch_invariant_linears(model, max_macs=budget)
     assert all(not r.still_failed_at for r in results), results
     for layer, (fin, fout) in ((model.qkv_proj, (576, 960)), (model.lm_head, (576, 4096))):

@@ -7,9 +7,9 @@ the row count M, so the same input row can round differently at M = 1 and M = 64
 Machines, "Defeating Nondeterminism in LLM Inference", 2025; vLLM's batch-invariant mode
 replaces such kernels). Measured on the project's AVX2 machine (SmolLM2-135M shapes):
 float32 ``F.linear`` (MKL) gives other bits at 1-3 rows (one thread) or 1-5 rows (two)
-than in a bigger batch, and the dense LM head's one-row ``F.linear`` other bits than its
-multi-row ``W @ h.T`` (float32 and bfloat16); oneDNN's packed inner product and
-bfloat16 ``F.linear`` do not. On the Intel Xeon in bfloat16, greedy outputs did depend
+than in a bigger batch, and the dense float32 LM head's one-row ``F.linear`` other bits
+than its multi-row ``W @ h.T``; oneDNN's packed inner product and bfloat16 ``F.linear``
+do not. On the Intel Xeon in bfloat16, greedy outputs did depend
 on the batch. The probe runs at the engine's thread count (the worker sets it first),
 since the kernels' choices depend on it.
 
@@ -25,8 +25,8 @@ Cost: one call per probed row count, capped at about ``PROBE_MAX_MACS`` multiply
 shape (``probe_rows``: big layers, e.g. a 49152-row LM head, get the most telling row
 counts only). Measured at load, SmolLM2-135M on the 2-core AVX2 machine (shared, so
 noisy): float32 oneDNN-packed 0.10-0.23 s, nothing wrapped; ``PAGEDLLM_ONEDNN=0`` 0.6 s,
-all five shapes wrapped in 16-row chunks. bfloat16 there takes seconds (bf16 ``torch.mm``
-in the dense LM head runs at ~0.3 GFLOP/s), but ``--dtype auto`` never picks it there.
+all five shapes wrapped in 16-row chunks; bfloat16 (``F.linear``, very slow there, and
+never picked by ``--dtype auto``) 0.74 s on one thread, nothing wrapped.
 """
 from __future__ import annotations
 
