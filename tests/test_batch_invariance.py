@@ -7,7 +7,6 @@ import logging
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pagedllm import platform
