@@ -1,4 +1,5 @@
-"""Small shared helpers: size parsing, CPU feature detection, the bundled model's path."""
+"""Small shared helpers: size parsing, the bundled model's path, devices, huge-page buffers.
+(CPU feature detection lives in ``pagedllm/platform.py``.)"""
 from __future__ import annotations
 
 import importlib.util
@@ -39,23 +40,6 @@ def parse_size(value: str | int) -> int:
     if n <= 0:
         raise ValueError(f"invalid size {value!r}: must be positive")
     return n
-
-
-def cpu_has_native_bf16() -> bool:
-    """True when the CPU has bf16 arithmetic (AVX512-BF16 or AMX), read from /proc/cpuinfo.
-
-    Without it, torch converts bf16 matmuls to fp32 and they run several times slower
-    than fp32 itself (measured in shared/design.md), so ``--dtype auto`` picks fp32.
-    """
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    return bool(flags & {"avx512_bf16", "amx_bf16"})
-    except OSError:
-        pass
-    return False
 
 
 def default_model_path() -> str:

@@ -119,7 +119,7 @@ def test_onednn_packed_linear_matches_dense(rows):
         layer.weight_loader(layer.bias, b)
         layer.linear_method.process_weights_after_loading(layer)
     assert dense.weight.numel() == 96 * 48 and packed.weight.numel() == 0   # dense copy released
-    assert packed.compute_path == ("linear", "oneDNN-packed")
+    assert packed.compute_path == ("linear", "oneDNN-packed", "linear")   # (kind, method, layer name)
     torch.testing.assert_close(packed(x), dense(x), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(dense(x), x @ w.T + b, rtol=1e-5, atol=1e-5)
 
@@ -224,6 +224,12 @@ def test_describe_compute_path_names_each_layer_kind():
     text = describe_compute_path(LlamaForCausalLM(_tiny_cfg(), F32, CPU, 64))
     kinds = [part.split(" ")[0] for part in text.split(", ")]
     assert kinds == ["linear", "rms_norm", "rotary", "silu_and_mul"], text
+    # each linear layer by name, with its method (the dense LM head has its own)
+    method = "oneDNN-packed" if onednn_packing_available(CPU, F32) else "F.linear"
+    head = "oneDNN-packed" if method == "oneDNN-packed" else "dense W@h.T"
+    expected = (f"linear {method} (qkv_proj o_proj gate_up_proj down_proj lm_head)" if head == method else
+                f"linear {method} (qkv_proj o_proj gate_up_proj down_proj) / {head} (lm_head)")
+    assert text.split(", ")[0] == expected, text
     cpp = load_cpu_kernels() is not None
     assert ("rms_norm C++" in text) == cpp and ("rotary C++" in text) == cpp
 

@@ -107,7 +107,7 @@ def load_hf_model(args):
 
     path = args.model or default_model_path()
     device = resolve_device(args.device)
-    dtype = resolve_dtype(args.dtype, device)
+    dtype = resolve_dtype(args.dtype, device, load_arch_config(path))
     if is_gguf(path):
         model = AutoModelForCausalLM.from_pretrained(os.path.dirname(os.path.abspath(path)),
                                                      gguf_file=os.path.basename(path), dtype=dtype)

@@ -15,12 +15,23 @@ CPU backend emits for a frozen linear) takes a weight reordered once into its bl
 layout (``torch.ops.mkldnn._reorder_linear_weight``). Measured on this project's 2-core
 AVX2 machine (fp32, SmolLM2-135M shapes): 64 rows 110-124 GFLOP/s vs 92-104 for
 ``F.linear``, the 49152-row LM head 116 vs 51; 2048 rows 128-139 vs 118-126. Each output
-row is also bitwise independent of the other rows in the batch (``F.linear`` is not below
-16 rows), which keeps greedy outputs independent of batching. Elsewhere (CUDA, half
-precision, no oneDNN, or ``PAGEDLLM_ONEDNN=0``) the plain ``F.linear`` runs.
+row is also bitwise independent of the other rows in the batch (``F.linear``'s is not: at
+1-5 rows its rows differ from the same rows in a bigger batch), which keeps greedy
+outputs independent of batching. In bfloat16 the weights are packed too where oneDNN can
+reorder a bf16 weight on this CPU (AVX512-BW/VL/DQ or AVX-NE-CONVERT; checked once by a
+tiny probe): on the project's Intel Xeon a 64-row 576 -> 1536 linear ran ~1200 GFLOP/s
+packed vs ~830 with ``F.linear``; on its AVX2 AMD EPYC the reorder raises and
+``F.linear`` runs. Elsewhere (CUDA, float16, no oneDNN, or ``PAGEDLLM_ONEDNN=0``) the
+plain ``F.linear`` runs.
+
+Batch invariance. Where a method's per-row result does depend on the number of rows
+(``pagedllm/layers/batch_invariance.py`` probes each shape at load),
+``RowChunkedLinearMethod`` wraps it so that every call it makes has the same row count.
 """
 from __future__ import annotations
 
+import functools
+import time
 from abc import ABC, abstractmethod
 
 import torch
@@ -66,16 +77,40 @@ class UnquantizedLinearMethod(LinearMethod):
 
 
 def onednn_packing_available(device: torch.device | str, dtype: torch.dtype) -> bool:
-    """Whether weights for ``device``/``dtype`` are packed for oneDNN (CPU float32 with
-    mkldnn, unless ``PAGEDLLM_ONEDNN=0``)."""
-    return (torch.device(device).type == "cpu" and dtype == torch.float32
-            and torch.backends.mkldnn.is_available()
-            and envs.onednn_enabled())
+    """Whether weights for ``device``/``dtype`` are packed for oneDNN: on the CPU with
+    mkldnn, unless ``PAGEDLLM_ONEDNN=0``; float32 always, bfloat16 where
+    ``onednn_bf16_packing_works()`` (float16 never)."""
+    if not (torch.device(device).type == "cpu" and torch.backends.mkldnn.is_available()
+            and envs.onednn_enabled()):
+        return False
+    if dtype == torch.float32:
+        return True
+    return dtype == torch.bfloat16 and onednn_bf16_packing_works()
+
+
+@functools.lru_cache(maxsize=1)
+def onednn_bf16_packing_works() -> bool:
+    """Whether oneDNN can reorder a bf16 weight and multiply with it on this CPU: a one-time
+    probe (a 32 x 64 weight, 2 rows; well under a millisecond), cached per process.
+    False on CPUs without AVX512-BW/VL/DQ or AVX-NE-CONVERT, where torch raises
+    ("bf16 path needs the cpu support avx_ne_convert or avx512bw, avx512vl and
+    avx512dq"), and when the product differs from ``F.linear``'s by more than bf16 rounding.
+    Never raises."""
+    try:
+        g = torch.Generator().manual_seed(0)
+        w = torch.randn(32, 64, generator=g).to(torch.bfloat16)
+        x = torch.randn(2, 64, generator=g).to(torch.bfloat16)
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
+        y = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+        return bool(torch.allclose(y.float(), F.linear(x.float(), w.float()), rtol=0.05, atol=0.1))
+    except Exception:   # RuntimeError on CPUs without the ISA; anything else: don't pack
+        return False
 
 
 class OneDNNPackedLinearMethod(LinearMethod):
     """The weight reordered once into oneDNN's blocked layout, multiplied by oneDNN's inner
-    product (see the module docstring); CPU float32 only.
+    product (see the module docstring); CPU float32, and bfloat16 where
+    ``onednn_bf16_packing_works()``.
 
     After ``process_weights_after_loading``, ``layer.packed_weight`` is the opaque oneDNN
     tensor and ``layer.weight`` an empty placeholder (the dense copy is released) unless
@@ -100,6 +135,84 @@ def get_linear_method(device: torch.device | str, dtype: torch.dtype) -> LinearM
     if onednn_packing_available(device, dtype):
         return OneDNNPackedLinearMethod()
     return UnquantizedLinearMethod()
+
+
+class RowChunkedLinearMethod(LinearMethod):
+    """``inner`` computed in fixed-size row chunks, so that each output row is bitwise
+    independent of how many rows the batch has (Thinking Machines, "Defeating
+    Nondeterminism in LLM Inference", 2025; vLLM's batch-invariant mode): x [T, in] is cut
+    into ``ceil(T / chunk_rows)`` chunks of ``chunk_rows`` rows, the last one padded with
+    zero rows, and ``inner.apply`` is called once per chunk, always with ``chunk_rows`` rows.
+    Kernels that pick another algorithm (or split the reduction differently) for another
+    row count then see one row count only. A row's result can still depend on its place
+    within its chunk; ``batch_invariance.probe_row_invariance`` checks the wrapped method too.
+
+    Cost: up to ``chunk_rows - 1`` padded rows per call (a one-row decode step computes
+    ``chunk_rows`` rows; at small row counts a linear layer is bound by reading its weight,
+    so this costs less than the factor suggests) and one ``inner.apply`` per chunk.
+
+    Args:
+        inner: the method that computes each chunk (its weights are the layer's, prepared
+            by ``inner.process_weights_after_loading``, which this delegates to).
+        chunk_rows: rows per call, >= 1.
+    """
+
+    def __init__(self, inner: LinearMethod, chunk_rows: int):
+        if chunk_rows < 1:
+            raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
+        self.inner, self.chunk_rows = inner, chunk_rows
+        self.name = f"{inner.name} in {chunk_rows}-row chunks"
+
+    def create_weights(self, layer, input_size, output_partition_sizes, params_dtype, device):
+        self.inner.create_weights(layer, input_size, output_partition_sizes, params_dtype, device)
+
+    def process_weights_after_loading(self, layer):
+        self.inner.process_weights_after_loading(layer)
+
+    def apply(self, layer, x, bias=None):
+        rows, c = x.shape[0], self.chunk_rows
+        if rows == c:
+            return self.inner.apply(layer, x, bias)
+        pad = -rows % c
+        if pad or rows == 0:
+            x = torch.cat([x, x.new_zeros(pad or c, x.shape[1])])
+        outs = [self.inner.apply(layer, x[i:i + c], bias) for i in range(0, x.shape[0], c)]
+        return torch.cat(outs)[:rows]
+
+
+def measure_linear_gflops(in_features: int, out_features: int, rows: int, dtype: torch.dtype,
+                          device: torch.device | str = "cpu", reps: int = 5,
+                          max_weight_elements: int = 1 << 24) -> tuple[float, str]:
+    """Throughput of one linear layer computed the way the engine would (``get_linear_method``:
+    oneDNN-packed where available), for choosing a dtype.
+
+    A [rows, in_features] input times an [out, in_features] weight, one warm-up call, then
+    the best of ``reps`` timed calls. To bound the cost for big models, ``out`` is
+    ``out_features`` capped so the weight has at most ``max_weight_elements`` elements
+    (GFLOP/s barely depend on it past a few MB). The weight is small constants, not random
+    (generating it costs more than timing it; speed does not depend on the values, and
+    they are far from denormals).
+
+    Args:
+        in_features, out_features, rows: the shape; dtype, device: what is timed.
+        reps: timed calls (>= 1).
+
+    Returns:
+        (GFLOP/s as 2 * rows * in * out / best seconds / 1e9, the method's name).
+    """
+    out = max(1, min(out_features, max_weight_elements // max(in_features, 1)))
+    layer = ReplicatedLinear(in_features, out, False, dtype, torch.device(device))
+    with torch.inference_mode():
+        layer.weight.data.fill_(0.01)
+        layer.linear_method.process_weights_after_loading(layer)
+        x = torch.full((rows, in_features), 0.5, dtype=dtype, device=device)
+        layer(x)
+        best = float("inf")
+        for _ in range(max(1, reps)):
+            t = time.perf_counter()
+            layer(x)
+            best = min(best, time.perf_counter() - t)
+    return 2.0 * rows * in_features * out / max(best, 1e-9) / 1e9, layer.linear_method.name
 
 
 class LinearBase(nn.Module):
@@ -127,7 +240,13 @@ class LinearBase(nn.Module):
         for p in (self.weight, self.bias):
             if p is not None:
                 p.weight_loader = self.weight_loader
-        self.compute_path = ("linear", self.linear_method.name)
+        self.output_size = sum(self.output_sizes)
+
+    @property
+    def compute_path(self) -> tuple[str, str, str]:
+        """("linear", the method's name, the layer's short name such as "qkv_proj"), for
+        ``describe_compute_path``; follows the method if it is replaced (wrapped) later."""
+        return ("linear", self.linear_method.name, self.prefix.rpartition(".")[2] or "linear")
 
     def _param_name(self, param: nn.Parameter) -> str:
         return f"{self.prefix}.{'bias' if param is self.bias else 'weight'}"

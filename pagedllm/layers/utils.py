@@ -22,17 +22,23 @@ def cpu_kernels_for(device: torch.device | str, dtype: torch.dtype):
 
 def describe_compute_path(model: nn.Module) -> str:
     """The implementation each layer kind of ``model`` picked, for the start-up log, e.g.
-    ``"linear oneDNN-packed, rms_norm C++, rotary C++, silu_and_mul C++"``. Every layer
-    that has a choice says ``compute_path = (kind, implementation)``; kinds in alphabetical
-    order, several implementations of one kind joined by ``/``."""
-    kinds: dict[str, list[str]] = {}
+    ``"linear oneDNN-packed (qkv_proj o_proj gate_up_proj down_proj lm_head), rms_norm C++,
+    rotary C++, silu_and_mul C++"``. Every layer that has a choice says ``compute_path =
+    (kind, implementation)`` or ``(kind, implementation, name)``; kinds in alphabetical
+    order, several implementations of one kind joined by `` / `` in the order met, each
+    followed by the names (in brackets, each once) of the layers that use it, e.g.
+    ``"linear F.linear in 16-row chunks (qkv_proj o_proj) / dense W@h.T (lm_head)"``."""
+    kinds: dict[str, dict[str, list[str]]] = {}
     for m in model.modules():
         path = getattr(m, "compute_path", None)
         if path is not None:
-            impls = kinds.setdefault(path[0], [])
-            if path[1] not in impls:
-                impls.append(path[1])
-    return ", ".join(f"{kind} {'/'.join(kinds[kind])}" for kind in sorted(kinds))
+            names = kinds.setdefault(path[0], {}).setdefault(path[1], [])
+            if len(path) > 2 and path[2] not in names:
+                names.append(path[2])
+    return ", ".join(
+        f"{kind} " + " / ".join(impl + (f" ({' '.join(names)})" if names else "")
+                                for impl, names in kinds[kind].items())
+        for kind in sorted(kinds))
 
 
 def check_shape(name: str, target: torch.Tensor, loaded: torch.Tensor) -> None:

@@ -23,6 +23,23 @@ class VocabParallelEmbedding(nn.Module):
         return F.embedding(input_ids, self.weight)
 
 
+class DenseLogitsMethod(UnquantizedLinearMethod):
+    """The LM head's dense weight: on the CPU in float32 with more than one row, logits are
+    computed as ``W @ h.T`` (with a huge vocabulary and few rows MKL runs this orientation
+    ~1.5-2x faster than ``F.linear``'s: 64 rows x 49152 vocab, 35 ms vs 64 ms on 2 cores);
+    one row, another dtype or another device, ``F.linear`` (in bf16 on the AVX2 machine,
+    16 rows x 49152 x 576 on one thread: ``torch.mm`` 437 ms, ``F.linear`` 115 ms).
+    ``apply`` may return a transposed (non-contiguous) view."""
+
+    name = "dense W@h.T"
+
+    def apply(self, layer, x, bias=None):
+        if x.device.type == "cpu" and x.dtype == torch.float32 and x.shape[0] > 1:
+            out = torch.mm(layer.weight, x.t().contiguous()).t()
+            return out if bias is None else out + bias
+        return F.linear(x, layer.weight, bias)
+
+
 class ParallelLMHead(nn.Module):
     """The output projection to vocabulary logits: hidden [N, embedding_dim] → float32
     [N, num_embeddings].
@@ -31,33 +48,36 @@ class ParallelLMHead(nn.Module):
     ``tied_embedding``, that embedding's table (not a parameter here, so it is loaded once,
     as the embedding, and a checkpoint's ``lm_head.weight`` is ignored). With the oneDNN-
     packed method the table is packed after loading; a tied table stays dense too, since
-    the embedding looks tokens up in it. With dense weights on the CPU and more than one
-    row, logits are computed as ``W @ h.T``: with a huge vocabulary and few rows MKL runs
-    this orientation ~1.5-2x faster than ``F.linear``'s (measured: 64 rows x 49152 vocab,
-    35 ms vs 64 ms on 2 cores); batch invariance of greedy outputs is tested.
+    the embedding looks tokens up in it. A plain ``UnquantizedLinearMethod`` (dense
+    weights) is replaced by ``DenseLogitsMethod``.
 
     Args:
         num_embeddings: vocabulary size; embedding_dim: hidden size.
         dtype, device: of the weight.
         tied_embedding: the embedding whose table is shared, or None.
         linear_method: how the weight is stored and multiplied (default: ``get_linear_method``).
+
+    Attributes:
+        input_size, output_size: embedding_dim and num_embeddings (as a linear layer's).
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype, device: torch.device,
                  tied_embedding: VocabParallelEmbedding | None = None,
                  linear_method: LinearMethod | None = None):
         super().__init__()
-        self.linear_method = linear_method or get_linear_method(device, dtype)
+        method = linear_method or get_linear_method(device, dtype)
+        self.linear_method = DenseLogitsMethod() if type(method) is UnquantizedLinearMethod else method
+        self.input_size, self.output_size = embedding_dim, num_embeddings
         if tied_embedding is None:
             self.linear_method.create_weights(self, embedding_dim, [num_embeddings], dtype, device)
         else:
             self.weight = tied_embedding.weight.data
             self.keep_dense_weight = True
-        self.compute_path = ("linear", self.linear_method.name)
+
+    @property
+    def compute_path(self) -> tuple[str, str, str]:
+        """("linear", the method's name, "lm_head"), for ``describe_compute_path``."""
+        return ("linear", self.linear_method.name, "lm_head")
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        if not isinstance(self.linear_method, UnquantizedLinearMethod):
-            return self.linear_method.apply(self, hidden).float()
-        if hidden.device.type == "cpu" and hidden.shape[0] > 1:
-            return torch.mm(self.weight, hidden.t().contiguous()).t().float().contiguous()
-        return F.linear(hidden, self.weight).float()
+        return self.linear_method.apply(self, hidden).float().contiguous()

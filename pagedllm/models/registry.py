@@ -75,8 +75,13 @@ def get_model_class(cfg: ModelArchConfig) -> type[torch.nn.Module]:
 
 def build_model(path: str, cfg: ModelArchConfig, dtype: torch.dtype, device: torch.device,
                 max_positions: int) -> torch.nn.Module:
-    """Instantiate the registered class, load weights from a GGUF file or HF dir, then let
-    every linear method prepare its layer's loaded weights (e.g. oneDNN packing)."""
+    """Instantiate the registered class, load weights from a GGUF file or HF dir, let
+    every linear method prepare its layer's loaded weights (e.g. oneDNN packing), then
+    make sure each linear layer's output rows do not depend on the batch size (probe and,
+    where needed, row-chunk wrapping: ``layers/batch_invariance.py``) unless
+    ``PAGEDLLM_BATCH_INVARIANT_PROBE=0``."""
+    from pagedllm import envs
+    from pagedllm.layers.batch_invariance import ensure_batch_invariant_linears
     from pagedllm.models.loader import iter_weights
 
     model = get_model_class(cfg)(cfg, dtype, device, max_positions)
@@ -85,4 +90,6 @@ def build_model(path: str, cfg: ModelArchConfig, dtype: torch.dtype, device: tor
         method = getattr(module, "linear_method", None)
         if method is not None:
             method.process_weights_after_loading(module)
+    if envs.batch_invariant_probe_enabled():
+        ensure_batch_invariant_linears(model)
     return model.eval()

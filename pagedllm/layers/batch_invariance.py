@@ -1,0 +1,215 @@
+"""Batch-invariant linear layers: each output row must not depend on how many other rows
+share the call.
+
+The engine promises that a greedy output does not depend on what else is in the batch
+(``shared/design.md``). Matmul libraries pick kernels, blockings and reduction splits by
+the row count M, so the same input row can round differently at M = 1 and M = 64 (Thinking
+Machines, "Defeating Nondeterminism in LLM Inference", 2025; vLLM's batch-invariant mode
+replaces such kernels). Measured on the project's AVX2 machine (SmolLM2-135M shapes):
+float32 ``F.linear`` (MKL) gives other bits at 1-3 rows (one thread) or 1-5 rows (two)
+than in a bigger batch, and the dense float32 LM head's one-row ``F.linear`` other bits
+than its multi-row ``W @ h.T``; oneDNN's packed inner product and bfloat16 ``F.linear``
+do not. On the Intel Xeon in bfloat16, greedy outputs did depend
+on the batch. The probe runs at the engine's thread count (the worker sets it first),
+since the kernels' choices depend on it.
+
+So once per model load (``ensure_batch_invariant_linears``, called by
+``models.registry.build_model`` unless ``PAGEDLLM_BATCH_INVARIANT_PROBE=0``) every distinct
+(method, dtype, in, out) shape is probed with its first layer's real weights
+(``probe_row_invariance``); where rows depend on M, the layers of that shape get
+``RowChunkedLinearMethod`` (every call at one fixed row count), which is probed again; if
+that fails too the layers keep their method and a warning says that greedy outputs may
+depend on batching.
+
+Cost: one call per probed row count, capped at about ``PROBE_MAX_MACS`` multiply-adds per
+shape (``probe_rows``: big layers, e.g. a 49152-row LM head, get the most telling row
+counts only). Measured at load, SmolLM2-135M on the 2-core AVX2 machine (shared, so
+noisy): float32 oneDNN-packed 0.10-0.23 s, nothing wrapped; ``PAGEDLLM_ONEDNN=0`` 0.6 s,
+all five shapes wrapped in 16-row chunks; bfloat16 (``F.linear``, very slow there, and
+never picked by ``--dtype auto``) 0.74 s on one thread, nothing wrapped.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from pagedllm.layers.linear import RowChunkedLinearMethod
+
+logger = logging.getLogger("pagedllm")
+
+# Row counts probed, most telling first: one row (decode), the 16- and 32-row blockings
+# and their tails, then the rest of a spread up to 257. Big layers get a prefix of this
+# list that fits ``PROBE_MAX_MACS``.
+PROBE_ROWS = (1, 2, 16, 17, 3, 8, 32, 33, 5, 15, 31, 64, 65, 128, 257)
+# A call costs about as much as this many more rows: each call streams the whole weight
+# (measured, one thread, oneDNN fp32 576 x 49152: 15 ms at 1 row, +1 ms a row after).
+PROBE_CALL_ROWS = 16
+# Most multiply-adds (rows + PROBE_CALL_ROWS per call, x in x out) one shape's probe may
+# cost: about 0.05 s at 100 GFLOP/s. SmolLM2-135M's decoder shapes get all of PROBE_ROWS,
+# its LM head (576 x 49152) rows 1, 2, 16 and 17.
+PROBE_MAX_MACS = 3_000_000_000
+# Chunk sizes tried, in order, for a shape whose rows depend on M (16: an AMX tile's rows).
+CHUNK_ROWS = (16, 32)
+
+
+def probe_rows(in_features: int, out_features: int, rows: Iterable[int] = PROBE_ROWS,
+               max_macs: int = PROBE_MAX_MACS) -> list[int]:
+    """The row counts to probe for an ``in_features`` -> ``out_features`` layer: those of
+    ``rows``, taken in their order, whose cost ((M + ``PROBE_CALL_ROWS``) x in x out
+    multiply-adds each) still fits ``max_macs`` in total; at least the first two (a probe
+    needs two row counts). Returned ascending."""
+    rows = list(dict.fromkeys(rows))
+    chosen, total = [], 0
+    for m in rows:
+        cost = (m + PROBE_CALL_ROWS) * in_features * out_features
+        if total + cost <= max_macs:
+            chosen.append(m)
+            total += cost
+    if len(chosen) < 2:
+        chosen = rows[:2]
+    return sorted(chosen)
+
+
+def probe_row_invariance(fn: Callable[[torch.Tensor], torch.Tensor], in_features: int, dtype: torch.dtype,
+                         device: torch.device | str, rows: list[int], seed: int = 0) -> list[int]:
+    """Whether each output row of ``fn`` is bitwise independent of the number of rows M.
+
+    ``fn`` maps x [M, in_features] (``dtype``, ``device``) to [M, out]. A seeded random
+    batch of ``max(rows)`` rows is the reference; for every other M in ``rows``, a slice of
+    M of its rows, starting at an M-dependent offset so that rows also change places, is
+    computed alone (as a fresh contiguous tensor) and compared bit for bit with the same
+    rows of the reference.
+
+    Args:
+        rows: the row counts M (e.g. from ``probe_rows``); at least two.
+
+    Returns:
+        the row counts M at which some row differed, ascending; empty: invariant at all.
+
+    Raises:
+        ValueError: fewer than two distinct row counts.
+    """
+    ms = sorted(set(rows))
+    if len(ms) < 2:
+        raise ValueError(f"probe_row_invariance needs two or more row counts, got {rows}")
+    ref_m = ms[-1]
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(ref_m, in_features, generator=g).to(dtype=dtype, device=device)
+    bad = []
+    with torch.inference_mode():
+        ref = fn(x)
+        for m in ms[:-1]:
+            off = (7 * m) % (ref_m - m + 1)
+            if not torch.equal(fn(x[off:off + m].clone()), ref[off:off + m]):
+                bad.append(m)
+    return bad
+
+
+@dataclass
+class ShapeProbe:
+    """What the probe found for one (method, dtype, in, out) shape.
+
+    Attributes:
+        method: the method's name before any wrapping; dtype; in_features, out_features.
+        names: short names of the layers with this shape (e.g. ["gate_up_proj"]).
+        rows: the row counts probed.
+        failed_at: the row counts at which rows differed (empty: invariant as it was).
+        chunk_rows: the chunk size the layers now compute in, or None (not wrapped).
+        still_failed_at: for a shape that no chunk size fixed, the last try's failing
+            row counts (the layers then keep their method).
+        seconds: wall time of this shape's probes.
+    """
+
+    method: str
+    dtype: torch.dtype
+    in_features: int
+    out_features: int
+    names: list[str] = field(default_factory=list)
+    rows: list[int] = field(default_factory=list)
+    failed_at: list[int] = field(default_factory=list)
+    chunk_rows: int | None = None
+    still_failed_at: list[int] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def label(self) -> str:
+        return (f"{self.in_features}->{self.out_features} {self.method} ({' '.join(self.names)}; "
+                f"rows differed at M={','.join(map(str, self.failed_at))})")
+
+
+def _linear_layers(model: nn.Module) -> dict[tuple, list[nn.Module]]:
+    """Layers with a ``linear_method`` grouped by (method name, dtype, in, out), in model order."""
+    groups: dict[tuple, list[nn.Module]] = {}
+    for m in model.modules():
+        method = getattr(m, "linear_method", None)
+        if method is None:
+            continue
+        key = (method.name, m.weight.dtype, m.input_size, m.output_size)
+        groups.setdefault(key, []).append(m)
+    return groups
+
+
+def ensure_batch_invariant_linears(model: nn.Module, chunk_rows: Iterable[int] = CHUNK_ROWS,
+                                   max_macs: int = PROBE_MAX_MACS) -> list[ShapeProbe]:
+    """Probe every linear shape of a loaded ``model`` (after ``process_weights_after_loading``)
+    and wrap the layers of shapes whose rows depend on M in ``RowChunkedLinearMethod``
+    (the first of ``chunk_rows`` that makes them invariant). Logs one info line (shapes,
+    time, which were wrapped) and a warning for shapes no chunk size fixed.
+
+    Layers are modules with ``linear_method``, ``weight``, ``input_size`` and
+    ``output_size`` (``LinearBase``, ``ParallelLMHead``); each shape is probed through its
+    first layer's ``forward`` (so bias, the LM head's float32 cast and its own matmul
+    orientation count) with random seeded inputs.
+
+    Returns:
+        one ``ShapeProbe`` per shape, in model order.
+    """
+    t_all = time.perf_counter()
+    chunk_rows = list(chunk_rows)
+    results = []
+    for (name, dtype, fin, fout), layers in _linear_layers(model).items():
+        t = time.perf_counter()
+        first = layers[0]
+        device = first.weight.device
+        res = ShapeProbe(name, dtype, fin, fout, rows=probe_rows(fin, fout, max_macs=max_macs))
+        for layer in layers:
+            short = layer.compute_path[2] if len(getattr(layer, "compute_path", ())) > 2 else "linear"
+            if short not in res.names:
+                res.names.append(short)
+        res.failed_at = probe_row_invariance(first, fin, dtype, device, res.rows)
+        if res.failed_at:
+            originals = [layer.linear_method for layer in layers]
+            for c in chunk_rows:
+                for layer, method in zip(layers, originals):
+                    layer.linear_method = RowChunkedLinearMethod(method, c)
+                res.still_failed_at = probe_row_invariance(first, fin, dtype, device, res.rows)
+                if not res.still_failed_at:
+                    res.chunk_rows = c
+                    break
+            else:
+                for layer, method in zip(layers, originals):
+                    layer.linear_method = method
+        res.seconds = time.perf_counter() - t
+        results.append(res)
+    _log(results, time.perf_counter() - t_all, chunk_rows)
+    return results
+
+
+def _log(results: list[ShapeProbe], seconds: float, chunk_rows: list[int]) -> None:
+    wrapped = [r for r in results if r.chunk_rows]
+    unfixed = [r for r in results if r.failed_at and not r.chunk_rows]
+    if not wrapped:
+        what = "every row independent of the batch size" if not unfixed else "none wrapped"
+    else:
+        what = "wrapped in row chunks: " + "; ".join(f"{r.label()} -> {r.chunk_rows}-row chunks"
+                                                     for r in wrapped)
+    logger.info("batch-invariance probe: %d linear shapes in %.2f s; %s", len(results), seconds, what)
+    for r in unfixed:
+        hint = " (--dtype float32 avoids it)" if r.dtype != torch.float32 else ""
+        logger.warning("greedy outputs may depend on batching: linear %s in %s on this CPU gives rows "
+                       "that depend on the batch size, even computed in %s-row chunks%s",
+                       r.label(), str(r.dtype).replace("torch.", ""), "/".join(map(str, chunk_rows)), hint)
