@@ -130,8 +130,8 @@ class EngineArgs:
         enable_chunked_prefill: split long prompts across steps.
         enable_prefix_caching: reuse cached KV blocks across requests sharing a prefix.
         attention_backend: name of the attention backend; "auto" = "cpu_kernel" on the
-            CPU (torch ops plus the C++ paged decode kernel, for float32 when it builds),
-            "torch" on other devices.
+            CPU (the C++ paged-attention kernel for float32 and bfloat16, torch ops if it
+            cannot build), "torch" on other devices.
         seed: global seed for unseeded sampling.
         num_threads: torch intra-op threads on CPU (None = torch's default).
         profile_dir: write a per-step JSONL log and a torch.profiler trace there.

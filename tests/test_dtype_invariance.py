@@ -20,10 +20,10 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.utils import cpu_has_native_bf16
+from pagedllm.platform import has_native_bf16
 
 VOCAB = 49152
-NATIVE_BF16 = cpu_has_native_bf16()
+NATIVE_BF16 = has_native_bf16()
 
 
 @pytest.fixture(scope="module")

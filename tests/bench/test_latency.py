@@ -1,0 +1,45 @@
+"""``pagedllm bench latency`` on the bundled model: the figures it reports are consistent
+with each other and with the workload, and the matmul split is measured, not assumed."""
+from __future__ import annotations
+
+import json
+
+import torch
+
+from pagedllm.benchmarks.latency import matmul_seconds_per_step
+from pagedllm.models.arch_config import ModelArchConfig
+
+
+def test_latency_report(tmp_path, capsys):
+    out = tmp_path / "lat.json"
+    from pagedllm.entrypoints.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "latency", "--input-len", "20", "--output-len", "5", "--num-iters", "1",
+                  "--dtype", "float32", "--kv-cache-memory", "64MiB", "--max-model-len", "256",
+                  "--output-json", str(out)])
+    assert args.func(args) == 0
+    rep = json.loads(out.read_text())
+    assert rep["machine"]["cpu"] and rep["batch_size"] == 1 and rep["output_len"] == 5
+    (r,) = rep["results"]
+    assert r["backend"] == "pagedllm" and r["dtype"] == "float32"
+    assert r["decode_ms_per_step"] > 0 and r["ttft_s"] > 0
+    # 4 decode steps after the first token, one request
+    assert abs(r["decode_tokens_per_s"] - 4 / r["decode_s"]) <= 0.1 + 0.01 * r["decode_tokens_per_s"]
+    assert abs(r["decode_ms_per_step"] - 1e3 * r["decode_s"] / 4) < 0.2    # decode_s is rounded to 1 ms
+    assert 0 < r["matmul_ms_per_step"]
+    assert abs(r["matmul_ms_per_step"] + r["other_ms_per_step"] - r["decode_ms_per_step"]) < 0.02
+    assert "ms/step = matmuls" in capsys.readouterr().out
+
+
+def test_matmul_time_grows_with_the_model():
+    """Twice the layers of the same shapes take clearly longer (each layer has its own
+    weights), and the LM head counts."""
+    def arch(layers, vocab=4096):
+        return ModelArchConfig(architecture="LlamaForCausalLM", vocab_size=vocab, hidden_size=512,
+                               intermediate_size=2048, num_hidden_layers=layers, num_attention_heads=8,
+                               num_key_value_heads=2, head_dim=64, rms_norm_eps=1e-5, rope_theta=1e4,
+                               max_position_embeddings=512)
+    cpu = torch.device("cpu")
+    t2 = matmul_seconds_per_step(arch(2), torch.float32, cpu, rows=4)
+    t8 = matmul_seconds_per_step(arch(8), torch.float32, cpu, rows=4)
+    assert t8 > 2 * t2 > 0
