@@ -102,7 +102,7 @@ def load_hf_model(args):
     from transformers import AutoModelForCausalLM
 
     from pagedllm.config import resolve_dtype
-    from pagedllm.models.loader import is_gguf
+    from pagedllm.models.loader import is_gguf, load_arch_config
     from pagedllm.utils import default_model_path, resolve_device
 
     path = args.model or default_model_path()
