@@ -83,6 +83,7 @@ def run_pagedllm(args, prompts) -> dict:
     llm = LLM(model=ea.model, **kwargs)
     sp = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    llm.reset_prefix_cache()    # the warm-up's prompts must not be cache hits in the timed run
     t = time.perf_counter()
     outs = llm.generate(prompts, sp, use_tqdm=True)
     elapsed = time.perf_counter() - t
