@@ -24,7 +24,7 @@
 // Two implementations of a row's maths, chosen at compile time per head size:
 //  * AVX2+FMA, head_dim a multiple of 64 (float32 and bfloat16 loads widened in
 //    registers): up to 3 heads of a kv head at once against 8 keys, folded by a
-//    horizontal-add tree; V accumulated in registers, 32 dims at a time;
+//    horizontal-add tree; V accumulated in registers, 16 dims at a time;
 //  * generic (any head_dim or CPU): the same maths with GCC vector types.
 #include "ops.h"
 #include "vec.h"
@@ -93,7 +93,7 @@ inline __m256 fold8(__m256 x0, __m256 x1, __m256 x2, __m256 x3, __m256 x4, __m25
 // Scores of G query heads that share one kv head (GQA) against 8 keys,
 // s[r][u] = q_r . k_u * scale, and their weighted sums of V rows,
 // o_r = inv_r * sum_{t < L} p_r[t] v_t. Each K or V vector loaded feeds G FMAs (keys in
-// two halves of 4, 32 dims of V at a time: G*4 accumulators in registers). Every
+// two halves of 4: G*4 accumulators in registers; 16 dims of V at a time). Every
 // (head, key) dot product runs over d in one order and folds by one tree (fold8), and
 // every (head, dim) sum runs over t in order, whatever G is: a head's result does not
 // depend on how many heads were computed with it.
@@ -133,25 +133,25 @@ inline void scores8_rows_avx(const T* const* qs, const T* const* kr, int64_t off
 template <int G, typename T>
 inline void weighted_sum_rows_avx(const float* const* p, const int64_t* slots, int64_t L, const T* vh,
                                   int64_t v_slot, int64_t hd, const float* inv, T* const* o) {
-  for (int64_t d0 = 0; d0 < hd; d0 += 32) {
-    __m256 c[G][4];
-    for (int r = 0; r < G; ++r)
-      for (int i = 0; i < 4; ++i) c[r][i] = _mm256_setzero_ps();
+  // 16 dims at a time: G*2 accumulators + 2 V vectors + 1 broadcast stay in registers
+  // (32 dims spilled an accumulator to the stack on AVX2's 16 registers, which put a
+  // store-to-load round trip into every iteration)
+  for (int64_t d0 = 0; d0 < hd; d0 += 16) {
+    __m256 c[G][2];
+    for (int r = 0; r < G; ++r) c[r][0] = c[r][1] = _mm256_setzero_ps();
     for (int64_t t = 0; t < L; ++t) {
       const T* vr = vh + slots[t] * v_slot + d0;
       const __m256 x0 = load8_avx(vr), x1 = load8_avx(vr + 8);
-      const __m256 x2 = load8_avx(vr + 16), x3 = load8_avx(vr + 24);
       for (int r = 0; r < G; ++r) {
         const __m256 pt = _mm256_broadcast_ss(p[r] + t);
         c[r][0] = _mm256_fmadd_ps(pt, x0, c[r][0]);
         c[r][1] = _mm256_fmadd_ps(pt, x1, c[r][1]);
-        c[r][2] = _mm256_fmadd_ps(pt, x2, c[r][2]);
-        c[r][3] = _mm256_fmadd_ps(pt, x3, c[r][3]);
       }
     }
     for (int r = 0; r < G; ++r) {
       const __m256 iv = _mm256_set1_ps(inv[r]);
-      for (int i = 0; i < 4; ++i) store8_avx(o[r] + d0 + 8 * i, _mm256_mul_ps(c[r][i], iv));
+      store8_avx(o[r] + d0, _mm256_mul_ps(c[r][0], iv));
+      store8_avx(o[r] + d0 + 8, _mm256_mul_ps(c[r][1], iv));
     }
   }
 }
