@@ -64,3 +64,16 @@ def test_hf_baseline_loads_a_hf_directory(tmp_path):
     out = model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=2, min_new_tokens=2, do_sample=False,
                          pad_token_id=0)
     assert out.shape == (1, 5)
+
+
+def test_mm_reference_stays_within_its_budget():
+    """A slow dtype (bf16 on CPUs without bf16 arithmetic) must not cost minutes: the size
+    shrinks and timing stops at the budget."""
+    import time
+
+    from pagedllm.benchmarks.throughput import measure_mm_gflops
+
+    t = time.perf_counter()
+    rate = measure_mm_gflops(dtype=torch.bfloat16, budget_s=1.0)
+    assert rate > 0 and time.perf_counter() - t < 15
+    assert measure_mm_gflops(n=256, repeats=2) > 0
