@@ -61,8 +61,9 @@ def _greedy(llm: LLM, prompts: list[list[int]], max_tokens: int) -> list[list[in
 
 
 def _check_invariance(model: str | None, dtype: str, prompts: list[list[int]], max_tokens: int,
-                      block_size: int = 16) -> None:
-    common = dict(model=model, dtype=dtype, device="cpu", seed=0, max_model_len=1024, block_size=block_size)
+                      block_size: int = 16, attention_backend: str = "auto") -> None:
+    common = dict(model=model, dtype=dtype, device="cpu", seed=0, max_model_len=1024, block_size=block_size,
+                  attention_backend=attention_backend)
     alone_llm = LLM(**common, enable_prefix_caching=False, kv_cache_memory="256MiB")
     try:
         assert alone_llm.llm_engine.config.dtype == getattr(torch, dtype)
@@ -71,6 +72,8 @@ def _check_invariance(model: str | None, dtype: str, prompts: list[list[int]], m
         assert len({tuple(a) for a in alone}) > len(prompts) // 2
         batched = _greedy(alone_llm, prompts, max_tokens)
         assert batched == alone, "batched outputs differ from the same prompts run alone"
+        staggered = _staggered(alone_llm, prompts, max_tokens, gaps=[0, 1, 1, 2, 0, 3, 1, 5])
+        assert staggered == alone, "outputs of requests joining mid-decode differ from the lone runs"
     finally:
         alone_llm.shutdown()
     for label, kw in [
@@ -102,6 +105,25 @@ def _check_invariance(model: str | None, dtype: str, prompts: list[list[int]], m
             llm.shutdown()
 
 
+def _staggered(llm: LLM, prompts: list[list[int]], max_tokens: int, gaps: list[int]) -> list[list[int]]:
+    """Prompt i joins after ``gaps[i]`` more engine steps, while the earlier ones decode
+    (through the LLMEngine, one step at a time)."""
+    eng = llm.llm_engine
+    sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    done: dict[str, list[int]] = {}
+    nxt, wait = 0, gaps[0]
+    while nxt < len(prompts) or eng.has_unfinished_requests():
+        while nxt < len(prompts) and wait == 0:
+            eng.add_request(f"stag-{nxt}", {"prompt_token_ids": prompts[nxt]}, sp)
+            nxt += 1
+            wait = gaps[nxt] if nxt < len(prompts) else 0
+        for o in eng.step():
+            if o.finished:
+                done[o.request_id] = o.outputs[0].token_ids
+        wait = max(wait - 1, 0)
+    return [done[f"stag-{i}"] for i in range(len(prompts))]
+
+
 def _bytes_for_blocks(model, dtype: str, blocks: int, block_size: int) -> int:
     from pagedllm.models.loader import load_arch_config
     from pagedllm.utils import default_model_path
@@ -114,6 +136,14 @@ def _bytes_for_blocks(model, dtype: str, blocks: int, block_size: int) -> int:
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_tiny_model_invariant_in_every_dtype(tiny_dir, dtype):
     _check_invariance(tiny_dir, dtype, _workload(8, 100, seed=1), max_tokens=12)
+
+
+def test_torch_attention_fallback_invariant_in_bfloat16(tiny_dir):
+    """The torch-ops attention (the fallback where the kernels cannot build) computes in
+    float32 on the CPU: in bf16 its SDPA over the batch's padded contexts made outputs
+    depend on the batch."""
+    _check_invariance(tiny_dir, "bfloat16", _workload(8, 100, seed=1), max_tokens=12,
+                      attention_backend="torch")
 
 
 @pytest.mark.skipif(not NATIVE_BF16, reason="the CPU has no bf16 arithmetic (AVX512-BF16/AMX): "

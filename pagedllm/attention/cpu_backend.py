@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pagedllm import envs
 from pagedllm.attention.backend import CommonAttentionMetadata, register_backend
 from pagedllm.attention.torch_backend import TorchAttentionBackend
 from pagedllm.kernels.cpu import load_cpu_kernels, trace
@@ -59,12 +60,22 @@ class CpuKernelAttentionBackend(TorchAttentionBackend):
         super().__init__(device, dtype)
         on_cpu = device is None or torch.device(device).type == "cpu"
         self.kernels = load_cpu_kernels() if on_cpu and dtype in KERNEL_DTYPES else None
+        name = str(dtype).removeprefix("torch.")
+        if self.kernels is not None:
+            self._why = f"C++ paged attention, {name}"
+        elif not on_cpu:
+            self._why = "not on the CPU: torch ops"
+        elif dtype not in KERNEL_DTYPES:
+            self._why = f"no kernel for {name}: torch ops"
+        elif not envs.cpu_kernels_enabled():
+            self._why = "kernels disabled by PAGEDLLM_CPU_KERNELS=0: torch ops"
+        else:
+            self._why = "the kernels failed to build (see the warning above): torch ops"
 
     def describe(self) -> str:
-        """``cpu_kernel`` or, when it fell back, why (for the start-up log)."""
-        if self.kernels is None:
-            return f"{self.name} (kernels unavailable for {self.dtype}: torch ops)"
-        return f"{self.name} (C++ paged attention, {str(self.dtype).removeprefix('torch.')})"
+        """``cpu_kernel`` and what computes it, or why it fell back to torch ops (for the
+        start-up log)."""
+        return f"{self.name} ({self._why})"
 
     def build_metadata(self, c: CommonAttentionMetadata):
         if self.kernels is None:

@@ -48,6 +48,13 @@ class TorchAttentionBackend(AttentionBackend):
 
     def __init__(self, device: torch.device | None = None, dtype: torch.dtype = torch.float32):
         self.device, self.dtype = device, dtype
+        # On the CPU the attention maths runs in float32 whatever the model's dtype: in
+        # bf16, SDPA's rounding depended on the batch (the decode context is padded to the
+        # batch's longest), so greedy outputs changed with the batch; in float32 they do
+        # not (tests/test_dtype_invariance.py runs this backend in bf16). On CUDA it runs
+        # in the model's dtype (flash kernels).
+        on_cpu = device is None or torch.device(device).type == "cpu"
+        self.compute_dtype = torch.float32 if on_cpu else dtype
 
     @staticmethod
     def kv_cache_shape(num_layers, num_blocks, block_size, num_kv_heads, head_dim):
@@ -104,21 +111,23 @@ class TorchAttentionBackend(AttentionBackend):
             ctx = md.decode_max_ctx
             # [nkv, nd, g, hd] queries against [nkv, nd, ctx, hd] keys: kv heads as the
             # batch, the g query heads sharing a kv head as the query length.
-            qd = q[:nd].view(nd, nkv, g, hd).permute(1, 0, 2, 3)
-            kd = key_cache.index_select(0, md.decode_slots).view(nd, ctx, nkv, hd).permute(2, 0, 1, 3)
-            vd = value_cache.index_select(0, md.decode_slots).view(nd, ctx, nkv, hd).permute(2, 0, 1, 3)
-            o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=md.decode_bias, scale=scale)
+            cd = self.compute_dtype
+            qd = q[:nd].to(cd).view(nd, nkv, g, hd).permute(1, 0, 2, 3)
+            kd = key_cache.index_select(0, md.decode_slots).to(cd).view(nd, ctx, nkv, hd).permute(2, 0, 1, 3)
+            vd = value_cache.index_select(0, md.decode_slots).to(cd).view(nd, ctx, nkv, hd).permute(2, 0, 1, 3)
+            o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=md.decode_bias.to(cd), scale=scale)
             out[:nd] = o.permute(1, 0, 2, 3).reshape(nd, nh, hd)
+        cd = self.compute_dtype
         for p in md.prefills:
-            qs = q[p.q_start:p.q_end].transpose(0, 1).unsqueeze(0)        # [1, nh, L, hd]
+            qs = q[p.q_start:p.q_end].to(cd).transpose(0, 1).unsqueeze(0)        # [1, nh, L, hd]
             if p.context_len == 0:
-                ks = k[p.q_start:p.q_end].transpose(0, 1).unsqueeze(0)   # [1, nkv, L, hd]
-                vs = v[p.q_start:p.q_end].transpose(0, 1).unsqueeze(0)
+                ks = k[p.q_start:p.q_end].to(cd).transpose(0, 1).unsqueeze(0)   # [1, nkv, L, hd]
+                vs = v[p.q_start:p.q_end].to(cd).transpose(0, 1).unsqueeze(0)
                 o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale,
                                                    enable_gqa=nkv != nh)
             else:
-                ks = key_cache.index_select(0, p.slots).transpose(0, 1).unsqueeze(0)
-                vs = value_cache.index_select(0, p.slots).transpose(0, 1).unsqueeze(0)
+                ks = key_cache.index_select(0, p.slots).to(cd).transpose(0, 1).unsqueeze(0)
+                vs = value_cache.index_select(0, p.slots).to(cd).transpose(0, 1).unsqueeze(0)
                 o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=p.mask, scale=scale,
                                                    enable_gqa=nkv != nh)
             out[p.q_start:p.q_end] = o[0].transpose(0, 1)
