@@ -1,13 +1,23 @@
 #include "ops.h"
 
+// Every kernel runs with the GIL released (py::gil_scoped_release), as torch's own ops do:
+// they touch no Python object, and a server runs its HTTP event loop in other threads of
+// the same process, which would otherwise stall for the whole kernel (a prompt's
+// attention: milliseconds per layer).
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention,
-        "Causal paged attention over a flattened batch (float32 or bfloat16), written into out");
+        "Causal paged attention over a flattened batch (float32 or bfloat16), written into out",
+        py::call_guard<py::gil_scoped_release>());
   m.def("reshape_and_cache", &reshape_and_cache,
-        "Write K/V rows [T, kv_heads, head_dim] into the paged cache at slot_mapping");
-  m.def("silu_and_mul", &silu_and_mul, "out = silu(x[:, :d]) * x[:, d:]");
+        "Write K/V rows [T, kv_heads, head_dim] into the paged cache at slot_mapping",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("silu_and_mul", &silu_and_mul, "out = silu(x[:, :d]) * x[:, d:]",
+        py::call_guard<py::gil_scoped_release>());
   m.def("fused_add_rms_norm", &fused_add_rms_norm,
-        "residual += x; x = rms_norm(residual) * weight (both in place)");
+        "residual += x; x = rms_norm(residual) * weight (both in place)",
+        py::call_guard<py::gil_scoped_release>());
   m.def("rotary_embedding", &rotary_embedding,
-        "Rotate-half RoPE in place on x [T, heads, head_dim] with cos/sin [T, head_dim/2]");
+        "Rotate-half RoPE in place on x [T, heads, head_dim] with cos/sin [T, head_dim/2]",
+        py::call_guard<py::gil_scoped_release>());
 }
