@@ -11,8 +11,8 @@
 // Work items: (request, kv heads, query rows). A decode request is one item covering all
 // its kv heads when there are many requests (each token's K/V row, all kv heads, is
 // streamed once), one item per kv head when there are few. A request with several
-// queries is split into items of one kv head and up to kQueryTile queries, handed out
-// dynamically (later queries see more keys). Per (query, head) row:
+// queries is split into items of one kv head and up to kQueryTile queries, longest first,
+// dealt to the threads in turn (later queries see more keys). Per (query, head) row:
 //   1. scores s_t = (q . k_t) * scale for t < L (L = c + j + 1), 8 keys at a time, each
 //      dot product accumulated over head_dim in one fixed order;
 //   2. p_t = exp(s_t - max s), sum in a fixed 8-lane order (vec.h);
@@ -297,20 +297,22 @@ void run(const Args<T>& a, int64_t num_reqs) {
         items.push_back({static_cast<int32_t>(n), kh, kh + 1, j0,
                          static_cast<int32_t>(std::min<int64_t>(qlen, j0 + kQueryTile))});
   }
-  // Longest items first, dynamically scheduled, so that a long prompt's last tiles do not
-  // finish alone at the end of the step.
+  // Longest items first, dealt in turn to the threads, so that a long prompt's last tiles
+  // do not finish alone at the end of the step.
   std::stable_sort(items.begin(), items.end(), [&](const Item& x, const Item& y) {
     const int64_t cx = (a.sl[x.req] - (a.qsl[x.req + 1] - a.qsl[x.req]) + x.j1) * (x.j1 - x.j0) * (x.kh1 - x.kh0);
     const int64_t cy = (a.sl[y.req] - (a.qsl[y.req + 1] - a.qsl[y.req]) + y.j1) * (y.j1 - y.j0) * (y.kh1 - y.kh0);
     return cx > cy;
   });
+  // Items dealt round-robin (thread t takes items t, t + n, ...), through ATen's thread
+  // pool like torch's own ops.
   const int64_t count = static_cast<int64_t>(items.size());
-#pragma omp parallel num_threads(std::max<int64_t>(1, std::min<int64_t>(threads, count)))
-  {
+  const int64_t nt = std::max<int64_t>(1, std::min<int64_t>(threads, count));
+  at::parallel_for(0, nt, 1, [&](int64_t begin, int64_t end) {
     Scratch sc;
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t w = 0; w < count; ++w) attend(a, items[w], sc);
-  }
+    for (int64_t t = begin; t < end; ++t)
+      for (int64_t w = t; w < count; w += nt) attend(a, items[w], sc);
+  });
 }
 
 template <typename T>
