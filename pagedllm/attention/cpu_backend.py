@@ -23,10 +23,7 @@ import torch
 from pagedllm import envs
 from pagedllm.attention.backend import CommonAttentionMetadata, register_backend
 from pagedllm.attention.torch_backend import TorchAttentionBackend
-from pagedllm.kernels.cpu import load_cpu_kernels, trace
-
-# dtypes the kernel stores K/V and computes attention outputs in
-KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+from pagedllm.kernels.cpu import KERNEL_DTYPES, kernels_for, trace
 
 
 @dataclass
@@ -58,12 +55,11 @@ class CpuKernelAttentionBackend(TorchAttentionBackend):
 
     def __init__(self, device: torch.device | None = None, dtype: torch.dtype = torch.float32):
         super().__init__(device, dtype)
-        on_cpu = device is None or torch.device(device).type == "cpu"
-        self.kernels = load_cpu_kernels() if on_cpu and dtype in KERNEL_DTYPES else None
+        self.kernels = kernels_for(device, dtype)
         name = str(dtype).removeprefix("torch.")
         if self.kernels is not None:
             self._why = f"C++ paged attention, {name}"
-        elif not on_cpu:
+        elif not self.on_cpu:
             self._why = "not on the CPU: torch ops"
         elif dtype not in KERNEL_DTYPES:
             self._why = f"no kernel for {name}: torch ops"

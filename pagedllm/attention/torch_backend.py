@@ -38,7 +38,7 @@ class TorchAttentionMetadata:
     block_size: int
     decode_slots: torch.Tensor | None   # int64 [num_decodes * max_ctx]
     decode_max_ctx: int
-    decode_bias: torch.Tensor | None    # float [1, num_decodes, 1, max_ctx], 0 or -inf
+    decode_bias: torch.Tensor | None    # compute dtype [1, num_decodes, 1, max_ctx], 0 or -inf
     prefills: list[_PrefillItem]
 
 
@@ -53,8 +53,8 @@ class TorchAttentionBackend(AttentionBackend):
         # batch's longest), so greedy outputs changed with the batch; in float32 they do
         # not (tests/test_dtype_invariance.py runs this backend in bf16). On CUDA it runs
         # in the model's dtype (flash kernels).
-        on_cpu = device is None or torch.device(device).type == "cpu"
-        self.compute_dtype = torch.float32 if on_cpu else dtype
+        self.on_cpu = device is None or torch.device(device).type == "cpu"
+        self.compute_dtype = torch.float32 if self.on_cpu else dtype
 
     @staticmethod
     def kv_cache_shape(num_layers, num_blocks, block_size, num_kv_heads, head_dim):
@@ -82,7 +82,8 @@ class TorchAttentionBackend(AttentionBackend):
             slots = np.where(valid, slots, slots[:, :1])
             decode_slots = torch.from_numpy(slots.reshape(-1)).to(device, non_blocking=True)
             bias = np.where(valid, 0.0, -np.inf).astype(np.float32)
-            decode_bias = torch.from_numpy(bias).view(1, nd, 1, max_ctx).to(device, non_blocking=True)
+            decode_bias = torch.from_numpy(bias).view(1, nd, 1, max_ctx).to(device, self.compute_dtype,
+                                                                            non_blocking=True)
         prefills = []
         qsl, ctx, sl = c.query_start_loc_np, c.context_lens_np, c.seq_lens_np
         for i in range(nd, c.num_reqs):
@@ -115,7 +116,7 @@ class TorchAttentionBackend(AttentionBackend):
             qd = q[:nd].to(cd).view(nd, nkv, g, hd).permute(1, 0, 2, 3)
             kd = key_cache.index_select(0, md.decode_slots).to(cd).view(nd, ctx, nkv, hd).permute(2, 0, 1, 3)
             vd = value_cache.index_select(0, md.decode_slots).to(cd).view(nd, ctx, nkv, hd).permute(2, 0, 1, 3)
-            o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=md.decode_bias.to(cd), scale=scale)
+            o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=md.decode_bias, scale=scale)
             out[:nd] = o.permute(1, 0, 2, 3).reshape(nd, nh, hd)
         cd = self.compute_dtype
         for p in md.prefills:

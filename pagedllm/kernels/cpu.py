@@ -179,6 +179,19 @@ def _build_lock(build_dir: str, wait_s: float):
         os.close(fd)
 
 
+# dtypes the kernels store tensors in (float32 arithmetic inside)
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def kernels_for(device: "torch.device | str | None", dtype: torch.dtype):
+    """The compiled module for tensors of ``dtype`` on ``device`` (None = the CPU): the
+    kernels cover the CPU in ``KERNEL_DTYPES``. None elsewhere, and when they are disabled
+    or failed to build (``load_cpu_kernels``). Never raises."""
+    if (device is None or torch.device(device).type == "cpu") and dtype in KERNEL_DTYPES:
+        return load_cpu_kernels()
+    return None
+
+
 def load_cpu_kernels():
     """The compiled module, or None when disabled or unbuildable (logged once).
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagedllm.kernels.cpu import load_cpu_kernels
+from pagedllm.kernels.cpu import kernels_for
 
 
 def cpu_kernels_for(device: torch.device | str, dtype: torch.dtype):
@@ -15,9 +15,7 @@ def cpu_kernels_for(device: torch.device | str, dtype: torch.dtype):
     storage, float32 arithmetic). None elsewhere, and when they are disabled
     (``PAGEDLLM_CPU_KERNELS=0``) or failed to build; callers then use torch ops with the
     same maths. Never raises."""
-    if torch.device(device).type == "cpu" and dtype in (torch.float32, torch.bfloat16):
-        return load_cpu_kernels()
-    return None
+    return kernels_for(device, dtype)
 
 
 def describe_compute_path(model: nn.Module) -> str:
