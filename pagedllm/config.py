@@ -132,6 +132,10 @@ class EngineArgs:
         attention_backend: name of the attention backend; "auto" = "cpu_kernel" on the
             CPU (the C++ paged-attention kernel for float32 and bfloat16, torch ops if it
             cannot build), "torch" on other devices.
+        quantization: how linear weights are stored and multiplied (``--quantization``, as
+            vLLM's flag): None (the checkpoint's weights in ``dtype``), "int8" (W8A8),
+            "gguf" (a GGUF's own Q8_0/Q4_0/Q4_1 blocks, kept packed), or "q8_0", "q4_0",
+            "q4_1" (float weights quantized at load); see ``layers/quantization``.
         seed: global seed for unseeded sampling.
         num_threads: torch intra-op threads on CPU (None = torch's default).
         profile_dir: write a per-step JSONL log and a torch.profiler trace there.
@@ -151,6 +155,7 @@ class EngineArgs:
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"
+    quantization: str | None = None
     seed: int = 0
     num_threads: int | None = None
     profile_dir: str | None = None
@@ -177,6 +182,9 @@ class EngineArgs:
         parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                             default=d.enable_prefix_caching)
         parser.add_argument("--attention-backend", default=d.attention_backend)
+        parser.add_argument("--quantization", "-q", default=None,
+                            help="int8 (W8A8), gguf (keep a GGUF's Q8_0/Q4_0/Q4_1 blocks packed), "
+                                 "q8_0, q4_0, q4_1 (quantize float weights at load); default: none")
         parser.add_argument("--seed", type=int, default=d.seed)
         parser.add_argument("--num-threads", type=int, default=None)
         parser.add_argument("--profile-dir", default=None,
@@ -200,11 +208,19 @@ class EngineArgs:
         if not (0 < self.gpu_memory_utilization <= 1):
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         parse_size(self.kv_cache_memory)
+        if self.quantization is not None:
+            from pagedllm.layers.quantization import QUANTIZATION_METHODS
+
+            if self.quantization not in QUANTIZATION_METHODS:
+                raise InvalidParameterError(
+                    "quantization", f"quantization must be one of {', '.join(QUANTIZATION_METHODS)} "
+                    f"(or None), got {self.quantization!r}")
 
 
 @dataclass
 class EngineConfig:
-    """Resolved settings (model path found, dtype and device chosen)."""
+    """Resolved settings (model path found, dtype and device chosen, quantization method
+    checked against the model and the machine)."""
 
     args: EngineArgs
     model_path: str
@@ -213,6 +229,7 @@ class EngineConfig:
     dtype: torch.dtype
     device: torch.device
     max_model_len: int  # final after KV sizing (set by EngineCore)
+    quant_config: object | None = None   # a layers.quantization.QuantizationConfig
 
     @classmethod
     def from_args(cls, args: EngineArgs) -> EngineConfig:
@@ -234,4 +251,17 @@ class EngineConfig:
                 f"({arch.max_position_embeddings} positions); set PAGEDLLM_ALLOW_LONG_MAX_MODEL_LEN=1 "
                 "to allow it anyway (outputs past the trained length may be garbage)")
         name = args.served_model_name or os.path.basename(os.path.normpath(path))
-        return cls(args, path, name, arch, dtype, device, max_len)
+        return cls(args, path, name, arch, dtype, device, max_len,
+                   _quant_config(args.quantization, path, device, dtype))
+
+
+def _quant_config(method: str | None, path: str, device: torch.device, dtype: torch.dtype):
+    """The ``QuantizationConfig`` of ``--quantization method`` for the model at ``path``, or
+    None. Raises InvalidParameterError("quantization") when it cannot run here."""
+    if method is None:
+        return None
+    from pagedllm.layers.quantization import get_quantization_config
+    from pagedllm.models.loader import gguf_tensor_types, is_gguf
+
+    return get_quantization_config(method, device=device, dtype=dtype,
+                                   gguf_tensor_types=gguf_tensor_types(path) if is_gguf(path) else None)

@@ -61,9 +61,12 @@ def _greedy(llm: LLM, prompts: list[list[int]], max_tokens: int) -> list[list[in
 
 
 def _check_invariance(model: str | None, dtype: str, prompts: list[list[int]], max_tokens: int,
-                      block_size: int = 16, attention_backend: str = "auto") -> None:
+                      block_size: int = 16, attention_backend: str = "auto", **engine_kwargs) -> None:
+    """Greedy outputs of ``prompts`` batched, staggered, chunked, prefix-cached and preempted
+    equal the same prompts run alone (``engine_kwargs``: more LLM settings for every run,
+    e.g. ``quantization``)."""
     common = dict(model=model, dtype=dtype, device="cpu", seed=0, max_model_len=1024, block_size=block_size,
-                  attention_backend=attention_backend)
+                  attention_backend=attention_backend, **engine_kwargs)
     alone_llm = LLM(**common, enable_prefix_caching=False, kv_cache_memory="256MiB")
     try:
         assert alone_llm.llm_engine.config.dtype == getattr(torch, dtype)

@@ -40,7 +40,8 @@ class ModelRunner:
         self.block_size = config.args.block_size
         self.attn = get_attention_backend(config.args.attention_backend, self.device, self.dtype)
         self.model = build_model(config.model_path, arch, self.dtype, self.device,
-                                 max_positions=max(config.max_model_len, 1))
+                                 max_positions=max(config.max_model_len, 1),
+                                 quant_config=config.quant_config)
         self.sampler = Sampler()
         self.kv_cache: torch.Tensor | None = None
         self.requests: dict[str, CachedRequestState] = {}
