@@ -9,10 +9,11 @@ cache dtype (``quantize_kv``). Timed: the attention backend's ``forward`` for on
 (the new tokens' K/V write plus the attention over the blocks), for ``--cache-layers``
 distinct layer caches in turn, so that each call streams its K/V from memory as in a
 model step rather than finding it in the CPU's caches (4 layers of the default shape
-are ~100 MB in fp8, ~400 MB in float32: above any L3). Reported per cache dtype: the
-median per-layer time over ``--iters`` rounds (milliseconds), that times ``--num-layers``
-as the attention time of one decode step, the bytes of K/V a layer reads, and the rate
-that implies (GB/s).
+are ~100 MB in fp8, ~400 MB in float32: above any L3). The dtypes are interleaved: each
+of ``--iters`` rounds times every dtype once, so a change in the machine's load falls on
+all of them alike. Reported per cache dtype: the median per-layer time (milliseconds),
+that times ``--num-layers`` as the attention time of one decode step, the bytes of K/V a
+layer reads, and the rate that implies (GB/s).
 """
 from __future__ import annotations
 
@@ -53,58 +54,79 @@ def _decode_metadata(num_requests: int, context_len: int, block_size: int, seed:
     return common, num_blocks
 
 
-def measure(kv_cache_dtype: str, model_dtype: str = "float32", num_requests: int = 64, context_len: int = 1000,
-            num_heads: int = 9, num_kv_heads: int = 3, head_dim: int = 64, block_size: int = 16,
-            cache_layers: int = 4, iters: int = 5, backend: str = "cpu_kernel", seed: int = 0) -> dict:
-    """Time one layer's decode attention with a ``kv_cache_dtype`` cache (a
-    ``--kv-cache-dtype`` name; ``auto`` = ``model_dtype``).
+class _Case:
+    """One KV-cache dtype's backend, caches and inputs, ready to time (``_Case.time``)."""
+
+    def __init__(self, kv_cache_dtype: str, model_dtype: torch.dtype, num_requests: int, context_len: int,
+                 num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, cache_layers: int,
+                 backend: str, seed: int):
+        from pagedllm.attention.backend import get_attention_backend
+        from pagedllm.attention.torch_backend import quantize_kv
+        from pagedllm.config import resolve_kv_cache_dtype
+
+        cpu = torch.device("cpu")
+        kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, model_dtype, cpu, backend)
+        self.attn = get_attention_backend(backend, cpu, model_dtype, kv_dtype)
+        common, num_blocks = _decode_metadata(num_requests, context_len, block_size, seed)
+        self.md = self.attn.build_metadata(common)
+        g = torch.Generator().manual_seed(seed)
+        slots = num_blocks * block_size
+        # one tensor for all layers, as the engine allocates it: [layers, 2, slots, kv_heads, head_dim]
+        cache = torch.empty(self.attn.kv_cache_shape(cache_layers, num_blocks, block_size, num_kv_heads, head_dim),
+                            dtype=kv_dtype)
+        for layer in range(cache_layers):
+            for kv in range(2):
+                cache[layer, kv] = quantize_kv(torch.randn(slots, num_kv_heads, head_dim, generator=g), kv_dtype)
+        self.layers = [self.attn.layer_cache(cache, i) for i in range(cache_layers)]
+        self.q = torch.randn(num_requests, num_heads, head_dim, generator=g).to(model_dtype)
+        self.k = torch.randn(num_requests, num_kv_heads, head_dim, generator=g).to(model_dtype)
+        self.v = torch.randn(num_requests, num_kv_heads, head_dim, generator=g).to(model_dtype)
+        self.scale = head_dim ** -0.5
+        self.name = str(kv_dtype).removeprefix("torch.")
+        self.kv_bytes = 2 * num_requests * (context_len + 1) * num_kv_heads * head_dim * cache.element_size()
+        self.times: list[float] = []
+
+    def time(self) -> None:
+        """One call per layer cache, each timed (seconds, appended to ``times``)."""
+        for lc in self.layers:
+            t = time.perf_counter()
+            self.attn.forward(self.q, self.k, self.v, lc, self.md, self.scale)
+            self.times.append(time.perf_counter() - t)
+
+    def result(self) -> dict:
+        ms = 1000 * statistics.median(self.times)
+        return {"kv_cache_dtype": self.name, "backend": self.attn.describe(), "layer_ms": round(ms, 3),
+                "layer_ms_min": round(1000 * min(self.times), 3), "kv_bytes_per_layer": self.kv_bytes,
+                "gb_per_s": round(self.kv_bytes / ms / 1e6, 2)}
+
+
+def measure(kv_cache_dtypes: list[str], model_dtype: str = "float32", num_requests: int = 64,
+            context_len: int = 1000, num_heads: int = 9, num_kv_heads: int = 3, head_dim: int = 64,
+            block_size: int = 16, cache_layers: int = 4, iters: int = 5, backend: str = "cpu_kernel",
+            seed: int = 0) -> list[dict]:
+    """Time one layer's decode attention with a cache of each of ``kv_cache_dtypes``
+    (``--kv-cache-dtype`` names; ``auto`` = ``model_dtype``), interleaved: every round
+    times each dtype in turn, so that a change in the machine's load touches all alike.
 
     Returns:
-        ``{"kv_cache_dtype", "backend" (its describe()), "layer_ms" (median over
-        iters x cache_layers calls), "layer_ms_min", "kv_bytes_per_layer" (K and V read
-        by one layer's step), "gb_per_s"}``.
+        one dict per dtype: ``{"kv_cache_dtype", "backend" (its describe()), "layer_ms"
+        (median over iters x cache_layers calls), "layer_ms_min", "kv_bytes_per_layer"
+        (K and V read by one layer's step), "gb_per_s"}``.
 
     Raises:
         ValueError: an unknown dtype name.
     """
-    from pagedllm.attention.backend import get_attention_backend
-    from pagedllm.attention.torch_backend import quantize_kv
-    from pagedllm.config import resolve_kv_cache_dtype
-
     if model_dtype not in _MODEL_DTYPES:
         raise ValueError(f"model_dtype must be one of {', '.join(_MODEL_DTYPES)}, got {model_dtype!r}")
-    dtype = _MODEL_DTYPES[model_dtype]
-    cpu = torch.device("cpu")
-    kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, dtype, cpu, backend)
-    attn = get_attention_backend(backend, cpu, dtype, kv_dtype)
-    common, num_blocks = _decode_metadata(num_requests, context_len, block_size, seed)
-    md = attn.build_metadata(common)
-    g = torch.Generator().manual_seed(seed)
-    slots = num_blocks * block_size
-    # one tensor for all layers, as the engine allocates it: [layers, 2, slots, kv_heads, head_dim]
-    cache = torch.empty(attn.kv_cache_shape(cache_layers, num_blocks, block_size, num_kv_heads, head_dim),
-                        dtype=kv_dtype)
-    for layer in range(cache_layers):
-        for kv in range(2):
-            cache[layer, kv] = quantize_kv(torch.randn(slots, num_kv_heads, head_dim, generator=g), kv_dtype)
-    q = torch.randn(num_requests, num_heads, head_dim, generator=g).to(dtype)
-    k = torch.randn(num_requests, num_kv_heads, head_dim, generator=g).to(dtype)
-    v = torch.randn(num_requests, num_kv_heads, head_dim, generator=g).to(dtype)
-    scale = head_dim ** -0.5
-    layers = [attn.layer_cache(cache, i) for i in range(cache_layers)]
-    for lc in layers:                       # warm-up: page faults, thread pool, code
-        attn.forward(q, k, v, lc, md, scale)
-    times = []
+    cases = [_Case(name, _MODEL_DTYPES[model_dtype], num_requests, context_len, num_heads, num_kv_heads,
+                   head_dim, block_size, cache_layers, backend, seed) for name in kv_cache_dtypes]
+    for c in cases:                         # warm-up: page faults, thread pool, code
+        c.time()
+        c.times.clear()
     for _ in range(iters):
-        for lc in layers:
-            t = time.perf_counter()
-            attn.forward(q, k, v, lc, md, scale)
-            times.append(time.perf_counter() - t)
-    kv_bytes = 2 * num_requests * (context_len + 1) * num_kv_heads * head_dim * cache.element_size()
-    ms = 1000 * statistics.median(times)
-    return {"kv_cache_dtype": str(kv_dtype).removeprefix("torch."), "backend": attn.describe(),
-            "layer_ms": round(ms, 3), "layer_ms_min": round(1000 * min(times), 3),
-            "kv_bytes_per_layer": kv_bytes, "gb_per_s": round(kv_bytes / ms / 1e6, 2)}
+        for c in cases:
+            c.time()
+    return [c.result() for c in cases]
 
 
 def register(subparsers: "argparse._SubParsersAction") -> None:
@@ -150,12 +172,10 @@ def main(args) -> int:
     print(f"decode attention, {args.num_requests} requests x {args.context_len} cached tokens, "
           f"{args.num_heads} q / {args.num_kv_heads} kv heads x {args.head_dim}, block {args.block_size}, "
           f"{args.dtype} model, {torch.get_num_threads()} threads:")
-    runs = []
-    for name in names:
-        r = measure(name, args.dtype, args.num_requests, args.context_len, args.num_heads, args.num_kv_heads,
-                    args.head_dim, args.block_size, args.cache_layers, args.iters, args.attention_backend)
+    runs = measure(names, args.dtype, args.num_requests, args.context_len, args.num_heads, args.num_kv_heads,
+                   args.head_dim, args.block_size, args.cache_layers, args.iters, args.attention_backend)
+    for r in runs:
         r["step_ms"] = round(r["layer_ms"] * args.num_layers, 2)
-        runs.append(r)
         print(f"  {r['kv_cache_dtype']:>14} cache: {r['layer_ms']:7.3f} ms/layer (min {r['layer_ms_min']:.3f}), "
               f"{r['step_ms']:8.2f} ms/step x{args.num_layers}, K/V {r['kv_bytes_per_layer'] / 1e6:6.1f} MB/layer "
               f"= {r['gb_per_s']:.1f} GB/s  [{r['backend']}]")
