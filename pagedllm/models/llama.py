@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from pagedllm.layers.activation import SiluAndMul
-from pagedllm.layers.attention import Attention
+from pagedllm.layers.attention import Attention, kv_scale_target
 from pagedllm.layers.layernorm import RMSNorm
 from pagedllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pagedllm.layers.rotary_embedding import RotaryEmbedding
@@ -193,16 +193,26 @@ class LlamaForCausalLM(nn.Module):
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load HF-named tensors, each through its parameter's ``weight_loader`` (q/k/v and
-        gate/up into their fused parameters by shard id). Unknown names are skipped, as is
-        ``lm_head.weight`` when the embeddings are tied.
+        gate/up into their fused parameters by shard id); KV-cache scales (``k_scale``,
+        ``v_scale``, ``layers.attention.kv_scale_target``) into their attention layers.
+        Unknown names are skipped, as is ``lm_head.weight`` when the embeddings are tied.
 
         Raises:
             ValueError: a required tensor is missing from ``weights`` (the count and the
-            first few HF names), or one has the wrong shape (the weight named).
+            first few HF names), one has the wrong shape (the weight named), or a KV-cache
+            scale is not one positive finite number.
         """
         params = dict(self.named_parameters())
+        modules = dict(self.named_modules())
         loaded: set[str] = set()
         for name, tensor in weights:
+            target = kv_scale_target(name)
+            if target is not None:
+                attn = modules.get(target[0])
+                if isinstance(attn, Attention):
+                    for which in target[1]:
+                        attn.set_kv_scale(which, tensor, name)
+                continue
             pname, shard = _param_for(name)
             param = params.get(pname)
             if param is None:
