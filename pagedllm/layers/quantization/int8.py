@@ -1,0 +1,337 @@
+"""int8 W8A8: int8 weights with per-output-channel scales, int8 activations with per-token
+scales, multiplied in integers (``Int8W8A8LinearMethod``).
+
+The maths (symmetric, no zero points; as in LLM.int8()'s vector-wise quantization without
+its outlier split, Dettmers et al. 2022, and SmoothQuant's per-token/per-channel W8A8 without
+its smoothing, Xiao et al. 2023):
+
+- weights, once at load: ``w_scale[n] = amax_k |W[n, k]| / 127`` and
+  ``Wq[n, k] = round(W[n, k] / w_scale[n])`` in [-127, 127] (round half to even; a zero
+  row gets scale 0 and zeros);
+- activations, every call, per row m: ``s[m] = amax_k |x[m, k]| / qmax`` and
+  ``xq[m, k] = clamp(round(x[m, k] * inv[m]), -qmax, qmax)`` with
+  ``inv[m] = qmax / amax_k |x[m, k]|`` (0 for a zero row);
+- ``acc[m, n] = sum_k xq[m, k] * Wq[n, k]`` exactly, in integers, then in float32
+  ``y[m, n] = ((float(acc[m, n]) * w_scale[n]) * s[m]) + bias[n]``, rounded to x's dtype.
+
+oneDNN computes ``acc`` (``torch.ops.onednn.qlinear_pointwise``, the int8 matmul torch's
+PT2E quantization emits on the CPU; AMX-INT8 or AVX512-VNNI where present, AVX2 otherwise),
+taking the activations as uint8 ``xq + zero_point`` with one fixed zero point and scale 1
+(it takes a single activation scale per tensor, so the per-row scales are applied after it,
+by the epilogue). The C++ kernels (``csrc/quant_act.cpp``) quantize the activations and run
+the epilogue in one pass each; ``quantize_per_token_ref`` and ``epilogue_ref`` are their
+torch twins, bit for bit.
+
+Activation range. On CPUs without VNNI or AMX, oneDNN's u8 x s8 kernel multiplies with
+``vpmaddubsw``, which adds adjacent pairs of products into int16 with saturation: with
+8-bit activations (u8 up to 255) and weights of 127, 2 x 255 x 127 = 64770 > 32767, and
+results were wrong (measured on the project's AVX2 AMD EPYC: off by up to 1.5e6 on
+adversarial inputs, by ~4e4 on random ones). With activations limited to 7 bits
+(|xq| <= 63, zero point 64, u8 <= 127: 2 x 127 x 127 = 32258) every sum is exact. Which
+range this CPU needs is found by a probe at first use (``onednn_activation_bits``), not
+by a list of CPU flags: 8 bits where the 8-bit products come out exact (VNNI's
+``vpdpbusd`` and AMX accumulate in int32), else 7 bits. The 7-bit range doubles the
+activations' rounding step (about 0.4 % -> 0.8 % of the row's absolute maximum per value).
+
+Elsewhere (CUDA, a torch without oneDNN, ``PAGEDLLM_ONEDNN=0``, or a CPU where neither range
+is exact) ``int8_matmul_ref`` computes the same integer sums with float32 matmuls of
+integer-valued tensors in K-chunks small enough to be exact, 8-bit activations.
+
+Batch invariance: the integer sums are exact whatever blocking or reduction split the
+matmul picks for a given row count, and the rest is per row and per element, so every
+output row is bitwise independent of the batch (``tests/test_int8_linear.py`` checks it).
+"""
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+from torch import nn
+
+from pagedllm import envs
+from pagedllm.kernels.cpu import kernels_for, trace
+from pagedllm.layers.linear import LinearMethod
+
+logger = logging.getLogger("pagedllm")
+
+# Weights: symmetric int8 without -128, so that negating a weight cannot overflow.
+WEIGHT_QMAX = 127
+# Activation ranges: (qmax, zero point) for 8-bit and 7-bit activations stored as uint8.
+ACT_RANGES = {8: (127, 128), 7: (63, 64)}
+# K-chunk of ``int8_matmul_ref``: 1024 * 127 * 127 < 2**24, so float32 sums stay exact.
+REF_CHUNK_K = 1024
+
+
+def quantize_weight_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-output-channel int8 quantization of a linear weight.
+
+    Args:
+        weight: [N, K], any float dtype, any device.
+
+    Returns:
+        (qweight int8 [N, K] in [-127, 127], scale float32 [N]) with
+        ``scale[n] = max_k |weight[n, k]| / 127`` and ``qweight = round(weight / scale)``,
+        rounding half to even (``torch.round``); a row of zeros gets scale 0 and zeros.
+
+    Raises:
+        ValueError: ``weight`` is not 2-D or not floating point.
+    """
+    if weight.dim() != 2 or not weight.is_floating_point():
+        raise ValueError(f"weight must be a 2-D float tensor, got {tuple(weight.shape)} {weight.dtype}")
+    w = weight.float()
+    amax = w.abs().amax(dim=1)
+    scale = torch.div(amax, torch.full_like(amax, WEIGHT_QMAX))
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round(w / safe[:, None]).clamp_(-WEIGHT_QMAX, WEIGHT_QMAX).to(torch.int8)
+    return q, scale
+
+
+def _check_act_range(qmax: int, zero_point: int) -> None:
+    if not 1 <= qmax <= 127:
+        raise ValueError(f"qmax must be in [1, 127], got {qmax}")
+    if not qmax <= zero_point <= 255 - qmax:
+        raise ValueError(f"zero_point must be in [qmax, 255 - qmax] = [{qmax}, {255 - qmax}], got {zero_point}")
+
+
+def quantize_per_token_ref(x: torch.Tensor, qmax: int, zero_point: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row (per-token) symmetric int8 quantization in torch ops: the reference for the
+    C++ ``quantize_per_token`` (same bits on the CPU) and the path elsewhere.
+
+    Per row m, in float32: ``amax = max_k |x[m, k]|``, ``scale[m] = amax / qmax``,
+    ``inv = qmax / amax`` (0 when not finite: a zero row), ``q = clamp(round(x * inv),
+    -qmax, qmax)`` rounding half to even, stored as ``q + zero_point``. Each step is one
+    IEEE operation (true divisions of tensors: torch turns ``scalar / tensor`` into a
+    reciprocal and a multiply, which would round twice). A row holding inf or NaN gets a
+    non-finite scale; its stored values are then unspecified.
+
+    Args:
+        x: [M, K] float32/bfloat16/float16, any device.
+        qmax: largest |q|, 1..127; zero_point: qmax..255-qmax.
+
+    Returns:
+        (uint8 [M, K] = q + zero_point, float32 scales [M]).
+
+    Raises:
+        ValueError: x not 2-D, or qmax/zero_point out of range (named).
+    """
+    _check_act_range(qmax, zero_point)
+    if x.dim() != 2:
+        raise ValueError(f"x must be [M, K], got shape {tuple(x.shape)}")
+    xf = x.float()
+    amax = xf.abs().amax(dim=1) if xf.shape[1] else xf.new_zeros(xf.shape[0])
+    qm = torch.full_like(amax, qmax)
+    scale = torch.div(amax, qm)
+    inv = torch.div(qm, amax)
+    inv = torch.where(torch.isfinite(inv), inv, torch.zeros_like(inv))
+    q = torch.round(xf * inv[:, None]).clamp_(-qmax, qmax).add_(zero_point)
+    return q.nan_to_num_(0.0).to(torch.uint8), scale
+
+
+def quantize_per_token(x: torch.Tensor, qmax: int, zero_point: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_per_token_ref``'s result, by the C++ kernel where it serves x (CPU float32
+    or bfloat16, kernels built), else by the torch ops. Same arguments, returns and errors."""
+    ops = kernels_for(x.device, x.dtype)
+    if ops is None or x.dim() != 2 or x.stride(-1) != 1:
+        return quantize_per_token_ref(x, qmax, zero_point)
+    _check_act_range(qmax, zero_point)
+    out = torch.empty(x.shape, dtype=torch.uint8)
+    scales = torch.empty(x.shape[0], dtype=torch.float32)
+    with trace("pagedllm::quantize_per_token"):
+        ops.quantize_per_token(out, scales, x, qmax, zero_point)
+    return out, scales
+
+
+def epilogue_ref(acc: torch.Tensor, weight_scale: torch.Tensor, row_scale: torch.Tensor,
+                 bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """The dequantizing epilogue in torch ops (the reference for the C++ ``int8_epilogue``,
+    same bits): ``((acc * weight_scale[n]) * row_scale[m]) + bias[n]`` in float32, one
+    rounding per operation, then rounded to ``out_dtype``.
+
+    Args:
+        acc: float32 [M, N], the integer sums; weight_scale: float32 [N]; row_scale:
+            float32 [M]; bias: [N] (any float dtype, used as float32) or None.
+
+    Returns:
+        [M, N] in ``out_dtype``.
+    """
+    y = acc * weight_scale
+    y = y * row_scale[:, None]
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(out_dtype)
+
+
+def int8_matmul_ref(xq: torch.Tensor, zero_point: int, qweight: torch.Tensor) -> torch.Tensor:
+    """Exact integer sums ``acc[m, n] = sum_k (xq[m, k] - zero_point) * qweight[n, k]`` as
+    float32 (rounded once, to nearest even, where |acc| > 2**24), on any device.
+
+    Computed with float32 matmuls of integer-valued tensors over K-chunks of
+    ``REF_CHUNK_K`` (each chunk's partial sums are integers below 2**24 in magnitude, so
+    exact whatever order or blocking the BLAS uses, TF32 included: |values| <= 255 fit its
+    mantissa), the chunks added in float64 (exact below 2**53).
+
+    Args:
+        xq: uint8 [M, K] (activations + zero_point); qweight: int8 [N, K].
+
+    Returns:
+        float32 [M, N].
+    """
+    x = xq.to(torch.float32) - zero_point
+    M, K = x.shape
+    acc = None
+    for k0 in range(0, max(K, 1), REF_CHUNK_K):
+        part = x[:, k0:k0 + REF_CHUNK_K] @ qweight[:, k0:k0 + REF_CHUNK_K].to(torch.float32).t()
+        acc = part.double() if acc is None else acc + part.double()
+    return acc.float()
+
+
+def _qlinear(xq: torch.Tensor, zero_point: int, packed: torch.Tensor, ones: torch.Tensor,
+             zeros: torch.Tensor) -> torch.Tensor:
+    """oneDNN's u8 x s8 matmul of uint8 [M, K] activations (zero point ``zero_point``, scale
+    1) with a ``qlinear_prepack``-ed int8 weight (scales ``ones``, zero points ``zeros``):
+    float32 [M, N], each the row's integer sum converted to float32."""
+    return torch.ops.onednn.qlinear_pointwise(xq, 1.0, zero_point, packed, ones, zeros, None, 1.0, 0,
+                                              torch.float32, "none", [None], "")
+
+
+def _exact_at(bits: int) -> bool:
+    """Whether oneDNN's qlinear gives exact integer sums with ``bits``-bit activations on
+    adversarial inputs: weights of +-127 and activations at +-qmax with matching signs
+    (every adjacent pair of products at its largest), and random ones, at 1, 5 and 64 rows
+    (oneDNN may pick other kernels for few rows)."""
+    qmax, zp = ACT_RANGES[bits]
+    g = torch.Generator().manual_seed(0)
+    K, N = 256, 40
+    w = torch.where(torch.rand(N, K, generator=g) < 0.5, -WEIGHT_QMAX, WEIGHT_QMAX).to(torch.int8)
+    w[0] = WEIGHT_QMAX
+    packed = torch.ops.onednn.qlinear_prepack(w, None)
+    ones, zeros = torch.ones(N), torch.zeros(N, dtype=torch.int64)
+    for m in (1, 5, 64):
+        x = torch.randint(-qmax, qmax + 1, (m, K), generator=g)
+        x[0] = torch.where(w[m % N] > 0, qmax, -qmax)    # aligned with a weight row's signs
+        if m > 1:
+            x[1] = qmax
+        xq = (x + zp).to(torch.uint8)
+        got = _qlinear(xq, zp, packed, ones, zeros)
+        want = (x @ w.long().t()).float()    # |sums| <= 256 * 127 * 127 < 2**24: exact
+        if not torch.equal(got, want):
+            return False
+    return True
+
+
+@functools.lru_cache(maxsize=1)
+def onednn_activation_bits() -> int | None:
+    """The activation width (8 or 7 bits) at which oneDNN's u8 x s8 int8 matmul is exact on
+    this CPU, found once per process by a probe (``_exact_at``: three small matmuls,
+    about a millisecond): 8 where the CPU accumulates int8 products in int32 (AVX512-VNNI,
+    AVX-VNNI, AMX-INT8), 7 where it saturates int16 pair sums (AVX2, AVX-512 without VNNI).
+    None when oneDNN's int8 ops are missing or raise, or neither width is exact. Never raises."""
+    try:
+        for bits in (8, 7):
+            if _exact_at(bits):
+                return bits
+        return None
+    except Exception as e:   # no mkldnn build, no onednn ops, an ISA oneDNN rejects
+        logger.info("oneDNN int8 matmul unavailable (%s)", " ".join(str(e).split()))
+        return None
+
+
+def onednn_int8_available(device: torch.device | str) -> bool:
+    """Whether ``Int8W8A8LinearMethod`` on ``device`` multiplies through oneDNN: CPU, torch
+    built with mkldnn, ``PAGEDLLM_ONEDNN`` not 0, and an exact activation width
+    (``onednn_activation_bits``). Never raises."""
+    return (torch.device(device).type == "cpu" and torch.backends.mkldnn.is_available()
+            and envs.onednn_enabled() and onednn_activation_bits() is not None)
+
+
+class Int8W8A8LinearMethod(LinearMethod):
+    """int8 weights (per-output-channel scales, quantized at load from the float checkpoint
+    weights) times dynamically quantized per-token int8 activations; see the module
+    docstring for the maths and the activation range.
+
+    ``create_weights`` registers the float ``layer.weight`` as the dense method does, so
+    every layer's ``weight_loader`` (fused q|k|v, gate|up) fills it unchanged;
+    ``process_weights_after_loading`` quantizes it (each fused part keeps its own rows'
+    scales, since scales are per output row) and releases it (``layer.weight`` becomes an
+    empty placeholder of its dtype, unless ``layer.keep_dense_weight``, as for a tied LM
+    head). It sets on the layer:
+
+    - ``int8_weight_scale``: float32 [N];
+    - oneDNN: ``int8_packed_weight`` (``qlinear_prepack``'s opaque tensor),
+      ``int8_ones`` float32 [N] and ``int8_zero_points`` int64 [N] (what qlinear takes);
+    - otherwise: ``int8_weight``, int8 [N, K].
+
+    ``apply`` takes x [T, in] (float32 or bfloat16; float16 through the torch ops) and
+    returns [T, out] in x's dtype.
+
+    Args:
+        device: where the layers' weights live; picks the backend (oneDNN on the CPU where
+            ``onednn_int8_available``, else the torch ops), once.
+        act_bits: activation width, 8 or 7; None: the widest the backend computes exactly
+            (oneDNN: ``onednn_activation_bits()``; torch: 8).
+        backend: "onednn" or "torch" to choose instead of by ``device``.
+
+    Raises:
+        ValueError: ``act_bits`` not 7, 8 or None; ``backend`` unknown, or "onednn" where
+            ``onednn_int8_available(device)`` is false; 8-bit activations on a CPU where
+            oneDNN computes only 7 bits exactly.
+
+    Attributes:
+        backend: "onednn" or "torch".
+        act_bits: activation width, 8 or 7; qmax, zero_point: its range (``ACT_RANGES``).
+        name: e.g. "int8 W8A8 (oneDNN u8s8, 7-bit activations)".
+    """
+
+    def __init__(self, device: torch.device | str = "cpu", act_bits: int | None = None,
+                 backend: str | None = None):
+        if act_bits not in (None, 7, 8):
+            raise ValueError(f"act_bits must be 7, 8 or None, got {act_bits!r}")
+        if backend not in (None, "onednn", "torch"):
+            raise ValueError(f"backend must be 'onednn', 'torch' or None, got {backend!r}")
+        available = onednn_int8_available(device)
+        if backend == "onednn" and not available:
+            raise ValueError(f"backend='onednn': oneDNN's int8 matmul does not serve {device} here "
+                             "(not the CPU, no mkldnn, PAGEDLLM_ONEDNN=0, or not exact)")
+        self.backend = backend or ("onednn" if available else "torch")
+        widest = onednn_activation_bits() if self.backend == "onednn" else 8
+        if act_bits is not None and act_bits > widest:
+            raise ValueError(f"act_bits={act_bits}: oneDNN's int8 matmul is exact only up to "
+                             f"{widest}-bit activations on this CPU")
+        self.act_bits = act_bits or widest
+        self.qmax, self.zero_point = ACT_RANGES[self.act_bits]
+        kernel = "oneDNN u8s8" if self.backend == "onednn" else "torch reference"
+        self.name = f"int8 W8A8 ({kernel}, {self.act_bits}-bit activations)"
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        w = layer.weight.data
+        q, scale = quantize_weight_per_channel(w)
+        layer.int8_weight_scale = scale
+        if self.backend == "onednn":
+            layer.int8_packed_weight = torch.ops.onednn.qlinear_prepack(q.contiguous(), None)
+            layer.int8_ones = torch.ones_like(scale)
+            layer.int8_zero_points = torch.zeros(scale.shape, dtype=torch.int64)
+        else:
+            layer.int8_weight = q
+        if not getattr(layer, "keep_dense_weight", False):
+            layer.weight.data = w.new_empty(0)
+
+    def apply(self, layer, x, bias=None):
+        if x.dim() != 2:
+            return self.apply(layer, x.reshape(-1, x.shape[-1]), bias).reshape(*x.shape[:-1], -1)
+        scale = layer.int8_weight_scale
+        if x.shape[0] == 0:
+            return x.new_empty(0, scale.shape[0])
+        xq, row_scale = quantize_per_token(x, self.qmax, self.zero_point)
+        if self.backend == "onednn":
+            acc = _qlinear(xq, self.zero_point, layer.int8_packed_weight, layer.int8_ones,
+                           layer.int8_zero_points)
+        else:
+            acc = int8_matmul_ref(xq, self.zero_point, layer.int8_weight)
+        ops = kernels_for(x.device, x.dtype)
+        if ops is None:
+            return epilogue_ref(acc, scale, row_scale, bias, x.dtype)
+        out = acc if x.dtype == torch.float32 else torch.empty(acc.shape, dtype=x.dtype)
+        with trace("pagedllm::int8_epilogue"):
+            ops.int8_epilogue(out, acc, scale, row_scale, None if bias is None else bias.float())
+        return out
