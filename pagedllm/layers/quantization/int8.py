@@ -5,12 +5,12 @@ The maths (symmetric, no zero points; as in LLM.int8()'s vector-wise quantizatio
 its outlier split, Dettmers et al. 2022, and SmoothQuant's per-token/per-channel W8A8 without
 its smoothing, Xiao et al. 2023):
 
-- weights, once at load: ``w_scale[n] = amax_k |W[n, k]| / 127`` and
-  ``Wq[n, k] = round(W[n, k] / w_scale[n])`` in [-127, 127] (round half to even; a zero
-  row gets scale 0 and zeros);
+- weights, once at load: ``w_scale[n] = amax_k |W[n, k]| / wmax`` and
+  ``Wq[n, k] = round(W[n, k] / w_scale[n])`` in [-wmax, wmax] (round half to even; a zero
+  row gets scale 0 and zeros), wmax = 127 (8 bits) or 63 (7 bits, below);
 - activations, every call, per row m: ``s[m] = amax_k |x[m, k]| / qmax`` and
   ``xq[m, k] = clamp(round(x[m, k] * inv[m]), -qmax, qmax)`` with
-  ``inv[m] = qmax / amax_k |x[m, k]|`` (0 for a zero row);
+  ``inv[m] = qmax / amax_k |x[m, k]|`` (0 for a zero row), qmax = 127 (or 63: 7 bits);
 - ``acc[m, n] = sum_k xq[m, k] * Wq[n, k]`` exactly, in integers, then in float32
   ``y[m, n] = ((float(acc[m, n]) * w_scale[n]) * s[m]) + bias[n]``, rounded to x's dtype.
 
@@ -22,20 +22,24 @@ by the epilogue). The C++ kernels (``csrc/quant_act.cpp``) quantize the activati
 the epilogue in one pass each; ``quantize_per_token_ref`` and ``epilogue_ref`` are their
 torch twins, bit for bit.
 
-Activation range. On CPUs without VNNI or AMX, oneDNN's u8 x s8 kernel multiplies with
+Weight range. On CPUs without VNNI or AMX, oneDNN's u8 x s8 kernel multiplies with
 ``vpmaddubsw``, which adds adjacent pairs of products into int16 with saturation: with
 8-bit activations (u8 up to 255) and weights of 127, 2 x 255 x 127 = 64770 > 32767, and
 results were wrong (measured on the project's AVX2 AMD EPYC: off by up to 1.5e6 on
-adversarial inputs, by ~4e4 on random ones). With activations limited to 7 bits
-(|xq| <= 63, zero point 64, u8 <= 127: 2 x 127 x 127 = 32258) every sum is exact. Which
-range this CPU needs is found by a probe at first use (``onednn_activation_bits``), not
-by a list of CPU flags: 8 bits where the 8-bit products come out exact (VNNI's
-``vpdpbusd`` and AMX accumulate in int32), else 7 bits. The 7-bit range doubles the
-activations' rounding step (about 0.4 % -> 0.8 % of the row's absolute maximum per value).
+adversarial inputs, by ~4e4 on random ones). One operand must lose a bit: 7-bit weights
+(|Wq| <= 63: 2 x 255 x 63 = 32130) or 7-bit activations (u8 <= 127: 2 x 127 x 127 = 32258)
+make every sum exact. Weights lose less: measured on SmolLM2-135M's prefill activations
+(4 prompts, relative error of each layer's output against float64, mean over layers)
+qkv_proj 3.2 % at W8A8, 3.4 % with 7-bit weights, 6.2 % with 7-bit activations;
+gate_up_proj 2.3 / 2.6 / 4.3 %; down_proj 3.1 / 3.4 / 5.6 %; o_proj 1.6 / 2.2 / 2.9 %
+(per-token scales are set by outlier channels, 15-35x the mean |x|, so activation
+steps are coarse already; weights are smoother). Which widths this CPU computes exactly
+is found by a probe at first use (``onednn_exact_bits``), not from a list of CPU flags:
+8 and 8 where VNNI's ``vpdpbusd`` or AMX accumulate in int32, else 7-bit weights.
 
 Elsewhere (CUDA, a torch without oneDNN, ``PAGEDLLM_ONEDNN=0``, or a CPU where neither range
 is exact) ``int8_matmul_ref`` computes the same integer sums with float32 matmuls of
-integer-valued tensors in K-chunks small enough to be exact, 8-bit activations.
+integer-valued tensors in K-chunks small enough to be exact, at 8 and 8 bits.
 
 Batch invariance: the integer sums are exact whatever blocking or reduction split the
 matmul picks for a given row count, and the rest is per row and per element, so every
@@ -55,35 +59,41 @@ from pagedllm.layers.linear import LinearMethod
 
 logger = logging.getLogger("pagedllm")
 
-# Weights: symmetric int8 without -128, so that negating a weight cannot overflow.
-WEIGHT_QMAX = 127
+# Weights: largest |Wq| for 8- and 7-bit weights (symmetric: no -128, so that negating a
+# weight cannot overflow).
+WEIGHT_QMAX = {8: 127, 7: 63}
 # Activation ranges: (qmax, zero point) for 8-bit and 7-bit activations stored as uint8.
 ACT_RANGES = {8: (127, 128), 7: (63, 64)}
+# (weight bits, activation bits) the oneDNN backend tries, most accurate first.
+ONEDNN_BITS_ORDER = ((8, 8), (7, 8), (8, 7))
 # K-chunk of ``int8_matmul_ref``: 1024 * 127 * 127 < 2**24, so float32 sums stay exact.
 REF_CHUNK_K = 1024
 
 
-def quantize_weight_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_weight_per_channel(weight: torch.Tensor, qmax: int = 127) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric per-output-channel int8 quantization of a linear weight.
 
     Args:
         weight: [N, K], any float dtype, any device.
+        qmax: largest |q|, 1..127 (127: 8 bits, 63: 7 bits).
 
     Returns:
-        (qweight int8 [N, K] in [-127, 127], scale float32 [N]) with
-        ``scale[n] = max_k |weight[n, k]| / 127`` and ``qweight = round(weight / scale)``,
+        (qweight int8 [N, K] in [-qmax, qmax], scale float32 [N]) with
+        ``scale[n] = max_k |weight[n, k]| / qmax`` and ``qweight = round(weight / scale)``,
         rounding half to even (``torch.round``); a row of zeros gets scale 0 and zeros.
 
     Raises:
-        ValueError: ``weight`` is not 2-D or not floating point.
+        ValueError: ``weight`` is not a 2-D float tensor, or ``qmax`` is out of range.
     """
     if weight.dim() != 2 or not weight.is_floating_point():
         raise ValueError(f"weight must be a 2-D float tensor, got {tuple(weight.shape)} {weight.dtype}")
+    if not 1 <= qmax <= 127:
+        raise ValueError(f"qmax must be in [1, 127], got {qmax}")
     w = weight.float()
-    amax = w.abs().amax(dim=1)
-    scale = torch.div(amax, torch.full_like(amax, WEIGHT_QMAX))
+    amax = w.abs().amax(dim=1) if w.shape[1] else w.new_zeros(w.shape[0])
+    scale = torch.div(amax, torch.full_like(amax, qmax))
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    q = torch.round(w / safe[:, None]).clamp_(-WEIGHT_QMAX, WEIGHT_QMAX).to(torch.int8)
+    q = torch.round(w / safe[:, None]).clamp_(-qmax, qmax).to(torch.int8)
     return q, scale
 
 
@@ -168,7 +178,7 @@ def int8_matmul_ref(xq: torch.Tensor, zero_point: int, qweight: torch.Tensor) ->
 
     Computed with float32 matmuls of integer-valued tensors over K-chunks of
     ``REF_CHUNK_K`` (each chunk's partial sums are integers below 2**24 in magnitude, so
-    exact whatever order or blocking the BLAS uses, TF32 included: |values| <= 255 fit its
+    exact whatever order or blocking the BLAS uses, TF32 included: |values| <= 127 fit its
     mantissa), the chunks added in float64 (exact below 2**53).
 
     Args:
@@ -195,16 +205,19 @@ def _qlinear(xq: torch.Tensor, zero_point: int, packed: torch.Tensor, ones: torc
                                               torch.float32, "none", [None], "")
 
 
-def _exact_at(bits: int) -> bool:
-    """Whether oneDNN's qlinear gives exact integer sums with ``bits``-bit activations on
-    adversarial inputs: weights of +-127 and activations at +-qmax with matching signs
-    (every adjacent pair of products at its largest), and random ones, at 1, 5 and 64 rows
-    (oneDNN may pick other kernels for few rows)."""
-    qmax, zp = ACT_RANGES[bits]
+@functools.lru_cache(maxsize=None)
+def onednn_exact(weight_bits: int, act_bits: int) -> bool:
+    """Whether oneDNN's qlinear gives exact integer sums with ``weight_bits``-bit weights and
+    ``act_bits``-bit activations on this CPU: weights of +-wmax and activations of +-qmax
+    with matching signs (every adjacent pair of products at its largest), all-positive
+    rows, and random ones, at 1, 5 and 64 rows (oneDNN may pick other kernels for few
+    rows). About a millisecond; cached per process. Raises what oneDNN raises (no mkldnn
+    build, an ISA it rejects)."""
+    wmax, (qmax, zp) = WEIGHT_QMAX[weight_bits], ACT_RANGES[act_bits]
     g = torch.Generator().manual_seed(0)
     K, N = 256, 40
-    w = torch.where(torch.rand(N, K, generator=g) < 0.5, -WEIGHT_QMAX, WEIGHT_QMAX).to(torch.int8)
-    w[0] = WEIGHT_QMAX
+    w = torch.where(torch.rand(N, K, generator=g) < 0.5, -wmax, wmax).to(torch.int8)
+    w[0] = wmax
     packed = torch.ops.onednn.qlinear_prepack(w, None)
     ones, zeros = torch.ones(N), torch.zeros(N, dtype=torch.int64)
     for m in (1, 5, 64):
@@ -221,17 +234,14 @@ def _exact_at(bits: int) -> bool:
 
 
 @functools.lru_cache(maxsize=1)
-def onednn_activation_bits() -> int | None:
-    """The activation width (8 or 7 bits) at which oneDNN's u8 x s8 int8 matmul is exact on
-    this CPU, found once per process by a probe (``_exact_at``: three small matmuls,
-    about a millisecond): 8 where the CPU accumulates int8 products in int32 (AVX512-VNNI,
-    AVX-VNNI, AMX-INT8), 7 where it saturates int16 pair sums (AVX2, AVX-512 without VNNI).
-    None when oneDNN's int8 ops are missing or raise, or neither width is exact. Never raises."""
+def onednn_exact_bits() -> tuple[int, int] | None:
+    """(weight bits, activation bits): the first of ``ONEDNN_BITS_ORDER`` at which oneDNN's
+    u8 x s8 int8 matmul is exact on this CPU (``onednn_exact``), found once per process:
+    (8, 8) where the CPU accumulates int8 products in int32 (AVX512-VNNI, AVX-VNNI,
+    AMX-INT8), (7, 8) where it saturates int16 pair sums (AVX2, AVX-512 without VNNI).
+    None when oneDNN's int8 ops are missing or raise, or no width is exact. Never raises."""
     try:
-        for bits in (8, 7):
-            if _exact_at(bits):
-                return bits
-        return None
+        return next((bits for bits in ONEDNN_BITS_ORDER if onednn_exact(*bits)), None)
     except Exception as e:   # no mkldnn build, no onednn ops, an ISA oneDNN rejects
         logger.info("oneDNN int8 matmul unavailable (%s)", " ".join(str(e).split()))
         return None
@@ -239,16 +249,16 @@ def onednn_activation_bits() -> int | None:
 
 def onednn_int8_available(device: torch.device | str) -> bool:
     """Whether ``Int8W8A8LinearMethod`` on ``device`` multiplies through oneDNN: CPU, torch
-    built with mkldnn, ``PAGEDLLM_ONEDNN`` not 0, and an exact activation width
-    (``onednn_activation_bits``). Never raises."""
+    built with mkldnn, ``PAGEDLLM_ONEDNN`` not 0, and exact at some widths
+    (``onednn_exact_bits``). Never raises."""
     return (torch.device(device).type == "cpu" and torch.backends.mkldnn.is_available()
-            and envs.onednn_enabled() and onednn_activation_bits() is not None)
+            and envs.onednn_enabled() and onednn_exact_bits() is not None)
 
 
 class Int8W8A8LinearMethod(LinearMethod):
     """int8 weights (per-output-channel scales, quantized at load from the float checkpoint
     weights) times dynamically quantized per-token int8 activations; see the module
-    docstring for the maths and the activation range.
+    docstring for the maths and the widths.
 
     ``create_weights`` registers the float ``layer.weight`` as the dense method does, so
     every layer's ``weight_loader`` (fused q|k|v, gate|up) fills it unchanged;
@@ -268,25 +278,27 @@ class Int8W8A8LinearMethod(LinearMethod):
     Args:
         device: where the layers' weights live; picks the backend (oneDNN on the CPU where
             ``onednn_int8_available``, else the torch ops), once.
-        act_bits: activation width, 8 or 7; None: the widest the backend computes exactly
-            (oneDNN: ``onednn_activation_bits()``; torch: 8).
+        weight_bits, act_bits: 8 or 7 each; None: the backend's most accurate exact
+            choice (oneDNN: ``onednn_exact_bits()``; torch: 8 and 8).
         backend: "onednn" or "torch" to choose instead of by ``device``.
 
     Raises:
-        ValueError: ``act_bits`` not 7, 8 or None; ``backend`` unknown, or "onednn" where
-            ``onednn_int8_available(device)`` is false; 8-bit activations on a CPU where
-            oneDNN computes only 7 bits exactly.
+        ValueError: bits not 7, 8 or None; ``backend`` unknown, or "onednn" where
+            ``onednn_int8_available(device)`` is false; widths at which oneDNN's sums
+            are not exact on this CPU (e.g. 8 and 8 without VNNI or AMX).
 
     Attributes:
         backend: "onednn" or "torch".
-        act_bits: activation width, 8 or 7; qmax, zero_point: its range (``ACT_RANGES``).
-        name: e.g. "int8 W8A8 (oneDNN u8s8, 7-bit activations)".
+        weight_bits, act_bits: the widths; weight_qmax: largest |Wq|; qmax, zero_point:
+            the activations' range (``ACT_RANGES``).
+        name: e.g. "int8 W8A8 (oneDNN u8s8, 7-bit weights)".
     """
 
-    def __init__(self, device: torch.device | str = "cpu", act_bits: int | None = None,
-                 backend: str | None = None):
-        if act_bits not in (None, 7, 8):
-            raise ValueError(f"act_bits must be 7, 8 or None, got {act_bits!r}")
+    def __init__(self, device: torch.device | str = "cpu", weight_bits: int | None = None,
+                 act_bits: int | None = None, backend: str | None = None):
+        for label, bits in (("weight_bits", weight_bits), ("act_bits", act_bits)):
+            if bits not in (None, 7, 8):
+                raise ValueError(f"{label} must be 7, 8 or None, got {bits!r}")
         if backend not in (None, "onednn", "torch"):
             raise ValueError(f"backend must be 'onednn', 'torch' or None, got {backend!r}")
         available = onednn_int8_available(device)
@@ -294,18 +306,26 @@ class Int8W8A8LinearMethod(LinearMethod):
             raise ValueError(f"backend='onednn': oneDNN's int8 matmul does not serve {device} here "
                              "(not the CPU, no mkldnn, PAGEDLLM_ONEDNN=0, or not exact)")
         self.backend = backend or ("onednn" if available else "torch")
-        widest = onednn_activation_bits() if self.backend == "onednn" else 8
-        if act_bits is not None and act_bits > widest:
-            raise ValueError(f"act_bits={act_bits}: oneDNN's int8 matmul is exact only up to "
-                             f"{widest}-bit activations on this CPU")
-        self.act_bits = act_bits or widest
+        if self.backend == "onednn":
+            if weight_bits is None and act_bits is None:
+                weight_bits, act_bits = onednn_exact_bits()
+            else:
+                weight_bits, act_bits = weight_bits or 8, act_bits or 8
+                if not onednn_exact(weight_bits, act_bits):
+                    raise ValueError(f"weight_bits={weight_bits}, act_bits={act_bits}: oneDNN's int8 "
+                                     f"matmul is not exact at these widths on this CPU; "
+                                     f"{onednn_exact_bits()} is")
+        self.weight_bits, self.act_bits = weight_bits or 8, act_bits or 8
+        self.weight_qmax = WEIGHT_QMAX[self.weight_bits]
         self.qmax, self.zero_point = ACT_RANGES[self.act_bits]
         kernel = "oneDNN u8s8" if self.backend == "onednn" else "torch reference"
-        self.name = f"int8 W8A8 ({kernel}, {self.act_bits}-bit activations)"
+        narrow = [f"{b}-bit {what}" for b, what in ((self.weight_bits, "weights"), (self.act_bits, "activations"))
+                  if b != 8]
+        self.name = f"int8 W8A8 ({', '.join([kernel, *narrow])})"
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         w = layer.weight.data
-        q, scale = quantize_weight_per_channel(w)
+        q, scale = quantize_weight_per_channel(w, self.weight_qmax)
         layer.int8_weight_scale = scale
         if self.backend == "onednn":
             layer.int8_packed_weight = torch.ops.onednn.qlinear_prepack(q.contiguous(), None)
