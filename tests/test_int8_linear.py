@@ -17,7 +17,8 @@ from pagedllm.layers.quantization import int8
 from pagedllm.layers.quantization.int8 import (ACT_RANGES, Int8W8A8LinearMethod, epilogue_ref,
                                                int8_matmul_ref, onednn_exact, onednn_exact_bits,
                                                onednn_int8_available, quantize_per_token,
-                                               quantize_per_token_ref, quantize_weight_per_channel)
+                                               quantize_per_token_ref, quantize_weight_per_channel,
+                                               weight_compensation)
 from pagedllm.platform import cpu_features
 
 ROWS = (1, 3, 17, 64, 300)
@@ -96,6 +97,22 @@ def test_quantizer_rejects_bad_ranges(qmax, zp):
         quantize_per_token_ref(torch.ones(2, 8), qmax, zp)
 
 
+def test_integer_sums_round_once_past_2_to_the_24():
+    g = torch.Generator().manual_seed(7)
+    k, n, m = 2048, 37, 9
+    w = torch.randint(-63, 64, (n, k), dtype=torch.int8, generator=g)
+    w[:5] = torch.randint(40, 64, (5, k), dtype=torch.int8, generator=g)
+    xq = torch.randint(0, 256, (m, k), dtype=torch.uint8, generator=g)
+    xq[:3] = torch.randint(200, 256, (3, k), dtype=torch.uint8, generator=g)
+    exact = xq.long() @ w.long().t()
+    assert exact.abs().max() > 2**24
+    want = exact.double().float()          # one rounding, to nearest even
+    assert torch.equal(int8_matmul_ref(xq, w), want)
+    if onednn_int8_available("cpu"):
+        packed = torch.ops.onednn.qlinear_prepack(w, None)
+        assert torch.equal(int8._qlinear(xq, packed, torch.ones(n), torch.zeros(n, dtype=torch.int64)), want)
+
+
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_epilogue_cpp_matches_torch_bitwise(ops, out_dtype, with_bias):
@@ -105,9 +122,10 @@ def test_epilogue_cpp_matches_torch_bitwise(ops, out_dtype, with_bias):
     ws, rs = torch.rand(n, generator=g) * 1e-3, torch.rand(m, generator=g) * 0.1
     rs[3] = 0
     bias = torch.randn(n, generator=g) if with_bias else None
-    want = epilogue_ref(acc, ws, rs, bias, out_dtype)
+    comp = torch.randint(-2**20, 2**20, (n,), generator=g).float()
+    want = epilogue_ref(acc, comp, ws, rs, bias, out_dtype)
     got = torch.empty(m, n, dtype=out_dtype)
-    ops.int8_epilogue(got, acc, ws, rs, bias)
+    ops.int8_epilogue(got, acc, comp, ws, rs, bias)
     assert torch.equal(got, want)
 
 
@@ -147,8 +165,13 @@ def _reference(layer_w: torch.Tensor, bias, x: torch.Tensor, method: Int8W8A8Lin
     q, ws = quantize_weight_per_channel(layer_w, method.weight_qmax)
     xq, rs = quantize_per_token_ref(x, qmax, zp)
     acc = (xq.long() - zp) @ q.long().t()
-    y = acc.double() * ws.double() * rs.double()[:, None]
-    mag = y.abs()
+    scale = ws.double() * rs.double()[:, None]
+    y = acc.double() * scale
+    # float32 rounds the uint8 sums and the zero point's column sums past 2**24, then
+    # each of the four operations once
+    acc_u = xq.long() @ q.long().t()
+    comp = zp * q.long().sum(dim=1)
+    mag = (acc.abs() + acc_u.abs() + comp.abs()).double() * scale
     if bias is not None:
         y = y + bias.double()
         mag = mag + bias.double().abs()
@@ -178,8 +201,9 @@ def test_method_matches_integer_reference(dtype, m, widths):
     # and bit for bit the torch twins' composition (oneDNN's float32 of the integer sums)
     xq, rs = quantize_per_token_ref(x, method.qmax, method.zero_point)
     q, ws = quantize_weight_per_channel(w, method.weight_qmax)
-    exact = int8_matmul_ref(xq, method.zero_point, q)
-    assert torch.equal(y, epilogue_ref(exact, ws, rs, layer.bias.data, dtype))
+    acc = int8_matmul_ref(xq, q)
+    comp = weight_compensation(q, method.zero_point)
+    assert torch.equal(y, epilogue_ref(acc, comp, ws, rs, layer.bias.data, dtype))
 
 
 @needs_onednn
@@ -264,7 +288,7 @@ def test_torch_backend_and_kernel_free_paths_give_the_same_bits(monkeypatch):
 
 
 def test_torch_backend_matches_integer_reference():
-    k, n, m = 2100, 45, 6      # K over two reference chunks, sums past 2**24
+    k, n, m = 2100, 45, 6      # K over five reference chunks, uint8 sums past 2**24
     layer = _layer(k, n, bias=False, seed=2, backend="torch")
     w = layer.weight.data.clone()
     layer.linear_method.process_weights_after_loading(layer)

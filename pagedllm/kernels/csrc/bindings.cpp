@@ -25,6 +25,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "and float32 scales [M]",
         py::call_guard<py::gil_scoped_release>());
   m.def("int8_epilogue", &int8_epilogue,
-        "out = acc * weight_scales[n] * row_scales[m] (+ bias[n]) in out's dtype",
+        "out = (acc - compensation[n]) * weight_scales[n] * row_scales[m] (+ bias[n]) in out's dtype",
         py::call_guard<py::gil_scoped_release>());
 }

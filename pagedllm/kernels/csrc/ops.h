@@ -18,5 +18,6 @@ void rotary_embedding(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
 // quant_act.cpp
 void quantize_per_token(torch::Tensor out, torch::Tensor scales, torch::Tensor x, int64_t qmax,
                         int64_t zero_point);
-void int8_epilogue(torch::Tensor out, torch::Tensor acc, torch::Tensor weight_scales,
-                   torch::Tensor row_scales, c10::optional<torch::Tensor> bias);
+void int8_epilogue(torch::Tensor out, torch::Tensor acc, torch::Tensor compensation,
+                   torch::Tensor weight_scales, torch::Tensor row_scales,
+                   c10::optional<torch::Tensor> bias);

@@ -4,9 +4,10 @@
 //  * quantize_per_token: each row x[m, :] gets its own symmetric scale
 //      s_m = amax_m / qmax,   inv_m = qmax / amax_m (0 when that is not finite),
 //      q = clamp(round_half_even(x * inv_m), -qmax, qmax),   stored as uint8 q + zero_point,
-//    the input oneDNN's u8 x s8 matmul takes (a fixed zero point, activation scale 1);
-//  * int8_epilogue: out[m, n] = ((acc[m, n] * w_scale[n]) * s_m) (+ bias[n]), rounded once
-//    to the output dtype, acc being the matmul's exact integer sums as float32.
+//    the input oneDNN's u8 x s8 matmul takes (a fixed offset, activation scale 1);
+//  * int8_epilogue: out[m, n] = (((acc[m, n] - comp[n]) * w_scale[n]) * s_m) (+ bias[n]),
+//    rounded once to the output dtype, acc being the matmul's integer sums of the uint8
+//    activations as float32 and comp[n] = zero_point * sum_k Wq[n, k].
 // Every value is computed by one IEEE operation at a time in a fixed order, so the torch
 // reference (int8.py: quantize_per_token_ref, epilogue_ref) gives the same bits; the
 // compiler may not contract the epilogue's multiply and add into an FMA (an empty asm
@@ -120,8 +121,8 @@ void quantize_rows(uint8_t* out, float* scales, const T* x, int64_t rows, int64_
 }
 
 template <typename T>
-void epilogue_rows(T* out, const float* acc, const float* ws, const float* rs, const float* bias,
-                   int64_t rows, int64_t n) {
+void epilogue_rows(T* out, const float* acc, const float* comp, const float* ws, const float* rs,
+                   const float* bias, int64_t rows, int64_t n) {
   const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(n, 1));
   at::parallel_for(0, rows, grain, [&](int64_t b, int64_t e) {
     for (int64_t m = b; m < e; ++m) {
@@ -132,7 +133,9 @@ void epilogue_rows(T* out, const float* acc, const float* ws, const float* rs, c
 #ifdef PAGEDLLM_AVX2
       const __m256 vs = _mm256_set1_ps(s);
       for (; i + 8 <= n; i += 8) {
-        __m256 v = _mm256_mul_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(ws + i));
+        __m256 v = _mm256_sub_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(comp + i));
+        opaque(v);
+        v = _mm256_mul_ps(v, _mm256_loadu_ps(ws + i));
         opaque(v);
         v = _mm256_mul_ps(v, vs);
         if (bias) {
@@ -143,7 +146,9 @@ void epilogue_rows(T* out, const float* acc, const float* ws, const float* rs, c
       }
 #endif
       for (; i < n; ++i) {
-        float v = a[i] * ws[i];
+        float v = a[i] - comp[i];
+        opaque(v);
+        v = v * ws[i];
         opaque(v);
         v = v * s;
         if (bias) {
@@ -177,14 +182,17 @@ void quantize_per_token(torch::Tensor out, torch::Tensor scales, torch::Tensor x
     quantize_rows(out.data_ptr<uint8_t>(), scales.data_ptr<float>(), x.data_ptr<bf16>(), M, K, x.stride(0), q, zp);
 }
 
-void int8_epilogue(torch::Tensor out, torch::Tensor acc, torch::Tensor weight_scales,
-                   torch::Tensor row_scales, c10::optional<torch::Tensor> bias) {
+void int8_epilogue(torch::Tensor out, torch::Tensor acc, torch::Tensor compensation,
+                   torch::Tensor weight_scales, torch::Tensor row_scales,
+                   c10::optional<torch::Tensor> bias) {
   TORCH_CHECK(acc.device().is_cpu() && acc.scalar_type() == torch::kFloat32 && acc.dim() == 2 &&
                   acc.is_contiguous(), "acc must be a contiguous float32 CPU tensor [M, N]");
   const int64_t M = acc.size(0), N = acc.size(1);
   TORCH_CHECK((out.scalar_type() == torch::kFloat32 || out.scalar_type() == torch::kBFloat16) &&
                   out.is_contiguous() && out.dim() == 2 && out.size(0) == M && out.size(1) == N,
               "out must be contiguous float32 or bfloat16 [M, N]");
+  TORCH_CHECK(compensation.scalar_type() == torch::kFloat32 && compensation.is_contiguous() &&
+                  compensation.numel() == N, "compensation must be contiguous float32 [N]");
   TORCH_CHECK(weight_scales.scalar_type() == torch::kFloat32 && weight_scales.is_contiguous() &&
                   weight_scales.numel() == N, "weight_scales must be contiguous float32 [N]");
   TORCH_CHECK(row_scales.scalar_type() == torch::kFloat32 && row_scales.is_contiguous() &&
@@ -196,8 +204,11 @@ void int8_epilogue(torch::Tensor out, torch::Tensor acc, torch::Tensor weight_sc
     b = bias->data_ptr<float>();
   }
   const float* a = acc.data_ptr<float>();
+  const float* c = compensation.data_ptr<float>();
+  const float* ws = weight_scales.data_ptr<float>();
+  const float* rs = row_scales.data_ptr<float>();
   if (out.scalar_type() == torch::kFloat32)
-    epilogue_rows(out.data_ptr<float>(), a, weight_scales.data_ptr<float>(), row_scales.data_ptr<float>(), b, M, N);
+    epilogue_rows(out.data_ptr<float>(), a, c, ws, rs, b, M, N);
   else
-    epilogue_rows(out.data_ptr<bf16>(), a, weight_scales.data_ptr<float>(), row_scales.data_ptr<float>(), b, M, N);
+    epilogue_rows(out.data_ptr<bf16>(), a, c, ws, rs, b, M, N);
 }

@@ -11,16 +11,23 @@ its smoothing, Xiao et al. 2023):
 - activations, every call, per row m: ``s[m] = amax_k |x[m, k]| / qmax`` and
   ``xq[m, k] = clamp(round(x[m, k] * inv[m]), -qmax, qmax)`` with
   ``inv[m] = qmax / amax_k |x[m, k]|`` (0 for a zero row), qmax = 127 (or 63: 7 bits);
-- ``acc[m, n] = sum_k xq[m, k] * Wq[n, k]`` exactly, in integers, then in float32
-  ``y[m, n] = ((float(acc[m, n]) * w_scale[n]) * s[m]) + bias[n]``, rounded to x's dtype.
+- the activations are stored as uint8 ``u[m, k] = xq[m, k] + zp`` (zp = qmax + 1), and
+  ``sum_k xq[m, k] * Wq[n, k] = acc[m, n] - comp[n]`` with ``acc = sum_k u[m, k] * Wq[n, k]``
+  summed exactly in integers and ``comp[n] = zp * sum_k Wq[n, k]``; in float32
+  ``y[m, n] = (((float(acc[m, n]) - comp[n]) * w_scale[n]) * s[m]) + bias[n]``, rounded
+  to x's dtype. ``float(acc)`` is exact while |acc| < 2**24 (always for K <= 1044 with
+  7-bit weights, K <= 518 with 8-bit ones), else rounded to nearest even once, which
+  moves a result by at most ~1e-7 of |acc| (far below the quantization error).
 
-oneDNN computes ``acc`` (``torch.ops.onednn.qlinear_pointwise``, the int8 matmul torch's
-PT2E quantization emits on the CPU; AMX-INT8 or AVX512-VNNI where present, AVX2 otherwise),
-taking the activations as uint8 ``xq + zero_point`` with one fixed zero point and scale 1
-(it takes a single activation scale per tensor, so the per-row scales are applied after it,
-by the epilogue). The C++ kernels (``csrc/quant_act.cpp``) quantize the activations and run
-the epilogue in one pass each; ``quantize_per_token_ref`` and ``epilogue_ref`` are their
-torch twins, bit for bit.
+oneDNN computes ``float(acc)`` (``torch.ops.onednn.qlinear_pointwise``, the int8 matmul
+torch's PT2E quantization emits on the CPU; AMX-INT8 or AVX512-VNNI where present, AVX2
+otherwise) with activation scale 1 and zero point 0: it takes a single activation scale
+per tensor, so the per-row scales are applied after it, by the epilogue, and the zero
+point is too (``comp``, from the weights at load: passing oneDNN the zero point made it
+recompute that correction from the weights every call, measured 35 % slower at 1 row and
+~10 % at 64 rows on the AVX2 machine). The C++ kernels (``csrc/quant_act.cpp``) quantize
+the activations and run the epilogue in one pass each; ``quantize_per_token_ref`` and
+``epilogue_ref`` are their torch twins, bit for bit.
 
 Weight range. On CPUs without VNNI or AMX, oneDNN's u8 x s8 kernel multiplies with
 ``vpmaddubsw``, which adds adjacent pairs of products into int16 with saturation: with
@@ -38,11 +45,12 @@ is found by a probe at first use (``onednn_exact_bits``), not from a list of CPU
 8 and 8 where VNNI's ``vpdpbusd`` or AMX accumulate in int32, else 7-bit weights.
 
 Elsewhere (CUDA, a torch without oneDNN, ``PAGEDLLM_ONEDNN=0``, or a CPU where neither range
-is exact) ``int8_matmul_ref`` computes the same integer sums with float32 matmuls of
+is exact) ``int8_matmul_ref`` computes the same ``float(acc)`` with float32 matmuls of
 integer-valued tensors in K-chunks small enough to be exact, at 8 and 8 bits.
 
 Batch invariance: the integer sums are exact whatever blocking or reduction split the
-matmul picks for a given row count, and the rest is per row and per element, so every
+matmul picks for a given row count (rounded to float32 only once complete), and the rest
+is per row and per element, so every
 output row is bitwise independent of the batch (``tests/test_int8_linear.py`` checks it).
 """
 from __future__ import annotations
@@ -66,8 +74,8 @@ WEIGHT_QMAX = {8: 127, 7: 63}
 ACT_RANGES = {8: (127, 128), 7: (63, 64)}
 # (weight bits, activation bits) the oneDNN backend tries, most accurate first.
 ONEDNN_BITS_ORDER = ((8, 8), (7, 8), (8, 7))
-# K-chunk of ``int8_matmul_ref``: 1024 * 127 * 127 < 2**24, so float32 sums stay exact.
-REF_CHUNK_K = 1024
+# K-chunk of ``int8_matmul_ref``: 512 * 255 * 127 < 2**24, so float32 sums stay exact.
+REF_CHUNK_K = 512
 
 
 def quantize_weight_per_channel(weight: torch.Tensor, qmax: int = 127) -> tuple[torch.Tensor, torch.Tensor]:
@@ -152,56 +160,66 @@ def quantize_per_token(x: torch.Tensor, qmax: int, zero_point: int) -> tuple[tor
     return out, scales
 
 
-def epilogue_ref(acc: torch.Tensor, weight_scale: torch.Tensor, row_scale: torch.Tensor,
-                 bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+def epilogue_ref(acc: torch.Tensor, compensation: torch.Tensor, weight_scale: torch.Tensor,
+                 row_scale: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
     """The dequantizing epilogue in torch ops (the reference for the C++ ``int8_epilogue``,
-    same bits): ``((acc * weight_scale[n]) * row_scale[m]) + bias[n]`` in float32, one
-    rounding per operation, then rounded to ``out_dtype``.
+    same bits): ``(((acc - compensation[n]) * weight_scale[n]) * row_scale[m]) + bias[n]``
+    in float32, one rounding per operation, then rounded to ``out_dtype``.
 
     Args:
-        acc: float32 [M, N], the integer sums; weight_scale: float32 [N]; row_scale:
-            float32 [M]; bias: [N] (any float dtype, used as float32) or None.
+        acc: float32 [M, N], the integer sums of the uint8 activations; compensation:
+            float32 [N], the zero point times each weight row's sum; weight_scale: float32
+            [N]; row_scale: float32 [M]; bias: [N] (any float dtype, used as float32) or None.
 
     Returns:
         [M, N] in ``out_dtype``.
     """
-    y = acc * weight_scale
+    y = acc - compensation
+    y = y * weight_scale
     y = y * row_scale[:, None]
     if bias is not None:
         y = y + bias.float()
     return y.to(out_dtype)
 
 
-def int8_matmul_ref(xq: torch.Tensor, zero_point: int, qweight: torch.Tensor) -> torch.Tensor:
-    """Exact integer sums ``acc[m, n] = sum_k (xq[m, k] - zero_point) * qweight[n, k]`` as
-    float32 (rounded once, to nearest even, where |acc| > 2**24), on any device.
+def weight_compensation(qweight: torch.Tensor, zero_point: int) -> torch.Tensor:
+    """``zero_point * sum_k qweight[n, k]`` as float32 [N] (exact integers, rounded to
+    float32 only past 2**24): what the uint8 activations' offset adds to each output column.
+
+    Args:
+        qweight: int8 [N, K]; zero_point: the activations' offset (0..255).
+    """
+    return (qweight.to(torch.int64).sum(dim=1) * zero_point).to(torch.float64).to(torch.float32)
+
+
+def int8_matmul_ref(xq: torch.Tensor, qweight: torch.Tensor) -> torch.Tensor:
+    """``float32(sum_k xq[m, k] * qweight[n, k])``, the sums exact, rounded once to nearest
+    even (where past 2**24): the same values as oneDNN's ``qlinear_pointwise``, on any device.
 
     Computed with float32 matmuls of integer-valued tensors over K-chunks of
     ``REF_CHUNK_K`` (each chunk's partial sums are integers below 2**24 in magnitude, so
-    exact whatever order or blocking the BLAS uses, TF32 included: |values| <= 127 fit its
+    exact whatever order or blocking the BLAS uses, TF32 included: |values| <= 255 fit its
     mantissa), the chunks added in float64 (exact below 2**53).
 
     Args:
-        xq: uint8 [M, K] (activations + zero_point); qweight: int8 [N, K].
+        xq: uint8 [M, K]; qweight: int8 [N, K].
 
     Returns:
         float32 [M, N].
     """
-    x = xq.to(torch.float32) - zero_point
-    M, K = x.shape
+    x = xq.to(torch.float32)
     acc = None
-    for k0 in range(0, max(K, 1), REF_CHUNK_K):
+    for k0 in range(0, max(x.shape[1], 1), REF_CHUNK_K):
         part = x[:, k0:k0 + REF_CHUNK_K] @ qweight[:, k0:k0 + REF_CHUNK_K].to(torch.float32).t()
         acc = part.double() if acc is None else acc + part.double()
     return acc.float()
 
 
-def _qlinear(xq: torch.Tensor, zero_point: int, packed: torch.Tensor, ones: torch.Tensor,
-             zeros: torch.Tensor) -> torch.Tensor:
-    """oneDNN's u8 x s8 matmul of uint8 [M, K] activations (zero point ``zero_point``, scale
-    1) with a ``qlinear_prepack``-ed int8 weight (scales ``ones``, zero points ``zeros``):
-    float32 [M, N], each the row's integer sum converted to float32."""
-    return torch.ops.onednn.qlinear_pointwise(xq, 1.0, zero_point, packed, ones, zeros, None, 1.0, 0,
+def _qlinear(xq: torch.Tensor, packed: torch.Tensor, ones: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
+    """oneDNN's u8 x s8 matmul of uint8 [M, K] activations (scale 1, zero point 0) with a
+    ``qlinear_prepack``-ed int8 weight (scales ``ones``, zero points ``zeros``): float32
+    [M, N], each the row's integer sum converted to float32 (round to nearest even)."""
+    return torch.ops.onednn.qlinear_pointwise(xq, 1.0, 0, packed, ones, zeros, None, 1.0, 0,
                                               torch.float32, "none", [None], "")
 
 
@@ -211,8 +229,9 @@ def onednn_exact(weight_bits: int, act_bits: int) -> bool:
     ``act_bits``-bit activations on this CPU: weights of +-wmax and activations of +-qmax
     with matching signs (every adjacent pair of products at its largest), all-positive
     rows, and random ones, at 1, 5 and 64 rows (oneDNN may pick other kernels for few
-    rows). About a millisecond; cached per process. Raises what oneDNN raises (no mkldnn
-    build, an ISA it rejects)."""
+    rows), called as ``apply`` calls it (uint8 ``xq + zero_point``, oneDNN zero point 0).
+    About a millisecond; cached per process. Raises what oneDNN raises (no mkldnn build,
+    an ISA it rejects)."""
     wmax, (qmax, zp) = WEIGHT_QMAX[weight_bits], ACT_RANGES[act_bits]
     g = torch.Generator().manual_seed(0)
     K, N = 256, 40
@@ -225,9 +244,9 @@ def onednn_exact(weight_bits: int, act_bits: int) -> bool:
         x[0] = torch.where(w[m % N] > 0, qmax, -qmax)    # aligned with a weight row's signs
         if m > 1:
             x[1] = qmax
-        xq = (x + zp).to(torch.uint8)
-        got = _qlinear(xq, zp, packed, ones, zeros)
-        want = (x @ w.long().t()).float()    # |sums| <= 256 * 127 * 127 < 2**24: exact
+        u = x + zp
+        got = _qlinear(u.to(torch.uint8), packed, ones, zeros)
+        want = (u @ w.long().t()).float()    # |sums| <= 256 * 255 * 127 < 2**24: exact
         if not torch.equal(got, want):
             return False
     return True
@@ -267,7 +286,8 @@ class Int8W8A8LinearMethod(LinearMethod):
     empty placeholder of its dtype, unless ``layer.keep_dense_weight``, as for a tied LM
     head). It sets on the layer:
 
-    - ``int8_weight_scale``: float32 [N];
+    - ``int8_weight_scale``: float32 [N]; ``int8_compensation``: float32 [N]
+      (``weight_compensation``);
     - oneDNN: ``int8_packed_weight`` (``qlinear_prepack``'s opaque tensor),
       ``int8_ones`` float32 [N] and ``int8_zero_points`` int64 [N] (what qlinear takes);
     - otherwise: ``int8_weight``, int8 [N, K].
@@ -327,6 +347,7 @@ class Int8W8A8LinearMethod(LinearMethod):
         w = layer.weight.data
         q, scale = quantize_weight_per_channel(w, self.weight_qmax)
         layer.int8_weight_scale = scale
+        layer.int8_compensation = weight_compensation(q, self.zero_point)
         if self.backend == "onednn":
             layer.int8_packed_weight = torch.ops.onednn.qlinear_prepack(q.contiguous(), None)
             layer.int8_ones = torch.ones_like(scale)
@@ -344,14 +365,14 @@ class Int8W8A8LinearMethod(LinearMethod):
             return x.new_empty(0, scale.shape[0])
         xq, row_scale = quantize_per_token(x, self.qmax, self.zero_point)
         if self.backend == "onednn":
-            acc = _qlinear(xq, self.zero_point, layer.int8_packed_weight, layer.int8_ones,
-                           layer.int8_zero_points)
+            acc = _qlinear(xq, layer.int8_packed_weight, layer.int8_ones, layer.int8_zero_points)
         else:
-            acc = int8_matmul_ref(xq, self.zero_point, layer.int8_weight)
+            acc = int8_matmul_ref(xq, layer.int8_weight)
+        comp = layer.int8_compensation
         ops = kernels_for(x.device, x.dtype)
         if ops is None:
-            return epilogue_ref(acc, scale, row_scale, bias, x.dtype)
+            return epilogue_ref(acc, comp, scale, row_scale, bias, x.dtype)
         out = acc if x.dtype == torch.float32 else torch.empty(acc.shape, dtype=x.dtype)
         with trace("pagedllm::int8_epilogue"):
-            ops.int8_epilogue(out, acc, scale, row_scale, None if bias is None else bias.float())
+            ops.int8_epilogue(out, acc, comp, scale, row_scale, None if bias is None else bias.float())
         return out
