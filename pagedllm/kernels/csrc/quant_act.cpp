@@ -5,13 +5,13 @@
 //      s_m = amax_m / qmax,   inv_m = qmax / amax_m (0 when that is not finite),
 //      q = clamp(round_half_even(x * inv_m), -qmax, qmax),   stored as uint8 q + zero_point,
 //    the input oneDNN's u8 x s8 matmul takes (a fixed offset, activation scale 1);
-//  * int8_epilogue: out[m, n] = (((acc[m, n] - comp[n]) * w_scale[n]) * s_m) (+ bias[n]),
-//    rounded once to the output dtype, acc being the matmul's integer sums of the uint8
-//    activations as float32 and comp[n] = zero_point * sum_k Wq[n, k].
+//  * int8_epilogue: out[m, n] = (((acc[m, n] - comp[n]) * w_scale[n]) * s_m) (+ bias[n])
+//    in float32, then rounded to the output dtype; acc is the matmul's integer sums of the
+//    uint8 activations as float32, comp[n] = zero_point * sum_k Wq[n, k].
 // Every value is computed by one IEEE operation at a time in a fixed order, so the torch
-// reference (int8.py: quantize_per_token_ref, epilogue_ref) gives the same bits; the
-// compiler may not contract the epilogue's multiply and add into an FMA (an empty asm
-// barrier between them), since torch rounds them separately. Rows are independent and
+// reference (int8.py: quantize_per_token_ref, epilogue_ref) gives the same bits: empty asm
+// barriers keep the compiler (-ffast-math) from fusing operations, e.g. a multiply and an
+// add into an FMA, which torch rounds separately. Rows are independent and
 // each is computed alone, so a row's result never depends on the batch (batch invariance).
 //
 // Non-finite inputs: a row with an inf or NaN gets a non-finite scale (so its output
@@ -89,11 +89,15 @@ void quantize_rows(uint8_t* out, float* scales, const T* x, int64_t rows, int64_
       const T* xr = x + m * xs;
       uint8_t* o = out + m * k;
       float amax = row_absmax(xr, k);
+      // qm hidden from the optimizer so that -ffast-math cannot replace the divisions by
+      // multiplications with a hoisted reciprocal (torch divides)
+      float qm = qmax;
+      opaque(qm);
       opaque(amax);
-      float inv = qmax / amax;   // inf for a zero row, 0 or NaN for a non-finite one
+      float inv = qm / amax;   // inf for a zero row, 0 or NaN for a non-finite one
       opaque(inv);
       if (!finite_bits(inv)) inv = 0.f;
-      scales[m] = amax / qmax;
+      scales[m] = amax / qm;
       int64_t i = 0;
 #ifdef PAGEDLLM_AVX2
       const __m256 vinv = _mm256_set1_ps(inv), hi = _mm256_set1_ps(qmax), lo = _mm256_set1_ps(-qmax);

@@ -1,9 +1,10 @@
 """int8 W8A8: int8 weights with per-output-channel scales, int8 activations with per-token
 scales, multiplied in integers (``Int8W8A8LinearMethod``).
 
-The maths (symmetric, no zero points; as in LLM.int8()'s vector-wise quantization without
-its outlier split, Dettmers et al. 2022, and SmoothQuant's per-token/per-channel W8A8 without
-its smoothing, Xiao et al. 2023):
+The maths (symmetric quantization: the zero point below only offsets the activations into
+uint8 storage; as in LLM.int8()'s vector-wise quantization without its outlier split,
+Dettmers et al. 2022, and SmoothQuant's per-token/per-channel W8A8 without its smoothing,
+Xiao et al. 2023):
 
 - weights, once at load: ``w_scale[n] = amax_k |W[n, k]| / wmax`` and
   ``Wq[n, k] = round(W[n, k] / w_scale[n])`` in [-wmax, wmax] (round half to even; a zero
@@ -23,9 +24,9 @@ oneDNN computes ``float(acc)`` (``torch.ops.onednn.qlinear_pointwise``, the int8
 torch's PT2E quantization emits on the CPU; AMX-INT8 or AVX512-VNNI where present, AVX2
 otherwise) with activation scale 1 and zero point 0: it takes a single activation scale
 per tensor, so the per-row scales are applied after it, by the epilogue, and the zero
-point is too (``comp``, from the weights at load: passing oneDNN the zero point made it
-recompute that correction from the weights every call, measured 35 % slower at 1 row and
-~10 % at 64 rows on the AVX2 machine). The C++ kernels (``csrc/quant_act.cpp``) quantize
+point is too (``comp``, from the weights at load: given the zero point, oneDNN recomputes
+that correction from the weights every call; measured on the AVX2 machine, 576 -> 960 at
+1 row 119 us instead of 76, at 64 rows ~10 % longer). The C++ kernels (``csrc/quant_act.cpp``) quantize
 the activations and run the epilogue in one pass each; ``quantize_per_token_ref`` and
 ``epilogue_ref`` are their torch twins, bit for bit.
 
@@ -44,14 +45,14 @@ steps are coarse already; weights are smoother). Which widths this CPU computes 
 is found by a probe at first use (``onednn_exact_bits``), not from a list of CPU flags:
 8 and 8 where VNNI's ``vpdpbusd`` or AMX accumulate in int32, else 7-bit weights.
 
-Elsewhere (CUDA, a torch without oneDNN, ``PAGEDLLM_ONEDNN=0``, or a CPU where neither range
-is exact) ``int8_matmul_ref`` computes the same ``float(acc)`` with float32 matmuls of
+Elsewhere (CUDA, a torch without oneDNN, ``PAGEDLLM_ONEDNN=0``, or a CPU where no width is
+exact) ``int8_matmul_ref`` computes the same ``float(acc)`` with float32 matmuls of
 integer-valued tensors in K-chunks small enough to be exact, at 8 and 8 bits.
 
 Batch invariance: the integer sums are exact whatever blocking or reduction split the
 matmul picks for a given row count (rounded to float32 only once complete), and the rest
-is per row and per element, so every
-output row is bitwise independent of the batch (``tests/test_int8_linear.py`` checks it).
+is per row and per element, so every output row is bitwise independent of the batch
+(``tests/test_int8_linear.py`` checks it).
 """
 from __future__ import annotations
 
