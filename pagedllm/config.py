@@ -110,6 +110,49 @@ def resolve_dtype(dtype: str, device: torch.device, arch: ModelArchConfig | None
     return _DTYPES[dtype]
 
 
+# ``--kv-cache-dtype`` names (vLLM's, plus float32) -> the KV cache's torch dtype; None:
+# the model's dtype. "fp8" is E4M3, as in vLLM.
+KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {
+    "auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16,
+    "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2,
+}
+
+
+def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype, device: torch.device | None = None,
+                           attention_backend: str = "auto") -> torch.dtype:
+    """The KV cache's element type for ``--kv-cache-dtype``: ``auto`` = the model's dtype;
+    ``float32``, ``bfloat16``; ``fp8`` / ``fp8_e4m3`` (E4M3, largest finite 448) or
+    ``fp8_e5m2`` (E5M2, largest finite 57344), the OCP 8-bit floating point formats (OCP
+    OFP8 spec rev. 1.0, 2023; torch.float8_e4m3fn / float8_e5m2). An fp8 cache stores
+    fp8(x / scale) with one scale per layer for K and for V (``k_scale``, ``v_scale`` from
+    the checkpoint, else 1.0) and reads element * scale; float32 and bfloat16 caches store
+    values as they are (rounded to nearest even).
+
+    Args:
+        device: where the cache lives (None: the CPU); attention_backend: the backend name
+            (``--attention-backend``), which must be able to read that cache.
+
+    Raises:
+        ValueError: an unknown name, or a backend that cannot use the cache dtype (both
+            name ``kv_cache_dtype``).
+    """
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise InvalidParameterError(
+            "kv_cache_dtype", f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {kv_cache_dtype!r}")
+    dtype = KV_CACHE_DTYPES[kv_cache_dtype] or model_dtype
+    from pagedllm.attention.backend import attention_backend_class
+
+    try:
+        backend = attention_backend_class(attention_backend, device)
+    except ValueError:
+        return dtype    # an unknown backend is reported where the backend is made
+    if dtype not in backend.kv_cache_dtypes:
+        raise InvalidParameterError(
+            "kv_cache_dtype", f"kv_cache_dtype {kv_cache_dtype!r} ({str(dtype).removeprefix('torch.')}) is not "
+            f"supported by the {backend.name!r} attention backend")
+    return dtype
+
+
 @dataclass
 class EngineArgs:
     """Every engine setting; CLI flags are these names in kebab case (as ``vllm serve``).
@@ -129,9 +172,17 @@ class EngineArgs:
         max_num_seqs: most requests running at once.
         enable_chunked_prefill: split long prompts across steps.
         enable_prefix_caching: reuse cached KV blocks across requests sharing a prefix.
+        kv_cache_dtype: KV cache element type (``KV_CACHE_DTYPES``): auto (the model's
+            dtype), float32, bfloat16, fp8 (= fp8_e4m3), fp8_e4m3, fp8_e5m2; an fp8 cache
+            holds 4x (from float32) or 2x (from bfloat16) the tokens in the same
+            ``kv_cache_memory`` (``resolve_kv_cache_dtype``).
         attention_backend: name of the attention backend; "auto" = "cpu_kernel" on the
             CPU (the C++ paged-attention kernel for float32 and bfloat16, torch ops if it
             cannot build), "torch" on other devices.
+        quantization: how linear weights are stored and multiplied (``--quantization``, as
+            vLLM's flag): None (the checkpoint's weights in ``dtype``), "int8" (W8A8),
+            "gguf" (a GGUF's own Q8_0/Q4_0/Q4_1 blocks, kept packed), or "q8_0", "q4_0",
+            "q4_1" (float weights quantized at load); see ``layers/quantization``.
         seed: global seed for unseeded sampling.
         num_threads: torch intra-op threads on CPU (None = torch's default).
         profile_dir: write a per-step JSONL log and a torch.profiler trace there.
@@ -150,7 +201,9 @@ class EngineArgs:
     max_num_seqs: int = 256
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"
     attention_backend: str = "auto"
+    quantization: str | None = None
     seed: int = 0
     num_threads: int | None = None
     profile_dir: str | None = None
@@ -176,7 +229,13 @@ class EngineArgs:
                             default=d.enable_chunked_prefill)
         parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                             default=d.enable_prefix_caching)
+        parser.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=list(KV_CACHE_DTYPES),
+                            help="KV cache element type: auto = the model's dtype; fp8 = fp8_e4m3 "
+                                 "(per-layer k/v scales from the checkpoint, else 1.0)")
         parser.add_argument("--attention-backend", default=d.attention_backend)
+        parser.add_argument("--quantization", "-q", default=None,
+                            help="int8 (W8A8), gguf (keep a GGUF's Q8_0/Q4_0/Q4_1 blocks packed), "
+                                 "q8_0, q4_0, q4_1 (quantize float weights at load); default: none")
         parser.add_argument("--seed", type=int, default=d.seed)
         parser.add_argument("--num-threads", type=int, default=None)
         parser.add_argument("--profile-dir", default=None,
@@ -200,11 +259,22 @@ class EngineArgs:
         if not (0 < self.gpu_memory_utilization <= 1):
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         parse_size(self.kv_cache_memory)
+        if self.quantization is not None:
+            from pagedllm.layers.quantization import QUANTIZATION_METHODS
+
+            if self.quantization not in QUANTIZATION_METHODS:
+                raise InvalidParameterError(
+                    "quantization", f"quantization must be one of {', '.join(QUANTIZATION_METHODS)} "
+                    f"(or None), got {self.quantization!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            resolve_kv_cache_dtype(self.kv_cache_dtype, torch.float32)   # raises, naming kv_cache_dtype
 
 
 @dataclass
 class EngineConfig:
-    """Resolved settings (model path found, dtype and device chosen)."""
+    """Resolved settings (model path found, dtype and device chosen, quantization method
+    checked against the model and the machine; ``kv_cache_dtype`` the KV cache's element
+    type, ``resolve_kv_cache_dtype``)."""
 
     args: EngineArgs
     model_path: str
@@ -213,6 +283,12 @@ class EngineConfig:
     dtype: torch.dtype
     device: torch.device
     max_model_len: int  # final after KV sizing (set by EngineCore)
+    kv_cache_dtype: torch.dtype | None = None   # None: dtype (set by from_args)
+    quant_config: object | None = None   # a layers.quantization.QuantizationConfig
+
+    def __post_init__(self):
+        if self.kv_cache_dtype is None:
+            self.kv_cache_dtype = self.dtype
 
     @classmethod
     def from_args(cls, args: EngineArgs) -> EngineConfig:
@@ -234,4 +310,18 @@ class EngineConfig:
                 f"({arch.max_position_embeddings} positions); set PAGEDLLM_ALLOW_LONG_MAX_MODEL_LEN=1 "
                 "to allow it anyway (outputs past the trained length may be garbage)")
         name = args.served_model_name or os.path.basename(os.path.normpath(path))
-        return cls(args, path, name, arch, dtype, device, max_len)
+        kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, dtype, device, args.attention_backend)
+        return cls(args, path, name, arch, dtype, device, max_len, kv_dtype,
+                   _quant_config(args.quantization, path, device, dtype))
+
+
+def _quant_config(method: str | None, path: str, device: torch.device, dtype: torch.dtype):
+    """The ``QuantizationConfig`` of ``--quantization method`` for the model at ``path``, or
+    None. Raises InvalidParameterError("quantization") when it cannot run here."""
+    if method is None:
+        return None
+    from pagedllm.layers.quantization import get_quantization_config
+    from pagedllm.models.loader import gguf_tensor_types, is_gguf
+
+    return get_quantization_config(method, device=device, dtype=dtype,
+                                   gguf_tensor_types=gguf_tensor_types(path) if is_gguf(path) else None)

@@ -1,6 +1,8 @@
 """Batch invariance in every dtype: greedy token ids must not change with batch
-composition, prompt chunking, prefix caching or preemption, in float32 and in bfloat16
-("Defeating Nondeterminism in LLM Inference", Thinking Machines 2025).
+composition, prompt chunking, prefix caching or preemption, in float32 and in bfloat16,
+and with a KV cache in another dtype than the model's (``--kv-cache-dtype``: bfloat16,
+fp8 E4M3 / E5M2, float32) ("Defeating Nondeterminism in LLM Inference", Thinking
+Machines 2025).
 
 Two models:
 - a tiny random-weight Llama (head_dim 64, so the attention kernel's vector path runs)
@@ -24,6 +26,8 @@ from pagedllm.platform import has_native_bf16
 
 VOCAB = 49152
 NATIVE_BF16 = has_native_bf16()
+KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn,
+             "fp8_e5m2": torch.float8_e5m2}
 
 
 @pytest.fixture(scope="module")
@@ -61,12 +65,18 @@ def _greedy(llm: LLM, prompts: list[list[int]], max_tokens: int) -> list[list[in
 
 
 def _check_invariance(model: str | None, dtype: str, prompts: list[list[int]], max_tokens: int,
-                      block_size: int = 16, attention_backend: str = "auto") -> None:
+                      block_size: int = 16, attention_backend: str = "auto", kv_cache_dtype: str = "auto",
+                      **engine_kwargs) -> None:
+    """Greedy outputs of ``prompts`` batched, staggered, chunked, prefix-cached and preempted
+    equal the same prompts run alone (``engine_kwargs``: more LLM settings for every run,
+    e.g. ``quantization``)."""
     common = dict(model=model, dtype=dtype, device="cpu", seed=0, max_model_len=1024, block_size=block_size,
-                  attention_backend=attention_backend)
+                  attention_backend=attention_backend, kv_cache_dtype=kv_cache_dtype, **engine_kwargs)
+    kv_dtype = getattr(torch, dtype) if kv_cache_dtype == "auto" else KV_DTYPES[kv_cache_dtype]
     alone_llm = LLM(**common, enable_prefix_caching=False, kv_cache_memory="256MiB")
     try:
         assert alone_llm.llm_engine.config.dtype == getattr(torch, dtype)
+        assert alone_llm.llm_engine.config.kv_cache_dtype == kv_dtype
         alone = [_greedy(alone_llm, [p], max_tokens)[0] for p in prompts]
         # the references are not degenerate: outputs differ between prompts
         assert len({tuple(a) for a in alone}) > len(prompts) // 2
@@ -85,7 +95,7 @@ def _check_invariance(model: str | None, dtype: str, prompts: list[list[int]], m
         if label.startswith("preemption"):
             per_req = -(-(max(len(p) for p in prompts) + max_tokens) // block_size)
             # room for two requests at most: the rest wait, and running ones get preempted
-            kw["kv_cache_memory"] = _bytes_for_blocks(model, dtype, per_req * 2 + 1, block_size)
+            kw["kv_cache_memory"] = _bytes_for_blocks(model, kv_dtype, per_req * 2 + 1, block_size)
             kw["max_model_len"] = per_req * block_size
         else:
             kw.setdefault("kv_cache_memory", "256MiB")
@@ -96,7 +106,8 @@ def _check_invariance(model: str | None, dtype: str, prompts: list[list[int]], m
             before = llm.stats().num_preemptions_total
             got = _greedy(llm, prompts, max_tokens)
             bad = [i for i, (g, r) in enumerate(zip(got, alone)) if g != r]
-            assert not bad, f"{dtype}, {label}: {len(bad)} of {len(prompts)} outputs differ, e.g. #{bad[0]}"
+            assert not bad, (f"{dtype}, {kv_cache_dtype} KV cache, {label}: {len(bad)} of {len(prompts)} outputs "
+                             f"differ, e.g. #{bad[0]}")
             if label.startswith("preemption"):
                 assert llm.stats().num_preemptions_total > before, "the scenario did not preempt"
             if label.startswith("prefix"):
@@ -124,18 +135,36 @@ def _staggered(llm: LLM, prompts: list[list[int]], max_tokens: int, gaps: list[i
     return [done[f"stag-{i}"] for i in range(len(prompts))]
 
 
-def _bytes_for_blocks(model, dtype: str, blocks: int, block_size: int) -> int:
+def _bytes_for_blocks(model, kv_dtype: torch.dtype, blocks: int, block_size: int) -> int:
     from pagedllm.models.loader import load_arch_config
     from pagedllm.utils import default_model_path
 
     cfg = load_arch_config(model or default_model_path())
-    elem = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    elem = torch.empty((), dtype=kv_dtype).element_size()
     return blocks * block_size * 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * elem
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_tiny_model_invariant_in_every_dtype(tiny_dir, dtype):
     _check_invariance(tiny_dir, dtype, _workload(8, 100, seed=1), max_tokens=12)
+
+
+@pytest.mark.parametrize("dtype,kv_cache_dtype", [
+    ("float32", "bfloat16"), ("float32", "fp8_e4m3"), ("float32", "fp8_e5m2"),
+    ("bfloat16", "fp8_e4m3"), ("bfloat16", "float32")])
+def test_tiny_model_invariant_with_kv_cache_dtype(tiny_dir, dtype, kv_cache_dtype):
+    """A cache narrower (or wider) than the model: every token's K/V is rounded once, when
+    written, and every read sees the cached values, so chunking, caching and preemption
+    cannot change what a request attends over."""
+    _check_invariance(tiny_dir, dtype, _workload(8, 100, seed=1), max_tokens=12, kv_cache_dtype=kv_cache_dtype)
+
+
+def test_torch_attention_fallback_invariant_with_fp8_cache(tiny_dir):
+    """The torch-ops attention with an fp8 cache: a fresh prompt attends over its own K/V
+    as the cache holds them (else a prompt split into chunks, whose later chunks read the
+    earlier ones from the cache, would see other values than the prompt run whole)."""
+    _check_invariance(tiny_dir, "float32", _workload(8, 100, seed=1), max_tokens=12, attention_backend="torch",
+                      kv_cache_dtype="fp8_e4m3")
 
 
 def test_torch_attention_fallback_invariant_in_bfloat16(tiny_dir):

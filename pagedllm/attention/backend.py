@@ -3,8 +3,12 @@
 A backend owns two things: the KV-cache layout it wants, and one ``forward`` per layer
 that (1) writes the new tokens' K/V into the paged cache at ``slot_mapping`` and (2)
 attends every request's queries over all of that request's cached tokens with causal
-masking. The ModelRunner builds one ``CommonAttentionMetadata`` per step; each backend
-derives what it needs from it once per step (``build_metadata``), never per layer.
+masking. The cache's element type may differ from the model's (``--kv-cache-dtype``:
+float32, bfloat16 or fp8, ``kv_cache_dtypes``); a backend stores K as fp8(k / k_scale)
+(V alike) and reads element * scale (vLLM's per-tensor ``k_scale`` / ``v_scale``).
+
+The ModelRunner builds one ``CommonAttentionMetadata`` per step; each backend derives
+what it needs from it once per step (``build_metadata``), never per layer.
 """
 from __future__ import annotations
 
@@ -14,6 +18,11 @@ from typing import Any
 
 import numpy as np
 import torch
+
+
+# 8-bit floating point KV-cache dtypes (OCP OFP8 spec rev. 1.0: E4M3 without infinities,
+# E5M2 IEEE-like); only these use the per-layer k/v scales.
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 @dataclass
@@ -53,9 +62,21 @@ class CommonAttentionMetadata:
 
 
 class AttentionBackend(ABC):
-    """Interface every attention implementation provides."""
+    """Interface every attention implementation provides.
+
+    Attributes:
+        name: the ``--attention-backend`` name.
+        kv_cache_dtypes: the KV-cache element types it can write and read.
+        dtype: the model's dtype (q, k, v, output); kv_cache_dtype: the cache's.
+    """
 
     name: str = "abstract"
+    kv_cache_dtypes: tuple[torch.dtype, ...] = ()
+
+    def __init__(self, device: torch.device | None = None, dtype: torch.dtype = torch.float32,
+                 kv_cache_dtype: torch.dtype | None = None):
+        self.device, self.dtype = device, dtype
+        self.kv_cache_dtype = kv_cache_dtype or dtype
 
     def describe(self) -> str:
         """How this backend computes, for the start-up log (default: its name)."""
@@ -78,14 +99,18 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                layer_cache: Any, metadata: Any, scale: float) -> torch.Tensor:
+                layer_cache: Any, metadata: Any, scale: float,
+                k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
         """Write K/V at the slot mapping, then attend.
 
         Args:
             q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim] (model dtype).
-            layer_cache: this layer's cache view (see ``layer_cache``).
+            layer_cache: this layer's cache view (see ``layer_cache``), in any of
+                ``kv_cache_dtypes``.
             metadata: the object ``build_metadata`` returned for this step.
             scale: softmax scale, usually head_dim ** -0.5.
+            k_scale, v_scale: the cache holds k / k_scale and v / v_scale (positive,
+                finite; 1.0 = as they are).
 
         Returns:
             [T, num_heads * head_dim] attention output.
@@ -100,9 +125,8 @@ def register_backend(cls: type[AttentionBackend]) -> type[AttentionBackend]:
     return cls
 
 
-def get_attention_backend(name: str = "auto", device: torch.device | None = None,
-                          dtype: torch.dtype = torch.float32) -> AttentionBackend:
-    """Instantiate a backend by name. ``"auto"``: ``cpu_kernel`` on the CPU (the C++
+def attention_backend_class(name: str = "auto", device: torch.device | None = None) -> type[AttentionBackend]:
+    """The backend class called ``name``. ``"auto"``: ``cpu_kernel`` on the CPU (the C++
     paged-attention kernel, falling back to torch ops), ``torch`` elsewhere.
 
     Raises:
@@ -111,7 +135,23 @@ def get_attention_backend(name: str = "auto", device: torch.device | None = None
     from pagedllm.attention import cpu_backend, torch_backend  # noqa: F401  (register themselves)
 
     if name == "auto":
-        name = "cpu_kernel" if (device is None or device.type == "cpu") else "torch"
+        name = "cpu_kernel" if (device is None or torch.device(device).type == "cpu") else "torch"
     if name not in _BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; available: {sorted(_BACKENDS)}")
-    return _BACKENDS[name](device=device, dtype=dtype)
+    return _BACKENDS[name]
+
+
+def get_attention_backend(name: str = "auto", device: torch.device | None = None,
+                          dtype: torch.dtype = torch.float32,
+                          kv_cache_dtype: torch.dtype | None = None) -> AttentionBackend:
+    """Instantiate a backend by name (``attention_backend_class``) for a model computing in
+    ``dtype`` with a KV cache of ``kv_cache_dtype`` (None: ``dtype``).
+
+    Raises:
+        ValueError: no backend has that name (the known names are listed), or it cannot
+            use ``kv_cache_dtype`` (named).
+    """
+    cls = attention_backend_class(name, device)
+    if kv_cache_dtype is not None and kv_cache_dtype not in cls.kv_cache_dtypes:
+        raise ValueError(f"kv_cache_dtype {kv_cache_dtype} is not supported by the {cls.name!r} attention backend")
+    return cls(device=device, dtype=dtype, kv_cache_dtype=kv_cache_dtype)

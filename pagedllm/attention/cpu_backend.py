@@ -1,5 +1,6 @@
 """Paged attention on the CPU by the C++ kernel (``pagedllm/kernels/csrc/paged_attention_cpu.cpp``),
-float32 or bfloat16.
+float32 or bfloat16, with a KV cache in float32, bfloat16 or fp8 (E4M3, E5M2; per-layer
+k/v scales), widened to float32 as it is read.
 
 One kernel call per layer covers the whole flattened batch (decodes, prompts, prompt
 chunks over a cached prefix, several query tokens per request) and reads K/V in place
@@ -23,7 +24,7 @@ import torch
 from pagedllm import envs
 from pagedllm.attention.backend import CommonAttentionMetadata, register_backend
 from pagedllm.attention.torch_backend import TorchAttentionBackend
-from pagedllm.kernels.cpu import KERNEL_DTYPES, kernels_for, trace
+from pagedllm.kernels.cpu import KERNEL_DTYPES, KV_CACHE_KERNEL_DTYPES, kernels_for, trace
 
 
 @dataclass
@@ -48,25 +49,33 @@ class CpuAttentionMetadata:
 
 @register_backend
 class CpuKernelAttentionBackend(TorchAttentionBackend):
-    """The C++ paged-attention kernel where it applies (CPU, float32/bfloat16, kernels
-    built), else the torch backend's ops. ``kernels`` is the compiled module or None."""
+    """The C++ paged-attention kernel where it applies (CPU, float32/bfloat16 model, a
+    cache in ``KV_CACHE_KERNEL_DTYPES``, kernels built), else the torch backend's ops.
+    ``kernels`` is the compiled module or None."""
 
     name = "cpu_kernel"
 
-    def __init__(self, device: torch.device | None = None, dtype: torch.dtype = torch.float32):
-        super().__init__(device, dtype)
-        self.kernels = kernels_for(device, dtype)
+    def __init__(self, device: torch.device | None = None, dtype: torch.dtype = torch.float32,
+                 kv_cache_dtype: torch.dtype | None = None):
+        super().__init__(device, dtype, kv_cache_dtype)
+        kv = self.kv_cache_dtype
+        self.kernels = kernels_for(device, dtype, kv)
         name = str(dtype).removeprefix("torch.")
+        kv_name = str(kv).removeprefix("torch.")
         if self.kernels is not None:
             self._why = f"C++ paged attention, {name}"
         elif not self.on_cpu:
             self._why = "not on the CPU: torch ops"
         elif dtype not in KERNEL_DTYPES:
             self._why = f"no kernel for {name}: torch ops"
+        elif kv not in KV_CACHE_KERNEL_DTYPES:
+            self._why = f"no kernel for a {kv_name} KV cache: torch ops"
         elif not envs.cpu_kernels_enabled():
             self._why = "kernels disabled by PAGEDLLM_CPU_KERNELS=0: torch ops"
         else:
             self._why = "the kernels failed to build (see the warning above): torch ops"
+        if kv != dtype:
+            self._why += f", {kv_name} KV cache"
 
     def describe(self) -> str:
         """``cpu_kernel`` and what computes it, or why it fell back to torch ops (for the
@@ -84,15 +93,16 @@ class CpuKernelAttentionBackend(TorchAttentionBackend):
             torch.from_numpy(np.ascontiguousarray(c.seq_lens_np[:B], dtype=np.int32)),
             c.block_size)
 
-    def forward(self, q, k, v, layer_cache, md, scale):
+    def forward(self, q, k, v, layer_cache, md, scale, k_scale=1.0, v_scale=1.0):
         if not isinstance(md, CpuAttentionMetadata):
-            return super().forward(q, k, v, layer_cache, md, scale)
+            return super().forward(q, k, v, layer_cache, md, scale, k_scale, v_scale)
         T, nh, hd = q.shape
         key_cache, value_cache = layer_cache[0], layer_cache[1]
         with trace("pagedllm::reshape_and_cache"):
-            self.kernels.reshape_and_cache(k, v, key_cache, value_cache, md.slot_mapping)
+            self.kernels.reshape_and_cache(k, v, key_cache, value_cache, md.slot_mapping, k_scale, v_scale)
         out = torch.empty(T, nh, hd, dtype=q.dtype)
         with trace("pagedllm::paged_attention"):
             self.kernels.paged_attention(out, q, key_cache, value_cache, md.block_table,
-                                         md.query_start_loc, md.seq_lens, md.block_size, scale)
+                                         md.query_start_loc, md.seq_lens, md.block_size, scale,
+                                         k_scale, v_scale)
         return out.view(T, nh * hd)

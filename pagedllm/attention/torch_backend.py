@@ -10,6 +10,11 @@ speculative tokens) runs ``scaled_dot_product_attention`` with a causal mask off
 context length, so query ``i`` sees keys ``0 .. context_len + i``. This is the portable
 reference path (any device, any dtype); on the CPU, ``cpu_backend.py`` reads the blocks in
 place instead of gathering them.
+
+A cache in another dtype than the model's (``--kv-cache-dtype``) is written through
+``quantize_kv`` and read through ``dequantize_kv`` (upcast, times the scale); a prompt's
+own keys and values are also used as the cache holds them, so that its attention does not
+depend on whether they came from this step or from the cache (chunking, prefix caching).
 """
 from __future__ import annotations
 
@@ -19,7 +24,48 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from pagedllm.attention.backend import AttentionBackend, CommonAttentionMetadata, register_backend
+from pagedllm.attention.backend import FP8_DTYPES, AttentionBackend, CommonAttentionMetadata, register_backend
+
+
+def quantize_kv(x: torch.Tensor, cache_dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    """K or V rows as the cache stores them: ``x / scale`` in float32 (exact division),
+    rounded once to nearest even in ``cache_dtype``. For the fp8 dtypes, values beyond
+    the format's largest finite value (``torch.finfo``: 448 for E4M3, 57344 for E5M2) and
+    infinities saturate to it, so a finite input never becomes NaN or inf; NaN stays NaN.
+    Returns ``x`` itself when it is already in ``cache_dtype`` and ``scale`` is 1.
+
+    Args:
+        x: any shape, a floating dtype; cache_dtype: float32, bfloat16, float16,
+            float8_e4m3fn or float8_e5m2; scale: positive, finite.
+
+    Returns:
+        a tensor of ``x``'s shape in ``cache_dtype``.
+    """
+    if x.dtype == cache_dtype and scale == 1.0:
+        return x
+    y = x.float()
+    if scale != 1.0:
+        y = y / scale
+    if cache_dtype in FP8_DTYPES:
+        m = torch.finfo(cache_dtype).max
+        y = y.clamp(-m, m)
+    return y.to(cache_dtype)
+
+
+def dequantize_kv(c: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    """Cached K or V elements as values in ``dtype``: ``c`` upcast (exact for fp8 and
+    bfloat16 into float32), times ``scale`` (in ``dtype``) unless it is 1."""
+    y = c.to(dtype)
+    return y * scale if scale != 1.0 else y
+
+
+def write_kv(cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:
+    """``cache[slots] = x`` along dim 0 (``x`` already in the cache's dtype; fp8 through
+    a uint8 view: torch has no fp8 ``index_copy_`` on the CPU)."""
+    if cache.dtype in FP8_DTYPES:
+        cache.view(torch.uint8).index_copy_(0, slots, x.view(torch.uint8))
+    else:
+        cache.index_copy_(0, slots, x)
 
 
 @dataclass
@@ -44,10 +90,14 @@ class TorchAttentionMetadata:
 
 @register_backend
 class TorchAttentionBackend(AttentionBackend):
-    name = "torch"
+    """Attention in torch ops on any device; K/V caches in any of ``kv_cache_dtypes``."""
 
-    def __init__(self, device: torch.device | None = None, dtype: torch.dtype = torch.float32):
-        self.device, self.dtype = device, dtype
+    name = "torch"
+    kv_cache_dtypes = (torch.float32, torch.bfloat16, torch.float16) + FP8_DTYPES
+
+    def __init__(self, device: torch.device | None = None, dtype: torch.dtype = torch.float32,
+                 kv_cache_dtype: torch.dtype | None = None):
+        super().__init__(device, dtype, kv_cache_dtype)
         # On the CPU the attention maths runs in float32 whatever the model's dtype: in
         # bf16, SDPA's rounding depended on the batch (the decode context is padded to the
         # batch's longest), so greedy outputs changed with the batch; in float32 they do
@@ -55,6 +105,12 @@ class TorchAttentionBackend(AttentionBackend):
         # in the model's dtype (flash kernels).
         self.on_cpu = device is None or torch.device(device).type == "cpu"
         self.compute_dtype = torch.float32 if self.on_cpu else dtype
+
+    def describe(self) -> str:
+        """``torch``, and the KV cache's dtype where it is not the model's."""
+        if self.kv_cache_dtype == self.dtype:
+            return self.name
+        return f"{self.name} ({str(self.kv_cache_dtype).removeprefix('torch.')} KV cache)"
 
     @staticmethod
     def kv_cache_shape(num_layers, num_blocks, block_size, num_kv_heads, head_dim):
@@ -99,12 +155,15 @@ class TorchAttentionBackend(AttentionBackend):
         return TorchAttentionMetadata(c.slot_mapping, nd, bs, decode_slots,
                                       max_ctx, decode_bias, prefills)
 
-    def forward(self, q, k, v, layer_cache, md: TorchAttentionMetadata, scale):
+    def forward(self, q, k, v, layer_cache, md: TorchAttentionMetadata, scale, k_scale=1.0, v_scale=1.0):
         T, nh, hd = q.shape
         nkv = k.shape[1]
         key_cache, value_cache = layer_cache[0], layer_cache[1]
-        key_cache.index_copy_(0, md.slot_mapping, k)
-        value_cache.index_copy_(0, md.slot_mapping, v)
+        # k, v as cached (k and v themselves for a cache in their dtype)
+        k = quantize_kv(k, key_cache.dtype, k_scale)
+        v = quantize_kv(v, value_cache.dtype, v_scale)
+        write_kv(key_cache, md.slot_mapping, k)
+        write_kv(value_cache, md.slot_mapping, v)
         out = torch.empty(T, nh, hd, dtype=q.dtype, device=q.device)
         nd = md.num_decodes
         if nd:
@@ -114,21 +173,23 @@ class TorchAttentionBackend(AttentionBackend):
             # batch, the g query heads sharing a kv head as the query length.
             cd = self.compute_dtype
             qd = q[:nd].to(cd).view(nd, nkv, g, hd).permute(1, 0, 2, 3)
-            kd = key_cache.index_select(0, md.decode_slots).to(cd).view(nd, ctx, nkv, hd).permute(2, 0, 1, 3)
-            vd = value_cache.index_select(0, md.decode_slots).to(cd).view(nd, ctx, nkv, hd).permute(2, 0, 1, 3)
+            kd = dequantize_kv(key_cache.index_select(0, md.decode_slots), cd, k_scale)
+            vd = dequantize_kv(value_cache.index_select(0, md.decode_slots), cd, v_scale)
+            kd = kd.view(nd, ctx, nkv, hd).permute(2, 0, 1, 3)
+            vd = vd.view(nd, ctx, nkv, hd).permute(2, 0, 1, 3)
             o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=md.decode_bias, scale=scale)
             out[:nd] = o.permute(1, 0, 2, 3).reshape(nd, nh, hd)
         cd = self.compute_dtype
         for p in md.prefills:
             qs = q[p.q_start:p.q_end].to(cd).transpose(0, 1).unsqueeze(0)        # [1, nh, L, hd]
             if p.context_len == 0:
-                ks = k[p.q_start:p.q_end].to(cd).transpose(0, 1).unsqueeze(0)   # [1, nkv, L, hd]
-                vs = v[p.q_start:p.q_end].to(cd).transpose(0, 1).unsqueeze(0)
+                ks = dequantize_kv(k[p.q_start:p.q_end], cd, k_scale).transpose(0, 1).unsqueeze(0)  # [1, nkv, L, hd]
+                vs = dequantize_kv(v[p.q_start:p.q_end], cd, v_scale).transpose(0, 1).unsqueeze(0)
                 o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale,
                                                    enable_gqa=nkv != nh)
             else:
-                ks = key_cache.index_select(0, p.slots).to(cd).transpose(0, 1).unsqueeze(0)
-                vs = value_cache.index_select(0, p.slots).to(cd).transpose(0, 1).unsqueeze(0)
+                ks = dequantize_kv(key_cache.index_select(0, p.slots), cd, k_scale).transpose(0, 1).unsqueeze(0)
+                vs = dequantize_kv(value_cache.index_select(0, p.slots), cd, v_scale).transpose(0, 1).unsqueeze(0)
                 o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=p.mask, scale=scale,
                                                    enable_gqa=nkv != nh)
             out[p.q_start:p.q_end] = o[0].transpose(0, 1)

@@ -30,8 +30,10 @@ def register(subparsers: "argparse._SubParsersAction") -> None:
 
     p = subparsers.add_parser("latency", help="single-stream latency: TTFT, decode tok/s, matmul vs rest",
                               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--backend", choices=["pagedllm", "hf", "both"], default="pagedllm",
-                   help="hf: HF transformers generate; both: HF then pagedllm in one run")
+    p.add_argument("--backend", nargs="+", choices=["pagedllm", "hf", "llama.cpp", "both"], default=["pagedllm"],
+                   help="one or more, run in this order and compared with the last: hf: HF transformers "
+                        "generate; llama.cpp: llama-cpp-python on the same GGUF file (if installed; "
+                        "batch 1); both: hf then pagedllm")
     p.add_argument("--batch-size", type=positive_int, default=1, help="requests decoded together")
     p.add_argument("--input-len", type=positive_int, default=200)
     p.add_argument("--output-len", type=positive_int, default=128)
@@ -141,6 +143,44 @@ def run_hf(args, prompts) -> dict:
     return {"backend": "hf", "dtype": str(dtype).removeprefix("torch."), **best}
 
 
+def run_llama_cpp(args, prompts) -> dict:
+    """Best of ``num_iters`` through llama.cpp (``llama-cpp-python``, an optional package) on
+    the same GGUF file, with the same thread count: prefill = ``eval`` of the prompt; decode
+    = ``output_len - 1`` rounds of greedy ``sample`` + ``eval`` of one token.
+
+    Raises:
+        ValueError: llama-cpp-python is not installed, the model is not a .gguf file, or
+            the batch is larger than 1 (it decodes one sequence).
+    """
+    from pagedllm.models.loader import is_gguf
+    from pagedllm.utils import default_model_path
+
+    try:
+        import llama_cpp
+    except ImportError as e:
+        raise ValueError("--backend llama.cpp needs llama-cpp-python (pip install llama-cpp-python)") from e
+    path = args.model or default_model_path()
+    if not is_gguf(path):
+        raise ValueError(f"--backend llama.cpp needs a .gguf --model, got {path!r}")
+    if len(prompts) != 1:
+        raise ValueError("--backend llama.cpp runs one sequence: use --batch-size 1")
+    threads = args.num_threads or torch.get_num_threads()
+    llm = llama_cpp.Llama(path, n_threads=threads, n_threads_batch=threads,
+                          n_ctx=args.input_len + args.output_len + 8, verbose=False)
+    best = None
+    for _ in range(args.num_iters + 1):      # the first is a warm-up
+        llm.reset()
+        t = time.perf_counter()
+        llm.eval(prompts[0])
+        prefill = time.perf_counter() - t
+        t = time.perf_counter()
+        for _ in range(args.output_len - 1):
+            llm.eval([llm.sample(temp=0.0)])
+        r = _summary(prefill, time.perf_counter() - t, 1, args.output_len)
+        best = r if best is None or r["decode_s"] < best["decode_s"] else best
+    return {"backend": "llama.cpp", "dtype": f"gguf ({llama_cpp.__version__}, {threads} threads)", **best}
+
+
 def latency_main(args) -> int:
     """Entry point of ``pagedllm bench latency``; returns 0."""
     from pagedllm.benchmarks.machine import machine_info
@@ -153,8 +193,9 @@ def latency_main(args) -> int:
         torch.set_num_threads(args.num_threads)
     arch = load_arch_config(args.model or default_model_path())
     prompts = random_prompts(args.batch_size, args.input_len, arch.vocab_size, args.seed)
-    backends = ["hf", "pagedllm"] if args.backend == "both" else [args.backend]
-    results = [run_hf(args, prompts) if b == "hf" else run_pagedllm(args, prompts) for b in backends]
+    backends = [x for b in args.backend for x in (["hf", "pagedllm"] if b == "both" else [b])]
+    runners = {"hf": run_hf, "llama.cpp": run_llama_cpp, "pagedllm": run_pagedllm}
+    results = [runners[b](args, prompts) for b in backends]
     machine = machine_info()
     print(f"\n{machine['cpu']} ({' '.join(machine['isa'])}); torch threads {torch.get_num_threads()}; "
           f"batch {args.batch_size} x ({args.input_len} in, {args.output_len} out)")
@@ -172,10 +213,11 @@ def latency_main(args) -> int:
               f"{r['decode_tokens_per_s']:.1f} tok/s | {r['decode_ms_per_step']:.1f} ms/step{extra}")
     report = {"machine": machine, "batch_size": args.batch_size, "input_len": args.input_len,
               "output_len": args.output_len, "results": results}
-    if len(results) == 2:
-        ratio = results[1]["decode_tokens_per_s"] / results[0]["decode_tokens_per_s"]
-        report["speedup_decode_tokens"] = round(ratio, 2)
-        print(f"pagedllm / hf decode tokens/s: {ratio:.2f}x")
+    last = results[-1]
+    for r in results[:-1]:
+        ratio = last["decode_tokens_per_s"] / r["decode_tokens_per_s"]
+        report[f"speedup_decode_tokens_vs_{r['backend']}"] = round(ratio, 2)
+        print(f"{last['backend']} / {r['backend']} decode tokens/s: {ratio:.2f}x")
     if args.output_json:
         save_json(report, args.output_json)
     return 0

@@ -24,7 +24,8 @@ COMMANDS: dict[str, tuple[str, tuple[str, ...]]] = {
     "": ("LLM inference and serving engine", ("pagedllm.entrypoints.cli",)),
     "bench": ("benchmarks", ("pagedllm.benchmarks.throughput", "pagedllm.benchmarks.prefix",
                              "pagedllm.benchmarks.serve", "pagedllm.benchmarks.sweep",
-                             "pagedllm.benchmarks.host_overhead", "pagedllm.benchmarks.latency")),
+                             "pagedllm.benchmarks.host_overhead", "pagedllm.benchmarks.latency",
+                             "pagedllm.benchmarks.accuracy", "pagedllm.benchmarks.attention")),
     "profile": ("inspect --profile-dir output", ("pagedllm.benchmarks.profile_summary",)),
 }
 

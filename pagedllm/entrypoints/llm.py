@@ -20,7 +20,8 @@ class LLM:
         **kwargs: any EngineArgs field (``dtype``, ``max_model_len``, ``block_size``,
             ``kv_cache_memory``, ``max_num_batched_tokens``, ``max_num_seqs``,
             ``enable_chunked_prefill``, ``enable_prefix_caching``, ``num_gpu_blocks_override``,
-            ``profile_dir`` ...).
+            ``kv_cache_dtype`` ("auto", "float32", "bfloat16", "fp8", "fp8_e4m3",
+            "fp8_e5m2"), ``profile_dir`` ...).
 
     Raises:
         ValueError: an unknown keyword or a bad setting (named in the message).

@@ -1,8 +1,9 @@
-"""Optional C++ kernels for the CPU float32 path, built on first use with
+"""Optional C++ kernels for the CPU float32 and bfloat16 paths, built on first use with
 ``torch.utils.cpp_extension.load`` (g++ and ninja; cached under ``$TORCH_EXTENSIONS_DIR``,
 default ``~/.cache/torch_extensions``): paged decode attention, writing K/V into the
-paged cache, SiLU-and-mul, fused residual-add + RMSNorm, RoPE, and per-token int8
-activation quantization with its dequantizing epilogue (sources in ``csrc/``).
+paged cache (float32, bfloat16 or fp8, ``KV_CACHE_KERNEL_DTYPES``), SiLU-and-mul, fused
+residual-add + RMSNorm, RoPE, and per-token int8 activation quantization with its
+dequantizing epilogue (sources in ``csrc/``).
 If the build fails, or ``PAGEDLLM_CPU_KERNELS=0``, callers fall back to torch ops;
 results agree to float32 rounding.
 
@@ -182,13 +183,19 @@ def _build_lock(build_dir: str, wait_s: float):
 
 # dtypes the kernels store tensors in (float32 arithmetic inside)
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+# dtypes the K/V write and the paged-attention kernel keep the KV cache in, whichever of
+# KERNEL_DTYPES the model computes in (fp8: OCP OFP8 E4M3 and E5M2, per-tensor scales)
+KV_CACHE_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2)
 
 
-def kernels_for(device: "torch.device | str | None", dtype: torch.dtype):
-    """The compiled module for tensors of ``dtype`` on ``device`` (None = the CPU): the
-    kernels cover the CPU in ``KERNEL_DTYPES``. None elsewhere, and when they are disabled
-    or failed to build (``load_cpu_kernels``). Never raises."""
-    if (device is None or torch.device(device).type == "cpu") and dtype in KERNEL_DTYPES:
+def kernels_for(device: "torch.device | str | None", dtype: torch.dtype,
+                kv_cache_dtype: torch.dtype | None = None):
+    """The compiled module for tensors of ``dtype`` on ``device`` (None = the CPU), with
+    a KV cache of ``kv_cache_dtype`` (None: no cache involved): the kernels cover the CPU
+    in ``KERNEL_DTYPES``, with caches in ``KV_CACHE_KERNEL_DTYPES``. None elsewhere, and
+    when they are disabled or failed to build (``load_cpu_kernels``). Never raises."""
+    if ((device is None or torch.device(device).type == "cpu") and dtype in KERNEL_DTYPES
+            and (kv_cache_dtype is None or kv_cache_dtype in KV_CACHE_KERNEL_DTYPES)):
         return load_cpu_kernels()
     return None
 

@@ -1,14 +1,26 @@
 """The attention layer of a model: q, k, v in, attention output out, over this layer's
 slice of the paged KV cache. Which backend computes it and where the cache lives are the
 runner's business (``bind_kv_cache``); the step's batch description comes from the
-forward context (``pagedllm/forward_context.py``)."""
+forward context (``pagedllm/forward_context.py``).
+
+KV-cache scales: with an fp8 cache (``--kv-cache-dtype fp8*``) each layer stores
+fp8(k / k_scale) and fp8(v / v_scale) and reads element * scale, as vLLM's attention
+layer. The scales are 1.0 unless the checkpoint carries them: per-layer float32 scalars
+named as vLLM reads them (``kv_scale_target``), e.g. ``model.layers.N.self_attn.k_scale``
+(llm-compressor's ``kv_cache_scheme``) or ``model.layers.N.self_attn.k_proj.k_scale``
+(NVIDIA ModelOpt). To use other scales, calibrate them (typically max |k| / 448 over
+sample prompts for E4M3, per layer) and add them under those names to the safetensors
+checkpoint. GGUF files carry none.
+"""
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
+from pagedllm.attention.backend import FP8_DTYPES
 from pagedllm.forward_context import get_forward_context
 from pagedllm.layers.utils import cpu_kernels_for
 
@@ -25,6 +37,10 @@ class Attention(nn.Module):
             head_dim ** -0.5); num_kv_heads: key/value heads.
         layer_idx: which layer of the KV cache this one reads and writes.
         dtype, device: of q, k and v.
+
+    Attributes:
+        k_scale, v_scale: the checkpoint's KV-cache scales (1.0 without;
+            ``set_kv_scale``), used with an fp8 cache only.
     """
 
     def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int, layer_idx: int,
@@ -34,6 +50,8 @@ class Attention(nn.Module):
         self.num_kv_heads, self.layer_idx = num_kv_heads, layer_idx
         self.backend: AttentionBackend | None = None
         self.kv_cache: Any = None
+        self.k_scale = self.v_scale = 1.0
+        self._scales = (1.0, 1.0)   # what the backend applies (bind_kv_cache)
         # The C++ K/V write reads strided rows in place; the torch ops get a contiguous v
         # (one copy per layer, which their index_copy_ and SDPA read faster).
         self._contiguous_v = cpu_kernels_for(device, dtype) is None
@@ -57,14 +75,67 @@ class Attention(nn.Module):
         md = get_forward_context().attn_metadata
         if self._contiguous_v:
             v = v.contiguous()
-        return self.backend.forward(q, k, v, self.kv_cache, md, self.scale)
+        return self.backend.forward(q, k, v, self.kv_cache, md, self.scale, *self._scales)
+
+    def set_kv_scale(self, which: str, value: torch.Tensor, name: str) -> None:
+        """Set ``k_scale`` or ``v_scale`` (``which``) from the checkpoint tensor ``value``
+        (one element) called ``name``.
+
+        Raises:
+            ValueError: ``which`` is neither, or the tensor is not one positive finite
+                number (``name`` in the message).
+        """
+        if which not in ("k_scale", "v_scale"):
+            raise ValueError(f"which must be 'k_scale' or 'v_scale', got {which!r}")
+        if value.numel() != 1:
+            raise ValueError(f"{name}: a KV-cache scale must be one number (per-tensor), got shape "
+                             f"{tuple(value.shape)}")
+        x = float(value.reshape(()).float())
+        if not (math.isfinite(x) and x > 0):
+            raise ValueError(f"{name}: a KV-cache scale must be positive and finite, got {x}")
+        setattr(self, which, x)
+
+
+def kv_scale_target(name: str) -> tuple[str, tuple[str, ...]] | None:
+    """Where a checkpoint's KV-cache scale goes: the ``Attention`` module's path and the
+    scale(s) it sets, for the names vLLM reads (``maybe_remap_kv_scale_name``):
+    ``<p>.self_attn.k_scale`` and ``<p>.self_attn.attn.k_scale`` (v alike) ->
+    (``<p>.self_attn.attn``, ("k_scale",)); ModelOpt's ``<p>.self_attn.k_proj.k_scale`` /
+    ``<p>.self_attn.v_proj.v_scale`` likewise; the deprecated ``<p>.self_attn.kv_scale``
+    sets both. None for any other name."""
+    head, _, leaf = name.rpartition(".")
+    if leaf not in ("k_scale", "v_scale", "kv_scale") or not head:
+        return None
+    which = ("k_scale", "v_scale") if leaf == "kv_scale" else (leaf,)
+    for proj in (".k_proj", ".v_proj"):
+        if head.endswith(proj):
+            head = head[: -len(proj)]
+    if not head.endswith(".attn"):
+        head += ".attn"
+    return head, which
 
 
 def bind_kv_cache(model: nn.Module, kv_cache: torch.Tensor, backend: AttentionBackend) -> None:
     """Bind every ``Attention`` layer of ``model`` to ``backend`` and to its own layer's
     view of ``kv_cache`` (the backend's whole cache tensor, ``backend.layer_cache(kv_cache,
-    layer_idx)``). The runner calls it once, after allocating the cache; binding again
-    (a new cache) replaces the previous binding."""
+    layer_idx)``), with the layer's k/v scales when the cache is fp8 (1.0 otherwise: a
+    float32 or bfloat16 cache holds values as they are, as in vLLM). The runner calls it
+    once, after allocating the cache and loading the weights; binding again (a new cache)
+    replaces the previous binding."""
+    fp8 = kv_cache.dtype in FP8_DTYPES
     for m in model.modules():
         if isinstance(m, Attention):
             m.backend, m.kv_cache = backend, backend.layer_cache(kv_cache, m.layer_idx)
+            m._scales = (m.k_scale, m.v_scale) if fp8 else (1.0, 1.0)
+
+
+def describe_kv_scales(model: nn.Module) -> str:
+    """The ``Attention`` layers' k/v scales for the start-up log: ``"k/v scales 1.0 (none
+    in the checkpoint)"``, or their ranges, e.g. ``"k_scale 0.012-0.094, v_scale 0.004-0.031
+    (checkpoint)"``."""
+    layers = [m for m in model.modules() if isinstance(m, Attention)]
+    ks, vs = [m.k_scale for m in layers], [m.v_scale for m in layers]
+    if all(x == 1.0 for x in ks + vs):
+        return "k/v scales 1.0 (none in the checkpoint)"
+    span = lambda xs: f"{min(xs):.4g}" if min(xs) == max(xs) else f"{min(xs):.4g}-{max(xs):.4g}"  # noqa: E731
+    return f"k_scale {span(ks)}, v_scale {span(vs)} (checkpoint)"

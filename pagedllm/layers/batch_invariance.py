@@ -148,7 +148,8 @@ def _linear_layers(model: nn.Module) -> dict[tuple, list[nn.Module]]:
         method = getattr(m, "linear_method", None)
         if method is None:
             continue
-        key = (method.name, m.weight.dtype, m.input_size, m.output_size)
+        # the activations' dtype (a quantized method stores its weight in another)
+        key = (method.name, getattr(m, "params_dtype", m.weight.dtype), m.input_size, m.output_size)
         groups.setdefault(key, []).append(m)
     return groups
 

@@ -6,7 +6,9 @@ tensor goes in its (possibly fused) weight; a ``LinearMethod``, picked once per 
 ``get_linear_method``, creates the parameters, prepares them after loading and computes
 ``x @ W.T + b``. A quantization config would plug in at ``get_linear_method``. There is no
 tensor parallelism yet: the loaders place shards by output offset, so splitting a layer
-over ranks would only change those offsets and sizes.
+over ranks would only change those offsets and sizes. Quantized methods
+(``layers/quantization``) come from the model's ``QuantizationConfig``, which every layer
+asks first.
 
 oneDNN-packed weights. On the CPU in float32, ``F.linear`` goes to MKL's sgemm, which
 re-packs the weight on every call and, for few rows, picks other kernels than for many.
@@ -224,15 +226,26 @@ class LinearBase(nn.Module):
             for a plain layer), stacked in this order in W's rows.
         bias: whether the layer has a bias.
         params_dtype, device: of the parameters.
-        linear_method: how W is stored and multiplied (default: ``get_linear_method``).
+        linear_method: how W is stored and multiplied (default: what ``quant_config``
+            answers for this layer, else ``get_linear_method``).
         prefix: the layer's parameter name prefix, e.g. ``model.layers.0.self_attn.qkv_proj``
-            (for error messages).
+            (for error messages, and how ``quant_config`` knows the layer).
+        quant_config: the model's ``QuantizationConfig``, or None (dense weights).
+
+    Attributes:
+        params_dtype: the dtype of the activations (and of a dense weight); a quantized
+            method may store ``weight`` in another dtype.
     """
 
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool, params_dtype: torch.dtype,
-                 device: torch.device, linear_method: LinearMethod | None = None, prefix: str = ""):
+                 device: torch.device, linear_method: LinearMethod | None = None, prefix: str = "",
+                 quant_config=None):
         super().__init__()
         self.input_size, self.output_sizes, self.prefix = input_size, list(output_sizes), prefix
+        self.params_dtype = params_dtype
+        if linear_method is None and quant_config is not None:
+            linear_method = quant_config.get_linear_method(prefix, input_size, self.output_sizes,
+                                                           params_dtype, device)
         self.linear_method = linear_method or get_linear_method(device, params_dtype)
         self.linear_method.create_weights(self, input_size, self.output_sizes, params_dtype, device)
         self.bias = (nn.Parameter(torch.zeros(sum(output_sizes), dtype=params_dtype, device=device),
@@ -276,8 +289,10 @@ class ReplicatedLinear(LinearBase):
     """A plain linear layer: input_size → output_size (a full copy on every rank)."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool, params_dtype: torch.dtype,
-                 device: torch.device, linear_method: LinearMethod | None = None, prefix: str = ""):
-        super().__init__(input_size, [output_size], bias, params_dtype, device, linear_method, prefix)
+                 device: torch.device, linear_method: LinearMethod | None = None, prefix: str = "",
+                 quant_config=None):
+        super().__init__(input_size, [output_size], bias, params_dtype, device, linear_method, prefix,
+                         quant_config)
 
 
 class RowParallelLinear(ReplicatedLinear):
@@ -312,10 +327,10 @@ class QKVParallelLinear(LinearBase):
 
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool,
                  params_dtype: torch.dtype, device: torch.device, linear_method: LinearMethod | None = None,
-                 prefix: str = ""):
+                 prefix: str = "", quant_config=None):
         self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
         super().__init__(hidden_size, [self.q_size, self.kv_size, self.kv_size], bias, params_dtype,
-                         device, linear_method, prefix)
+                         device, linear_method, prefix, quant_config)
 
     def weight_loader(self, param, loaded_weight, shard_id=None):
         """Copy the ``shard_id`` ("q", "k" or "v") projection into its rows of ``param``.

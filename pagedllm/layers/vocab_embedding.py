@@ -11,15 +11,33 @@ from pagedllm.layers.linear import LinearMethod, UnquantizedLinearMethod, get_li
 
 class VocabParallelEmbedding(nn.Module):
     """Token embedding: ``weight`` [num_embeddings, embedding_dim] in ``dtype``; forward maps
-    int64 ids [T] → [T, embedding_dim]. (Over several ranks the vocabulary rows would be
-    split; with one rank the whole table is here.)"""
+    int64 ids [T] → [T, embedding_dim] in ``dtype``. (Over several ranks the vocabulary rows
+    would be split; with one rank the whole table is here.)
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype, device: torch.device):
+    With a ``quant_config`` whose ``get_embedding_method`` answers, the table is stored
+    its way (e.g. a GGUF's packed Q8_0 rows) and looked-up rows are dequantized.
+
+    Attributes:
+        params_dtype: the dtype of the looked-up rows.
+        embedding_method: the quantized storage, or None (a dense table).
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype, device: torch.device,
+                 quant_config=None, prefix: str = "model.embed_tokens"):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim, dtype=dtype, device=device),
-                                   requires_grad=False)
+        self.num_embeddings, self.embedding_dim, self.params_dtype = num_embeddings, embedding_dim, dtype
+        self.embedding_method = (quant_config.get_embedding_method(prefix, num_embeddings, embedding_dim,
+                                                                   dtype, device)
+                                 if quant_config is not None else None)
+        if self.embedding_method is not None:
+            self.embedding_method.create_weights(self, num_embeddings, embedding_dim, dtype, device)
+        else:
+            self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim, dtype=dtype, device=device),
+                                       requires_grad=False)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.embedding_method is not None:
+            return self.embedding_method.embedding(self, input_ids)
         return F.embedding(input_ids, self.weight)
 
 
@@ -55,7 +73,10 @@ class ParallelLMHead(nn.Module):
         num_embeddings: vocabulary size; embedding_dim: hidden size.
         dtype, device: of the weight.
         tied_embedding: the embedding whose table is shared, or None.
-        linear_method: how the weight is stored and multiplied (default: ``get_linear_method``).
+        linear_method: how the weight is stored and multiplied (default: what
+            ``quant_config`` answers for ``prefix``, else ``get_linear_method``).
+        quant_config: the model's ``QuantizationConfig``, or None.
+        prefix: the layer's name (``lm_head``).
 
     Attributes:
         input_size, output_size: embedding_dim and num_embeddings (as a linear layer's).
@@ -63,11 +84,14 @@ class ParallelLMHead(nn.Module):
 
     def __init__(self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype, device: torch.device,
                  tied_embedding: VocabParallelEmbedding | None = None,
-                 linear_method: LinearMethod | None = None):
+                 linear_method: LinearMethod | None = None, quant_config=None, prefix: str = "lm_head"):
         super().__init__()
+        if linear_method is None and quant_config is not None:
+            linear_method = quant_config.get_linear_method(prefix, embedding_dim, [num_embeddings], dtype,
+                                                           device)
         method = linear_method or get_linear_method(device, dtype)
         self.linear_method = DenseLogitsMethod() if type(method) is UnquantizedLinearMethod else method
-        self.input_size, self.output_size = embedding_dim, num_embeddings
+        self.input_size, self.output_size, self.params_dtype = embedding_dim, num_embeddings, dtype
         if tied_embedding is None:
             self.linear_method.create_weights(self, embedding_dim, [num_embeddings], dtype, device)
         else:

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from pagedllm.layers.activation import SiluAndMul
-from pagedllm.layers.attention import Attention
+from pagedllm.layers.attention import Attention, kv_scale_target
 from pagedllm.layers.layernorm import RMSNorm
 from pagedllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pagedllm.layers.rotary_embedding import RotaryEmbedding
@@ -59,13 +59,14 @@ def _checkpoint_names(param_name: str) -> list[str]:
 
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: ModelArchConfig, layer_idx: int, rotary_emb: RotaryEmbedding,
-                 dtype: torch.dtype, device: torch.device, prefix: str):
+                 dtype: torch.dtype, device: torch.device, prefix: str, quant_config=None):
         super().__init__()
         h, self.nh, self.nkv, self.hd = (cfg.hidden_size, cfg.num_attention_heads,
                                          cfg.num_key_value_heads, cfg.head_dim)
         self.qkv_proj = QKVParallelLinear(h, self.hd, self.nh, self.nkv, cfg.attention_bias, dtype, device,
-                                          prefix=f"{prefix}.qkv_proj")
-        self.o_proj = RowParallelLinear(self.nh * self.hd, h, False, dtype, device, prefix=f"{prefix}.o_proj")
+                                          prefix=f"{prefix}.qkv_proj", quant_config=quant_config)
+        self.o_proj = RowParallelLinear(self.nh * self.hd, h, False, dtype, device, prefix=f"{prefix}.o_proj",
+                                        quant_config=quant_config)
         self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps, dtype, device) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps, dtype, device) if cfg.qk_norm else None
         self.rotary_emb = rotary_emb
@@ -85,12 +86,14 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ModelArchConfig, dtype: torch.dtype, device: torch.device, prefix: str):
+    def __init__(self, cfg: ModelArchConfig, dtype: torch.dtype, device: torch.device, prefix: str,
+                 quant_config=None):
         super().__init__()
         h, inter = cfg.hidden_size, cfg.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(h, [inter, inter], False, dtype, device,
-                                                       prefix=f"{prefix}.gate_up_proj")
-        self.down_proj = RowParallelLinear(inter, h, False, dtype, device, prefix=f"{prefix}.down_proj")
+                                                       prefix=f"{prefix}.gate_up_proj", quant_config=quant_config)
+        self.down_proj = RowParallelLinear(inter, h, False, dtype, device, prefix=f"{prefix}.down_proj",
+                                           quant_config=quant_config)
         self.act_fn = SiluAndMul(dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -100,13 +103,14 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: ModelArchConfig, layer_idx: int, rotary_emb: RotaryEmbedding,
-                 dtype: torch.dtype, device: torch.device, prefix: str):
+                 dtype: torch.dtype, device: torch.device, prefix: str, quant_config=None):
         super().__init__()
         eps = cfg.rms_norm_eps
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps, dtype, device)
-        self.self_attn = LlamaAttention(cfg, layer_idx, rotary_emb, dtype, device, f"{prefix}.self_attn")
+        self.self_attn = LlamaAttention(cfg, layer_idx, rotary_emb, dtype, device, f"{prefix}.self_attn",
+                                        quant_config)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, dtype, device)
-        self.mlp = LlamaMLP(cfg, dtype, device, f"{prefix}.mlp")
+        self.mlp = LlamaMLP(cfg, dtype, device, f"{prefix}.mlp", quant_config)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor,
                 residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -122,12 +126,14 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelArchConfig, dtype: torch.dtype, device: torch.device, max_positions: int):
+    def __init__(self, cfg: ModelArchConfig, dtype: torch.dtype, device: torch.device, max_positions: int,
+                 quant_config=None):
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, device)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, device,
+                                                   quant_config, prefix="model.embed_tokens")
         rotary_emb = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, dtype, device)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, i, rotary_emb, dtype, device, f"model.layers.{i}")
+            LlamaDecoderLayer(cfg, i, rotary_emb, dtype, device, f"model.layers.{i}", quant_config)
             for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
 
@@ -150,15 +156,21 @@ class LlamaForCausalLM(nn.Module):
         dtype: compute and weight dtype (float32, bfloat16 or float16).
         device: where weights live.
         max_positions: size of the RoPE tables (the engine's max_model_len), in tokens.
+        quant_config: the ``--quantization`` method's config, or None (dense weights).
     """
 
+    # Our fused layers and the checkpoint projections in each (for quantization configs).
+    packed_modules_mapping = {fused: [p for p, (f, _) in STACKED_PARAMS.items() if f == fused]
+                              for fused, _ in STACKED_PARAMS.values()}
+
     def __init__(self, cfg: ModelArchConfig, dtype: torch.dtype, device: torch.device,
-                 max_positions: int):
+                 max_positions: int, quant_config=None):
         super().__init__()
         self.cfg = cfg
-        self.model = LlamaModel(cfg, dtype, device, max_positions)
+        self.model = LlamaModel(cfg, dtype, device, max_positions, quant_config)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dtype, device,
-                                      self.model.embed_tokens if cfg.tie_word_embeddings else None)
+                                      self.model.embed_tokens if cfg.tie_word_embeddings else None,
+                                      quant_config=quant_config, prefix="lm_head")
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -181,16 +193,26 @@ class LlamaForCausalLM(nn.Module):
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load HF-named tensors, each through its parameter's ``weight_loader`` (q/k/v and
-        gate/up into their fused parameters by shard id). Unknown names are skipped, as is
-        ``lm_head.weight`` when the embeddings are tied.
+        gate/up into their fused parameters by shard id); KV-cache scales (``k_scale``,
+        ``v_scale``, ``layers.attention.kv_scale_target``) into their attention layers.
+        Unknown names are skipped, as is ``lm_head.weight`` when the embeddings are tied.
 
         Raises:
             ValueError: a required tensor is missing from ``weights`` (the count and the
-            first few HF names), or one has the wrong shape (the weight named).
+            first few HF names), one has the wrong shape (the weight named), or a KV-cache
+            scale is not one positive finite number.
         """
         params = dict(self.named_parameters())
+        modules = dict(self.named_modules())
         loaded: set[str] = set()
         for name, tensor in weights:
+            target = kv_scale_target(name)
+            if target is not None:
+                attn = modules.get(target[0])
+                if isinstance(attn, Attention):
+                    for which in target[1]:
+                        attn.set_kv_scale(which, tensor, name)
+                continue
             pname, shard = _param_for(name)
             param = params.get(pname)
             if param is None:

@@ -86,11 +86,39 @@ def _unpermute_rope(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *rest).swapaxes(1, 2).reshape(w.shape)
 
 
-def iter_gguf_weights(path: str, cfg: ModelArchConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(hf_name, float32 tensor)`` for every tensor of a GGUF file.
+def _hf_name(gguf_name: str) -> tuple[str | None, str]:
+    """(HF name, the GGUF per-layer suffix such as ``attn_q.weight`` or "") of a GGUF
+    tensor name; (None, "") for tensors the models do not use."""
+    m = _BLK_RE.match(gguf_name)
+    if m:
+        layer, rest = m.groups()
+        if rest not in _GGUF_LAYER_MAP:
+            return None, ""
+        return f"model.layers.{layer}.{_GGUF_LAYER_MAP[rest]}", rest
+    return _GGUF_GLOBAL_MAP.get(gguf_name), ""
 
-    Quantized tensors (Q4_0, Q4_1, Q8_0, K-quants, ...) are dequantized by
-    ``gguf.quants.dequantize`` (numpy). Shapes are in torch order ([out, in] for linears).
+
+def gguf_tensor_types(path: str) -> dict[str, str]:
+    """HF name → GGML type name (``"Q4_1"``, ``"F32"``, ...) of every tensor of the GGUF
+    file ``path`` that a model uses (from the header; no data read)."""
+    out = {}
+    for t in _gguf_reader(path).tensors:
+        name, _ = _hf_name(t.name)
+        if name is not None:
+            out[name] = t.tensor_type.name
+    return out
+
+
+def iter_gguf_weights(path: str, cfg: ModelArchConfig,
+                      packed_types: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(hf_name, tensor)`` for every tensor of a GGUF file that a model uses.
+
+    Tensors whose GGML type is in ``packed_types`` (``--quantization gguf``) come as their
+    raw blocks, uint8 [out, in / block elements * block bytes], copied straight from the
+    file with no float detour; the others (Q4_0, Q4_1, Q8_0, K-quants, ...) are dequantized
+    by ``gguf.quants.dequantize`` (numpy) to float32. Shapes are in torch order ([out, in]
+    for linears). q/k rows are put back in HF's order (``_unpermute_rope``), which for
+    blocks along the input dimension moves whole rows of blocks.
     """
     from gguf.quants import dequantize
 
@@ -98,24 +126,20 @@ def iter_gguf_weights(path: str, cfg: ModelArchConfig) -> Iterator[tuple[str, to
     _cached_gguf_reader.cache_clear()   # the weights are read once; free the mapping after
     permute = arch_info(cfg.architecture).gguf_rope_permuted
     for t in reader.tensors:
-        arr = dequantize(t.data, t.tensor_type)
-        arr = np.asarray(arr, dtype=np.float32).reshape(tuple(reversed([int(x) for x in t.shape])))
-        m = _BLK_RE.match(t.name)
-        if m:
-            layer, rest = m.groups()
-            if rest not in _GGUF_LAYER_MAP:
-                continue
-            name = f"model.layers.{layer}.{_GGUF_LAYER_MAP[rest]}"
-            if permute and rest in ("attn_q.weight", "attn_q.bias"):
-                arr = _unpermute_rope(arr, cfg.num_attention_heads)
-            elif permute and rest in ("attn_k.weight", "attn_k.bias"):
-                arr = _unpermute_rope(arr, cfg.num_key_value_heads)
-        elif t.name in _GGUF_GLOBAL_MAP:
-            name = _GGUF_GLOBAL_MAP[t.name]
-        else:
+        name, rest = _hf_name(t.name)
+        if name is None:
             continue
+        shape = tuple(reversed([int(x) for x in t.shape]))
+        if t.tensor_type.name in packed_types:
+            arr = np.asarray(t.data, dtype=np.uint8).reshape(shape[0], -1)
+        else:
+            arr = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
+        if permute and rest in ("attn_q.weight", "attn_q.bias"):
+            arr = _unpermute_rope(arr, cfg.num_attention_heads)
+        elif permute and rest in ("attn_k.weight", "attn_k.bias"):
+            arr = _unpermute_rope(arr, cfg.num_key_value_heads)
         if not arr.flags.writeable or not arr.flags.c_contiguous:
-            arr = np.array(arr, dtype=np.float32, order="C", copy=True)
+            arr = np.array(arr, order="C", copy=True)
         yield name, torch.from_numpy(arr)
 
 
@@ -136,8 +160,10 @@ def iter_safetensors_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
-def iter_weights(path: str, cfg: ModelArchConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """Weights of a GGUF file or a HF directory, with HF names."""
+def iter_weights(path: str, cfg: ModelArchConfig,
+                 packed_types: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
+    """Weights of a GGUF file (those of ``packed_types`` as raw blocks: see
+    ``iter_gguf_weights``) or a HF directory, with HF names."""
     if is_gguf(path):
-        return iter_gguf_weights(path, cfg)
+        return iter_gguf_weights(path, cfg, packed_types)
     return iter_safetensors_weights(path)

@@ -74,22 +74,37 @@ def get_model_class(cfg: ModelArchConfig) -> type[torch.nn.Module]:
 
 
 def build_model(path: str, cfg: ModelArchConfig, dtype: torch.dtype, device: torch.device,
-                max_positions: int) -> torch.nn.Module:
+                max_positions: int, quant_config=None) -> torch.nn.Module:
     """Instantiate the registered class, load weights from a GGUF file or HF dir, let
     every linear method prepare its layer's loaded weights (e.g. oneDNN packing), then
     make sure each linear layer's output rows do not depend on the batch size (probe and,
     where needed, row-chunk wrapping: ``layers/batch_invariance.py``) unless
-    ``PAGEDLLM_BATCH_INVARIANT_PROBE=0``."""
+    ``PAGEDLLM_BATCH_INVARIANT_PROBE=0``.
+
+    With a ``quant_config`` (``--quantization``) the model's layers take their methods from
+    it, and the GGUF tensors of the types it keeps packed arrive as raw blocks.
+
+    Raises:
+        ValueError: missing or mis-shaped weights; InvalidParameterError("quantization"):
+        a layer the method cannot compute.
+    """
     from pagedllm import envs
     from pagedllm.layers.batch_invariance import ensure_batch_invariant_linears
     from pagedllm.models.loader import iter_weights
 
-    model = get_model_class(cfg)(cfg, dtype, device, max_positions)
-    model.load_weights(iter_weights(path, cfg))
+    model_class = get_model_class(cfg)
+    if quant_config is None:
+        model = model_class(cfg, dtype, device, max_positions)
+        model.load_weights(iter_weights(path, cfg))
+    else:
+        quant_config.packed_modules_mapping = getattr(model_class, "packed_modules_mapping", {})
+        model = model_class(cfg, dtype, device, max_positions, quant_config=quant_config)
+        model.load_weights(iter_weights(path, cfg, packed_types=quant_config.packed_gguf_types()))
     for module in model.modules():
-        method = getattr(module, "linear_method", None)
-        if method is not None:
-            method.process_weights_after_loading(module)
+        for attr in ("embedding_method", "linear_method"):
+            method = getattr(module, attr, None)
+            if method is not None:
+                method.process_weights_after_loading(module)
     if envs.batch_invariant_probe_enabled():
         ensure_batch_invariant_linears(model)
     return model.eval()

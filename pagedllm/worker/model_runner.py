@@ -15,10 +15,10 @@ import logging
 import numpy as np
 import torch
 
-from pagedllm.attention.backend import CommonAttentionMetadata, get_attention_backend
+from pagedllm.attention.backend import FP8_DTYPES, CommonAttentionMetadata, get_attention_backend
 from pagedllm.config import EngineConfig
 from pagedllm.forward_context import set_forward_context
-from pagedllm.layers import bind_kv_cache, describe_compute_path
+from pagedllm.layers import bind_kv_cache, describe_compute_path, describe_kv_scales
 from pagedllm.messages import ModelRunnerOutput, SchedulerOutput
 from pagedllm.sample.sampler import Sampler, SamplingMetadata
 from pagedllm.utils import cdiv, empty_cpu_hugepages
@@ -28,7 +28,8 @@ logger = logging.getLogger("pagedllm")
 
 
 class ModelRunner:
-    """Owns the model weights, the KV-cache tensor and the sampler on one device."""
+    """Owns the model weights, the KV-cache tensor (in ``config.kv_cache_dtype``) and the
+    sampler on one device."""
 
     def __init__(self, config: EngineConfig):
         from pagedllm.models.registry import build_model
@@ -36,11 +37,14 @@ class ModelRunner:
         self.config = config
         self.device = config.device
         self.dtype = config.dtype
+        self.kv_cache_dtype = config.kv_cache_dtype
         arch = config.arch
         self.block_size = config.args.block_size
-        self.attn = get_attention_backend(config.args.attention_backend, self.device, self.dtype)
+        self.attn = get_attention_backend(config.args.attention_backend, self.device, self.dtype,
+                                          self.kv_cache_dtype)
         self.model = build_model(config.model_path, arch, self.dtype, self.device,
-                                 max_positions=max(config.max_model_len, 1))
+                                 max_positions=max(config.max_model_len, 1),
+                                 quant_config=config.quant_config)
         self.sampler = Sampler()
         self.kv_cache: torch.Tensor | None = None
         self.requests: dict[str, CachedRequestState] = {}
@@ -49,12 +53,13 @@ class ModelRunner:
     def describe_compute_path(self) -> str:
         """One line for the start-up log: which attention backend, kernels and linear
         implementation this runner uses (so fallbacks are visible)."""
-        return f"attention backend {self.attn.describe()}, {describe_compute_path(self.model)}"
+        scales = f", {describe_kv_scales(self.model)}" if self.kv_cache_dtype in FP8_DTYPES else ""
+        return f"attention backend {self.attn.describe()}{scales}, {describe_compute_path(self.model)}"
 
     def kv_bytes_per_block(self) -> int:
-        """Bytes of K and V for one block across all layers."""
+        """Bytes of K and V for one block across all layers, in the cache's dtype."""
         a = self.config.arch
-        elem = torch.empty((), dtype=self.dtype).element_size()
+        elem = torch.empty((), dtype=self.kv_cache_dtype).element_size()
         return 2 * a.num_hidden_layers * self.block_size * a.num_key_value_heads * a.head_dim * elem
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
@@ -70,9 +75,9 @@ class ModelRunner:
         # attention backends only read slots that were written. On the CPU, in huge
         # pages: decode attention reads it at random block addresses.
         if self.device.type == "cpu":
-            self.kv_cache = empty_cpu_hugepages(shape, self.dtype)
+            self.kv_cache = empty_cpu_hugepages(shape, self.kv_cache_dtype)
         else:
-            self.kv_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
+            self.kv_cache = torch.empty(shape, dtype=self.kv_cache_dtype, device=self.device)
         bind_kv_cache(self.model, self.kv_cache, self.attn)
 
     # ------------------------------------------------------------------------------

@@ -7,11 +7,17 @@
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention,
-        "Causal paged attention over a flattened batch (float32 or bfloat16), written into out",
-        py::call_guard<py::gil_scoped_release>());
+        "Causal paged attention over a flattened batch (q/out float32 or bfloat16; caches float32, "
+        "bfloat16, float8_e4m3fn or float8_e5m2, a cached value being element * k_scale or v_scale), "
+        "written into out",
+        py::arg("out"), py::arg("q"), py::arg("key_cache"), py::arg("value_cache"), py::arg("block_table"),
+        py::arg("query_start_loc"), py::arg("seq_lens"), py::arg("block_size"), py::arg("scale"),
+        py::arg("k_scale") = 1.0, py::arg("v_scale") = 1.0, py::call_guard<py::gil_scoped_release>());
   m.def("reshape_and_cache", &reshape_and_cache,
-        "Write K/V rows [T, kv_heads, head_dim] into the paged cache at slot_mapping",
-        py::call_guard<py::gil_scoped_release>());
+        "Write K/V rows [T, kv_heads, head_dim] into the paged cache at slot_mapping, as key / k_scale "
+        "and value / v_scale in the caches' dtype",
+        py::arg("key"), py::arg("value"), py::arg("key_cache"), py::arg("value_cache"), py::arg("slot_mapping"),
+        py::arg("k_scale") = 1.0, py::arg("v_scale") = 1.0, py::call_guard<py::gil_scoped_release>());
   m.def("silu_and_mul", &silu_and_mul, "out = silu(x[:, :d]) * x[:, d:]",
         py::call_guard<py::gil_scoped_release>());
   m.def("fused_add_rms_norm", &fused_add_rms_norm,

@@ -2,7 +2,9 @@
 // composition makes several (vLLM's csrc/cpu has the same set), for float32 and bfloat16
 // storage with float32 arithmetic (vec.h):
 //  * reshape_and_cache: copy each token's K and V rows into the paged cache at its slot
-//    (torch's index_copy_ runs this serially, ~3 ms for 2048 tokens a layer);
+//    (torch's index_copy_ runs this serially, ~3 ms for 2048 tokens a layer), or, for a
+//    cache in another type (--kv-cache-dtype), store value / scale converted to it (vec.h:
+//    cache_from_f32; OCP OFP8 for the fp8 formats);
 //  * silu_and_mul: SiLU(gate) * up for the fused gate|up projection output;
 //  * fused_add_rms_norm: residual += x, then x = RMSNorm(residual) * weight;
 //  * rotary_embedding: rotate-half RoPE (Su et al. 2021, RoFormer) in place on q and k,
@@ -16,6 +18,9 @@
 
 #include <cmath>
 #include <cstring>
+#ifdef __SSE__
+#include <immintrin.h>
+#endif
 
 using pagedllm::bf16;
 using pagedllm::from_f32;
@@ -31,11 +36,62 @@ static void check_same_dtype(const torch::Tensor& a, const torch::Tensor& b, con
   TORCH_CHECK(a.scalar_type() == b.scalar_type(), what, " must have the same dtype");
 }
 
+// x / d rounded correctly, as torch divides. -ffast-math lets GCC compute a division in
+// other ways (a vectorised float division becomes a reciprocal estimate refined by one
+// Newton step; a divisor shared by several divisions, a reciprocal multiplied in), which
+// differ in the last bit and can move a value across an fp8 rounding boundary. On x86
+// the SSE divide builtin is used, which the compiler does not rewrite.
+static inline float div_exact(float x, float d) {
+#ifdef __SSE__
+  return _mm_cvtss_f32(_mm_div_ss(_mm_set_ss(x), _mm_set_ss(d)));
+#else
+  asm volatile("" : "+m"(d));   // a new divisor at every call: no shared reciprocal
+  return x / d;
+#endif
+}
+
+// One token's K or V row (n elements) into its cache slot: value / scale, converted to the
+// cache type by cache_from_f32 (vec.h: one rounding to nearest even, fp8 saturating).
+template <typename TI, typename TC>
+static inline void store_row(TC* dst, const TI* src, int64_t n, float scale) {
+  if (scale == 1.f) {
+    for (int64_t j = 0; j < n; ++j) dst[j] = pagedllm::cache_from_f32<TC>(to_f32(src[j]));
+    return;
+  }
+  for (int64_t j = 0; j < n; ++j) dst[j] = pagedllm::cache_from_f32<TC>(div_exact(to_f32(src[j]), scale));
+}
+
+template <typename TI, typename TC>
+static void store_rows(const torch::Tensor& x, torch::Tensor& cache, const int64_t* slots, double scale) {
+  const int64_t T = x.size(0), row = x.size(1) * x.size(2);
+  const TI* src = x.data_ptr<TI>();
+  TC* dst = cache.data_ptr<TC>();
+  const int64_t xs = x.stride(0), cs = cache.stride(0);
+  const float sc = static_cast<float>(scale);
+  at::parallel_for(0, T, 64, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) store_row(dst + slots[i] * cs, src + i * xs, row, sc);
+  });
+}
+
+template <typename TI>
+static void store_rows_to(const torch::Tensor& x, torch::Tensor& cache, const int64_t* slots, double scale) {
+  switch (cache.scalar_type()) {
+    case torch::kFloat32: return store_rows<TI, float>(x, cache, slots, scale);
+    case torch::kBFloat16: return store_rows<TI, bf16>(x, cache, slots, scale);
+    case torch::kFloat8_e4m3fn: return store_rows<TI, pagedllm::fp8e4m3>(x, cache, slots, scale);
+    case torch::kFloat8_e5m2: return store_rows<TI, pagedllm::fp8e5m2>(x, cache, slots, scale);
+    default: TORCH_CHECK(false, "the caches must be float32, bfloat16, float8_e4m3fn or float8_e5m2");
+  }
+}
+
 void reshape_and_cache(torch::Tensor key, torch::Tensor value, torch::Tensor key_cache,
-                       torch::Tensor value_cache, torch::Tensor slot_mapping) {
+                       torch::Tensor value_cache, torch::Tensor slot_mapping, double k_scale,
+                       double v_scale) {
   check_model_dtype(key, "key");
-  for (const auto* t : {&value, &key_cache, &value_cache})
-    check_same_dtype(key, *t, "key, value and the caches");
+  check_same_dtype(key, value, "key and value");
+  check_same_dtype(key_cache, value_cache, "key_cache and value_cache");
+  TORCH_CHECK(pagedllm::positive_finite(k_scale) && pagedllm::positive_finite(v_scale),
+              "k_scale and v_scale must be finite and > 0");
   TORCH_CHECK(key.dim() == 3 && value.dim() == 3 && key_cache.dim() == 3 && value_cache.dim() == 3,
               "key/value [T, kv_heads, head_dim], caches [slots, kv_heads, head_dim]");
   TORCH_CHECK(slot_mapping.scalar_type() == torch::kInt64 && slot_mapping.is_contiguous(),
@@ -50,21 +106,33 @@ void reshape_and_cache(torch::Tensor key, torch::Tensor value, torch::Tensor key
     TORCH_CHECK(t->stride(2) == 1 && t->stride(1) == hd, "each token's K/V row must be contiguous");
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   const int64_t nslots = key_cache.size(0);
+  TORCH_CHECK(value_cache.size(0) == nslots, "the K and V caches must have the same number of slots");
   for (int64_t i = 0; i < T; ++i)
     TORCH_CHECK(slots[i] >= 0 && slots[i] < nslots, "slot ", slots[i], " out of range");
-  const int64_t es = key.element_size();
-  const char* k = static_cast<const char*>(key.data_ptr());
-  const char* v = static_cast<const char*>(value.data_ptr());
-  char* kc = static_cast<char*>(key_cache.data_ptr());
-  char* vc = static_cast<char*>(value_cache.data_ptr());
-  const int64_t ks = key.stride(0) * es, vs = value.stride(0) * es;
-  const int64_t kcs = key_cache.stride(0) * es, vcs = value_cache.stride(0) * es;
-  at::parallel_for(0, T, 64, [&](int64_t b, int64_t e) {
-    for (int64_t i = b; i < e; ++i) {
-      std::memcpy(kc + slots[i] * kcs, k + i * ks, row * es);
-      std::memcpy(vc + slots[i] * vcs, v + i * vs, row * es);
-    }
-  });
+  if (key.scalar_type() == key_cache.scalar_type() && k_scale == 1.0 && v_scale == 1.0) {
+    // the cache in the model's dtype: a copy
+    const int64_t es = key.element_size();
+    const char* k = static_cast<const char*>(key.data_ptr());
+    const char* v = static_cast<const char*>(value.data_ptr());
+    char* kc = static_cast<char*>(key_cache.data_ptr());
+    char* vc = static_cast<char*>(value_cache.data_ptr());
+    const int64_t ks = key.stride(0) * es, vs = value.stride(0) * es;
+    const int64_t kcs = key_cache.stride(0) * es, vcs = value_cache.stride(0) * es;
+    at::parallel_for(0, T, 64, [&](int64_t b, int64_t e) {
+      for (int64_t i = b; i < e; ++i) {
+        std::memcpy(kc + slots[i] * kcs, k + i * ks, row * es);
+        std::memcpy(vc + slots[i] * vcs, v + i * vs, row * es);
+      }
+    });
+    return;
+  }
+  if (key.scalar_type() == torch::kFloat32) {
+    store_rows_to<float>(key, key_cache, slots, k_scale);
+    store_rows_to<float>(value, value_cache, slots, v_scale);
+  } else {
+    store_rows_to<bf16>(key, key_cache, slots, k_scale);
+    store_rows_to<bf16>(value, value_cache, slots, v_scale);
+  }
 }
 
 template <typename T>

@@ -6,11 +6,12 @@
 void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor key_cache,
                      torch::Tensor value_cache, torch::Tensor block_table,
                      torch::Tensor query_start_loc, torch::Tensor seq_lens, int64_t block_size,
-                     double scale);
+                     double scale, double k_scale, double v_scale);
 
 // cpu_ops.cpp
 void reshape_and_cache(torch::Tensor key, torch::Tensor value, torch::Tensor key_cache,
-                       torch::Tensor value_cache, torch::Tensor slot_mapping);
+                       torch::Tensor value_cache, torch::Tensor slot_mapping, double k_scale,
+                       double v_scale);
 void silu_and_mul(torch::Tensor out, torch::Tensor x);
 void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
 void rotary_embedding(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);

@@ -5,8 +5,13 @@
 // contiguous copies, no per-request call from Python. Query j of a request with
 // context c (tokens cached before this step) sees keys 0 .. c + j.
 //
-// Storage float32 or bfloat16 (q, caches, out all the same); scores, softmax and the
-// weighted sum of V in float32; out rounded once.
+// q and out are float32 or bfloat16 (the model's dtype); the K/V cache is float32,
+// bfloat16, fp8 E4M3 or fp8 E5M2, independently of q (``--kv-cache-dtype``), with one
+// scale per tensor for K and for V (a cached value is element * scale; vLLM's k_scale and
+// v_scale). Cache elements widen to float32 exactly as they load (vec.h: load8_raw), the
+// scales are folded into the softmax scale (K) and the final 1 / sum (V), so the loops are
+// the same for every cache type. Scores, softmax and the weighted sum of V in float32;
+// out rounded once.
 //
 // Work items: (request, kv heads, query rows). A decode request is one item covering all
 // its kv heads when there are many requests (each token's K/V row, all kv heads, is
@@ -22,8 +27,8 @@
 // were cached by an earlier step: attention is batch-invariant by construction.
 //
 // Two implementations of a row's maths, chosen at compile time per head size:
-//  * AVX2+FMA, head_dim a multiple of 64 (float32 and bfloat16 loads widened in
-//    registers): up to 3 heads of a kv head at once against 8 keys, folded by a
+//  * AVX2+FMA, head_dim a multiple of 64 (bfloat16 and fp8 loads widened in registers,
+//    fp8 through F16C): up to 3 heads of a kv head at once against 8 keys, folded by a
 //    horizontal-add tree; V accumulated in registers, 16 dims at a time;
 //  * generic (any head_dim or CPU): the same maths with GCC vector types.
 #include "ops.h"
@@ -39,7 +44,11 @@
 using pagedllm::bf16;
 using pagedllm::from_f32;
 using pagedllm::hsum8;
+using pagedllm::fp8e4m3;
+using pagedllm::fp8e5m2;
 using pagedllm::load8;
+using pagedllm::load8_raw;
+using pagedllm::raw_f32;
 using pagedllm::to_f32;
 using pagedllm::v8;
 
@@ -47,13 +56,22 @@ namespace {
 
 constexpr int64_t kQueryTile = 16;
 
-template <typename T>
+// TQ: q and out (float or bf16); TC: the K/V cache (float, bf16, fp8e4m3, fp8e5m2).
+template <typename TQ, typename TC>
 struct Args {
-  const T* q; const T* k; const T* v; T* out;
+  const TQ* q; const TC* k; const TC* v; TQ* out;
   const int32_t* bt; const int32_t* qsl; const int32_t* sl;
   int64_t nh, nkv, g, hd, mb, bs, k_slot, k_head, v_slot, v_head, q_tok;
-  float scale;
+  float scale;   // softmax scale * k_scale * kRawScale<TC>: applied to q . raw k
+  float vscale;  // v_scale * kRawScale<TC>: applied with 1 / sum to sum p * raw v
 };
+
+// Whether the AVX2 path can read cache type TC (fp8 needs F16C; every AVX2 CPU has it).
+template <typename TC> constexpr bool kAvxCache = true;
+#ifndef PAGEDLLM_FP8_AVX
+template <> constexpr bool kAvxCache<fp8e4m3> = false;
+template <> constexpr bool kAvxCache<fp8e5m2> = false;
+#endif
 
 struct Item {
   int32_t req, kh0, kh1, j0, j1;  // request, kv heads [kh0, kh1), queries [j0, j1)
@@ -76,6 +94,7 @@ struct Scratch {
 
 #ifdef PAGEDLLM_AVX2
 using pagedllm::load8_avx;
+using pagedllm::load8_raw_avx;
 using pagedllm::store8_avx;
 
 // Sum each of 8 vectors: returns {sum(x0), ..., sum(x7)}.
@@ -97,23 +116,23 @@ inline __m256 fold8(__m256 x0, __m256 x1, __m256 x2, __m256 x3, __m256 x4, __m25
 // (head, key) dot product runs over d in one order and folds by one tree (fold8), and
 // every (head, dim) sum runs over t in order, whatever G is: a head's result does not
 // depend on how many heads were computed with it.
-template <int G, typename T>
-inline void scores8_rows_avx(const T* const* qs, const T* const* kr, int64_t off, int64_t hd,
+template <int G, typename TQ, typename TC>
+inline void scores8_rows_avx(const TQ* const* qs, const TC* const* kr, int64_t off, int64_t hd,
                              float scale, float* const* s) {
   __m256 acc[G][8];
   for (int half = 0; half < 2; ++half) {
     __m256 c[G][4];
     for (int r = 0; r < G; ++r)
       for (int u = 0; u < 4; ++u) c[r][u] = _mm256_setzero_ps();
-    const T* k0 = kr[half * 4] + off;
-    const T* k1 = kr[half * 4 + 1] + off;
-    const T* k2 = kr[half * 4 + 2] + off;
-    const T* k3 = kr[half * 4 + 3] + off;
+    const TC* k0 = kr[half * 4] + off;
+    const TC* k1 = kr[half * 4 + 1] + off;
+    const TC* k2 = kr[half * 4 + 2] + off;
+    const TC* k3 = kr[half * 4 + 3] + off;
     for (int64_t d = 0; d < hd; d += 8) {
       __m256 qv[G];
       for (int r = 0; r < G; ++r) qv[r] = load8_avx(qs[r] + d);
-      const __m256 x0 = load8_avx(k0 + d), x1 = load8_avx(k1 + d);
-      const __m256 x2 = load8_avx(k2 + d), x3 = load8_avx(k3 + d);
+      const __m256 x0 = load8_raw_avx(k0 + d), x1 = load8_raw_avx(k1 + d);
+      const __m256 x2 = load8_raw_avx(k2 + d), x3 = load8_raw_avx(k3 + d);
       for (int r = 0; r < G; ++r) {
         c[r][0] = _mm256_fmadd_ps(qv[r], x0, c[r][0]);
         c[r][1] = _mm256_fmadd_ps(qv[r], x1, c[r][1]);
@@ -130,9 +149,9 @@ inline void scores8_rows_avx(const T* const* qs, const T* const* kr, int64_t off
                                                 acc[r][5], acc[r][6], acc[r][7]), sc));
 }
 
-template <int G, typename T>
-inline void weighted_sum_rows_avx(const float* const* p, const int64_t* slots, int64_t L, const T* vh,
-                                  int64_t v_slot, int64_t hd, const float* inv, T* const* o) {
+template <int G, typename TC, typename TQ>
+inline void weighted_sum_rows_avx(const float* const* p, const int64_t* slots, int64_t L, const TC* vh,
+                                  int64_t v_slot, int64_t hd, const float* inv, TQ* const* o) {
   // 16 dims at a time: G*2 accumulators + 2 V vectors + 1 broadcast stay in registers
   // (32 dims spilled an accumulator to the stack on AVX2's 16 registers, which put a
   // store-to-load round trip into every iteration)
@@ -140,8 +159,8 @@ inline void weighted_sum_rows_avx(const float* const* p, const int64_t* slots, i
     __m256 c[G][2];
     for (int r = 0; r < G; ++r) c[r][0] = c[r][1] = _mm256_setzero_ps();
     for (int64_t t = 0; t < L; ++t) {
-      const T* vr = vh + slots[t] * v_slot + d0;
-      const __m256 x0 = load8_avx(vr), x1 = load8_avx(vr + 8);
+      const TC* vr = vh + slots[t] * v_slot + d0;
+      const __m256 x0 = load8_raw_avx(vr), x1 = load8_raw_avx(vr + 8);
       for (int r = 0; r < G; ++r) {
         const __m256 pt = _mm256_broadcast_ss(p[r] + t);
         c[r][0] = _mm256_fmadd_ps(pt, x0, c[r][0]);
@@ -158,34 +177,34 @@ inline void weighted_sum_rows_avx(const float* const* p, const int64_t* slots, i
 #endif
 
 // The generic versions of the two functions above (any head_dim).
-template <typename T>
-inline void scores8_generic(const T* qj, const T* const* kr, int64_t off, int64_t hd, float scale,
+template <typename TQ, typename TC>
+inline void scores8_generic(const TQ* qj, const TC* const* kr, int64_t off, int64_t hd, float scale,
                             float* s) {
   for (int u = 0; u < 8; ++u) {
-    const T* kk = kr[u] + off;
+    const TC* kk = kr[u] + off;
     v8 acc = {0, 0, 0, 0, 0, 0, 0, 0};
     int64_t d = 0;
-    for (; d + 8 <= hd; d += 8) acc += load8(qj + d) * load8(kk + d);
+    for (; d + 8 <= hd; d += 8) acc += load8(qj + d) * load8_raw(kk + d);
     float x = hsum8(acc);
-    for (; d < hd; ++d) x += to_f32(qj[d]) * to_f32(kk[d]);
+    for (; d < hd; ++d) x += to_f32(qj[d]) * raw_f32(kk[d]);
     s[u] = x * scale;
   }
 }
 
-template <typename T>
-inline void weighted_sum_generic(const float* p, const int64_t* slots, int64_t L, const T* vh,
-                                 int64_t v_slot, int64_t hd, float inv, T* o, float* acc) {
+template <typename TC, typename TQ>
+inline void weighted_sum_generic(const float* p, const int64_t* slots, int64_t L, const TC* vh,
+                                  int64_t v_slot, int64_t hd, float inv, TQ* o, float* acc) {
   std::fill(acc, acc + hd, 0.f);
   for (int64_t t = 0; t < L; ++t) {
-    const T* vr = vh + slots[t] * v_slot;
+    const TC* vr = vh + slots[t] * v_slot;
     const float pt = p[t];
-    for (int64_t d = 0; d < hd; ++d) acc[d] += pt * to_f32(vr[d]);
+    for (int64_t d = 0; d < hd; ++d) acc[d] += pt * raw_f32(vr[d]);
   }
-  for (int64_t d = 0; d < hd; ++d) o[d] = from_f32<T>(acc[d] * inv);
+  for (int64_t d = 0; d < hd; ++d) o[d] = from_f32<TQ>(acc[d] * inv);
 }
 
-template <typename T>
-void attend(const Args<T>& a, const Item& it, Scratch& sc) {
+template <typename TQ, typename TC>
+void attend(const Args<TQ, TC>& a, const Item& it, Scratch& sc) {
   const int64_t n = it.req;
   const int64_t q0 = a.qsl[n], qlen = a.qsl[n + 1] - q0;
   const int64_t ctx = a.sl[n] - qlen;
@@ -196,7 +215,7 @@ void attend(const Args<T>& a, const Item& it, Scratch& sc) {
   const int64_t nkh = it.kh1 - it.kh0;
   const int64_t rows = nq * nkh * g;            // (query, head) rows of this item
 #ifdef PAGEDLLM_AVX2
-  const bool avx = hd % 64 == 0;
+  const bool avx = hd % 64 == 0 && kAvxCache<TC>;
 #else
   const bool avx = false;
 #endif
@@ -214,17 +233,17 @@ void attend(const Args<T>& a, const Item& it, Scratch& sc) {
   };
   // ---- 1. scores, 8 keys at a time: K rows read once per chunk for all rows ----
   for (int64_t t0 = 0; t0 < Lmax; t0 += 8) {
-    const T* kr[8];
+    const TC* kr[8];
     for (int64_t u = 0; u < 8; ++u) kr[u] = a.k + slots[t0 + u] * a.k_slot;
     for (int64_t j = it.j0; j < it.j1; ++j) {
       if (t0 >= ctx + j + 1) continue;        // past this query's causal limit
       for (int64_t kh = it.kh0; kh < it.kh1; ++kh) {
         const int64_t r0 = ((j - it.j0) * nkh + (kh - it.kh0)) * g;
 #ifdef PAGEDLLM_AVX2
-        if (avx) {
+        if constexpr (kAvxCache<TC>) if (avx) {
           // the g heads of this kv head, up to 3 at a time
           for (int64_t hh = 0; hh < g; hh += 3) {
-            const T* qs[3];
+            const TQ* qs[3];
             float* ss[3];
             const int64_t G = std::min<int64_t>(3, g - hh);
             for (int64_t r = 0; r < G; ++r) {
@@ -249,21 +268,21 @@ void attend(const Args<T>& a, const Item& it, Scratch& sc) {
   for (int64_t j = it.j0; j < it.j1; ++j) {
     const int64_t L = ctx + j + 1;
     for (int64_t kh = it.kh0; kh < it.kh1; ++kh) {
-      const T* vh = a.v + kh * a.v_head;
+      const TC* vh = a.v + kh * a.v_head;
       const int64_t r0 = ((j - it.j0) * nkh + (kh - it.kh0)) * g;
       for (int64_t hh = 0; hh < g; hh += 3) {
         const int64_t G = std::min<int64_t>(3, g - hh);
         const float* ps[3];
         float inv[3];
-        T* os[3];
+        TQ* os[3];
         for (int64_t r = 0; r < G; ++r) {
           float* p = sc.scores.data() + (r0 + hh + r) * Lp;
-          inv[r] = softmax_numerators(p, L);
+          inv[r] = softmax_numerators(p, L) * a.vscale;   // vscale 1 for float32/bf16 caches
           ps[r] = p;
           os[r] = a.out + ((q0 + j) * a.nh + kh * g + hh + r) * hd;
         }
 #ifdef PAGEDLLM_AVX2
-        if (avx) {
+        if constexpr (kAvxCache<TC>) if (avx) {
           if (G == 3) weighted_sum_rows_avx<3>(ps, slots, L, vh, a.v_slot, hd, inv, os);
           else if (G == 2) weighted_sum_rows_avx<2>(ps, slots, L, vh, a.v_slot, hd, inv, os);
           else weighted_sum_rows_avx<1>(ps, slots, L, vh, a.v_slot, hd, inv, os);
@@ -277,8 +296,8 @@ void attend(const Args<T>& a, const Item& it, Scratch& sc) {
   }
 }
 
-template <typename T>
-void run(const Args<T>& a, int64_t num_reqs) {
+template <typename TQ, typename TC>
+void run(const Args<TQ, TC>& a, int64_t num_reqs) {
   // Plan the work items (cheap: one per decode, or per kv head and query tile).
   std::vector<Item> items;
   int64_t decodes = 0;
@@ -315,21 +334,44 @@ void run(const Args<T>& a, int64_t num_reqs) {
   });
 }
 
-template <typename T>
+template <typename TQ, typename TC>
 void launch(torch::Tensor out, torch::Tensor q, torch::Tensor key_cache, torch::Tensor value_cache,
             torch::Tensor block_table, torch::Tensor query_start_loc, torch::Tensor seq_lens,
-            int64_t num_reqs, int64_t block_size, double scale) {
-  Args<T> a;
+            int64_t num_reqs, int64_t block_size, double scale, double k_scale, double v_scale) {
+  Args<TQ, TC> a;
   a.nh = q.size(1); a.hd = q.size(2); a.nkv = key_cache.size(1);
   a.q_tok = q.stride(0);
   a.g = a.nh / a.nkv; a.mb = block_table.size(1); a.bs = block_size;
   a.k_slot = key_cache.stride(0); a.k_head = key_cache.stride(1);
   a.v_slot = value_cache.stride(0); a.v_head = value_cache.stride(1);
-  a.q = q.data_ptr<T>(); a.k = key_cache.data_ptr<T>(); a.v = value_cache.data_ptr<T>();
-  a.out = out.data_ptr<T>(); a.bt = block_table.data_ptr<int32_t>();
+  a.q = q.data_ptr<TQ>(); a.k = key_cache.data_ptr<TC>(); a.v = value_cache.data_ptr<TC>();
+  a.out = out.data_ptr<TQ>(); a.bt = block_table.data_ptr<int32_t>();
   a.qsl = query_start_loc.data_ptr<int32_t>(); a.sl = seq_lens.data_ptr<int32_t>();
-  a.scale = static_cast<float>(scale);
+  a.scale = static_cast<float>(scale * k_scale * pagedllm::kRawScale<TC>);
+  a.vscale = static_cast<float>(v_scale * pagedllm::kRawScale<TC>);
   run(a, num_reqs);
+}
+
+template <typename TQ>
+void launch_for_cache(torch::Tensor out, torch::Tensor q, torch::Tensor key_cache, torch::Tensor value_cache,
+                      torch::Tensor block_table, torch::Tensor query_start_loc, torch::Tensor seq_lens,
+                      int64_t num_reqs, int64_t block_size, double scale, double k_scale, double v_scale) {
+  switch (key_cache.scalar_type()) {
+    case torch::kFloat32:
+      return launch<TQ, float>(out, q, key_cache, value_cache, block_table, query_start_loc, seq_lens,
+                               num_reqs, block_size, scale, k_scale, v_scale);
+    case torch::kBFloat16:
+      return launch<TQ, bf16>(out, q, key_cache, value_cache, block_table, query_start_loc, seq_lens,
+                              num_reqs, block_size, scale, k_scale, v_scale);
+    case torch::kFloat8_e4m3fn:
+      return launch<TQ, fp8e4m3>(out, q, key_cache, value_cache, block_table, query_start_loc, seq_lens,
+                                 num_reqs, block_size, scale, k_scale, v_scale);
+    case torch::kFloat8_e5m2:
+      return launch<TQ, fp8e5m2>(out, q, key_cache, value_cache, block_table, query_start_loc, seq_lens,
+                                 num_reqs, block_size, scale, k_scale, v_scale);
+    default:
+      TORCH_CHECK(false, "the caches must be float32, bfloat16, float8_e4m3fn or float8_e5m2");
+  }
 }
 
 }  // namespace
@@ -337,11 +379,13 @@ void launch(torch::Tensor out, torch::Tensor q, torch::Tensor key_cache, torch::
 void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor key_cache,
                      torch::Tensor value_cache, torch::Tensor block_table,
                      torch::Tensor query_start_loc, torch::Tensor seq_lens, int64_t block_size,
-                     double scale) {
+                     double scale, double k_scale, double v_scale) {
   const auto dt = q.scalar_type();
   TORCH_CHECK(dt == torch::kFloat32 || dt == torch::kBFloat16, "q must be float32 or bfloat16");
-  TORCH_CHECK(key_cache.scalar_type() == dt && value_cache.scalar_type() == dt && out.scalar_type() == dt,
-              "q, the caches and out must have the same dtype");
+  TORCH_CHECK(out.scalar_type() == dt, "q and out must have the same dtype");
+  TORCH_CHECK(value_cache.scalar_type() == key_cache.scalar_type(), "the K and V caches must have the same dtype");
+  TORCH_CHECK(pagedllm::positive_finite(k_scale) && pagedllm::positive_finite(v_scale),
+              "k_scale and v_scale must be finite and > 0");
   TORCH_CHECK(q.dim() == 3 && out.dim() == 3 && key_cache.dim() == 3 && value_cache.dim() == 3,
               "q/out [T, heads, dim], caches [slots, kv_heads, dim]");
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), "each token's q heads must be contiguous");
@@ -370,7 +414,9 @@ void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor key_cache
                   row[b], " out of range");
   }
   if (dt == torch::kFloat32)
-    launch<float>(out, q, key_cache, value_cache, block_table, query_start_loc, seq_lens, B, block_size, scale);
+    launch_for_cache<float>(out, q, key_cache, value_cache, block_table, query_start_loc, seq_lens, B,
+                            block_size, scale, k_scale, v_scale);
   else
-    launch<bf16>(out, q, key_cache, value_cache, block_table, query_start_loc, seq_lens, B, block_size, scale);
+    launch_for_cache<bf16>(out, q, key_cache, value_cache, block_table, query_start_loc, seq_lens, B,
+                           block_size, scale, k_scale, v_scale);
 }

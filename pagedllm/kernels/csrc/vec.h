@@ -1,4 +1,5 @@
 // Storage types of the CPU kernels and their conversion to the float32 they compute in.
+// (The KV cache's own storage types, which include 8-bit floats, are further down.)
 //
 // Every kernel is a template over its storage type: float (float32) or c10::BFloat16
 // (bfloat16: the top 16 bits of a float32). Loads widen to float32, all arithmetic and
@@ -63,6 +64,111 @@ inline v8 load8(const bf16* p) {
   return v;
 }
 
+// ---- KV-cache storage types ----------------------------------------------------------
+// The paged KV cache may be stored in a narrower type than the model computes in: float32,
+// bfloat16, or 8-bit floating point (OCP 8-bit Floating Point Specification (OFP8), rev.
+// 1.0, 2023: E4M3 with no infinities and one NaN pattern per sign, as torch.float8_e4m3fn;
+// E5M2 with IEEE infinities and NaNs, as torch.float8_e5m2).
+using fp8e4m3 = c10::Float8_e4m3fn;
+using fp8e5m2 = c10::Float8_e5m2;
+
+// Storing: float32 -> cache type, one rounding to nearest even, finite values beyond the
+// format's largest finite value (and infinities) saturated to it, NaN -> NaN (0x7f with
+// the input's sign, as torch). Float32 subnormals round to zero (both fp8 formats' least
+// subnormal is far above them). Integer arithmetic only, so -ffast-math cannot change it.
+template <int MAN, int BIAS, uint8_t MAXCODE>
+inline uint8_t fp8_from_f32(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, 4);
+  const uint8_t sign = static_cast<uint8_t>((bits >> 24) & 0x80u);
+  const uint32_t a = bits & 0x7fffffffu;
+  if (a > 0x7f800000u) return sign | 0x7f;                     // NaN
+  // the largest finite value's float32 bits: its exponent and mantissa, re-biased
+  constexpr uint32_t kMaxBits = ((static_cast<uint32_t>(MAXCODE >> MAN) + 127 - BIAS) << 23) |
+                                (static_cast<uint32_t>(MAXCODE & ((1 << MAN) - 1)) << (23 - MAN));
+  if (a >= kMaxBits) return sign | MAXCODE;                    // saturate (also +-inf)
+  const int32_t e = static_cast<int32_t>(a >> 23);             // biased float32 exponent
+  if (e == 0) return sign;                                     // float32 zero or subnormal
+  constexpr int32_t kMinNormalE = 127 - BIAS + 1;              // float32 exponent of 2^(1-BIAS)
+  if (e >= kMinNormalE) {
+    // normal in the target: drop 23-MAN mantissa bits, round half to even; a carry moves
+    // into the exponent, and the result stays <= MAXCODE because a < kMaxBits
+    constexpr uint32_t kDrop = 23 - MAN;
+    const uint32_t r = a + ((1u << (kDrop - 1)) - 1) + ((a >> kDrop) & 1u);
+    return sign | static_cast<uint8_t>((r >> kDrop) - (static_cast<uint32_t>(127 - BIAS) << MAN));
+  }
+  // subnormal in the target, in units of its least subnormal 2^(1-BIAS-MAN): the value is
+  // m * 2^(e-150) (m: the 24-bit significand) = m * 2^-s units, rounded half to even
+  const uint64_t m = (a & 0x7fffffu) | 0x800000u;
+  const int32_t s = kMinNormalE - e + 23 - MAN;                // >= 24 - MAN
+  if (s > 40) return sign;                                     // below half the least subnormal
+  const uint64_t r = (m + ((uint64_t{1} << (s - 1)) - 1) + ((m >> s) & 1u)) >> s;
+  return sign | static_cast<uint8_t>(r);                       // r == 1 << MAN: least normal
+}
+
+template <typename T> inline T cache_from_f32(float x);
+template <> inline float cache_from_f32<float>(float x) { return x; }
+template <> inline bf16 cache_from_f32<bf16>(float x) { return from_f32<bf16>(x); }
+template <> inline fp8e4m3 cache_from_f32<fp8e4m3>(float x) {
+  return fp8e4m3(fp8_from_f32<3, 7, 0x7e>(x), fp8e4m3::from_bits());
+}
+template <> inline fp8e5m2 cache_from_f32<fp8e5m2>(float x) {
+  return fp8e5m2(fp8_from_f32<2, 15, 0x7b>(x), fp8e5m2::from_bits());
+}
+
+// Reading: a cache element as a float32 "raw" value, exactly; the element's value is
+// raw * kRawScale<T>, and the kernels fold kRawScale into their scales. Both fp8 formats
+// widen through IEEE half precision, exactly (subnormals included): an E5M2 byte is the
+// high byte of the half with the same value; an E4M3 byte b, placed as half bits
+// sign << 15 | (b & 0x7f) << 7, is a half of value 2^-8 times b's (the exponent fields
+// line up, the biases differ by 8: 15 vs 7; subnormals scale alike). E4M3's NaN (0x7f)
+// would read as 480: the writers never store it for a finite input.
+template <typename T> constexpr float kRawScale = 1.f;
+template <> constexpr float kRawScale<fp8e4m3> = 256.f;
+
+// IEEE half bits -> float32, exactly (portable; F16C's vcvtph2ps gives the same).
+inline float half_bits_to_f32(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
+  uint32_t bits;
+  if (e == 0) {
+    const float v = static_cast<float>(m) * 0x1p-24f;          // subnormal (or zero): exact
+    std::memcpy(&bits, &v, 4);
+    bits |= sign;
+  } else if (e == 31) {
+    bits = sign | 0x7f800000u | (m << 13);
+  } else {
+    bits = sign | ((e + 112) << 23) | (m << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+inline uint16_t e4m3_half_bits(uint8_t b) {
+  return static_cast<uint16_t>((static_cast<uint16_t>(b & 0x80u) << 8) | (static_cast<uint16_t>(b & 0x7fu) << 7));
+}
+
+inline float raw_f32(float x) { return x; }
+inline float raw_f32(bf16 x) { return to_f32(x); }
+inline float raw_f32(fp8e5m2 x) { return half_bits_to_f32(static_cast<uint16_t>(x.x << 8)); }
+inline float raw_f32(fp8e4m3 x) { return half_bits_to_f32(e4m3_half_bits(x.x)); }
+
+// 8 consecutive cache elements as raw float32 values (unaligned).
+template <typename T>
+inline v8 load8_raw(const T* p) {
+  v8 v;
+  for (int i = 0; i < 8; ++i) v[i] = raw_f32(p[i]);
+  return v;
+}
+
+// x > 0 and finite, decided on the bits (-ffast-math assumes no NaN or infinity, so
+// std::isfinite and comparisons cannot be trusted to see them).
+inline bool positive_finite(double x) {
+  uint64_t bits;
+  std::memcpy(&bits, &x, 8);
+  return (bits >> 63) == 0 && ((bits >> 52) & 0x7ff) != 0x7ff && bits != 0;
+}
+
 // Fixed-order sum of 8 lanes.
 inline float hsum8(v8 a) {
   return ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7]));
@@ -102,6 +208,23 @@ inline __m256 load8_avx(const bf16* p) {
   const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
+inline __m256 load8_raw_avx(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8_raw_avx(const bf16* p) { return load8_avx(p); }
+#ifdef __F16C__
+// The fp8 widenings of raw_f32, 8 lanes at once (F16C's vcvtph2ps is exact for halves).
+inline __m256 load8_raw_avx(const fp8e5m2* p) {
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return _mm256_cvtph_ps(_mm_unpacklo_epi8(_mm_setzero_si128(), b));   // b << 8 per 16-bit lane
+}
+inline __m256 load8_raw_avx(const fp8e4m3* p) {
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  // sign-extended to 16 bits and shifted left by 7: sign at bits 15 and 14, the rest at
+  // 13..7; clearing bit 14 leaves e4m3_half_bits(b)
+  const __m128i h = _mm_slli_epi16(_mm_cvtepi8_epi16(b), 7);
+  return _mm256_cvtph_ps(_mm_and_si128(h, _mm_set1_epi16(static_cast<short>(0xbf80))));
+}
+#define PAGEDLLM_FP8_AVX 1
+#endif
 inline void store8_avx(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
 inline void store8_avx(bf16* p, __m256 v) {
   // the same rounding as from_f32<bf16>, 8 lanes at once

@@ -1,0 +1,185 @@
+"""``pagedllm bench attention``: decode attention time per step with the KV cache in each
+``--kv-cache-dtype``, measured in one run.
+
+Method: ``--num-requests`` decodes, each over ``--context-len`` cached tokens plus its new
+one, in the shapes of SmolLM2-135M by default (9 query heads, 3 KV heads, head_dim 64,
+30 layers, block size 16). Each request's blocks are scattered at random over the cache
+(as after the engine has run a while); the cache holds random values converted to the
+cache dtype (``quantize_kv``). Timed: the attention backend's ``forward`` for one layer
+(the new tokens' K/V write plus the attention over the blocks), for ``--cache-layers``
+distinct layer caches in turn, so that each call streams its K/V from memory as in a
+model step rather than finding it in the CPU's caches (4 layers of the default shape
+are ~100 MB in fp8, ~400 MB in float32: above any L3). The dtypes are interleaved: each
+of ``--iters`` rounds times every dtype once, so a change in the machine's load falls on
+all of them alike. Reported per cache dtype: the median per-layer time (milliseconds),
+that times ``--num-layers`` as the attention time of one decode step, the bytes of K/V a
+layer reads, and the rate that implies (GB/s).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import numpy as np
+import torch
+
+from pagedllm.benchmarks.report import save_json
+from pagedllm.benchmarks.serve_options import positive_int
+
+# --kv-cache-dtype names this benchmark accepts -> how the model's dtype names them
+_MODEL_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def _decode_metadata(num_requests: int, context_len: int, block_size: int, seed: int):
+    """A decode batch: ``num_requests`` requests, each with ``context_len`` cached tokens
+    and one new token, over blocks scattered at random. Returns (common metadata, number
+    of blocks in the cache)."""
+    from pagedllm.attention.backend import CommonAttentionMetadata
+
+    seq = context_len + 1
+    per_req = -(-seq // block_size)
+    num_blocks = num_requests * per_req
+    rng = np.random.default_rng(seed)
+    bt = rng.permutation(num_blocks).astype(np.int32).reshape(num_requests, per_req)
+    qsl = np.arange(num_requests + 1, dtype=np.int64)
+    seq_lens = np.full(num_requests, seq, dtype=np.int64)
+    ctx = seq_lens - 1
+    slot = bt[:, context_len // block_size].astype(np.int64) * block_size + context_len % block_size
+    common = CommonAttentionMetadata(
+        num_requests, num_requests, num_requests, torch.from_numpy(qsl.astype(np.int32)),
+        torch.from_numpy(seq_lens.astype(np.int32)), torch.from_numpy(ctx.astype(np.int32)),
+        torch.from_numpy(bt), torch.from_numpy(slot), block_size, qsl, seq_lens, ctx, bt)
+    return common, num_blocks
+
+
+class _Case:
+    """One KV-cache dtype's backend, caches and inputs, ready to time (``_Case.time``)."""
+
+    def __init__(self, kv_cache_dtype: str, model_dtype: torch.dtype, num_requests: int, context_len: int,
+                 num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, cache_layers: int,
+                 backend: str, seed: int):
+        from pagedllm.attention.backend import get_attention_backend
+        from pagedllm.attention.torch_backend import quantize_kv
+        from pagedllm.config import resolve_kv_cache_dtype
+
+        cpu = torch.device("cpu")
+        kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, model_dtype, cpu, backend)
+        self.attn = get_attention_backend(backend, cpu, model_dtype, kv_dtype)
+        common, num_blocks = _decode_metadata(num_requests, context_len, block_size, seed)
+        self.md = self.attn.build_metadata(common)
+        g = torch.Generator().manual_seed(seed)
+        slots = num_blocks * block_size
+        # one tensor for all layers, as the engine allocates it: [layers, 2, slots, kv_heads, head_dim]
+        cache = torch.empty(self.attn.kv_cache_shape(cache_layers, num_blocks, block_size, num_kv_heads, head_dim),
+                            dtype=kv_dtype)
+        for layer in range(cache_layers):
+            for kv in range(2):
+                cache[layer, kv] = quantize_kv(torch.randn(slots, num_kv_heads, head_dim, generator=g), kv_dtype)
+        self.layers = [self.attn.layer_cache(cache, i) for i in range(cache_layers)]
+        self.q = torch.randn(num_requests, num_heads, head_dim, generator=g).to(model_dtype)
+        self.k = torch.randn(num_requests, num_kv_heads, head_dim, generator=g).to(model_dtype)
+        self.v = torch.randn(num_requests, num_kv_heads, head_dim, generator=g).to(model_dtype)
+        self.scale = head_dim ** -0.5
+        self.name = str(kv_dtype).removeprefix("torch.")
+        self.kv_bytes = 2 * num_requests * (context_len + 1) * num_kv_heads * head_dim * cache.element_size()
+        self.times: list[float] = []
+
+    def time(self) -> None:
+        """One call per layer cache, each timed (seconds, appended to ``times``)."""
+        for lc in self.layers:
+            t = time.perf_counter()
+            self.attn.forward(self.q, self.k, self.v, lc, self.md, self.scale)
+            self.times.append(time.perf_counter() - t)
+
+    def result(self) -> dict:
+        ms = 1000 * statistics.median(self.times)
+        return {"kv_cache_dtype": self.name, "backend": self.attn.describe(), "layer_ms": round(ms, 3),
+                "layer_ms_min": round(1000 * min(self.times), 3), "kv_bytes_per_layer": self.kv_bytes,
+                "gb_per_s": round(self.kv_bytes / ms / 1e6, 2)}
+
+
+def measure(kv_cache_dtypes: list[str], model_dtype: str = "float32", num_requests: int = 64,
+            context_len: int = 1000, num_heads: int = 9, num_kv_heads: int = 3, head_dim: int = 64,
+            block_size: int = 16, cache_layers: int = 4, iters: int = 5, backend: str = "cpu_kernel",
+            seed: int = 0) -> list[dict]:
+    """Time one layer's decode attention with a cache of each of ``kv_cache_dtypes``
+    (``--kv-cache-dtype`` names; ``auto`` = ``model_dtype``), interleaved: every round
+    times each dtype in turn, so that a change in the machine's load touches all alike.
+
+    Returns:
+        one dict per dtype: ``{"kv_cache_dtype", "backend" (its describe()), "layer_ms"
+        (median over iters x cache_layers calls), "layer_ms_min", "kv_bytes_per_layer"
+        (K and V read by one layer's step), "gb_per_s"}``.
+
+    Raises:
+        ValueError: an unknown dtype name.
+    """
+    if model_dtype not in _MODEL_DTYPES:
+        raise ValueError(f"model_dtype must be one of {', '.join(_MODEL_DTYPES)}, got {model_dtype!r}")
+    cases = [_Case(name, _MODEL_DTYPES[model_dtype], num_requests, context_len, num_heads, num_kv_heads,
+                   head_dim, block_size, cache_layers, backend, seed) for name in kv_cache_dtypes]
+    for c in cases:                         # warm-up: page faults, thread pool, code
+        c.time()
+        c.times.clear()
+    for _ in range(iters):
+        for c in cases:
+            c.time()
+    return [c.result() for c in cases]
+
+
+def register(subparsers: "argparse._SubParsersAction") -> None:
+    """Add ``attention`` to the ``bench`` sub-parsers; its ``func`` is :func:`main`."""
+    from pagedllm.config import KV_CACHE_DTYPES
+
+    p = subparsers.add_parser("attention", help="decode attention time per step for each KV-cache dtype",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--kv-cache-dtypes", default="float32,bfloat16,fp8_e4m3",
+                   help=f"comma-separated, from: {', '.join(KV_CACHE_DTYPES)}")
+    p.add_argument("--dtype", default="float32", choices=list(_MODEL_DTYPES), help="the model's dtype (q, k, v)")
+    p.add_argument("--num-requests", type=positive_int, default=64)
+    p.add_argument("--context-len", type=positive_int, default=1000, help="cached tokens per request")
+    p.add_argument("--num-heads", type=positive_int, default=9)
+    p.add_argument("--num-kv-heads", type=positive_int, default=3)
+    p.add_argument("--head-dim", type=positive_int, default=64)
+    p.add_argument("--num-layers", type=positive_int, default=30, help="layers in a model step (per-step time)")
+    p.add_argument("--cache-layers", type=positive_int, default=4,
+                   help="distinct layer caches timed in turn (memory: this many layers of KV)")
+    p.add_argument("--block-size", type=positive_int, default=16)
+    p.add_argument("--iters", type=positive_int, default=5, help="rounds over the cache layers")
+    p.add_argument("--attention-backend", default="cpu_kernel")
+    p.add_argument("--num-threads", type=positive_int, default=None)
+    p.add_argument("--output-json", default=None)
+    p.set_defaults(func=main)
+
+
+def main(args) -> int:
+    """Print the machine, then one line per KV-cache dtype: ms per layer, ms per step."""
+    from pagedllm.benchmarks.machine import machine_info
+    from pagedllm.config import KV_CACHE_DTYPES
+
+    names = [n.strip() for n in args.kv_cache_dtypes.split(",") if n.strip()]
+    unknown = [n for n in names if n not in KV_CACHE_DTYPES]
+    if not names or unknown:
+        raise ValueError(f"--kv-cache-dtypes: unknown {unknown or names}; choose from {', '.join(KV_CACHE_DTYPES)}")
+    if args.num_heads % args.num_kv_heads:
+        raise ValueError("--num-heads must be a multiple of --num-kv-heads")
+    if args.num_threads:
+        torch.set_num_threads(args.num_threads)
+    machine = machine_info()
+    print(json.dumps(machine))
+    print(f"decode attention, {args.num_requests} requests x {args.context_len} cached tokens, "
+          f"{args.num_heads} q / {args.num_kv_heads} kv heads x {args.head_dim}, block {args.block_size}, "
+          f"{args.dtype} model, {torch.get_num_threads()} threads:")
+    runs = measure(names, args.dtype, args.num_requests, args.context_len, args.num_heads, args.num_kv_heads,
+                   args.head_dim, args.block_size, args.cache_layers, args.iters, args.attention_backend)
+    for r in runs:
+        r["step_ms"] = round(r["layer_ms"] * args.num_layers, 2)
+        print(f"  {r['kv_cache_dtype']:>14} cache: {r['layer_ms']:7.3f} ms/layer (min {r['layer_ms_min']:.3f}), "
+              f"{r['step_ms']:8.2f} ms/step x{args.num_layers}, K/V {r['kv_bytes_per_layer'] / 1e6:6.1f} MB/layer "
+              f"= {r['gb_per_s']:.1f} GB/s  [{r['backend']}]")
+    if args.output_json:
+        save_json({"machine": machine, "args": {k: v for k, v in vars(args).items() if k != "func"},
+                   "runs": runs}, args.output_json)
+    return 0

@@ -1,0 +1,145 @@
+"""GGUF block formats as quantization methods: ``--quantization gguf`` keeps a GGUF file's
+own Q8_0 / Q4_0 / Q4_1 blocks packed; ``--quantization q8_0 | q4_0 | q4_1`` quantizes float
+weights (a HF directory's, or a GGUF's float tensors) into that format at load.
+
+Both compute with ``gguf_blocks.BlockQuantLinearMethod`` (activations quantized per
+32-element block to 8 bits inside the kernel, integer dot products per block, as
+llama.cpp's CPU path). Which layers:
+- ``gguf``: every linear layer whose checkpoint tensors are all of one packed type (a
+  fused layer, e.g. q|k|v, needs the same type in each part); float tensors (F32, F16,
+  BF16) stay dense; any other type (K-quants, IQ types, ...) is an error naming the tensor,
+  since it cannot be kept packed and dequantizing it would silently be something else.
+  The token embedding, when packed, stays packed too (looked-up rows are dequantized),
+  and a tied LM head multiplies by those same blocks.
+- ``q8_0``/``q4_0``/``q4_1``: every linear layer in that format, and the LM head in
+  Q8_0 (as llama.cpp keeps the output layer at higher precision: a 4-bit head costs most
+  of the accuracy); the token embedding stays dense.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagedllm.layers.quantization.base_config import QuantizationConfig, unsupported
+from pagedllm.layers.quantization.gguf_blocks import (BLOCK_FORMATS, BlockQuantLinearMethod,
+                                                      dequantize_blocks)
+
+# GGML types that are plain floats: those tensors stay dense under ``gguf``.
+_FLOAT_TYPES = frozenset({"F32", "F16", "BF16"})
+
+
+class PackedEmbeddingMethod:
+    """A token embedding table kept in a block format: ``layer.weight`` is uint8
+    [num_embeddings, embedding_dim / 32 * block bytes]; a lookup dequantizes only the rows
+    of the given ids (``dequantize_blocks``), to the layer's ``params_dtype``.
+
+    Args:
+        fmt: the block format's name ("Q8_0", "Q4_0" or "Q4_1").
+    """
+
+    def __init__(self, fmt: str):
+        self.fmt = fmt
+        self.name = f"gguf {fmt} rows"
+
+    def create_weights(self, layer: nn.Module, num_embeddings: int, embedding_dim: int,
+                       params_dtype: torch.dtype, device: torch.device) -> None:
+        """Register the packed table (uint8, uninitialised until loaded)."""
+        row_bytes = embedding_dim // 32 * BLOCK_FORMATS[self.fmt].block_bytes
+        layer.weight = nn.Parameter(torch.empty(num_embeddings, row_bytes, dtype=torch.uint8, device=device),
+                                    requires_grad=False)
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        """Nothing to do: the file's blocks are used as they are."""
+
+    def embedding(self, layer: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+        """int64 ids [T] → [T, embedding_dim] in ``layer.params_dtype``."""
+        rows = layer.weight.index_select(0, input_ids)
+        return dequantize_blocks(rows, self.fmt, layer.embedding_dim).to(layer.params_dtype)
+
+
+def _check_divisible(prefix: str, input_size: int, method: str) -> None:
+    if input_size % 32:
+        raise unsupported(f"{method} needs input features divisible by 32 (the block size); "
+                          f"layer {prefix} has {input_size}")
+
+
+class GGUFConfig(QuantizationConfig):
+    """``--quantization gguf``: the GGUF file's own blocks, kept packed.
+
+    Args:
+        tensor_types: HF name → GGML type name of every tensor the model uses.
+    """
+
+    name = "gguf"
+
+    def __init__(self, tensor_types: dict[str, str]):
+        self.tensor_types = dict(tensor_types)
+
+    @classmethod
+    def create(cls, name: str, gguf_tensor_types: dict[str, str] | None = None, **_) -> GGUFConfig:
+        """Raises InvalidParameterError("quantization") for a model that is not a GGUF file."""
+        if gguf_tensor_types is None:
+            raise unsupported("gguf keeps a GGUF file's quantized blocks, but the model is not a .gguf "
+                              "file; use q8_0, q4_0, q4_1 or int8 to quantize float weights at load")
+        return cls(gguf_tensor_types)
+
+    def packed_gguf_types(self) -> frozenset[str]:
+        return frozenset(BLOCK_FORMATS)
+
+    def _type_of(self, prefix: str, names: list[str]) -> str | None:
+        """The one GGML type of the tensors ``names`` (None if absent); raises for a mix or
+        for a type that cannot be kept packed."""
+        types = {self.tensor_types[n] for n in names if n in self.tensor_types}
+        if not types:
+            return None
+        if len(types) > 1:
+            raise unsupported(f"gguf cannot fuse {prefix}: its parts have different types "
+                              f"({', '.join(f'{n}={self.tensor_types.get(n)}' for n in names)})")
+        (t,) = types
+        if t not in BLOCK_FORMATS and t not in _FLOAT_TYPES:
+            raise unsupported(f"gguf cannot keep {names[0]} packed: its type {t} is not one of "
+                              f"{', '.join(BLOCK_FORMATS)} (or a float type); run without --quantization "
+                              "to dequantize the file at load")
+        return t
+
+    def get_linear_method(self, prefix, input_size, output_sizes, params_dtype, device):
+        if prefix == "lm_head":
+            names = ["lm_head.weight"] if "lm_head.weight" in self.tensor_types else ["model.embed_tokens.weight"]
+        else:
+            names = [f"{p}.weight" for p in self.fused_parts(prefix)]
+        t = self._type_of(prefix, names)
+        if t is None or t in _FLOAT_TYPES:
+            return None
+        _check_divisible(prefix, input_size, "gguf")
+        return BlockQuantLinearMethod(t, from_float=False)
+
+    def get_embedding_method(self, prefix, num_embeddings, embedding_dim, params_dtype, device):
+        t = self._type_of(prefix, [f"{prefix}.weight"])
+        if t is None or t in _FLOAT_TYPES:
+            return None
+        return PackedEmbeddingMethod(t)
+
+    def describe(self) -> str:
+        kinds = sorted({t for t in self.tensor_types.values() if t in BLOCK_FORMATS})
+        return f"gguf ({', '.join(kinds) or 'no packed tensors'})"
+
+
+class BlockQuantConfig(QuantizationConfig):
+    """``--quantization q8_0 | q4_0 | q4_1``: float weights quantized at load into that
+    block format (the LM head into Q8_0).
+
+    Args:
+        fmt: "Q8_0", "Q4_0" or "Q4_1".
+    """
+
+    def __init__(self, fmt: str):
+        self.fmt = fmt
+        self.name = fmt.lower()
+
+    @classmethod
+    def create(cls, name: str, **_) -> BlockQuantConfig:
+        return cls(name.upper())
+
+    def get_linear_method(self, prefix, input_size, output_sizes, params_dtype, device):
+        _check_divisible(prefix, input_size, self.name)
+        return BlockQuantLinearMethod("Q8_0" if prefix == "lm_head" else self.fmt, from_float=True)

@@ -1,0 +1,125 @@
+"""``--quantization``: each method against float32 on the bundled model (perplexity on the
+fixed text, greedy agreement on a fixed prompt set), greedy invariance under batching,
+chunking, prefix caching and preemption, and clear errors for what cannot run.
+
+Margins (the issue's): int8 perplexity within 2 % of float32, 4-bit within 8 %. The
+float32 baseline and every method are measured in the same test session.
+"""
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+from test_dtype_invariance import _check_invariance, _workload, tiny_dir  # noqa: F401 (fixture)
+
+from pagedllm import LLM
+from pagedllm.benchmarks.accuracy import (AGREEMENT_PROMPTS, greedy_agreement, greedy_outputs,
+                                          model_perplexity)
+from pagedllm.config import EngineArgs
+from pagedllm.errors import InvalidParameterError
+from pagedllm.kernels.cpu import load_cpu_kernels
+
+KERNELS = load_cpu_kernels() is not None
+
+# method -> (largest perplexity increase over float32, smallest mean greedy agreement
+# over AGREEMENT_PROMPTS at 32 tokens)
+MARGINS = {
+    "int8": (0.02, 12),
+    "q8_0": (0.02, 12),
+    "gguf": (0.08, 6),     # the bundled file's own Q4_1 blocks (Q8_0 embedding)
+    "q4_1": (0.08, 4),
+    "q4_0": (0.08, 4),
+}
+AGREE_TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def float32_reference():
+    ppl, n = model_perplexity(None, None)
+    llm = LLM(dtype="float32", max_model_len=512, kv_cache_memory="256MiB")
+    try:
+        outs = greedy_outputs(llm, AGREEMENT_PROMPTS, AGREE_TOKENS)
+    finally:
+        llm.shutdown()
+    return ppl, n, outs
+
+
+@pytest.mark.parametrize("method", list(MARGINS))
+def test_accuracy_against_float32(float32_reference, method):
+    ref_ppl, n, ref_outs = float32_reference
+    assert n > 300 and 1.5 < ref_ppl < 50, "the float32 baseline itself looks wrong"
+    ppl, _ = model_perplexity(None, method)
+    max_rise, min_agree = MARGINS[method]
+    assert ppl <= ref_ppl * (1 + max_rise), f"{method}: perplexity {ppl:.3f} vs float32 {ref_ppl:.3f}"
+    llm = LLM(dtype="float32", quantization=method, max_model_len=512, kv_cache_memory="256MiB")
+    try:
+        outs = greedy_outputs(llm, AGREEMENT_PROMPTS, AGREE_TOKENS)
+    finally:
+        llm.shutdown()
+        del llm
+        gc.collect()
+    agree = [greedy_agreement(r, o) for r, o in zip(ref_outs, outs)]
+    assert sum(agree) / len(agree) >= min_agree, f"{method}: agreement {agree}"
+
+
+@pytest.mark.parametrize("method", ["int8", "q8_0", "q4_0", "q4_1"])
+def test_quantized_tiny_model_invariant(tiny_dir, method):   # noqa: F811 (fixture)
+    _check_invariance(tiny_dir, "float32", _workload(8, 100, seed=3), max_tokens=12, quantization=method)
+
+
+def test_gguf_packed_bundled_model_invariant():
+    _check_invariance(None, "float32", _workload(6, 120, seed=4), max_tokens=12, quantization="gguf")
+
+
+def test_gguf_keeps_the_files_blocks():
+    """No float copy of a packed weight: the linear layers hold the file's uint8 blocks."""
+    llm = LLM(dtype="float32", quantization="gguf", max_model_len=256, kv_cache_memory="64MiB")
+    try:
+        from engine_helpers import model_runner
+
+        model = model_runner(llm.llm_engine).model
+        qkv = model.model.layers[0].self_attn.qkv_proj
+        assert qkv.weight.dtype == torch.uint8
+        assert qkv.weight.shape == (576 + 2 * 192, 576 // 32 * 20)    # Q4_1: 20 bytes per 32 weights
+        assert model.model.embed_tokens.weight.dtype == torch.uint8   # Q8_0, tied to the LM head
+        assert "Q4_1" in model_runner(llm.llm_engine).describe_compute_path()
+    finally:
+        llm.shutdown()
+
+
+def test_unknown_method_is_a_clear_error():
+    with pytest.raises(InvalidParameterError, match="quantization") as e:
+        EngineArgs(quantization="int3").validate()
+    assert e.value.param == "quantization"
+    with pytest.raises(ValueError, match="quantization"):
+        LLM(quantization="awq-ish")
+
+
+def test_gguf_needs_a_gguf_file(tiny_dir):   # noqa: F811 (fixture)
+    with pytest.raises(InvalidParameterError, match="not a .gguf file"):
+        LLM(model=tiny_dir, quantization="gguf")
+
+
+def test_gguf_config_refuses_types_it_cannot_keep_packed():
+    from pagedllm.layers.quantization.gguf_config import GGUFConfig
+
+    types = {"model.layers.0.self_attn.q_proj.weight": "Q4_1", "model.layers.0.self_attn.k_proj.weight": "Q4_1",
+             "model.layers.0.self_attn.v_proj.weight": "Q6_K", "model.layers.0.mlp.down_proj.weight": "Q4_K",
+             "model.layers.0.mlp.gate_proj.weight": "F16", "model.layers.0.mlp.up_proj.weight": "F16",
+             "model.layers.0.self_attn.o_proj.weight": "Q8_0"}
+    cfg = GGUFConfig(types)
+    cfg.packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+    with pytest.raises(InvalidParameterError, match="different types"):
+        cfg.get_linear_method("model.layers.0.self_attn.qkv_proj", 64, [64, 64, 64], torch.float32, "cpu")
+    with pytest.raises(InvalidParameterError, match="Q4_K is not one of"):
+        cfg.get_linear_method("model.layers.0.mlp.down_proj", 64, [64], torch.float32, "cpu")
+    assert cfg.get_linear_method("model.layers.0.mlp.gate_up_proj", 64, [64, 64], torch.float32, "cpu") is None
+    assert "Q8_0" in cfg.get_linear_method("model.layers.0.self_attn.o_proj", 64, [64], torch.float32, "cpu").name
+
+
+def test_block_formats_need_input_divisible_by_32():
+    from pagedllm.layers.quantization.gguf_config import BlockQuantConfig
+
+    with pytest.raises(InvalidParameterError, match="divisible by 32"):
+        BlockQuantConfig.create("q4_0").get_linear_method("x.down_proj", 100, [64], torch.float32, "cpu")
