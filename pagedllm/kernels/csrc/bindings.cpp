@@ -26,4 +26,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_embedding", &rotary_embedding,
         "Rotate-half RoPE in place on x [T, heads, head_dim] with cos/sin [T, head_dim/2]",
         py::call_guard<py::gil_scoped_release>());
+  m.def("quantize_per_token", &quantize_per_token,
+        "Per-row symmetric int8 quantization of x [M, K] into uint8 out (q + zero_point) "
+        "and float32 scales [M]",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("int8_epilogue", &int8_epilogue,
+        "out = (acc - compensation[n]) * weight_scales[n] * row_scales[m] (+ bias[n]) in out's dtype",
+        py::call_guard<py::gil_scoped_release>());
 }

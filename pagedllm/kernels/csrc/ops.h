@@ -15,3 +15,10 @@ void reshape_and_cache(torch::Tensor key, torch::Tensor value, torch::Tensor key
 void silu_and_mul(torch::Tensor out, torch::Tensor x);
 void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
 void rotary_embedding(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
+
+// quant_act.cpp
+void quantize_per_token(torch::Tensor out, torch::Tensor scales, torch::Tensor x, int64_t qmax,
+                        int64_t zero_point);
+void int8_epilogue(torch::Tensor out, torch::Tensor acc, torch::Tensor compensation,
+                   torch::Tensor weight_scales, torch::Tensor row_scales,
+                   c10::optional<torch::Tensor> bias);

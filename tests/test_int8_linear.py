@@ -1,0 +1,403 @@
+"""int8 W8A8 linear method (pagedllm/layers/quantization/int8.py) and its C++ kernels
+(csrc/quant_act.cpp): the kernels against their torch twins bit for bit, the method against
+an integer reference and against float ``F.linear`` within the quantization error, batch
+invariance, fused layers, and the torch backend."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagedllm.kernels.cpu import load_cpu_kernels
+from pagedllm.layers.batch_invariance import probe_row_invariance
+from pagedllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, ReplicatedLinear
+from pagedllm.layers.quantization import int8
+from pagedllm.layers.quantization.int8 import (ACT_RANGES, Int8W8A8LinearMethod, epilogue_ref,
+                                               int8_matmul_ref, onednn_exact, onednn_exact_bits,
+                                               onednn_int8_available, quantize_per_token,
+                                               quantize_per_token_ref, quantize_weight_per_channel,
+                                               weight_compensation)
+from pagedllm.platform import cpu_features
+
+ROWS = (1, 3, 17, 64, 300)
+needs_onednn = pytest.mark.skipif(not onednn_int8_available("cpu"), reason="oneDNN int8 matmul unavailable")
+
+
+@pytest.fixture(scope="module")
+def ops():
+    m = load_cpu_kernels()
+    assert m is not None, "the C++ CPU kernels did not build"
+    return m
+
+
+def _acts(m: int, k: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Activations with rows of very different magnitudes (1e-3 to 1e3), an outlier channel
+    and a zero row."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g) * torch.logspace(-3, 3, m)[:, None]
+    x[:, k // 3] *= 20
+    if m > 2:
+        x[1] = 0
+    return x.to(dtype)
+
+
+# ---------------------------------------------------------------------------- kernels
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bits", [8, 7])
+@pytest.mark.parametrize("m,k", [(1, 576), (3, 77), (17, 1536), (64, 8), (300, 203)])
+def test_quantizer_cpp_matches_torch_bitwise(ops, dtype, bits, m, k):
+    qmax, zp = ACT_RANGES[bits]
+    x = _acts(m, k, dtype, seed=m * k)
+    want_q, want_s = quantize_per_token_ref(x, qmax, zp)
+    got_q, got_s = quantize_per_token(x, qmax, zp)
+    assert torch.equal(got_s, want_s)
+    assert torch.equal(got_q, want_q)
+    # and the values are the definition's: |q| <= qmax, the row maximum hits +-qmax,
+    # |x - q * s| <= s / 2 (plus float32 rounding of x * inv)
+    q = got_q.int() - zp
+    assert q.abs().max() <= qmax
+    xf = x.float()
+    nz = want_s > 0
+    assert torch.equal(q.abs().amax(dim=1)[nz], torch.full((int(nz.sum()),), qmax, dtype=torch.int32))
+    err = (xf - q * got_s[:, None]).abs()
+    assert (err <= got_s[:, None] * (0.5 + 1e-5)).all()
+    if m > 2:
+        assert got_s[1] == 0 and (q[1] == 0).all()
+
+
+def test_quantizer_strided_rows_and_ties(ops):
+    # a column slice (rows not adjacent) and exact ties: 63 / amax = 1, values k + 0.5
+    base = torch.zeros(5, 40)
+    base[:, :9] = torch.tensor([0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 62.5, -63.0, 3.5])
+    x = base[:, :20]
+    q, s = quantize_per_token(x, 63, 64)
+    assert torch.equal(s, torch.ones(5))
+    assert q[0, :9].int().sub(64).tolist() == [0, 2, 2, 0, -2, -2, 62, -63, 4]    # half to even
+    want_q, want_s = quantize_per_token_ref(x, 63, 64)
+    assert torch.equal(q, want_q) and torch.equal(s, want_s)
+
+
+def test_quantizer_non_finite_rows_get_non_finite_scales(ops):
+    x = torch.ones(3, 16)
+    x[0, 3], x[1, 5] = float("inf"), float("nan")
+    for q, s in (quantize_per_token(x, 127, 128), quantize_per_token_ref(x, 127, 128)):
+        assert not math.isfinite(s[0]) and not math.isfinite(s[1])
+        assert s[2] == 1 / 127 and (q[2] == 255).all()
+
+
+@pytest.mark.parametrize("qmax,zp", [(0, 64), (128, 128), (63, 10), (127, 200)])
+def test_quantizer_rejects_bad_ranges(qmax, zp):
+    with pytest.raises(ValueError, match="qmax|zero_point"):
+        quantize_per_token(torch.ones(2, 8), qmax, zp)
+    with pytest.raises(ValueError, match="qmax|zero_point"):
+        quantize_per_token_ref(torch.ones(2, 8), qmax, zp)
+
+
+def test_integer_sums_round_once_past_2_to_the_24():
+    g = torch.Generator().manual_seed(7)
+    k, n, m = 2048, 37, 9
+    w = torch.randint(-63, 64, (n, k), dtype=torch.int8, generator=g)
+    w[:5] = torch.randint(40, 64, (5, k), dtype=torch.int8, generator=g)
+    xq = torch.randint(0, 256, (m, k), dtype=torch.uint8, generator=g)
+    xq[:3] = torch.randint(200, 256, (3, k), dtype=torch.uint8, generator=g)
+    exact = xq.long() @ w.long().t()
+    assert exact.abs().max() > 2**24
+    want = exact.double().float()          # one rounding, to nearest even
+    assert torch.equal(int8_matmul_ref(xq, w), want)
+    if onednn_int8_available("cpu"):
+        packed = torch.ops.onednn.qlinear_prepack(w, None)
+        assert torch.equal(int8._qlinear(xq, packed, torch.ones(n), torch.zeros(n, dtype=torch.int64)), want)
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_epilogue_cpp_matches_torch_bitwise(ops, out_dtype, with_bias):
+    g = torch.Generator().manual_seed(5)
+    m, n = 37, 203
+    acc = torch.randint(-2**24, 2**24, (m, n), generator=g).float()
+    ws, rs = torch.rand(n, generator=g) * 1e-3, torch.rand(m, generator=g) * 0.1
+    rs[3] = 0
+    bias = torch.randn(n, generator=g) if with_bias else None
+    comp = torch.randint(-2**20, 2**20, (n,), generator=g).float()
+    want = epilogue_ref(acc, comp, ws, rs, bias, out_dtype)
+    got = torch.empty(m, n, dtype=out_dtype)
+    ops.int8_epilogue(got, acc, comp, ws, rs, bias)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("qmax", [127, 63])
+def test_weight_quantization(qmax):
+    g = torch.Generator().manual_seed(6)
+    w = torch.randn(9, 50, generator=g)
+    w[4] = 0
+    q, s = quantize_weight_per_channel(w.to(torch.bfloat16), qmax)
+    wf = w.to(torch.bfloat16).float()
+    assert q.dtype == torch.int8 and q.abs().max() == qmax
+    torch.testing.assert_close(s, wf.abs().amax(dim=1) / qmax, rtol=0, atol=0)
+    assert s[4] == 0 and (q[4] == 0).all()
+    assert ((wf - q.float() * s[:, None]).abs() <= s[:, None] * 0.5 * (1 + 1e-6)).all()
+    with pytest.raises(ValueError, match="weight"):
+        quantize_weight_per_channel(torch.ones(4))
+    with pytest.raises(ValueError, match="qmax"):
+        quantize_weight_per_channel(w, 128)
+
+
+# ----------------------------------------------------------------------------- method
+
+
+def _layer(k: int, n: int, bias: bool, dtype=torch.float32, seed=0, **method_kw) -> ReplicatedLinear:
+    g = torch.Generator().manual_seed(seed)
+    layer = ReplicatedLinear(k, n, bias, dtype, torch.device("cpu"), Int8W8A8LinearMethod("cpu", **method_kw))
+    layer.weight.data.copy_(torch.randn(n, k, generator=g) * 0.05)
+    if bias:
+        layer.bias.data.copy_(torch.randn(n, generator=g))
+    return layer
+
+
+def _reference(layer_w: torch.Tensor, bias, x: torch.Tensor, method: Int8W8A8LinearMethod):
+    """The method's maths with exact integers (int64) and float64 scaling: (float64 result,
+    bound on its distance to a float32 computation of the same maths)."""
+    qmax, zp = method.qmax, method.zero_point
+    q, ws = quantize_weight_per_channel(layer_w, method.weight_qmax)
+    xq, rs = quantize_per_token_ref(x, qmax, zp)
+    acc = (xq.long() - zp) @ q.long().t()
+    scale = ws.double() * rs.double()[:, None]
+    y = acc.double() * scale
+    # float32 rounds the uint8 sums and the zero point's column sums past 2**24, then
+    # each of the four operations once
+    acc_u = xq.long() @ q.long().t()
+    comp = zp * q.long().sum(dim=1)
+    mag = (acc.abs() + acc_u.abs() + comp.abs()).double() * scale
+    if bias is not None:
+        y = y + bias.double()
+        mag = mag + bias.double().abs()
+    return y, mag * 4 * 2.0 ** -24
+
+
+@needs_onednn
+@pytest.mark.parametrize("widths", [None, (8, 7), (8, 8)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m", ROWS)
+def test_method_matches_integer_reference(dtype, m, widths):
+    if widths is not None and not onednn_exact(*widths):
+        pytest.skip(f"oneDNN's int8 sums are not exact at {widths} bits on this CPU")
+    k, n = 320, 203
+    bits = {} if widths is None else dict(weight_bits=widths[0], act_bits=widths[1])
+    layer = _layer(k, n, bias=True, seed=m, **bits)
+    w = layer.weight.data.clone()
+    layer.linear_method.process_weights_after_loading(layer)
+    method = layer.linear_method
+    x = _acts(m, k, dtype, seed=m)
+    y = layer(x)
+    assert y.dtype == dtype and y.shape == (m, n)
+    want, tol = _reference(w, layer.bias.data, x, method)
+    if dtype == torch.bfloat16:
+        tol = tol + want.abs() * 2.0 ** -8
+    assert ((y.double() - want).abs() <= tol).all()
+    # and bit for bit the torch twins' composition (oneDNN's float32 of the integer sums)
+    xq, rs = quantize_per_token_ref(x, method.qmax, method.zero_point)
+    q, ws = quantize_weight_per_channel(w, method.weight_qmax)
+    acc = int8_matmul_ref(xq, q)
+    comp = weight_compensation(q, method.zero_point)
+    assert torch.equal(y, epilogue_ref(acc, comp, ws, rs, layer.bias.data, dtype))
+
+
+@needs_onednn
+def test_method_without_bias_and_odd_shapes():
+    for k, n, m in ((7, 1, 5), (64, 3, 1), (1000, 333, 17)):
+        layer = _layer(k, n, bias=False, seed=k)
+        w = layer.weight.data.clone()
+        layer.linear_method.process_weights_after_loading(layer)
+        x = _acts(m, k, torch.float32, seed=n)
+        want, tol = _reference(w, None, x, layer.linear_method)
+        assert ((layer(x).double() - want).abs() <= tol).all()
+    assert layer(torch.empty(0, 1000)).shape == (0, 333)
+
+
+@pytest.mark.parametrize("backend", ["onednn", "torch"])
+def test_error_against_float_linear_is_the_quantization_error(backend):
+    if backend == "onednn" and not onednn_int8_available("cpu"):
+        pytest.skip("oneDNN int8 matmul unavailable")
+    k, n, m = 576, 257, 64
+    g = torch.Generator().manual_seed(9)
+    layer = _layer(k, n, bias=True, seed=3, backend=backend)
+    w, b = layer.weight.data.clone(), layer.bias.data.clone()
+    layer.linear_method.process_weights_after_loading(layer)
+    method = layer.linear_method
+    x = torch.randn(m, k, generator=g)
+    y = layer(x).double()
+    ref = F.linear(x.double(), w.double(), b.double())
+    # worst case per element: each factor off by at most half its step
+    _, sw = quantize_weight_per_channel(w, method.weight_qmax)
+    _, sx = quantize_per_token_ref(x, method.qmax, method.zero_point)
+    sw, sx = sw.double(), sx.double()
+    bound = (x.double().abs().sum(1, keepdim=True) * sw / 2 + sx[:, None] * w.double().abs().sum(1) / 2
+             + k * sx[:, None] * sw / 4) * (1 + 1e-4)
+    assert ((y - ref).abs() <= bound).all()
+    # typical: rounding errors are uniform (variance step^2 / 12) and independent, so the
+    # relative error is about sqrt(rel_x^2 + rel_w^2): Gaussian x (576 per row) has amax
+    # ~3.3 sigma, so rel_x ~ 3.3 / qmax / sqrt(12): 0.75 % at 8 bits, 1.5 % at 7; weights
+    # (576 per row) likewise
+    rel = ((y - ref).norm() / (ref - b.double()).norm()).item()
+    expected = math.hypot(3.3 / method.qmax, 3.3 / method.weight_qmax) / math.sqrt(12)
+    assert 0.5 * expected < rel < 1.5 * expected, (rel, expected)
+
+
+@needs_onednn
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_are_batch_invariant(dtype):
+    layer = _layer(576, 203, bias=True, dtype=dtype, seed=11)
+    layer.linear_method.process_weights_after_loading(layer)
+    assert probe_row_invariance(layer, 576, dtype, "cpu", [1, 2, 3, 5, 16, 17, 33, 64, 65, 300]) == []
+
+
+@needs_onednn
+def test_rows_are_batch_invariant_on_two_threads():
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        layer = _layer(1536, 576, bias=False, seed=12)
+        layer.linear_method.process_weights_after_loading(layer)
+        assert probe_row_invariance(layer, 1536, torch.float32, "cpu", [1, 3, 16, 17, 64, 129]) == []
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_torch_backend_and_kernel_free_paths_give_the_same_bits(monkeypatch):
+    """oneDNN vs torch backend at the same activation width, and the C++ kernels vs their
+    torch twins inside the method: all one set of bits."""
+    k, n, m = 300, 97, 29
+    x = _acts(m, k, torch.float32, seed=4)
+    wbits, abits = onednn_exact_bits() if onednn_int8_available("cpu") else (8, 8)
+    layers = {}
+    for backend in ("onednn", "torch"):
+        if backend == "onednn" and not onednn_int8_available("cpu"):
+            continue
+        layers[backend] = _layer(k, n, bias=True, seed=8, backend=backend, weight_bits=wbits,
+                                 act_bits=abits)
+        layers[backend].linear_method.process_weights_after_loading(layers[backend])
+    outs = [layer(x) for layer in layers.values()]
+    monkeypatch.setattr(int8, "kernels_for", lambda device, dtype: None)
+    outs += [layer(x) for layer in layers.values()]
+    for out in outs[1:]:
+        assert torch.equal(out, outs[0])
+
+
+def test_torch_backend_matches_integer_reference():
+    k, n, m = 2100, 45, 6      # K over five reference chunks, uint8 sums past 2**24
+    layer = _layer(k, n, bias=False, seed=2, backend="torch")
+    w = layer.weight.data.clone()
+    layer.linear_method.process_weights_after_loading(layer)
+    assert layer.linear_method.name == "int8 W8A8 (torch reference)"
+    assert hasattr(layer, "int8_weight") and layer.weight.numel() == 0
+    x = _acts(m, k, torch.float32, seed=1)
+    want, tol = _reference(w, None, x, layer.linear_method)
+    assert ((layer(x).double() - want).abs() <= tol).all()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_cuda_uses_the_torch_backend():
+    layer = ReplicatedLinear(256, 96, True, torch.float32, torch.device("cuda"), Int8W8A8LinearMethod("cuda"))
+    g = torch.Generator().manual_seed(0)
+    w, b = torch.randn(96, 256, generator=g), torch.randn(96, generator=g)
+    layer.weight.data.copy_(w)
+    layer.bias.data.copy_(b)
+    layer.linear_method.process_weights_after_loading(layer)
+    assert layer.linear_method.backend == "torch"
+    x = _acts(33, 256, torch.float32, seed=3)
+    want, tol = _reference(w, b, x, layer.linear_method)
+    assert ((layer(x.cuda()).cpu().double() - want).abs() <= tol).all()
+
+
+def test_constructor_errors():
+    with pytest.raises(ValueError, match="act_bits"):
+        Int8W8A8LinearMethod("cpu", act_bits=4)
+    with pytest.raises(ValueError, match="weight_bits"):
+        Int8W8A8LinearMethod("cpu", weight_bits=16)
+    with pytest.raises(ValueError, match="backend"):
+        Int8W8A8LinearMethod("cpu", backend="mkl")
+    with pytest.raises(ValueError, match="backend"):
+        Int8W8A8LinearMethod("meta", backend="onednn")
+
+
+@needs_onednn
+def test_exactness_probe_agrees_with_the_isa():
+    f = cpu_features()
+    int32_dot = f.avx512_vnni or f.avx_vnni or f.amx_int8
+    assert onednn_exact_bits() == ((8, 8) if int32_dot else (7, 8))
+    assert Int8W8A8LinearMethod("cpu").name == (
+        "int8 W8A8 (oneDNN u8s8)" if int32_dot else "int8 W8A8 (oneDNN u8s8, 7-bit weights)")
+    assert onednn_exact(8, 7) and onednn_exact(7, 8)
+    assert onednn_exact(8, 8) == int32_dot    # int16 pair sums saturate without VNNI/AMX
+    if not int32_dot:
+        with pytest.raises(ValueError, match="not exact"):
+            Int8W8A8LinearMethod("cpu", weight_bits=8, act_bits=8)
+        assert Int8W8A8LinearMethod("cpu", act_bits=7).name == "int8 W8A8 (oneDNN u8s8, 7-bit activations)"
+
+
+@needs_onednn
+def test_inference_mode_either_side_of_loading():
+    x = _acts(5, 64, torch.float32, seed=0)
+    layer_a = _layer(64, 24, bias=True, seed=1)
+    layer_a.linear_method.process_weights_after_loading(layer_a)
+    with torch.inference_mode():
+        layer_b = _layer(64, 24, bias=True, seed=1)
+        layer_b.linear_method.process_weights_after_loading(layer_b)
+        y_ab, y_bb = layer_a(x), layer_b(x)
+    with torch.no_grad():
+        y_ba = layer_b(x)
+    assert torch.equal(layer_a(x), y_ab) and torch.equal(y_ab, y_bb) and torch.equal(y_bb, y_ba)
+
+
+@pytest.mark.parametrize("backend", ["onednn", "torch"])
+def test_fused_layers_equal_separate_layers(backend):
+    if backend == "onednn" and not onednn_int8_available("cpu"):
+        pytest.skip("oneDNN int8 matmul unavailable")
+    g = torch.Generator().manual_seed(13)
+    hidden, hd, nh, nkv, inter = 96, 16, 6, 2, 160
+    cpu = torch.device("cpu")
+
+    def method():
+        return Int8W8A8LinearMethod("cpu", backend=backend)
+
+    qkv = QKVParallelLinear(hidden, hd, nh, nkv, True, torch.float32, cpu, method())
+    gate_up = MergedColumnParallelLinear(hidden, [inter, inter], False, torch.float32, cpu, method())
+    parts = {"q": nh * hd, "k": nkv * hd, "v": nkv * hd}
+    separate = {}
+    for name, rows in parts.items():
+        w, b = torch.randn(rows, hidden, generator=g), torch.randn(rows, generator=g)
+        qkv.weight_loader(qkv.weight, w, name)
+        qkv.weight_loader(qkv.bias, b, name)
+        separate[name] = ReplicatedLinear(hidden, rows, True, torch.float32, cpu, method())
+        separate[name].weight.data.copy_(w)
+        separate[name].bias.data.copy_(b)
+    for i in range(2):
+        w = torch.randn(inter, hidden, generator=g) * (i + 1)
+        gate_up.weight_loader(gate_up.weight, w, i)
+        separate[i] = ReplicatedLinear(hidden, inter, False, torch.float32, cpu, method())
+        separate[i].weight.data.copy_(w)
+    for layer in [qkv, gate_up, *separate.values()]:
+        layer.linear_method.process_weights_after_loading(layer)
+    x = torch.randn(19, hidden, generator=g)
+    assert torch.equal(qkv(x), torch.cat([separate[p](x) for p in "qkv"], dim=1))
+    assert torch.equal(gate_up(x), torch.cat([separate[0](x), separate[1](x)], dim=1))
+
+
+@needs_onednn
+def test_tied_lm_head_keeps_the_embedding_table():
+    from pagedllm.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
+
+    cpu = torch.device("cpu")
+    emb = VocabParallelEmbedding(500, 64, torch.float32, cpu)
+    emb.weight.data.copy_(torch.randn(500, 64, generator=torch.Generator().manual_seed(0)))
+    head = ParallelLMHead(500, 64, torch.float32, cpu, tied_embedding=emb,
+                          linear_method=Int8W8A8LinearMethod("cpu"))
+    head.linear_method.process_weights_after_loading(head)
+    assert head.weight.shape == (500, 64)      # still the embedding table
+    x = _acts(4, 64, torch.float32, seed=2)
+    want, tol = _reference(emb.weight.data, None, x, head.linear_method)
+    assert ((head(x).double() - want).abs() <= tol).all()
