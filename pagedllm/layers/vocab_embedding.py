@@ -11,15 +11,27 @@ from pagedllm.layers.linear import LinearMethod, UnquantizedLinearMethod, get_li
 
 class VocabParallelEmbedding(nn.Module):
     """Token embedding: ``weight`` [num_embeddings, embedding_dim] in ``dtype``; forward maps
-    int64 ids [T] → [T, embedding_dim]. (Over several ranks the vocabulary rows would be
-    split; with one rank the whole table is here.)"""
+    int64 ids [T] → [T, embedding_dim] in ``dtype``. (Over several ranks the vocabulary rows
+    would be split; with one rank the whole table is here.)
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype, device: torch.device):
+    With ``quant_method`` (e.g. ``layers.quantization.BlockQuantEmbeddingMethod``) the
+    method registers ``weight`` in its own storage (``create_weights(layer,
+    num_embeddings, embedding_dim, dtype, device)``) and computes the lookup
+    (``embedding(layer, input_ids)``)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype, device: torch.device,
+                 quant_method=None):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim, dtype=dtype, device=device),
-                                   requires_grad=False)
+        self.quant_method = quant_method
+        if quant_method is None:
+            self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim, dtype=dtype, device=device),
+                                       requires_grad=False)
+        else:
+            quant_method.create_weights(self, num_embeddings, embedding_dim, dtype, device)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.quant_method is not None:
+            return self.quant_method.embedding(self, input_ids)
         return F.embedding(input_ids, self.weight)
 
 
@@ -46,7 +58,8 @@ class ParallelLMHead(nn.Module):
 
     Its weight [num_embeddings, embedding_dim] is its own parameter, or, with
     ``tied_embedding``, that embedding's table (not a parameter here, so it is loaded once,
-    as the embedding, and a checkpoint's ``lm_head.weight`` is ignored). With the oneDNN-
+    as the embedding, and a checkpoint's ``lm_head.weight`` is ignored; a packed table, from
+    a ``BlockQuantEmbeddingMethod``, goes with a ``BlockQuantLinearMethod`` of its format). With the oneDNN-
     packed method the table is packed after loading; a tied table stays dense too, since
     the embedding looks tokens up in it. A plain ``UnquantizedLinearMethod`` (dense
     weights) is replaced by ``DenseLogitsMethod``.
@@ -73,6 +86,7 @@ class ParallelLMHead(nn.Module):
         else:
             self.weight = tied_embedding.weight.data
             self.keep_dense_weight = True
+            self.params_dtype = dtype   # the compute dtype, for a method that sees only the table
 
     @property
     def compute_path(self) -> tuple[str, str, str]:

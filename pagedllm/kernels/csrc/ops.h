@@ -2,6 +2,10 @@
 #pragma once
 #include <torch/extension.h>
 
+#include <optional>
+#include <string>
+#include <vector>
+
 // paged_attention_cpu.cpp
 void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor key_cache,
                      torch::Tensor value_cache, torch::Tensor block_table,
@@ -14,3 +18,9 @@ void reshape_and_cache(torch::Tensor key, torch::Tensor value, torch::Tensor key
 void silu_and_mul(torch::Tensor out, torch::Tensor x);
 void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
 void rotary_embedding(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
+
+// block_quant.cpp
+void block_quant_linear(torch::Tensor out, torch::Tensor x, torch::Tensor w, int64_t fmt,
+                        std::optional<torch::Tensor> bias, bool portable);
+std::vector<torch::Tensor> block_quant_quantize_act(torch::Tensor x, bool portable);
+std::string block_quant_isa();
