@@ -4,7 +4,8 @@ float32 oneDNN-packed linears, in one run:
     python -m pagedllm.benchmarks.block_quant [--fmt Q4_1 Q8_0] [--threads 2]
 
 For each (K, N) and row count M: equivalent GFLOP/s = 2 * M * N * K / seconds (best of
-several calls after a warm-up), and the kernel's speed-up over oneDNN. Weights are
+several calls after a warm-up, the implementations called in turn so that a shared
+machine's load falls on all of them alike), and the kernel's speed-up over oneDNN. Weights are
 rotated through enough copies that each call reads its weight from memory, not from the
 32 MB L3 (a decode step streams every layer's own weight), unless ``--hot``.
 """
@@ -19,14 +20,18 @@ SHAPES = ((576, 960), (576, 3072), (1536, 576), (576, 49152))
 ROWS = (1, 4, 64, 512)
 
 
-def _time(fn, copies: int, min_s: float, min_calls: int = 5) -> float:
-    """Best seconds per call of ``fn(i)`` over calls cycling i through ``copies``."""
-    fn(0)
-    best, calls, t_end = float("inf"), 0, time.perf_counter() + min_s
+def _best_times(fns: list, copies: list[int], min_s: float, min_calls: int = 5) -> list[float]:
+    """Best seconds per call of each ``fns[j](i)`` (i cycling through ``copies[j]``), the
+    functions called in turn so that each sees the same load on a shared machine."""
+    for fn in fns:
+        fn(0)
+    best = [float("inf")] * len(fns)
+    calls, t_end = 0, time.perf_counter() + min_s * len(fns)
     while calls < min_calls or time.perf_counter() < t_end:
-        t = time.perf_counter()
-        fn(calls % copies)
-        best = min(best, time.perf_counter() - t)
+        for j, fn in enumerate(fns):
+            t = time.perf_counter()
+            fn(calls % copies[j])
+            best[j] = min(best[j], time.perf_counter() - t)
         calls += 1
     return best
 
@@ -71,14 +76,20 @@ def main(argv: list[str] | None = None) -> None:
             for m in args.rows:
                 x = torch.randn(m, k, generator=g)
                 flop = 2.0 * m * n * k
-                t_dn = _time(lambda i: torch.ops.mkldnn._linear_pointwise(x, dense[i], None, "none", [], ""),
-                             len(dense), args.min_s)
-                line = f"{k:>5} {n:>6} {m:>4} | {flop / t_dn / 1e9:>11.1f}"
-                for f in args.fmt:
+                outs = torch.empty(m, n)
+
+                def dense_call(i):
+                    return torch.ops.mkldnn._linear_pointwise(x, dense[i], None, "none", [], "")
+
+                def block_call(f):
                     fid = int(block_format(f).ggml_type)
-                    out = torch.empty(m, n)
-                    t = _time(lambda i: ops.block_quant_linear(out, x, packed[f][i], fid), len(packed[f]), args.min_s)
-                    line += f" | {flop / t / 1e9:>7.1f} {t_dn / t:>4.1f}x"
+                    return lambda i: ops.block_quant_linear(outs, x, packed[f][i], fid)
+
+                times = _best_times([dense_call] + [block_call(f) for f in args.fmt],
+                                    [len(dense)] + [len(packed[f]) for f in args.fmt], args.min_s)
+                line = f"{k:>5} {n:>6} {m:>4} | {flop / times[0] / 1e9:>11.1f}"
+                for t in times[1:]:
+                    line += f" | {flop / t / 1e9:>7.1f} {times[0] / t:>4.1f}x"
                 print(line, flush=True)
             del dense, packed
 

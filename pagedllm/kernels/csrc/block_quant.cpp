@@ -183,6 +183,7 @@ void quantize_row_avx2(const T* x, int64_t nb, int8_t* q, float* d, float* s, in
 
 template <typename T>
 QuantAct quantize_act(const T* x, int64_t M, int64_t K, int64_t x_stride, bool portable) {
+  (void)portable;  // without AVX2 there is one path
   QuantAct a;
   a.M = M;
   a.K = K;
@@ -257,8 +258,8 @@ void gemm_scalar(const QuantAct& a, const uint8_t* w, int64_t N, const float* bi
 //   lo = [column c elements 0-15 | column c+4 elements 0-15]
 //   hi = [column c elements 16-31 | column c+4 elements 16-31]
 // so one 16-byte half of the activations, broadcast to both 128-bit halves, multiplies
-// two columns at once, and after madd each 128-bit half holds one column's 4 partial sums;
-// two rounds of hadd then give the 8 columns' sums in lane order 0..7.
+// two columns at once, each 128-bit half then holding one column's partial sums; two
+// rounds of horizontal adds give the 8 columns' sums in lane order 0..7 (tile_sums).
 struct Tile {
   std::vector<uint8_t> w;    // [nb][4 pairs][lo, hi][32]: Q4_x: nibbles as bytes 0..15; Q8_0: int8 q
   std::vector<uint8_t> aw;   // same layout, Q8_0 only: |q| (read as unsigned)
@@ -319,20 +320,33 @@ void unpack_tile(Tile& t, const uint8_t* w, int64_t n0, int64_t N, int64_t nb) {
 }
 
 // One column pair's block with one activation block (its halves xlo, xhi, each broadcast
-// to both 128-bit halves): per 128-bit half, 4 int32 partial sums of that column's dot.
+// to both 128-bit halves). Q8_0: per 128-bit half, 4 int32 partial sums of that column's
+// dot (|pair| <= 2 * 128 * 127 in each maddubs, so two of them could overflow int16: they
+// are widened first). Q4_x: per 128-bit half, 8 int16 partial sums of 4 products each
+// (|pair| <= 2 * 15 * 127 = 3810, so a lane holds at most 7620).
 template <int FMT>
 inline __m256i pair_dot(const uint8_t* wp, const uint8_t* ap, __m256i xlo, __m256i xhi, __m256i ones) {
   const __m256i wlo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp));
   const __m256i whi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + QK));
   if (FMT == kQ8_0) {
-    // |pair| <= 2 * 128 * 127 in each maddubs; two of them could overflow int16: widen first
     const __m256i alo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ap));
     const __m256i ahi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ap + QK));
     return _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(alo, _mm256_sign_epi8(xlo, wlo)), ones),
                             _mm256_madd_epi16(_mm256_maddubs_epi16(ahi, _mm256_sign_epi8(xhi, whi)), ones));
   }
-  // nibbles: |pair| <= 2 * 15 * 127 = 3810, the sum of two maddubs fits int16
-  return _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(wlo, xlo), _mm256_maddubs_epi16(whi, xhi)), ones);
+  (void)ap;
+  (void)ones;
+  return _mm256_add_epi16(_mm256_maddubs_epi16(wlo, xlo), _mm256_maddubs_epi16(whi, xhi));
+}
+
+// The 8 columns' integer dots, lane j = column j, from the 4 pairs' pair_dot.
+template <int FMT>
+inline __m256i tile_sums(__m256i v0, __m256i v1, __m256i v2, __m256i v3, __m256i ones) {
+  if (FMT == kQ8_0)
+    return _mm256_hadd_epi32(_mm256_hadd_epi32(v0, v1), _mm256_hadd_epi32(v2, v3));
+  // int16 lanes: two rounds of adjacent sums (<= 15240, then <= 30480: no wrap), then
+  // madd widens the last pair of each column to int32
+  return _mm256_madd_epi16(_mm256_hadd_epi16(_mm256_hadd_epi16(v0, v1), _mm256_hadd_epi16(v2, v3)), ones);
 }
 
 // One row of x times a tile: 8 outputs (before bias).
@@ -346,11 +360,11 @@ inline __m256 row_times_tile(const Tile& t, const int8_t* xq, const float* dx, c
     const __m256i xhi = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xq + b * QK + 16)));
     const uint8_t* wb = t.w.data() + b * TILE * QK;
     const uint8_t* ab = t.aw.data() + b * TILE * QK;
-    const __m256i v0 = pair_dot<FMT>(wb, ab, xlo, xhi, ones);                  // columns 0 | 4
-    const __m256i v1 = pair_dot<FMT>(wb + 64, ab + 64, xlo, xhi, ones);        // 1 | 5
-    const __m256i v2 = pair_dot<FMT>(wb + 128, ab + 128, xlo, xhi, ones);      // 2 | 6
-    const __m256i v3 = pair_dot<FMT>(wb + 192, ab + 192, xlo, xhi, ones);      // 3 | 7
-    __m256i isum = _mm256_hadd_epi32(_mm256_hadd_epi32(v0, v1), _mm256_hadd_epi32(v2, v3));  // columns 0..7
+    __m256i isum = tile_sums<FMT>(pair_dot<FMT>(wb, ab, xlo, xhi, ones),               // columns 0 | 4
+                                  pair_dot<FMT>(wb + 64, ab + 64, xlo, xhi, ones),     // 1 | 5
+                                  pair_dot<FMT>(wb + 128, ab + 128, xlo, xhi, ones),   // 2 | 6
+                                  pair_dot<FMT>(wb + 192, ab + 192, xlo, xhi, ones),   // 3 | 7
+                                  ones);
     if (FMT == kQ4_0) isum = _mm256_sub_epi32(isum, _mm256_set1_epi32(8 * xs[b]));
     const __m256 scale = _mm256_mul_ps(_mm256_loadu_ps(t.dw.data() + b * TILE), _mm256_set1_ps(dx[b]));
     acc = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(isum), acc);
@@ -403,6 +417,7 @@ void gemm_avx2(const QuantAct& a, const uint8_t* w, int64_t N, const float* bias
 template <int FMT, typename T>
 void run(const QuantAct& a, const uint8_t* w, int64_t N, const float* bias, T* out, int64_t out_stride,
          bool portable) {
+  (void)portable;
 #ifdef BQ_AVX2
   if (!portable) return gemm_avx2<FMT, T>(a, w, N, bias, out, out_stride);
 #endif
