@@ -15,9 +15,11 @@
 //     and s_x = d_x * S (Q8_1's s, for Q4_1).
 //  2. Per (row, column, block), the integer dot I = sum_i qw_i * q_i is exact in int32
 //     (Q4_0: sum (qw_i - 8) q_i, computed as sum qw_i q_i - 8 S).
-//  3. acc = fma(d_w * d_x, float(I), acc) over the blocks b = 0, 1, ... in order (Q4_1
-//     then acc = fma(m_w, s_x, acc)), starting from acc = 0; the output is acc (+ bias),
-//     stored as float32 or rounded to bfloat16 (vec.h's from_f32).
+//  3. acc = fma(d_w * d_x, float(I), acc) over the blocks b = 0, 1, ... in order from
+//     acc = 0; Q4_1 also accm = fma(m_w, s_x, accm) in a second sum from 0 (two chains
+//     of dependent fma instead of one twice as long), and acc = acc + accm after the last
+//     block; the output is acc (+ bias), stored as float32 or rounded to bfloat16
+//     (vec.h's from_f32).
 // Step 3's float operations are the same, in the same order, in the AVX2 path and the
 // portable scalar path (explicit fma in both), so the two agree bit for bit when the
 // compiler keeps them as written; the tests allow float rounding between them anyway.
@@ -238,13 +240,14 @@ void gemm_scalar(const QuantAct& a, const uint8_t* w, int64_t N, const float* bi
         const float* dx = a.d.data() + r * nb;
         const float* sx = a.s.data() + r * nb;
         const int32_t* xs = a.sum.data() + r * nb;
-        float acc = 0.f;
+        float acc = 0.f, accm = 0.f;
         for (int64_t b = 0; b < nb; ++b) {
           const uint8_t* blk = wr + b * bpb;
           const int32_t isum = block_dot_scalar<FMT>(blk + off, xq + b * QK, xs[b]);
           acc = std::fma(half_at(blk) * dx[b], static_cast<float>(isum), acc);
-          if (FMT == kQ4_1) acc = std::fma(half_at(blk + 2), sx[b], acc);
+          if (FMT == kQ4_1) accm = std::fma(half_at(blk + 2), sx[b], accm);
         }
+        if (FMT == kQ4_1) acc = acc + accm;
         if (bias) acc = acc + bias[n];
         out[r * out_stride + n] = from_f32<T>(acc);
       }
@@ -265,7 +268,9 @@ struct Tile {
   std::vector<uint8_t> aw;   // same layout, Q8_0 only: |q| (read as unsigned)
   std::vector<float> dw;     // [nb][TILE]: d_w
   std::vector<float> mw;     // [nb][TILE]: Q4_1 only: m_w
-  explicit Tile(int64_t nb) : w(nb * TILE * QK), aw(nb * TILE * QK), dw(nb * TILE), mw(nb * TILE) {}
+  std::vector<uint32_t> head;  // [nb][TILE]: each block's first 4 bytes (fp16 d, then m or data)
+  explicit Tile(int64_t nb)
+      : w(nb * TILE * QK), aw(nb * TILE * QK), dw(nb * TILE), mw(nb * TILE), head(nb * TILE) {}
 };
 
 // Unpack columns n0 .. n0+7 (those past N repeat column n0: computed, never stored).
@@ -274,12 +279,10 @@ void unpack_tile(Tile& t, const uint8_t* w, int64_t n0, int64_t N, int64_t nb) {
   const int64_t bpb = block_bytes(FMT), row_bytes = nb * bpb;
   const int64_t off = FMT == kQ4_1 ? 4 : 2;
   const uint8_t* col[TILE];
-  alignas(32) int32_t idx[TILE];
-  for (int64_t j = 0; j < TILE; ++j) {
-    col[j] = w + (n0 + j < N ? n0 + j : n0) * row_bytes;
-    idx[j] = static_cast<int32_t>(col[j] - col[0]);
-  }
-  const __m256i vidx = _mm256_load_si256(reinterpret_cast<const __m256i*>(idx));
+  for (int64_t j = 0; j < TILE; ++j) col[j] = w + (n0 + j < N ? n0 + j : n0) * row_bytes;
+  // the scales' bytes, column by column (a gather per block costs more on Zen 3)
+  for (int64_t j = 0; j < TILE; ++j)
+    for (int64_t b = 0; b < nb; ++b) std::memcpy(&t.head[b * TILE + j], col[j] + b * bpb, 4);
   const __m256i low16 = _mm256_set1_epi32(0xFFFF);
   const __m256i low4 = _mm256_set1_epi8(0x0F);
   // This tile reads its 8 rows block by block, 8 streams at once, which the hardware
@@ -291,7 +294,7 @@ void unpack_tile(Tile& t, const uint8_t* w, int64_t n0, int64_t N, int64_t nb) {
     for (int64_t o = b * TILE * bpb; o < (b + 1) * TILE * bpb; o += 64)
       if (ahead + o < end) _mm_prefetch(reinterpret_cast<const char*>(ahead + o), _MM_HINT_T0);
     // the first 4 bytes of each column's block: fp16 d, then fp16 m (Q4_1) or data
-    const __m256i dm = _mm256_i32gather_epi32(reinterpret_cast<const int*>(col[0] + b * bpb), vidx, 1);
+    const __m256i dm = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t.head.data() + b * TILE));
     const __m256i mbits = FMT == kQ4_1 ? _mm256_srli_epi32(dm, 16) : _mm256_setzero_si256();
     // 32 -> 16 bits (d of the 8 columns, then m), in column order
     const __m256i h = _mm256_permute4x64_epi64(_mm256_packus_epi32(_mm256_and_si256(dm, low16), mbits), 0xd8);
@@ -354,7 +357,7 @@ template <int FMT>
 inline __m256 row_times_tile(const Tile& t, const int8_t* xq, const float* dx, const float* sx,
                              const int32_t* xs, int64_t nb) {
   const __m256i ones = _mm256_set1_epi16(1);
-  __m256 acc = _mm256_setzero_ps();
+  __m256 acc = _mm256_setzero_ps(), accm = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const __m256i xlo = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xq + b * QK)));
     const __m256i xhi = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xq + b * QK + 16)));
@@ -368,9 +371,9 @@ inline __m256 row_times_tile(const Tile& t, const int8_t* xq, const float* dx, c
     if (FMT == kQ4_0) isum = _mm256_sub_epi32(isum, _mm256_set1_epi32(8 * xs[b]));
     const __m256 scale = _mm256_mul_ps(_mm256_loadu_ps(t.dw.data() + b * TILE), _mm256_set1_ps(dx[b]));
     acc = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(isum), acc);
-    if (FMT == kQ4_1) acc = _mm256_fmadd_ps(_mm256_loadu_ps(t.mw.data() + b * TILE), _mm256_set1_ps(sx[b]), acc);
+    if (FMT == kQ4_1) accm = _mm256_fmadd_ps(_mm256_loadu_ps(t.mw.data() + b * TILE), _mm256_set1_ps(sx[b]), accm);
   }
-  return acc;
+  return FMT == kQ4_1 ? _mm256_add_ps(acc, accm) : acc;
 }
 
 template <int FMT, typename T>

@@ -25,8 +25,9 @@ The product (``block_quant_linear_ref`` in torch, ``block_quant_linear`` in
    ``S = sum q_i`` and ``s_x = d_x * S``;
 2. per output column and block the exact integer dot ``I = sum_i qw_i * q_i`` (Q4_0:
    ``qw_i - 8``);
-3. ``acc = fma(d_w * d_x, I, acc)`` over the blocks in order from 0 (Q4_1 also
-   ``acc = fma(m_w, s_x, acc)``), then ``+ bias``, stored in x's dtype.
+3. ``acc = fma(d_w * d_x, I, acc)`` over the blocks in order from 0; Q4_1 also sums
+   ``accm = fma(m_w, s_x, accm)`` apart and adds it after the last block; then ``+ bias``,
+   stored in x's dtype.
 
 Each output row depends only on its own input row, in a reduction order fixed by K:
 rows are batch-invariant. The error against the float product is that of the 8-bit
@@ -234,11 +235,14 @@ def block_quant_linear_unpacked(x: torch.Tensor, q: torch.Tensor, d: torch.Tenso
     qf = q.float()
     xf = xq.float()
     acc = torch.zeros(x.shape[0], q.shape[0], dtype=torch.float32, device=x.device)
+    accm = torch.zeros_like(acc)
     for b in range(nb):
         isum = xf[:, b] @ qf[:, b].t()                                   # [M, N], exact
         acc = acc + (dx[:, b:b + 1] * d[:, b]) * isum
         if m is not None:
-            acc = acc + m[:, b] * sx[:, b:b + 1]
+            accm = accm + m[:, b] * sx[:, b:b + 1]
+    if m is not None:
+        acc = acc + accm
     if bias is not None:
         acc = acc + bias.float()
     return acc.to(x.dtype)
