@@ -1,7 +1,8 @@
 """Optional C++ kernels for the CPU float32 path, built on first use with
 ``torch.utils.cpp_extension.load`` (g++ and ninja; cached under ``$TORCH_EXTENSIONS_DIR``,
 default ``~/.cache/torch_extensions``): paged decode attention, writing K/V into the
-paged cache, SiLU-and-mul, fused residual-add + RMSNorm and RoPE (sources in ``csrc/``).
+paged cache, SiLU-and-mul, fused residual-add + RMSNorm, RoPE, and linears with GGUF
+block-quantized weights (``block_quant.cpp``; sources in ``csrc/``).
 If the build fails, or ``PAGEDLLM_CPU_KERNELS=0``, callers fall back to torch ops;
 results agree to float32 rounding.
 
