@@ -2,8 +2,9 @@
 ``torch.utils.cpp_extension.load`` (g++ and ninja; cached under ``$TORCH_EXTENSIONS_DIR``,
 default ``~/.cache/torch_extensions``): paged decode attention, writing K/V into the
 paged cache (float32, bfloat16 or fp8, ``KV_CACHE_KERNEL_DTYPES``), SiLU-and-mul, fused
-residual-add + RMSNorm, RoPE, and per-token int8 activation quantization with its
-dequantizing epilogue (sources in ``csrc/``).
+residual-add + RMSNorm, RoPE, per-token int8 activation quantization with its
+dequantizing epilogue, and linears with GGUF block-quantized weights (``block_quant.cpp``;
+sources in ``csrc/``).
 If the build fails, or ``PAGEDLLM_CPU_KERNELS=0``, callers fall back to torch ops;
 results agree to float32 rounding.
 
@@ -42,7 +43,7 @@ _TOOLCHAIN = ("ninja", "c++", "g++", "gcc", "cc", "cc1plus", "cc1", "as", "ld", 
               "clang", "clang++", "lto-wrapper")
 
 _CSRC = os.path.join(os.path.dirname(__file__), "csrc")
-_SOURCES = ("bindings.cpp", "paged_attention_cpu.cpp", "cpu_ops.cpp", "quant_act.cpp")
+_SOURCES = ("bindings.cpp", "paged_attention_cpu.cpp", "cpu_ops.cpp", "quant_act.cpp", "block_quant.cpp")
 
 
 _NO_TRACE = contextlib.nullcontext()

@@ -142,7 +142,10 @@ class ShapeProbe:
 
 
 def _linear_layers(model: nn.Module) -> dict[tuple, list[nn.Module]]:
-    """Layers with a ``linear_method`` grouped by (method name, dtype, in, out), in model order."""
+    """Layers with a ``linear_method`` grouped by (method name, dtype, in, out), in model order.
+    The dtype is the layer's compute dtype: ``params_dtype`` where the layer has one (a
+    quantized weight's own dtype, e.g. uint8 blocks, is not what its inputs come in), else
+    the weight's."""
     groups: dict[tuple, list[nn.Module]] = {}
     for m in model.modules():
         method = getattr(m, "linear_method", None)

@@ -64,7 +64,8 @@ class ParallelLMHead(nn.Module):
 
     Its weight [num_embeddings, embedding_dim] is its own parameter, or, with
     ``tied_embedding``, that embedding's table (not a parameter here, so it is loaded once,
-    as the embedding, and a checkpoint's ``lm_head.weight`` is ignored). With the oneDNN-
+    as the embedding, and a checkpoint's ``lm_head.weight`` is ignored; a packed table, from
+    a ``BlockQuantEmbeddingMethod``, goes with a ``BlockQuantLinearMethod`` of its format). With the oneDNN-
     packed method the table is packed after loading; a tied table stays dense too, since
     the embedding looks tokens up in it. A plain ``UnquantizedLinearMethod`` (dense
     weights) is replaced by ``DenseLogitsMethod``.

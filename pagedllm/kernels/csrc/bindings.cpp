@@ -33,4 +33,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_epilogue", &int8_epilogue,
         "out = (acc - compensation[n]) * weight_scales[n] * row_scales[m] (+ bias[n]) in out's dtype",
         py::call_guard<py::gil_scoped_release>());
+  m.def("block_quant_linear", &block_quant_linear,
+        "out = x @ dequant(w).T (+ bias) with w in GGUF blocks (fmt: Q4_0 = 2, Q4_1 = 3, Q8_0 = 8), "
+        "x quantized per 32-block to int8; portable = the scalar path",
+        py::arg("out"), py::arg("x"), py::arg("w"), py::arg("fmt"), py::arg("bias") = py::none(),
+        py::arg("portable") = false, py::call_guard<py::gil_scoped_release>());
+  m.def("block_quant_quantize_act", &block_quant_quantize_act,
+        "x [M, K] -> (q int8 [M, K], d float32 [M, K/32], sum int32 [M, K/32]) as block_quant_linear quantizes it",
+        py::arg("x"), py::arg("portable") = false, py::call_guard<py::gil_scoped_release>());
+  m.def("block_quant_isa", &block_quant_isa, "\"AVX2\" or \"scalar\": the path block_quant_linear runs");
 }

@@ -2,6 +2,10 @@
 #pragma once
 #include <torch/extension.h>
 
+#include <optional>
+#include <string>
+#include <vector>
+
 // paged_attention_cpu.cpp
 void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor key_cache,
                      torch::Tensor value_cache, torch::Tensor block_table,
@@ -22,3 +26,8 @@ void quantize_per_token(torch::Tensor out, torch::Tensor scales, torch::Tensor x
 void int8_epilogue(torch::Tensor out, torch::Tensor acc, torch::Tensor compensation,
                    torch::Tensor weight_scales, torch::Tensor row_scales,
                    c10::optional<torch::Tensor> bias);
+// block_quant.cpp
+void block_quant_linear(torch::Tensor out, torch::Tensor x, torch::Tensor w, int64_t fmt,
+                        std::optional<torch::Tensor> bias, bool portable);
+std::vector<torch::Tensor> block_quant_quantize_act(torch::Tensor x, bool portable);
+std::string block_quant_isa();

@@ -17,44 +17,12 @@ llama.cpp's CPU path). Which layers:
 """
 from __future__ import annotations
 
-import torch
-from torch import nn
-
 from pagedllm.layers.quantization.base_config import QuantizationConfig, unsupported
-from pagedllm.layers.quantization.gguf_blocks import (BLOCK_FORMATS, BlockQuantLinearMethod,
-                                                      dequantize_blocks)
+from pagedllm.layers.quantization.gguf_blocks import (FORMATS, BlockQuantEmbeddingMethod,
+                                                      BlockQuantLinearMethod)
 
 # GGML types that are plain floats: those tensors stay dense under ``gguf``.
 _FLOAT_TYPES = frozenset({"F32", "F16", "BF16"})
-
-
-class PackedEmbeddingMethod:
-    """A token embedding table kept in a block format: ``layer.weight`` is uint8
-    [num_embeddings, embedding_dim / 32 * block bytes]; a lookup dequantizes only the rows
-    of the given ids (``dequantize_blocks``), to the layer's ``params_dtype``.
-
-    Args:
-        fmt: the block format's name ("Q8_0", "Q4_0" or "Q4_1").
-    """
-
-    def __init__(self, fmt: str):
-        self.fmt = fmt
-        self.name = f"gguf {fmt} rows"
-
-    def create_weights(self, layer: nn.Module, num_embeddings: int, embedding_dim: int,
-                       params_dtype: torch.dtype, device: torch.device) -> None:
-        """Register the packed table (uint8, uninitialised until loaded)."""
-        row_bytes = embedding_dim // 32 * BLOCK_FORMATS[self.fmt].block_bytes
-        layer.weight = nn.Parameter(torch.empty(num_embeddings, row_bytes, dtype=torch.uint8, device=device),
-                                    requires_grad=False)
-
-    def process_weights_after_loading(self, layer: nn.Module) -> None:
-        """Nothing to do: the file's blocks are used as they are."""
-
-    def embedding(self, layer: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
-        """int64 ids [T] → [T, embedding_dim] in ``layer.params_dtype``."""
-        rows = layer.weight.index_select(0, input_ids)
-        return dequantize_blocks(rows, self.fmt, layer.embedding_dim).to(layer.params_dtype)
 
 
 def _check_divisible(prefix: str, input_size: int, method: str) -> None:
@@ -84,7 +52,7 @@ class GGUFConfig(QuantizationConfig):
         return cls(gguf_tensor_types)
 
     def packed_gguf_types(self) -> frozenset[str]:
-        return frozenset(BLOCK_FORMATS)
+        return frozenset(FORMATS)
 
     def _type_of(self, prefix: str, names: list[str]) -> str | None:
         """The one GGML type of the tensors ``names`` (None if absent); raises for a mix or
@@ -96,9 +64,9 @@ class GGUFConfig(QuantizationConfig):
             raise unsupported(f"gguf cannot fuse {prefix}: its parts have different types "
                               f"({', '.join(f'{n}={self.tensor_types.get(n)}' for n in names)})")
         (t,) = types
-        if t not in BLOCK_FORMATS and t not in _FLOAT_TYPES:
+        if t not in FORMATS and t not in _FLOAT_TYPES:
             raise unsupported(f"gguf cannot keep {names[0]} packed: its type {t} is not one of "
-                              f"{', '.join(BLOCK_FORMATS)} (or a float type); run without --quantization "
+                              f"{', '.join(FORMATS)} (or a float type); run without --quantization "
                               "to dequantize the file at load")
         return t
 
@@ -117,10 +85,10 @@ class GGUFConfig(QuantizationConfig):
         t = self._type_of(prefix, [f"{prefix}.weight"])
         if t is None or t in _FLOAT_TYPES:
             return None
-        return PackedEmbeddingMethod(t)
+        return BlockQuantEmbeddingMethod(t)
 
     def describe(self) -> str:
-        kinds = sorted({t for t in self.tensor_types.values() if t in BLOCK_FORMATS})
+        kinds = sorted({t for t in self.tensor_types.values() if t in FORMATS})
         return f"gguf ({', '.join(kinds) or 'no packed tensors'})"
 
 
