@@ -392,6 +392,9 @@ class BlockQuantEmbeddingMethod:
             requires_grad=False)
         layer.params_dtype, layer.embedding_dim = dtype, embedding_dim
 
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        """Nothing to prepare: the file's blocks are looked up as they are."""
+
     def embedding(self, layer: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
         """int64 ids [T] → [T, embedding_dim] in ``layer.params_dtype`` (dequantized
         exactly in float32, then rounded to the dtype)."""
