@@ -171,7 +171,7 @@ def accuracy_main(args) -> int:
     ref_out = None
     for label, quant, kv in variants:
         t = time.perf_counter()
-        ppl = model_perplexity(args.model, quant) if kv == "auto" else float("nan")
+        ppl = model_perplexity(args.model, quant)[0] if kv == "auto" else float("nan")
         extra = {} if kv == "auto" else {"kv_cache_dtype": kv}
         llm = LLM(model=args.model, dtype="float32", quantization=quant, **extra)
         try:
