@@ -287,11 +287,10 @@ void unpack_tile(Tile& t, const uint8_t* w, int64_t n0, int64_t N, int64_t nb) {
   // This tile reads its 8 rows block by block, 8 streams at once, which the hardware
   // prefetchers follow poorly (one-row decode ran at a third of the memory bandwidth):
   // fetch the tile kPrefetchTiles ahead (the next rows of w), a block's share at a time.
-  const uint8_t* ahead = w + (n0 + kPrefetchTiles * TILE) * row_bytes;
-  const uint8_t* end = w + N * row_bytes;
+  const int64_t ahead = (n0 + kPrefetchTiles * TILE) * row_bytes, total = N * row_bytes;
   for (int64_t b = 0; b < nb; ++b) {
     for (int64_t o = b * TILE * bpb; o < (b + 1) * TILE * bpb; o += 64)
-      if (ahead + o < end) _mm_prefetch(reinterpret_cast<const char*>(ahead + o), _MM_HINT_T0);
+      if (ahead + o < total) _mm_prefetch(reinterpret_cast<const char*>(w + ahead + o), _MM_HINT_T0);
     // the first 4 bytes of each column's block: fp16 d, then fp16 m (Q4_1) or data
     const __m256i dm = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t.head.data() + b * TILE));
     const __m256i mbits = FMT == kQ4_1 ? _mm256_srli_epi32(dm, 16) : _mm256_setzero_si256();
