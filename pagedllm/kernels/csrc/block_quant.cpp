@@ -265,12 +265,11 @@ void gemm_scalar(const QuantAct& a, const uint8_t* w, int64_t N, const float* bi
 // rounds of horizontal adds give the 8 columns' sums in lane order 0..7 (tile_sums).
 struct Tile {
   std::vector<uint8_t> w;    // [nb][4 pairs][lo, hi][32]: Q4_x: nibbles as bytes 0..15; Q8_0: int8 q
-  std::vector<uint8_t> aw;   // same layout, Q8_0 only: |q| (read as unsigned)
   std::vector<float> dw;     // [nb][TILE]: d_w
   std::vector<float> mw;     // [nb][TILE]: Q4_1 only: m_w
   std::vector<uint32_t> head;  // [nb][TILE]: each block's first 4 bytes (fp16 d, then m or data)
   explicit Tile(int64_t nb)
-      : w(nb * TILE * QK), aw(nb * TILE * QK), dw(nb * TILE), mw(nb * TILE), head(nb * TILE) {}
+      : w(nb * TILE * QK), dw(nb * TILE), mw(nb * TILE), head(nb * TILE) {}
 };
 
 // Unpack columns n0 .. n0+7 (those past N repeat column n0: computed, never stored).
@@ -288,11 +287,10 @@ void unpack_tile(Tile& t, const uint8_t* w, int64_t n0, int64_t N, int64_t nb) {
   // This tile reads its 8 rows block by block, 8 streams at once, which the hardware
   // prefetchers follow poorly (one-row decode ran at a third of the memory bandwidth):
   // fetch the tile kPrefetchTiles ahead (the next rows of w), a block's share at a time.
-  const uint8_t* ahead = w + (n0 + kPrefetchTiles * TILE) * row_bytes;
-  const uint8_t* end = w + N * row_bytes;
+  const int64_t ahead = (n0 + kPrefetchTiles * TILE) * row_bytes, total = N * row_bytes;
   for (int64_t b = 0; b < nb; ++b) {
     for (int64_t o = b * TILE * bpb; o < (b + 1) * TILE * bpb; o += 64)
-      if (ahead + o < end) _mm_prefetch(reinterpret_cast<const char*>(ahead + o), _MM_HINT_T0);
+      if (ahead + o < total) _mm_prefetch(reinterpret_cast<const char*>(w + ahead + o), _MM_HINT_T0);
     // the first 4 bytes of each column's block: fp16 d, then fp16 m (Q4_1) or data
     const __m256i dm = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t.head.data() + b * TILE));
     const __m256i mbits = FMT == kQ4_1 ? _mm256_srli_epi32(dm, 16) : _mm256_setzero_si256();
@@ -308,9 +306,6 @@ void unpack_tile(Tile& t, const uint8_t* w, int64_t n0, int64_t N, int64_t nb) {
       if (FMT == kQ8_0) {
         lo = _mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(qc), reinterpret_cast<const __m128i*>(qa));
         hi = _mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(qc + 16), reinterpret_cast<const __m128i*>(qa + 16));
-        uint8_t* adst = t.aw.data() + (b * TILE / 2 + c) * 2 * QK;
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(adst), _mm256_abs_epi8(lo));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(adst + QK), _mm256_abs_epi8(hi));
       } else {
         const __m256i q = _mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(qc), reinterpret_cast<const __m128i*>(qa));
         lo = _mm256_and_si256(q, low4);
@@ -328,16 +323,15 @@ void unpack_tile(Tile& t, const uint8_t* w, int64_t n0, int64_t N, int64_t nb) {
 // are widened first). Q4_x: per 128-bit half, 8 int16 partial sums of 4 products each
 // (|pair| <= 2 * 15 * 127 = 3810, so a lane holds at most 7620).
 template <int FMT>
-inline __m256i pair_dot(const uint8_t* wp, const uint8_t* ap, __m256i xlo, __m256i xhi, __m256i ones) {
+inline __m256i pair_dot(const uint8_t* wp, __m256i xlo, __m256i xhi, __m256i ones) {
   const __m256i wlo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp));
   const __m256i whi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + QK));
   if (FMT == kQ8_0) {
-    const __m256i alo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ap));
-    const __m256i ahi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ap + QK));
+    // |w| read as unsigned (abs(-128) is 0x80 = 128), the sign moved onto x
+    const __m256i alo = _mm256_abs_epi8(wlo), ahi = _mm256_abs_epi8(whi);
     return _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(alo, _mm256_sign_epi8(xlo, wlo)), ones),
                             _mm256_madd_epi16(_mm256_maddubs_epi16(ahi, _mm256_sign_epi8(xhi, whi)), ones));
   }
-  (void)ap;
   (void)ones;
   return _mm256_add_epi16(_mm256_maddubs_epi16(wlo, xlo), _mm256_maddubs_epi16(whi, xhi));
 }
@@ -362,11 +356,10 @@ inline __m256 row_times_tile(const Tile& t, const int8_t* xq, const float* dx, c
     const __m256i xlo = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xq + b * QK)));
     const __m256i xhi = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xq + b * QK + 16)));
     const uint8_t* wb = t.w.data() + b * TILE * QK;
-    const uint8_t* ab = t.aw.data() + b * TILE * QK;
-    __m256i isum = tile_sums<FMT>(pair_dot<FMT>(wb, ab, xlo, xhi, ones),               // columns 0 | 4
-                                  pair_dot<FMT>(wb + 64, ab + 64, xlo, xhi, ones),     // 1 | 5
-                                  pair_dot<FMT>(wb + 128, ab + 128, xlo, xhi, ones),   // 2 | 6
-                                  pair_dot<FMT>(wb + 192, ab + 192, xlo, xhi, ones),   // 3 | 7
+    __m256i isum = tile_sums<FMT>(pair_dot<FMT>(wb, xlo, xhi, ones),         // columns 0 | 4
+                                  pair_dot<FMT>(wb + 64, xlo, xhi, ones),    // 1 | 5
+                                  pair_dot<FMT>(wb + 128, xlo, xhi, ones),   // 2 | 6
+                                  pair_dot<FMT>(wb + 192, xlo, xhi, ones),   // 3 | 7
                                   ones);
     if (FMT == kQ4_0) isum = _mm256_sub_epi32(isum, _mm256_set1_epi32(8 * xs[b]));
     const __m256 scale = _mm256_mul_ps(_mm256_loadu_ps(t.dw.data() + b * TILE), _mm256_set1_ps(dx[b]));
