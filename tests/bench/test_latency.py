@@ -77,3 +77,22 @@ def test_mm_reference_stays_within_its_budget():
     rate = measure_mm_gflops(dtype=torch.bfloat16, budget_s=1.0)
     assert rate > 0 and time.perf_counter() - t < 15
     assert measure_mm_gflops(n=256, repeats=2) > 0
+
+
+def test_llama_cpp_baseline_refuses_clearly(monkeypatch):
+    """``--backend llama.cpp`` needs llama-cpp-python, a .gguf model and one sequence; each
+    missing piece is a ValueError saying which (never a traceback from deep inside)."""
+    import sys
+
+    import pytest
+
+    from pagedllm.benchmarks.latency import run_llama_cpp
+    from pagedllm.entrypoints.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "latency", "--backend", "llama.cpp", "--batch-size", "2"])
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)     # import fails as if not installed
+    with pytest.raises(ValueError, match="llama-cpp-python"):
+        run_llama_cpp(args, [[1, 2], [3, 4]])
+    monkeypatch.setitem(sys.modules, "llama_cpp", object())
+    with pytest.raises(ValueError, match="--batch-size 1"):
+        run_llama_cpp(args, [[1, 2], [3, 4]])
