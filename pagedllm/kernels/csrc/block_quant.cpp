@@ -32,15 +32,17 @@
 //  * Q8_0: |w| as unsigned [0, 128] (abs(-128) reads as 128) x sign(x, w) in [-127, 127]:
 //    |pair| <= 2*128*127 = 32512. (The other way round, abs(x) x sign(w, x), would turn
 //    w = -128 into +128, which int8 cannot hold.)
-// _mm256_madd_epi16 with ones then widens to int32; sums of 32 products stay far inside
-// int32 (<= 32*128*127).
+// Q8_0 widens each maddubs result to int32 at once (_mm256_madd_epi16 with ones); Q4_x
+// first adds two maddubs results (<= 7620) and two rounds of adjacent int16 lanes
+// (<= 15240, then <= 30480: no wrap) before widening. A block's dot, at most
+// 32*128*127, is far inside int32.
 //
 // Layout of the work: columns are taken 8 at a time (a tile); a tile's weights are
 // unpacked once into a small L1-resident buffer (nibbles to bytes, fp16 scales to
 // float32, two columns per register: see Tile) and then reused by every row of x, each
 // row giving 8 outputs (one per AVX2 lane) whose per-block integer dots are summed
-// across lanes by horizontal adds. Threads (at::parallel_for) split the tiles; rows are taken in
-// chunks so that the quantized activations of a chunk stay in L2.
+// across lanes by horizontal adds. Threads (at::parallel_for) split the tiles; rows are
+// taken in chunks so that the quantized activations of a chunk stay in L2.
 #include "ops.h"
 #include "vec.h"
 
