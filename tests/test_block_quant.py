@@ -14,7 +14,7 @@ import torch
 from pagedllm.kernels.cpu import kernels_for
 from pagedllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, ReplicatedLinear
 from pagedllm.layers.quantization import gguf_blocks as gb
-from pagedllm.layers.quantization import (
+from pagedllm.layers.quantization.gguf_blocks import (
     BlockQuantEmbeddingMethod,
     BlockQuantLinearMethod,
     block_quant_linear_ref,
