@@ -325,12 +325,15 @@ def test_tied_lm_head_on_packed_embedding(use_kernels, monkeypatch):
     elif kernels_for("cpu", torch.float32) is None:
         pytest.skip("the C++ CPU kernels are unavailable")
     vocab, hidden = 300, 64
-    emb = VocabParallelEmbedding(vocab, hidden, torch.float32, torch.device("cpu"),
-                                 quant_method=BlockQuantEmbeddingMethod("Q8_0"))
+    from pagedllm.layers.quantization.gguf_config import GGUFConfig
+
+    quant_config = GGUFConfig({"model.embed_tokens.weight": "Q8_0"})   # a GGUF's tied Q8_0 table
+    emb = VocabParallelEmbedding(vocab, hidden, torch.float32, torch.device("cpu"), quant_config=quant_config)
+    assert isinstance(emb.embedding_method, BlockQuantEmbeddingMethod)
     table = quantize_to_blocks(_rand((vocab, hidden), 50), "Q8_0")
     emb.weight.data.copy_(table)
     head = ParallelLMHead(vocab, hidden, torch.float32, torch.device("cpu"), tied_embedding=emb,
-                          linear_method=BlockQuantLinearMethod("Q8_0"))
+                          quant_config=quant_config)
     head.linear_method.process_weights_after_loading(head)
     assert head.weight.data_ptr() == emb.weight.data_ptr()
     assert head.compute_path[1].startswith("gguf Q8_0 (")
