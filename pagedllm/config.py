@@ -264,7 +264,7 @@ class EngineArgs:
 
             if self.quantization not in QUANTIZATION_METHODS:
                 raise InvalidParameterError(
-                    "quantization", f"quantization must be one of {', '.join(QUANTIZATION_METHODS)} "
+                    "quantization", f"--quantization: must be one of {', '.join(QUANTIZATION_METHODS)} "
                     f"(or None), got {self.quantization!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             resolve_kv_cache_dtype(self.kv_cache_dtype, torch.float32)   # raises, naming kv_cache_dtype

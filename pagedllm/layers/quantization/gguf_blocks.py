@@ -313,13 +313,15 @@ class BlockQuantLinearMethod(LinearMethod):
         self.from_float = from_float
         self._ops = None
         self._picked = False
-        self.name = f"gguf {self.fmt.name}"
+        # the file's blocks ("gguf Q4_1") or float weights quantized here ("Q4_1 from float")
+        self._label = f"{self.fmt.name} from float" if from_float else f"gguf {self.fmt.name}"
+        self.name = self._label
 
     def _pick(self, device, dtype) -> None:
         self._ops = kernels_for(device, dtype)
         self._picked = True
         impl = f"C++ {kernel_isa(self._ops)}" if self._ops is not None else "torch"
-        self.name = f"gguf {self.fmt.name} ({impl})"
+        self.name = f"{self._label} ({impl})"
 
     def create_weights(self, layer, input_size, output_partition_sizes, params_dtype, device):
         check_k(input_size, self.fmt.name)
