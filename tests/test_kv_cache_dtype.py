@@ -20,6 +20,7 @@ from test_attention import _batch, _naive
 
 from pagedllm.attention.backend import CommonAttentionMetadata, get_attention_backend
 from pagedllm.attention.torch_backend import dequantize_kv, quantize_kv, write_kv
+from pagedllm.benchmarks.accuracy import greedy_agreement
 from pagedllm.kernels.cpu import load_cpu_kernels
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -414,16 +415,6 @@ def test_bad_checkpoint_scale_is_an_error(tmp_path):
 # --------------------------------------------------------------------------------------
 # The bundled model with narrower caches
 # --------------------------------------------------------------------------------------
-def _agreement(a: list[int], b: list[int]) -> int:
-    """Leading tokens two greedy continuations share."""
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 def test_bundled_model_greedy_text_with_narrower_caches(make_llm, mixed_prompts):
     """SmolLM2-135M in float32, greedy, 48 tokens on 8 prompts, KV cache in bfloat16 and
     fp8 E4M3 (scale 1.0: its K/V reach |k| <= ~19, |v| <= ~11 on these prompts, far
@@ -444,7 +435,7 @@ def test_bundled_model_greedy_text_with_narrower_caches(make_llm, mixed_prompts)
     agree = {}
     for kv in ("bfloat16", "fp8_e4m3"):
         outs = make_llm(**kw, kv_cache_dtype=kv).generate(prompts, greedy(48), use_tqdm=False)
-        agree[kv] = [_agreement(r, o.outputs[0].token_ids) for r, o in zip(ref, outs)]
+        agree[kv] = [greedy_agreement(r, o.outputs[0].token_ids) for r, o in zip(ref, outs)]
     print(f"leading tokens equal to the float32 cache's: {agree}")
     assert min(agree["bfloat16"]) >= 32, agree
     assert sum(n >= 16 for n in agree["fp8_e4m3"]) >= 4, agree

@@ -3,13 +3,10 @@ loaded from a HF-format directory (config.json + model.safetensors + tokenizer f
 prefill logits through our paged attention equal transformers' logits."""
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
-from pagedllm.attention.backend import CommonAttentionMetadata, get_attention_backend
-from pagedllm.forward_context import set_forward_context
-from pagedllm.layers import bind_kv_cache
+from pagedllm.benchmarks.accuracy import prefill_logits
 from pagedllm.models.loader import load_arch_config
 from pagedllm.models.registry import build_model
 
@@ -65,21 +62,7 @@ def _save_tiny(tmp_path, arch: str, tok):
 def _our_prefill_logits(path: str, ids: list[int]) -> torch.Tensor:
     cfg = load_arch_config(path)
     model = build_model(path, cfg, torch.float32, torch.device("cpu"), 512)
-    attn = get_attention_backend("torch")
-    bs, T = 16, len(ids)
-    nb = -(-T // bs)
-    kv = torch.zeros(attn.kv_cache_shape(cfg.num_hidden_layers, nb + 2, bs, cfg.num_key_value_heads, cfg.head_dim))
-    bt = np.arange(1, nb + 1, dtype=np.int32)[None]  # not starting at block 0 on purpose
-    pos = np.arange(T)
-    slots = (bt[0, pos // bs].astype(np.int64) * bs + pos % bs)
-    c = CommonAttentionMetadata(1, T, 0, torch.tensor([0, T], dtype=torch.int32),
-                                torch.tensor([T], dtype=torch.int32), torch.tensor([0], dtype=torch.int32),
-                                torch.from_numpy(bt), torch.from_numpy(slots), bs,
-                                np.array([0, T]), np.array([T]), np.array([0]), bt)
-    bind_kv_cache(model, kv, attn)
-    with set_forward_context(attn.build_metadata(c)):
-        hidden = model(torch.tensor(ids), torch.arange(T))
-    return model.compute_logits(hidden)
+    return prefill_logits(model, cfg, ids, torch.float32, torch.device("cpu"), attention_backend="torch")
 
 
 @pytest.mark.parametrize("arch", ["llama", "llama3-scaled", "mistral", "qwen2", "qwen3"])
