@@ -158,15 +158,18 @@ class RejectionSampler:
                md: SamplingMetadata, draft_probs: torch.Tensor | None) -> None:
         N, K = len(ks), len(flat)
         if target_logits.dim() != 2:
-            raise ValueError(f"target_logits must be [T, V], got shape {tuple(target_logits.shape)}")
+            raise ValueError(f"target_logits must be [T, V], got shape "
+                             f"{tuple(target_logits.shape)}")
         T, V = target_logits.shape
         if T != K + N:
             raise ValueError(f"target_logits has {T} rows but the {N} requests' drafts need "
                              f"sum(k_i + 1) = {K + N}")
         if md.temperature.shape[0] != N:
-            raise ValueError(f"sampling metadata has {md.temperature.shape[0]} rows for {N} requests")
+            raise ValueError(f"sampling metadata has {md.temperature.shape[0]} rows for {N} "
+                             "requests")
         if not md.all_greedy and len(md.generators) != N:
-            raise ValueError(f"sampling metadata has {len(md.generators)} generators for {N} requests")
+            raise ValueError(f"sampling metadata has {len(md.generators)} generators for {N} "
+                             "requests")
         if md.banned is not None:
             raise ValueError("md.banned must be None: mask target_logits before rejection sampling")
         if flat and not (0 <= min(flat) and max(flat) < V):
