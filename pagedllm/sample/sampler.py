@@ -50,6 +50,42 @@ def _apply_top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Te
     return torch.empty_like(logits).scatter_(1, idx, sorted_logits)
 
 
+def _probs(logits: torch.Tensor, md: SamplingMetadata, renormalize: bool) -> torch.Tensor:
+    """Temperature, top-k/top-p, softmax, min-p; min-p rows summed back to 1 only if asked
+    (the exponential race is scale-invariant, so the Sampler skips that division)."""
+    temp = torch.where(md.temperature > 0, md.temperature, torch.ones_like(md.temperature))
+    x = logits.float() / temp.unsqueeze(1)
+    if md.need_top_k or md.need_top_p:
+        x = _apply_top_k_top_p(x, md.top_k if md.need_top_k else None,
+                               md.top_p if md.need_top_p else None)
+    probs = x.softmax(dim=-1)
+    if md.need_min_p:
+        top = probs.max(dim=-1, keepdim=True).values
+        probs = probs.masked_fill(probs < md.min_p.unsqueeze(1) * top, 0.0)
+        if renormalize:
+            probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs
+
+
+def compute_probs(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """The distribution each random row samples from: float32 [N, V], rows sum to 1.
+
+    ``logits / temperature`` (float32), then top-k and top-p (``_apply_top_k_top_p``,
+    only if some row uses them: ``md.need_top_k`` / ``md.need_top_p``), softmax, then
+    min-p (tokens below ``min_p`` times the row's top probability dropped, the row
+    renormalised). ``md.banned`` is not applied: the caller masks ``logits`` first.
+
+    Greedy rows (temperature 0 or ``top_k == 1``) are not sampled from, so their rows
+    are only guaranteed finite: temperature 0 is treated as 1, and the filters apply as
+    for any other row.
+
+    Args:
+        logits: [N, V], any float dtype (computed in float32).
+        md: per-row settings, N rows.
+    """
+    return _probs(logits, md, renormalize=True)
+
+
 class Sampler:
     """Turns float32 logits [N, V] into token ids int64 [N].
 
@@ -57,10 +93,10 @@ class Sampler:
     greedy: argmax, whose first-index rule also settles ties, which low-precision logits
     make common (sampling among tied top tokens would make top_k=1 random).
 
-    Random rows draw with the exponential-race trick: argmax(p_i / E_i) with
-    E_i ~ Exp(1) selects token i with probability p_i (a Gumbel-max equivalent), so each
-    row consumes exactly V draws from its own generator per step: a seeded request's
-    tokens do not depend on the batch around it.
+    Random rows draw from ``compute_probs`` with the exponential-race trick:
+    argmax(p_i / E_i) with E_i ~ Exp(1) selects token i with probability p_i (a
+    Gumbel-max equivalent), so each row consumes exactly V draws from its own generator
+    per step: a seeded request's tokens do not depend on the batch around it.
     """
 
     def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
@@ -69,15 +105,7 @@ class Sampler:
         greedy_ids = logits.argmax(dim=-1)
         if md.all_greedy:
             return greedy_ids
-        temp = torch.where(md.temperature > 0, md.temperature, torch.ones_like(md.temperature))
-        x = logits / temp.unsqueeze(1)
-        if md.need_top_k or md.need_top_p:
-            x = _apply_top_k_top_p(x, md.top_k if md.need_top_k else None,
-                                   md.top_p if md.need_top_p else None)
-        probs = x.softmax(dim=-1)
-        if md.need_min_p:
-            top = probs.max(dim=-1, keepdim=True).values
-            probs = probs.masked_fill(probs < md.min_p.unsqueeze(1) * top, 0.0)
+        probs = _probs(logits, md, renormalize=False)
         q = torch.empty_like(probs)
         for i, g in enumerate(md.generators):
             if g is None:

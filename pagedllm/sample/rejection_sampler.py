@@ -1,0 +1,179 @@
+"""Lossless rejection sampling of speculative-decoding drafts (Leviathan et al. 2023;
+Chen et al. 2023)."""
+from __future__ import annotations
+
+import torch
+
+from pagedllm.sample.sampler import SamplingMetadata, _probs
+
+
+def _per_position(md: SamplingMetadata, req_of_pos: torch.Tensor) -> SamplingMetadata:
+    """Request-level metadata expanded to one row per target position (no generators:
+    the draws are made per request)."""
+    return SamplingMetadata(
+        temperature=md.temperature[req_of_pos], top_k=md.top_k[req_of_pos],
+        top_p=md.top_p[req_of_pos], min_p=md.min_p[req_of_pos], generators=[],
+        all_greedy=md.all_greedy, need_top_k=md.need_top_k, need_top_p=md.need_top_p,
+        need_min_p=md.need_min_p, banned=None)
+
+
+class RejectionSampler:
+    """Verifies draft tokens against the target model's logits so that the output
+    tokens are distributed exactly as if the target model had sampled them one by one.
+
+    Layout: request ``i`` (of N) proposed ``k_i >= 0`` draft tokens and owns the
+    ``k_i + 1`` consecutive rows ``offsets[i] .. offsets[i] + k_i`` of ``target_logits``
+    (``offsets`` = exclusive cumulative sum of ``k_i + 1``): row ``offsets[i] + j`` is the
+    target's next-token logits after the ``j`` first drafts, the last row is the bonus
+    position after all of them.
+
+    Greedy requests (temperature 0 or ``top_k == 1``, the Sampler's rule): the drafts are
+    accepted while they equal the target argmax (``torch.argmax``, first index on ties),
+    then the argmax at the first mismatch (or at the bonus position) is appended: exactly
+    the tokens plain greedy decoding produces.
+
+    Random requests (Leviathan et al. 2023, "Fast Inference from Transformers via
+    Speculative Decoding", ICML, Algorithm 1; Chen et al. 2023, "Accelerating Large
+    Language Model Decoding with Speculative Sampling", arXiv:2302.01318): with ``p`` the
+    target distribution at the draft's position (``compute_probs``, the request's own
+    temperature/top-k/top-p/min-p) and ``q`` the draft distribution (a row of
+    ``draft_probs``, or one-hot on the draft token when ``draft_probs`` is None, as for
+    n-gram proposers), draft ``d`` is accepted iff ``u * q(d) < p(d)`` with ``u ~ U[0, 1)``,
+    i.e. with probability ``min(1, p(d) / q(d))`` (a token with ``p(d) = 0`` never is). At
+    the first rejection the output token is drawn from ``norm(max(0, p - q))`` (from ``p``
+    if that residual is all zero); if all ``k_i`` drafts are accepted the bonus token is
+    drawn from ``p`` at the bonus position. Each output token then has the target's
+    distribution given the tokens before it, whatever ``q`` is.
+
+    Draws: categorical draws use the exponential race, argmax(p / E) with E ~ Exp(1), as
+    the Sampler does. At most one categorical draw per request is ever used (at its first
+    rejection, or at the bonus position), so a random request consumes, from its own
+    ``md.generators[i]`` (None: the global RNG), exactly V exponentials (one float32 row,
+    as one Sampler step) and then ``k_i`` uniforms, independently of the rest of the
+    batch: a seeded request's output does not depend on the batch around it, and a
+    request with ``k_i = 0`` draws the same token as the Sampler would. Greedy requests
+    draw nothing.
+
+    Cost: one argmax over [T, V]; batches with a random request add one ``compute_probs``
+    over all T rows (per-position metadata by ``repeat_interleave``) and two small draws per
+    random request; the acceptance and the prefix match are vectorised. A greedy-only
+    batch (``md.all_greedy``) computes no softmax.
+    """
+
+    def __call__(self, target_logits: torch.Tensor, draft_token_ids: list[list[int]],
+                 md: SamplingMetadata, draft_probs: torch.Tensor | None = None) -> list[list[int]]:
+        """Accept a prefix of each request's drafts and add one token.
+
+        Args:
+            target_logits: float32 [T, V] with T = sum(k_i + 1), laid out as in the class
+                docstring; already masked by the caller (``md.banned`` must be None).
+            draft_token_ids: per request, its k_i >= 0 proposed token ids.
+            md: per request (N rows), built as for the Sampler.
+            draft_probs: float32 [sum k_i, V], the draft model's distribution at each
+                proposed token's position (request-major, in draft order), or None for
+                one-hot proposals.
+
+        Returns:
+            per request, its accepted drafts followed by one more token (1 .. k_i + 1
+            token ids).
+
+        Raises:
+            ValueError: inconsistent shapes or lengths, a draft token outside [0, V), or
+                ``md.banned`` set.
+        """
+        N = len(draft_token_ids)
+        ks = [len(d) for d in draft_token_ids]
+        K = sum(ks)
+        flat = [t for d in draft_token_ids for t in d]
+        self._check(target_logits, flat, ks, md, draft_probs)
+        if N == 0:
+            return []
+        V = target_logits.shape[1]
+        dev = target_logits.device
+
+        k_t = torch.tensor(ks, dtype=torch.int64, device=dev)
+        lens = k_t + 1
+        starts = torch.cumsum(lens, 0) - lens                     # first row of each request
+        req_of_pos = torch.repeat_interleave(torch.arange(N, device=dev), lens)    # [T]
+        pos_in_req = torch.arange(K + N, device=dev) - starts[req_of_pos]
+        draft_rows = (pos_in_req < k_t[req_of_pos]).nonzero().squeeze(1)          # [K]
+        req_of_draft, j_of_draft = req_of_pos[draft_rows], pos_in_req[draft_rows]
+        drafts = torch.tensor(flat, dtype=torch.int64, device=dev)
+        greedy_ids = target_logits.argmax(dim=-1)                                 # [T]
+        accepted = greedy_ids[draft_rows] == drafts                               # [K]
+
+        if md.all_greedy:
+            n_acc = self._prefix_len(accepted, req_of_draft, j_of_draft, k_t)
+            tokens = greedy_ids[starts + n_acc]
+        else:
+            random = (md.temperature > 0) & (md.top_k != 1)                      # [N]
+            p_raw = _probs(target_logits, _per_position(md, req_of_pos), renormalize=False)
+            p = p_raw / p_raw.sum(dim=-1, keepdim=True) if md.need_min_p else p_raw
+            rand_list = random.tolist()
+            E = torch.ones(N, V, dtype=torch.float32, device=dev)
+            u = torch.zeros(K, dtype=torch.float32, device=dev)
+            d0 = 0
+            for i, k in enumerate(ks):
+                if rand_list[i]:
+                    g = md.generators[i]
+                    E[i].exponential_(generator=g)
+                    if k:
+                        u[d0:d0 + k].uniform_(generator=g)
+                d0 += k
+            p_d = p[draft_rows, drafts]
+            if draft_probs is None:
+                acc_rand = u < p_d
+            else:
+                acc_rand = u * draft_probs[torch.arange(K, device=dev), drafts].float() < p_d
+            accepted = torch.where(random[req_of_draft], acc_rand, accepted)
+            n_acc = self._prefix_len(accepted, req_of_draft, j_of_draft, k_t)
+            final_rows = starts + n_acc                                           # [N]
+            dist = p_raw[final_rows]
+            rej = (random & (n_acc < k_t)).nonzero().squeeze(1)
+            if rej.numel():
+                p_rej = p[final_rows[rej]]
+                qi = torch.cumsum(k_t, 0)[rej] - k_t[rej] + n_acc[rej]           # draft row
+                if draft_probs is None:
+                    resid = p_rej.scatter(1, drafts[qi].unsqueeze(1), 0.0)
+                else:
+                    resid = (p_rej - draft_probs[qi].float()).clamp_min(0.0)
+                empty = (resid.sum(dim=-1, keepdim=True) <= 0)
+                dist[rej] = torch.where(empty, p_rej, resid)
+            sampled = (dist / E).argmax(dim=-1)
+            tokens = torch.where(random, sampled, greedy_ids[final_rows])
+
+        n_list, t_list = n_acc.tolist(), tokens.tolist()
+        return [d[:n] + [t] for d, n, t in zip(draft_token_ids, n_list, t_list)]
+
+    @staticmethod
+    def _prefix_len(accepted: torch.Tensor, req: torch.Tensor, j: torch.Tensor,
+                    k_t: torch.Tensor) -> torch.Tensor:
+        """Per request, the number of leading accepted drafts: the index of its first
+        rejected draft, or k_i (int64 [N])."""
+        rejected = ~accepted
+        return k_t.clone().scatter_reduce_(0, req[rejected], j[rejected], reduce="amin")
+
+    @staticmethod
+    def _check(target_logits: torch.Tensor, flat: list[int], ks: list[int],
+               md: SamplingMetadata, draft_probs: torch.Tensor | None) -> None:
+        N, K = len(ks), len(flat)
+        if target_logits.dim() != 2:
+            raise ValueError(f"target_logits must be [T, V], got shape "
+                             f"{tuple(target_logits.shape)}")
+        T, V = target_logits.shape
+        if T != K + N:
+            raise ValueError(f"target_logits has {T} rows but the {N} requests' drafts need "
+                             f"sum(k_i + 1) = {K + N}")
+        if md.temperature.shape[0] != N:
+            raise ValueError(f"sampling metadata has {md.temperature.shape[0]} rows for {N} "
+                             "requests")
+        if not md.all_greedy and len(md.generators) != N:
+            raise ValueError(f"sampling metadata has {len(md.generators)} generators for {N} "
+                             "requests")
+        if md.banned is not None:
+            raise ValueError("md.banned must be None: mask target_logits before rejection sampling")
+        if flat and not (0 <= min(flat) and max(flat) < V):
+            raise ValueError(f"draft token ids must lie in [0, {V})")
+        if draft_probs is not None and tuple(draft_probs.shape) != (K, V):
+            raise ValueError(f"draft_probs must be [sum k_i, V] = [{K}, {V}], "
+                             f"got {tuple(draft_probs.shape)}")
