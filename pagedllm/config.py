@@ -153,6 +153,114 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype, device
     return dtype
 
 
+SPECULATIVE_METHODS = ("ngram", "suffix", "draft_model")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """``--speculative-config`` (JSON, as vLLM's) resolved.
+
+    Methods: ``ngram`` (prompt lookup over the request's own tokens), ``suffix``
+    (SuffixDecoding, Oliaro et al. 2024: suffix trees over the request's tokens and over
+    earlier responses), ``draft_model`` (a smaller model with the target's tokenizer,
+    ``model`` = its path). Each running request proposes up to ``num_speculative_tokens``
+    tokens per step; the target scores them with its next token in the same batch, and
+    ``RejectionSampler`` keeps the target's distribution.
+
+    Attributes:
+        num_speculative_tokens: most draft tokens per request and step (k). Default:
+            ``suffix_decoding_max_tree_depth`` for suffix; required otherwise.
+        prompt_lookup_min / prompt_lookup_max: n-gram sizes tried, longest first (vLLM's
+            rule: one given sets both; neither given: 2 and 5).
+        model: the draft model's path (``draft_model`` only).
+        suffix_decoding_*: the suffix proposer's tree depth, global cache size (responses;
+            0 = off), speculation cap per matched token, and minimum path probability
+            (vLLM's names and defaults, except the cache: 1000 responses, not 10000, since
+            a cached token costs ~190-500 bytes and up to ~7 KiB in repetitive text, so
+            10000 responses of 500 tokens would hold 1-2.5 GB of host memory).
+        adaptive: lower a request's k when its drafts are rejected (see
+            ``spec_decode.adaptive``); off: always propose k.
+    """
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 5
+    model: str | None = None
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_cached_requests: int = 1000
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_min_token_prob: float = 0.1
+    adaptive: bool = True
+
+    @classmethod
+    def parse(cls, value) -> SpeculativeConfig | None:
+        """From a JSON string, a dict or a SpeculativeConfig (None stays None).
+
+        Raises:
+            InvalidParameterError("speculative_config"): bad JSON, unknown key or method,
+                a missing or non-positive ``num_speculative_tokens``, bad n-gram bounds, a
+                draft model without ``model``.
+        """
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        import json
+
+        def bad(msg):
+            return InvalidParameterError("speculative_config", f"speculative_config: {msg}")
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise bad(f"not valid JSON ({e})") from None
+        if not isinstance(value, dict):
+            raise bad(f"must be a JSON object, got {type(value).__name__}")
+        d = dict(value)
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise bad(f"unknown key(s) {unknown}; known: {sorted(names)}")
+        method = d.get("method")
+        if method not in SPECULATIVE_METHODS:
+            raise bad(f"method must be one of {', '.join(SPECULATIVE_METHODS)}; got {method!r}")
+        if method == "suffix":
+            d.setdefault("num_speculative_tokens", d.get("suffix_decoding_max_tree_depth", 24))
+        if method == "ngram":
+            lo, hi = d.get("prompt_lookup_min"), d.get("prompt_lookup_max")
+            if lo is None and hi is None:
+                lo, hi = 2, 5
+            lo, hi = (hi if lo is None else lo), (lo if hi is None else hi)
+            for name, v in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+                if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                    raise bad(f"{name} must be a positive int, got {v!r}")
+            if lo > hi:
+                raise bad(f"prompt_lookup_min ({lo}) > prompt_lookup_max ({hi})")
+            d["prompt_lookup_min"], d["prompt_lookup_max"] = lo, hi
+        k = d.get("num_speculative_tokens")
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise bad(f"num_speculative_tokens must be a positive int, got {k!r}")
+        if method == "draft_model":
+            if not d.get("model"):
+                raise bad("method draft_model needs 'model' (the draft model's path)")
+            if not os.path.exists(d["model"]):
+                raise bad(f"draft model path {d['model']!r} does not exist")
+        for name, lo in (("suffix_decoding_max_tree_depth", 1), ("suffix_decoding_max_cached_requests", 0)):
+            v = d.get(name, 1)
+            if not isinstance(v, int) or isinstance(v, bool) or v < lo:
+                raise bad(f"{name} must be an int >= {lo}, got {v!r}")
+        for name in ("suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob"):
+            v = d.get(name, 0.0)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0:
+                raise bad(f"{name} must be a non-negative number, got {v!r}")
+        return cls(**d)
+
+    @property
+    def num_lookahead_slots(self) -> int:
+        """KV slots a request needs beyond this step's tokens: a draft model writes its own
+        K/V for its k proposals (after the step) into the request's blocks."""
+        return self.num_speculative_tokens if self.method == "draft_model" else 0
+
+
 @dataclass
 class EngineArgs:
     """Every engine setting; CLI flags are these names in kebab case (as ``vllm serve``).
@@ -183,6 +291,8 @@ class EngineArgs:
             vLLM's flag): None (the checkpoint's weights in ``dtype``), "int8" (W8A8),
             "gguf" (a GGUF's own Q8_0/Q4_0/Q4_1 blocks, kept packed), or "q8_0", "q4_0",
             "q4_1" (float weights quantized at load); see ``layers/quantization``.
+        speculative_config: speculative decoding (``SpeculativeConfig``), as a JSON string
+            or dict (``--speculative-config``, as vLLM's); None = off.
         seed: global seed for unseeded sampling.
         num_threads: torch intra-op threads on CPU (None = torch's default).
         profile_dir: write a per-step JSONL log and a torch.profiler trace there.
@@ -204,6 +314,7 @@ class EngineArgs:
     kv_cache_dtype: str = "auto"
     attention_backend: str = "auto"
     quantization: str | None = None
+    speculative_config: str | dict | None = None
     seed: int = 0
     num_threads: int | None = None
     profile_dir: str | None = None
@@ -236,6 +347,10 @@ class EngineArgs:
         parser.add_argument("--quantization", "-q", default=None,
                             help="int8 (W8A8), gguf (keep a GGUF's Q8_0/Q4_0/Q4_1 blocks packed), "
                                  "q8_0, q4_0, q4_1 (quantize float weights at load); default: none")
+        parser.add_argument("--speculative-config", default=None,
+                            help='speculative decoding as JSON, e.g. \'{"method": "ngram", '
+                                 '"num_speculative_tokens": 4, "prompt_lookup_max": 4}\'; methods: '
+                                 'ngram, suffix, draft_model (with "model")')
         parser.add_argument("--seed", type=int, default=d.seed)
         parser.add_argument("--num-threads", type=int, default=None)
         parser.add_argument("--profile-dir", default=None,
@@ -268,6 +383,7 @@ class EngineArgs:
                     f"(or None), got {self.quantization!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             resolve_kv_cache_dtype(self.kv_cache_dtype, torch.float32)   # raises, naming kv_cache_dtype
+        SpeculativeConfig.parse(self.speculative_config)   # raises, naming speculative_config
 
 
 @dataclass
@@ -285,6 +401,7 @@ class EngineConfig:
     max_model_len: int  # final after KV sizing (set by EngineCore)
     kv_cache_dtype: torch.dtype | None = None   # None: dtype (set by from_args)
     quant_config: object | None = None   # a layers.quantization.QuantizationConfig
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self):
         if self.kv_cache_dtype is None:
@@ -311,8 +428,17 @@ class EngineConfig:
                 "to allow it anyway (outputs past the trained length may be garbage)")
         name = args.served_model_name or os.path.basename(os.path.normpath(path))
         kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, dtype, device, args.attention_backend)
+        spec = SpeculativeConfig.parse(args.speculative_config)
+        if spec is not None and spec.method == "draft_model":
+            draft_arch = load_arch_config(spec.model)
+            get_model_class(draft_arch)
+            if draft_arch.vocab_size != arch.vocab_size:
+                raise InvalidParameterError(
+                    "speculative_config", f"speculative_config: the draft model's vocabulary "
+                    f"({draft_arch.vocab_size}) differs from the target's ({arch.vocab_size}); "
+                    "a draft model must share the target's tokenizer")
         return cls(args, path, name, arch, dtype, device, max_len, kv_dtype,
-                   _quant_config(args.quantization, path, device, dtype))
+                   _quant_config(args.quantization, path, device, dtype), spec)
 
 
 def _quant_config(method: str | None, path: str, device: torch.device, dtype: torch.dtype):

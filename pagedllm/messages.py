@@ -82,6 +82,11 @@ class SchedulerStats(msgspec.Struct):
             (queries and hits in tokens).
         step_num_reqs / step_num_prefill_tokens / step_num_decode_tokens: requests and
             tokens the step computed (0 in stats not taken from a step).
+        spec_decode_num_drafts / spec_decode_num_draft_tokens /
+            spec_decode_num_accepted_tokens: cumulative speculative-decoding counters
+            (requests-steps that verified drafts, draft tokens verified, accepted);
+        spec_decode_num_accepted_tokens_per_pos: cumulative accepted drafts by position
+            (index j = the (j+1)-th draft token of a step), as vLLM's.
     """
 
     num_running: int = 0
@@ -95,6 +100,10 @@ class SchedulerStats(msgspec.Struct):
     step_num_reqs: int = 0
     step_num_prefill_tokens: int = 0
     step_num_decode_tokens: int = 0
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: list[int] = []
 
 
 class EngineCoreOutputs(msgspec.Struct):
@@ -159,12 +168,16 @@ class CachedRequestData(msgspec.Struct):
             again: ``new_block_ids`` is then its whole new block table.
         new_block_ids: blocks appended to its table since the last step it ran.
         num_computed_tokens: tokens in the KV cache before this step.
+        num_freed_blocks: blocks dropped from the end of its table since the last step it
+            ran (slots of rejected draft tokens), before ``new_block_ids`` are appended;
+            0 without speculative decoding.
     """
 
     req_ids: list[str] = []
     resumed_from_preemption: list[bool] = []
     new_block_ids: list[list[int]] = []
     num_computed_tokens: list[int] = []
+    num_freed_blocks: list[int] = []
 
 
 class SchedulerOutput(msgspec.Struct):
@@ -207,8 +220,12 @@ class ModelRunnerOutput(msgspec.Struct):
         req_ids: the scheduled requests, in the runner's batch order.
         sampled_token_ids: per request (same order), the tokens it produced this step:
             [] for a prompt chunk that does not reach the end of the prompt, one token
-            otherwise (up to k+1 with speculative decoding).
+            otherwise (up to k+1 with speculative decoding: the accepted draft prefix and
+            one token of the target's).
+        spec_token_ids: with speculative decoding, per request (same order) the draft
+            tokens proposed for its next step ([] for none); empty list without it.
     """
 
     req_ids: list[str]
     sampled_token_ids: list[list[int]]
+    spec_token_ids: list[list[int]] = []

@@ -51,8 +51,10 @@ class EngineCore:
             config.max_model_len = capacity
         self.executor.initialize_kv_cache(num_blocks)
         self.kv = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching)
+        spec = config.speculative_config
         self.scheduler = Scheduler(self.kv, args.max_num_batched_tokens, args.max_num_seqs,
-                                   config.max_model_len, args.enable_chunked_prefill)
+                                   config.max_model_len, args.enable_chunked_prefill,
+                                   spec.num_lookahead_slots if spec is not None else 0)
         per_block = self.executor.kv_bytes_per_block()
         logger.info("KV cache: %d blocks of %d tokens (%.2f GiB); max concurrency at "
                     "max_model_len %d: %.2fx", num_blocks, args.block_size,

@@ -79,13 +79,17 @@ class KVCacheManager:
 
     def allocate_slots(self, req: Request, num_new_tokens: int,
                        new_computed_blocks: list[KVCacheBlock] | None = None,
-                       num_new_computed_tokens: int = 0) -> list[KVCacheBlock] | None:
+                       num_new_computed_tokens: int = 0,
+                       num_lookahead_tokens: int = 0) -> list[KVCacheBlock] | None:
         """Make room for ``num_new_tokens`` more tokens of ``req``.
 
         Args:
-            num_new_tokens: tokens to compute this step (after any cache hit).
+            num_new_tokens: tokens to compute this step (after any cache hit; with
+                speculative decoding, the next token and the drafts to verify).
             new_computed_blocks / num_new_computed_tokens: the prefix-cache hit returned by
                 ``get_computed_blocks`` at admission (else empty / 0).
+            num_lookahead_tokens: slots reserved past those (a draft model writes its
+                proposals' K/V there after the step); never hashed.
 
         Returns:
             The newly allocated blocks, or None when not enough blocks are free (nothing
@@ -94,7 +98,7 @@ class KVCacheManager:
         new_computed_blocks = new_computed_blocks or []
         blocks = self.req_blocks.setdefault(req.request_id, [])
         total = req.num_computed_tokens + num_new_computed_tokens + num_new_tokens
-        need = cdiv(total, self.block_size) - len(blocks) - len(new_computed_blocks)
+        need = cdiv(total + num_lookahead_tokens, self.block_size) - len(blocks) - len(new_computed_blocks)
         # Hit blocks with ref 0 sit in the free queue: taking them shrinks what is free.
         evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
         if need > self.pool.num_free_blocks - evictable_hits:
@@ -112,6 +116,20 @@ class KVCacheManager:
                 self.pool.cache_block(blocks[i], req.block_hashes[i])
             self.num_cached_blocks[req.request_id] = n_full
         return new_blocks
+
+    def free_tail(self, req: Request, num_tokens: int) -> int:
+        """Release the request's blocks past the first ``cdiv(num_tokens, block_size)``
+        (slots of rejected draft tokens and unused lookahead); returns how many. Such
+        blocks hold no full block of known tokens, so none is in the prefix cache."""
+        blocks = self.req_blocks.get(req.request_id)
+        keep = cdiv(num_tokens, self.block_size)
+        if not blocks or len(blocks) <= keep:
+            return 0
+        tail = blocks[keep:]
+        del blocks[keep:]
+        assert self.num_cached_blocks.get(req.request_id, 0) <= keep
+        self.pool.free_blocks(reversed(tail))
+        return len(tail)
 
     def free(self, req: Request) -> None:
         """Release the request's blocks, tail first, so that eviction takes a chain's

@@ -34,6 +34,8 @@ class Request:
         arrival_time, scheduled_time, first_token_time, finished_time: wall-clock seconds
             (``time.time()``); None until the event happened.
         num_cached_tokens: prompt tokens served from the prefix cache at first admission.
+        spec_token_ids: draft tokens proposed for the request's next step (speculative
+            decoding; [] for none).
     """
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
@@ -54,6 +56,7 @@ class Request:
         self.first_token_time: float | None = None
         self.finished_time: float | None = None
         self.num_cached_tokens = -1
+        self.spec_token_ids: list[int] = []
 
     @classmethod
     def from_engine_core_request(cls, r: EngineCoreRequest) -> Request:

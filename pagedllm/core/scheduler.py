@@ -6,6 +6,13 @@ prefill) up to the budget left; then waiting requests in arrival order, prefix-c
 first, their prompts chunked to the budget left. When ``allocate_slots`` fails, the most
 recently admitted running request is preempted: its blocks are freed and it goes back to
 the front of the queue to be recomputed later (tokens it already produced are kept).
+
+Speculative decoding: a decoding request that carries draft tokens (proposed by the
+runner at the end of its last step) is scheduled for 1 + k tokens, its next token and the
+drafts, capped so that accepting all of them stays within its ``max_tokens``,
+``max_model_len`` and the step's budget; ``num_lookahead_slots`` more slots are reserved
+for a draft model's own K/V. After the step, the computed-token count advances only over
+accepted tokens, and the blocks that held nothing but rejected slots are freed.
 """
 from __future__ import annotations
 
@@ -26,10 +33,13 @@ class Scheduler:
         max_model_len: most tokens (prompt + output) of one request.
         enable_chunked_prefill: split prompts larger than the budget left over steps;
             when off, a prompt waits until it fits whole (and must fit the budget).
+        num_lookahead_slots: KV slots reserved past a sampling request's scheduled tokens
+            (``SpeculativeConfig.num_lookahead_slots``; 0 without a draft model).
     """
 
     def __init__(self, kv_cache_manager: KVCacheManager, max_num_batched_tokens: int,
-                 max_num_seqs: int, max_model_len: int, enable_chunked_prefill: bool = True):
+                 max_num_seqs: int, max_model_len: int, enable_chunked_prefill: bool = True,
+                 num_lookahead_slots: int = 0):
         self.kv = kv_cache_manager
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
@@ -41,6 +51,13 @@ class Scheduler:
         self.finished_req_ids: set[str] = set()
         self.runner_known: set[str] = set()
         self.num_preemptions_total = 0
+        self.num_lookahead_slots = num_lookahead_slots
+        # speculative decoding counters (cumulative, as vLLM's spec_decode metrics)
+        self.num_drafts = 0
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.num_accepted_tokens_per_pos: list[int] = []
+        self.num_freed_blocks: dict[str, int] = {}   # rejected-slot blocks the runner must drop
 
     # -- requests --------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -75,6 +92,7 @@ class Scheduler:
 
     def _free(self, req: Request) -> None:
         self.kv.free(req)
+        self.num_freed_blocks.pop(req.request_id, None)
         self.requests.pop(req.request_id, None)
         self.finished_req_ids.add(req.request_id)
 
@@ -86,6 +104,8 @@ class Scheduler:
         self.kv.free(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
+        req.spec_token_ids = []
+        self.num_freed_blocks.pop(req.request_id, None)
         req.num_preemptions += 1
         self.num_preemptions_total += 1
         self.waiting.appendleft(req)
@@ -102,6 +122,7 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         # (request, tokens to compute, new block ids, resumed after preemption)
         scheduled: list[tuple[Request, int, list[int], bool]] = []
+        spec_tokens: dict[str, list[int]] = {}
         num_preempted = 0
         i = 0
         while i < len(self.running) and budget > 0:
@@ -111,8 +132,18 @@ class Scheduler:
             if n <= 0:
                 i += 1
                 continue
+            spec = req.spec_token_ids
+            if spec and n == 1 and req.num_computed_tokens + 1 == req.num_tokens:
+                # every draft accepted plus the target's own token must stay in bounds
+                room = min(req.sampling_params.max_tokens - req.num_output_tokens,
+                           self.max_model_len - req.num_tokens, budget) - 1
+                spec = spec[:max(room, 0)]
+                n += len(spec)
+            else:
+                spec = []
+            lookahead = self.num_lookahead_slots if req.num_computed_tokens + n >= req.num_tokens else 0
             while True:
-                new_blocks = self.kv.allocate_slots(req, n)
+                new_blocks = self.kv.allocate_slots(req, n, num_lookahead_tokens=lookahead)
                 if new_blocks is not None:
                     break
                 victim = self.running.pop()
@@ -122,6 +153,8 @@ class Scheduler:
                     break
             if new_blocks is None:
                 break
+            if spec:
+                spec_tokens[req.request_id] = spec
             scheduled.append((req, n, [b.block_id for b in new_blocks], False))
             budget -= n
             i += 1
@@ -138,7 +171,8 @@ class Scheduler:
                 if not self.enable_chunked_prefill and n > budget and req.num_preemptions == 0:
                     break
                 n = min(n, budget)
-                if self.kv.allocate_slots(req, n, hit_blocks, n_hit) is None:
+                lookahead = self.num_lookahead_slots if n_hit + n >= req.num_tokens else 0
+                if self.kv.allocate_slots(req, n, hit_blocks, n_hit, lookahead) is None:
                     break
                 self.waiting.popleft()
                 req.num_computed_tokens = n_hit
@@ -155,6 +189,7 @@ class Scheduler:
         cached = CachedRequestData()
         num_scheduled: dict[str, int] = {}
         out = SchedulerOutput(new_reqs, cached, num_scheduled, self.max_num_batched_tokens - budget,
+                              scheduled_spec_decode_tokens=spec_tokens,
                               finished_req_ids=self.finished_req_ids, num_preempted=num_preempted)
         for req, n, block_ids, admitted in scheduled:
             rid = req.request_id
@@ -169,6 +204,7 @@ class Scheduler:
                 cached.resumed_from_preemption.append(admitted)
                 cached.new_block_ids.append(block_ids)
                 cached.num_computed_tokens.append(req.num_computed_tokens)
+                cached.num_freed_blocks.append(0 if admitted else self.num_freed_blocks.pop(rid, 0))
             if req.num_computed_tokens >= req.num_prompt_tokens:
                 out.num_decode_tokens += n
             else:
@@ -187,12 +223,22 @@ class Scheduler:
         now = time.time()
         outputs: list[EngineCoreOutput] = []
         sampled = dict(zip(runner_output.req_ids, runner_output.sampled_token_ids))
+        proposed = dict(zip(runner_output.req_ids, runner_output.spec_token_ids))
         for rid, n in so.num_scheduled_tokens.items():
             req = self.requests.get(rid)
             if req is None or req.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran
-            req.num_computed_tokens += n
             tokens = sampled.get(rid)
+            spec = so.scheduled_spec_decode_tokens.get(rid)
+            if spec and tokens:
+                num_accepted = len(tokens) - 1
+                self._count_spec(len(spec), num_accepted)
+                # K/V of rejected drafts stays in their slots until overwritten; the
+                # count covers accepted tokens only
+                req.num_computed_tokens += n - (len(spec) - num_accepted)
+            else:
+                req.num_computed_tokens += n
+            req.spec_token_ids = proposed.get(rid) or []
             if not tokens:
                 continue
             if req.first_token_time is None:
@@ -208,8 +254,22 @@ class Scheduler:
                     self.running.remove(req)
                     self._free(req)
                     break
+            if spec and req.status == RequestStatus.RUNNING and len(spec) >= len(tokens):
+                freed = self.kv.free_tail(req, req.num_tokens)
+                if freed:
+                    self.num_freed_blocks[rid] = self.num_freed_blocks.get(rid, 0) + freed
             outputs.append(self._output(req, new_tokens))
         return outputs
+
+    def _count_spec(self, num_draft: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft
+        self.num_accepted_tokens += num_accepted
+        per_pos = self.num_accepted_tokens_per_pos
+        if len(per_pos) < num_draft:
+            per_pos.extend([0] * (num_draft - len(per_pos)))
+        for j in range(num_accepted):
+            per_pos[j] += 1
 
     def _check_stop(self, req: Request, tok: int) -> RequestStatus | None:
         """The finished status ``tok`` (just appended) gives ``req``, or None to go on."""
@@ -243,4 +303,7 @@ class Scheduler:
             num_blocks_used=self.kv.num_blocks - self.kv.num_free_blocks,
             num_blocks_total=self.kv.num_blocks,
             num_preemptions_total=self.num_preemptions_total,
-            prefix_cache_queries=s.queries, prefix_cache_hits=s.hits)
+            prefix_cache_queries=s.queries, prefix_cache_hits=s.hits,
+            spec_decode_num_drafts=self.num_drafts, spec_decode_num_draft_tokens=self.num_draft_tokens,
+            spec_decode_num_accepted_tokens=self.num_accepted_tokens,
+            spec_decode_num_accepted_tokens_per_pos=list(self.num_accepted_tokens_per_pos))
