@@ -17,17 +17,18 @@ import pagedllm
 # Low to high: an import may only point to a lower rank.
 RANKS = {
     "errors": 0, "envs": 0, "outputs": 0, "forward_context": 0, "platform": 0,
-    "utils": 1, "sampling_params": 1, "kernels": 1, "sample": 1, "spec_decode": 1,
+    "utils": 1, "sampling_params": 1, "kernels": 1, "sample": 1,
     "messages": 2, "attention": 2, "tokenizer": 2,
     "layers": 3,
     "models": 4,
     "config": 5,
-    "worker": 6,
-    "executor": 7,
-    "core": 8,
-    "engine": 9,
-    "entrypoints": 10,
-    "benchmarks": 11,
+    "spec_decode": 6,
+    "worker": 7,
+    "executor": 8,
+    "core": 9,
+    "engine": 10,
+    "entrypoints": 11,
+    "benchmarks": 12,
 }
 ROOT = pathlib.Path(pagedllm.__file__).parent
 

@@ -61,6 +61,40 @@ class CommonAttentionMetadata:
     block_table_np: np.ndarray
 
 
+def build_common_metadata(context_lens: np.ndarray, query_lens: np.ndarray, block_table: np.ndarray,
+                          block_size: int, device: torch.device) -> tuple[CommonAttentionMetadata, np.ndarray, np.ndarray]:
+    """Describe one flattened batch, vectorised (numpy on the host, then one copy each).
+
+    Args:
+        context_lens: int64 [B], tokens already in the cache per request.
+        query_lens: int64 [B] (> 0), tokens computed this step per request; requests with
+            one query token must come first.
+        block_table: int32 [B, max_blocks], each request's block ids (row-padded).
+        block_size: tokens per block; device: where the tensors go.
+
+    Returns:
+        (metadata, positions int64 [T], request index of each token int64 [T]).
+    """
+    B = len(query_lens)
+    qsl = np.zeros(B + 1, dtype=np.int64)
+    np.cumsum(query_lens, out=qsl[1:])
+    T = int(qsl[-1])
+    seq_lens = context_lens + query_lens
+    req_of_tok = np.repeat(np.arange(B), query_lens)
+    pos = context_lens[req_of_tok] + (np.arange(T) - qsl[:-1][req_of_tok])
+    slot_mapping = block_table[req_of_tok, pos // block_size].astype(np.int64) * block_size + pos % block_size
+    to = (lambda a: torch.from_numpy(a)) if device.type == "cpu" else (
+        lambda a: torch.from_numpy(a).to(device, non_blocking=True))
+    common = CommonAttentionMetadata(
+        num_reqs=B, num_tokens=T, num_decodes=int((query_lens == 1).sum()),
+        query_start_loc=to(qsl.astype(np.int32)), seq_lens=to(seq_lens.astype(np.int32)),
+        context_lens=to(context_lens.astype(np.int32)), block_table=to(block_table),
+        slot_mapping=to(slot_mapping), block_size=block_size,
+        query_start_loc_np=qsl, seq_lens_np=seq_lens, context_lens_np=context_lens,
+        block_table_np=block_table)
+    return common, pos, req_of_tok
+
+
 class AttentionBackend(ABC):
     """Interface every attention implementation provides.
 

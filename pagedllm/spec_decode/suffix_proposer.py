@@ -78,7 +78,7 @@ class SuffixProposer:
         ValueError: naming the ``speculative_config`` key that is out of range.
     """
 
-    def __init__(self, num_speculative_tokens: int, max_tree_depth: int = 24, max_cached_requests: int = 10000,
+    def __init__(self, num_speculative_tokens: int, max_tree_depth: int = 24, max_cached_requests: int = 1000,
                  max_spec_factor: float = 1.0, min_token_prob: float = 0.1):
         checks = [("num_speculative_tokens", num_speculative_tokens, num_speculative_tokens >= 1, ">= 1"),
                   ("suffix_decoding_max_tree_depth", max_tree_depth, max_tree_depth >= 1, ">= 1"),

@@ -7,6 +7,15 @@ deltas; per step it gathers from it, vectorised: ``input_ids[T]``, ``positions[T
 ``block_table[B, max_blocks]``. Requests with one query token (decodes) are placed first,
 which the attention backends use to batch them. Logits are computed only at the last
 position of requests that reach the end of their known tokens this step.
+
+Speculative decoding: a request scheduled with k draft tokens has them written into its
+row past its known tokens, so the target scores its next token and the k drafts as k + 1
+query tokens over its cached context (the chunked-prefill attention path), in the same
+flattened batch as prefills and plain decodes. Logits are taken at those k + 1 positions
+and ``RejectionSampler`` keeps the accepted drafts and one token of the target's; rows
+without drafts sample with ``Sampler`` as before. At the end of the step the proposer
+(n-gram, suffix or draft model) proposes each sampling request's next drafts, as many as
+``AdaptiveDraftLength`` allows.
 """
 from __future__ import annotations
 
@@ -15,12 +24,14 @@ import logging
 import numpy as np
 import torch
 
-from pagedllm.attention.backend import FP8_DTYPES, CommonAttentionMetadata, get_attention_backend
+from pagedllm.attention.backend import FP8_DTYPES, build_common_metadata, get_attention_backend
 from pagedllm.config import EngineConfig
 from pagedllm.forward_context import set_forward_context
 from pagedllm.layers import bind_kv_cache, describe_compute_path, describe_kv_scales
 from pagedllm.messages import ModelRunnerOutput, SchedulerOutput
+from pagedllm.sample.rejection_sampler import RejectionSampler
 from pagedllm.sample.sampler import Sampler, SamplingMetadata
+from pagedllm.spec_decode.adaptive import AdaptiveDraftLength
 from pagedllm.utils import cdiv, empty_cpu_hugepages
 from pagedllm.worker.input_batch import CachedRequestState, InputBatch
 
@@ -46,6 +57,16 @@ class ModelRunner:
                                  max_positions=max(config.max_model_len, 1),
                                  quant_config=config.quant_config)
         self.sampler = Sampler()
+        self.rejection_sampler = RejectionSampler()
+        self.spec = config.speculative_config
+        self.proposer = None
+        self.draft_length = None
+        if self.spec is not None:
+            from pagedllm.spec_decode.proposer import make_proposer
+
+            self.proposer = make_proposer(config, self.attn)
+            self.draft_length = AdaptiveDraftLength(self.spec.num_speculative_tokens,
+                                                    enabled=self.spec.adaptive)
         self.kv_cache: torch.Tensor | None = None
         self.requests: dict[str, CachedRequestState] = {}
         self.input_batch: InputBatch | None = None   # made with the KV cache
@@ -54,13 +75,16 @@ class ModelRunner:
         """One line for the start-up log: which attention backend, kernels and linear
         implementation this runner uses (so fallbacks are visible)."""
         scales = f", {describe_kv_scales(self.model)}" if self.kv_cache_dtype in FP8_DTYPES else ""
-        return f"attention backend {self.attn.describe()}{scales}, {describe_compute_path(self.model)}"
+        spec = f", speculative decoding: {self.proposer.describe()}" if self.proposer is not None else ""
+        return f"attention backend {self.attn.describe()}{scales}, {describe_compute_path(self.model)}{spec}"
 
     def kv_bytes_per_block(self) -> int:
-        """Bytes of K and V for one block across all layers, in the cache's dtype."""
+        """Bytes of K and V for one block across all layers, in the cache's dtype (with a
+        draft model, its own cache's block too: both use the same block ids)."""
         a = self.config.arch
         elem = torch.empty((), dtype=self.kv_cache_dtype).element_size()
-        return 2 * a.num_hidden_layers * self.block_size * a.num_key_value_heads * a.head_dim * elem
+        own = 2 * a.num_hidden_layers * self.block_size * a.num_key_value_heads * a.head_dim * elem
+        return own + (self.proposer.kv_bytes_per_block(self.block_size) if self.proposer is not None else 0)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate the KV cache and the input batch (after KV sizing has fixed
@@ -79,6 +103,8 @@ class ModelRunner:
         else:
             self.kv_cache = torch.empty(shape, dtype=self.kv_cache_dtype, device=self.device)
         bind_kv_cache(self.model, self.kv_cache, self.attn)
+        if self.proposer is not None:
+            self.proposer.initialize_kv_cache(num_blocks, self.block_size)
 
     # ------------------------------------------------------------------------------
     def _update_states(self, so: SchedulerOutput) -> None:
@@ -90,6 +116,10 @@ class ModelRunner:
             self.requests.pop(rid, None)
             if rid in batch.row_of:
                 batch.remove(rid)
+        if self.proposer is not None and so.finished_req_ids:
+            self.proposer.remove_requests(so.finished_req_ids)
+            for rid in so.finished_req_ids:
+                self.draft_length.remove(rid)
         scheduled = so.num_scheduled_tokens
         for rid in [r for r in batch.row_of if r not in scheduled]:
             batch.remove(rid, self.requests[rid])
@@ -103,35 +133,56 @@ class ModelRunner:
             self.requests[nr.req_id] = st
             batch.add(st)
         c = so.scheduled_cached_reqs
-        for rid, resumed, new_blocks, n_computed in zip(c.req_ids, c.resumed_from_preemption,
-                                                         c.new_block_ids, c.num_computed_tokens):
+        freed = c.num_freed_blocks or [0] * len(c.req_ids)
+        for rid, resumed, new_blocks, n_computed, n_freed in zip(
+                c.req_ids, c.resumed_from_preemption, c.new_block_ids, c.num_computed_tokens, freed):
+            if resumed and self.proposer is not None:
+                self.proposer.reset_request(rid)   # its blocks are new: a draft cache starts over
             row = batch.row_of.get(rid)
             if row is None:   # back after a preemption or an unscheduled step
                 st = self.requests[rid]
-                st.block_ids = list(new_blocks) if resumed else st.block_ids + list(new_blocks)
+                kept = st.block_ids[: len(st.block_ids) - n_freed]
+                st.block_ids = list(new_blocks) if resumed else kept + list(new_blocks)
                 st.num_computed_tokens = n_computed
                 batch.add(st)
                 continue
             if resumed:
                 batch.set_block_ids(row, new_blocks)
             else:
+                batch.num_blocks[row] -= n_freed
                 batch.append_block_ids(row, new_blocks)
             batch.num_computed_tokens[row] = n_computed
 
-    def _sampling_metadata(self, rows: np.ndarray) -> SamplingMetadata:
-        """Sampling tensors for the batch rows that sample this step (int64 [N])."""
+    def _banned(self, rows: np.ndarray, num_draft: np.ndarray | None = None):
+        """(logit row, token) index tensors of the stop/EOS ids banned until
+        ``min_tokens``, or None. Request i of ``rows`` owns ``num_draft[i] + 1``
+        consecutive logit rows (1 without drafts); its j-th is banned while the request
+        has fewer than ``min_tokens`` outputs before that position."""
+        b = self.input_batch
+        if not b.stop_ids:
+            return None
+        n_out = b.num_tokens[rows] - b.num_prompt_tokens[rows]
+        counts = np.ones(len(rows), dtype=np.int64) if num_draft is None else num_draft + 1
+        starts = np.cumsum(counts) - counts
+        pairs = []
+        for i, r in enumerate(rows.tolist()):
+            ids = b.stop_ids.get(r)
+            if ids is None:
+                continue
+            for j in range(min(int(counts[i]), int(b.min_tokens[r] - n_out[i]))):
+                pairs.extend((int(starts[i]) + j, t) for t in ids)
+        if not pairs:
+            return None
+        return tuple(torch.tensor(x, device=self.device) for x in zip(*pairs))
+
+    def _sampling_metadata(self, rows: np.ndarray, banned=None) -> SamplingMetadata:
+        """Sampling tensors for the batch rows that sample this step (int64 [N]);
+        ``banned``: from ``_banned``."""
         b = self.input_batch
         dev = self.device
         temp = b.temperature[rows]
         top_k, top_p, min_p = b.top_k[rows], b.top_p[rows], b.min_p[rows]
         random = (temp > 0) & (top_k != 1)   # top_k=1 is greedy (see Sampler)
-        banned = None
-        if b.stop_ids:
-            below_min = (b.num_tokens[rows] - b.num_prompt_tokens[rows]) < b.min_tokens[rows]
-            pending = set(rows[below_min].tolist()) & b.stop_ids.keys()
-            pairs = [(i, t) for i, r in enumerate(rows.tolist()) if r in pending for t in b.stop_ids[r]]
-            if pairs:
-                banned = tuple(torch.tensor(x, device=dev) for x in zip(*pairs))
         to = lambda a: torch.from_numpy(a).to(dev)  # noqa: E731
         return SamplingMetadata(
             temperature=to(temp), top_k=to(top_k), top_p=to(top_p), min_p=to(min_p),
@@ -145,18 +196,22 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step: update the persistent batch, run the model over every scheduled
-        token, sample where a request reaches the end of its known tokens.
+        token (drafts included), sample where a request reaches the end of its known
+        tokens, and propose the next drafts.
 
         Returns:
-            the scheduled requests (decodes first) and the tokens each produced.
+            the scheduled requests (decodes first), the tokens each produced, and (with
+            speculative decoding) the drafts each proposes for its next step.
+
+        Raises:
+            NotImplementedError: a grammar bitmask (structured outputs do not exist yet).
         """
-        if so.grammar_bitmask is not None or so.scheduled_spec_decode_tokens:
-            raise NotImplementedError("structured outputs and speculative decoding are not implemented")
+        if so.grammar_bitmask is not None:
+            raise NotImplementedError("structured outputs are not implemented")
         self._update_states(so)
         if so.is_empty:
             return ModelRunnerOutput([], [])
         b = self.input_batch
-        bs = self.block_size
         req_ids = list(so.num_scheduled_tokens)
         B = len(req_ids)
         rows = np.fromiter((b.row_of[r] for r in req_ids), dtype=np.int64, count=B)
@@ -165,40 +220,84 @@ class ModelRunner:
         order = np.argsort(q_lens != 1, kind="stable")
         rows, q_lens = rows[order], q_lens[order]
         req_ids = [req_ids[i] for i in order.tolist()]
+        spec = so.scheduled_spec_decode_tokens
+        num_draft = np.zeros(B, dtype=np.int64)
+        if spec:
+            for i, rid in enumerate(req_ids):
+                d = spec.get(rid)
+                if d:
+                    r, nt = rows[i], b.num_tokens[rows[i]]
+                    b.token_ids[r, nt: nt + len(d)] = d   # inputs past the known tokens
+                    num_draft[i] = len(d)
         ctx = b.num_computed_tokens[rows]
-        qsl = np.zeros(B + 1, dtype=np.int64)
-        np.cumsum(q_lens, out=qsl[1:])
-        T = int(qsl[-1])
-        num_decodes = int((q_lens == 1).sum())
-        seq_lens = ctx + q_lens
         block_table = b.block_table[rows, : int(b.num_blocks[rows].max())]
-        req_of_tok = np.repeat(np.arange(B), q_lens)
-        pos = ctx[req_of_tok] + (np.arange(T) - qsl[:-1][req_of_tok])
+        common, pos, req_of_tok = build_common_metadata(ctx, q_lens, block_table, self.block_size, self.device)
         ids = b.token_ids[rows[req_of_tok], pos].astype(np.int64)
-        slot_mapping = block_table[req_of_tok, pos // bs].astype(np.int64) * bs + pos % bs
-
         dev = self.device
         to = (lambda a: torch.from_numpy(a)) if dev.type == "cpu" else (
             lambda a: torch.from_numpy(a).to(dev, non_blocking=True))
-        common = CommonAttentionMetadata(
-            num_reqs=B, num_tokens=T, num_decodes=num_decodes,
-            query_start_loc=to(qsl.astype(np.int32)), seq_lens=to(seq_lens.astype(np.int32)),
-            context_lens=to(ctx.astype(np.int32)), block_table=to(block_table),
-            slot_mapping=to(slot_mapping), block_size=bs,
-            query_start_loc_np=qsl, seq_lens_np=seq_lens, context_lens_np=ctx,
-            block_table_np=block_table)
         attn_md = self.attn.build_metadata(common)
         with set_forward_context(attn_md):
             hidden = self.model(to(ids), to(pos))
 
         sampled: list[list[int]] = [[] for _ in range(B)]
-        sample_idx = np.flatnonzero(seq_lens >= b.num_tokens[rows])
+        qsl = common.query_start_loc_np
+        sample_idx = np.flatnonzero(common.seq_lens_np >= b.num_tokens[rows])
         if len(sample_idx):
-            last = torch.from_numpy(qsl[1:][sample_idx] - 1).to(dev)
-            logits = self.model.compute_logits(hidden.index_select(0, last))
-            srows = rows[sample_idx]
-            tokens = self.sampler(logits, self._sampling_metadata(srows)).cpu().numpy()
-            b.append_tokens(srows, tokens)
-            for i, t in zip(sample_idx.tolist(), tokens.tolist()):
-                sampled[i] = [t]
-        return ModelRunnerOutput(req_ids, sampled)
+            ends = qsl[1:][sample_idx]
+            nd = num_draft[sample_idx]
+            plain = nd == 0
+            if plain.any():
+                pi = sample_idx[plain]
+                last = torch.from_numpy(ends[plain] - 1).to(dev)
+                logits = self.model.compute_logits(hidden.index_select(0, last))
+                srows = rows[pi]
+                md = self._sampling_metadata(srows, self._banned(srows))
+                tokens = self.sampler(logits, md).cpu().numpy()
+                b.append_tokens(srows, tokens)
+                for i, t in zip(pi.tolist(), tokens.tolist()):
+                    sampled[i] = [t]
+            if not plain.all():
+                si, snd = sample_idx[~plain], nd[~plain]
+                counts = snd + 1
+                starts = ends[~plain] - counts
+                first = np.cumsum(counts) - counts
+                idx = np.repeat(starts - first, counts) + np.arange(int(counts.sum()))
+                logits = self.model.compute_logits(hidden.index_select(0, torch.from_numpy(idx).to(dev)))
+                srows = rows[si]
+                banned = self._banned(srows, snd)
+                if banned is not None:
+                    logits[banned] = float("-inf")
+                md = self._sampling_metadata(srows)
+                drafts = [spec[req_ids[i]] for i in si.tolist()]
+                outs = self.rejection_sampler(logits, drafts, md)
+                for i, r, d, toks in zip(si.tolist(), srows.tolist(), drafts, outs):
+                    nt = b.num_tokens[r]
+                    b.token_ids[r, nt: nt + len(toks)] = toks
+                    b.num_tokens[r] = nt + len(toks)
+                    sampled[i] = toks
+                    self.draft_length.record(req_ids[i], len(d), len(toks) - 1)
+        spec_out = self._propose(req_ids, rows, sample_idx) if self.proposer is not None else []
+        return ModelRunnerOutput(req_ids, sampled, spec_out)
+
+    def _propose(self, req_ids: list[str], rows: np.ndarray, sample_idx: np.ndarray) -> list[list[int]]:
+        """Drafts for the next step of each request that sampled this step (others: [])."""
+        b = self.input_batch
+        out: list[list[int]] = [[] for _ in req_ids]
+        max_len = self.config.max_model_len
+        want_i, want_k = [], []
+        for i in sample_idx.tolist():
+            r = rows[i]
+            k = min(self.draft_length.num_tokens(req_ids[i]), max_len - int(b.num_tokens[r]) - 1)
+            if k > 0:
+                want_i.append(i)
+                want_k.append(k)
+        if not want_i:
+            return out
+        prow = rows[want_i]
+        proposals = self.proposer.propose(
+            [req_ids[i] for i in want_i], [b.token_ids[r, : b.num_tokens[r]] for r in prow.tolist()],
+            b.num_prompt_tokens[prow].tolist(), want_k, batch=b, rows=prow)
+        for i, p in zip(want_i, proposals):
+            out[i] = list(p)
+        return out

@@ -1,0 +1,181 @@
+"""The runner's proposers: what turns ``--speculative-config`` into draft tokens.
+
+Every proposer answers the same calls from the ``ModelRunner`` (at the end of each step,
+for the requests that sampled):
+
+- ``propose(req_ids, token_ids, num_prompt_tokens, num_tokens_wanted, batch, rows)``:
+  up to ``num_tokens_wanted[i]`` drafts per request (``token_ids[i]``: its known tokens,
+  int32 [n_i], a view into the persistent batch);
+- ``remove_requests(req_ids)`` when requests finish, ``reset_request(req_id)`` when one
+  resumes after a preemption (its blocks are new);
+- ``kv_bytes_per_block(block_size)`` and ``initialize_kv_cache(num_blocks, block_size)``
+  for a proposer with its own KV cache (0 / nothing for model-free ones);
+- ``describe()`` for the start-up line.
+
+``ngram`` and ``suffix`` are model-free (``ngram_proposer``, ``suffix_proposer``);
+``draft_model`` is ``DraftModelProposer`` below.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from pagedllm.attention.backend import build_common_metadata, get_attention_backend
+from pagedllm.config import EngineConfig
+from pagedllm.forward_context import set_forward_context
+
+
+class ModelFreeProposer:
+    """Adapts an n-gram or suffix proposer (token lookups, no model, no KV cache)."""
+
+    def __init__(self, impl, description: str):
+        self.impl = impl
+        self._description = description
+
+    def describe(self) -> str:
+        return self._description
+
+    def kv_bytes_per_block(self, block_size: int) -> int:
+        return 0
+
+    def initialize_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        pass
+
+    def propose(self, req_ids, token_ids, num_prompt_tokens, num_tokens_wanted, batch=None, rows=None):
+        return self.impl.propose(req_ids, token_ids, num_prompt_tokens, num_tokens_wanted)
+
+    def remove_requests(self, req_ids) -> None:
+        self.impl.remove_requests(list(req_ids))
+
+    def reset_request(self, req_id: str) -> None:
+        pass   # the request's tokens are unchanged by a preemption
+
+
+class DraftModelProposer:
+    """A smaller model with the target's tokenizer proposes k tokens autoregressively.
+
+    The draft has its own paged KV cache with as many blocks as the target's and reads it
+    through the target's block tables, so the scheduler's ``KVCacheManager`` manages both
+    (``num_lookahead_slots`` = k reserves the slots its proposals write). Per call, for
+    each request: one forward catches the draft up on the tokens it has not seen (the
+    whole prompt the first time, then the tokens accepted in the last step, 1..k+1),
+    whose last position gives draft 1; then k - 1 one-token forwards give the rest. Only
+    known tokens count as computed in the draft's cache: the slots of drafts are
+    rewritten by the next catch-up, so rejection needs no rollback here.
+
+    Drafts are the draft model's argmax; for the rejection sampler that is a one-hot
+    proposal distribution, which keeps the target's distribution exactly for sampled
+    requests too (Leviathan et al. 2023, any q works), at some cost in acceptance.
+
+    Args:
+        config: the target's engine config (device, dtypes, attention backend, lengths).
+    """
+
+    def __init__(self, config: EngineConfig):
+        from pagedllm.models.loader import load_arch_config
+        from pagedllm.models.registry import build_model
+
+        spec = config.speculative_config
+        self.path = spec.model
+        self.k = spec.num_speculative_tokens
+        self.arch = load_arch_config(spec.model)
+        self.device = config.device
+        self.kv_cache_dtype = config.kv_cache_dtype
+        self.attn = get_attention_backend(config.args.attention_backend, self.device, config.dtype,
+                                          self.kv_cache_dtype)
+        self.model = build_model(spec.model, self.arch, config.dtype, self.device,
+                                 max_positions=max(config.max_model_len, 1))
+        self.kv_cache: torch.Tensor | None = None
+        self.block_size = 0
+        self.num_computed: dict[str, int] = {}   # known tokens whose K/V the draft cache holds
+
+    def describe(self) -> str:
+        return (f"draft model {self.path} ({self.arch.architecture}, {self.arch.num_hidden_layers} layers), "
+                f"k={self.k}")
+
+    def kv_bytes_per_block(self, block_size: int) -> int:
+        a = self.arch
+        elem = torch.empty((), dtype=self.kv_cache_dtype).element_size()
+        return 2 * a.num_hidden_layers * block_size * a.num_key_value_heads * a.head_dim * elem
+
+    def initialize_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        from pagedllm.layers import bind_kv_cache
+
+        a = self.arch
+        shape = self.attn.kv_cache_shape(a.num_hidden_layers, num_blocks, block_size,
+                                         a.num_key_value_heads, a.head_dim)
+        self.kv_cache = torch.empty(shape, dtype=self.kv_cache_dtype, device=self.device)
+        self.block_size = block_size
+        bind_kv_cache(self.model, self.kv_cache, self.attn)
+
+    def remove_requests(self, req_ids) -> None:
+        for rid in req_ids:
+            self.num_computed.pop(rid, None)
+
+    def reset_request(self, req_id: str) -> None:
+        self.num_computed.pop(req_id, None)
+
+    def _forward(self, batch, rows: np.ndarray, ctx: np.ndarray, q_lens: np.ndarray,
+                 ids: np.ndarray | None) -> np.ndarray:
+        """One draft forward over ``rows`` (decodes first); returns the argmax at each
+        request's last query position, int64 [B]. ``ids``: the query tokens, or None to
+        read them from the batch rows."""
+        block_table = batch.block_table[rows, : int(batch.num_blocks[rows].max())]
+        common, pos, rot = build_common_metadata(ctx, q_lens, block_table, self.block_size, self.device)
+        if ids is None:
+            ids = batch.token_ids[rows[rot], pos]
+        dev = self.device
+        with set_forward_context(self.attn.build_metadata(common)):
+            hidden = self.model(torch.from_numpy(ids.astype(np.int64)).to(dev), torch.from_numpy(pos).to(dev))
+        last = torch.from_numpy(common.query_start_loc_np[1:] - 1).to(dev)
+        return self.model.compute_logits(hidden.index_select(0, last)).argmax(dim=-1).cpu().numpy()
+
+    @torch.inference_mode()
+    def propose(self, req_ids, token_ids, num_prompt_tokens, num_tokens_wanted, batch=None, rows=None):
+        """Drafts per request (see the class). ``batch`` / ``rows``: the runner's
+        persistent batch and the requests' rows in it (their block tables)."""
+        B = len(req_ids)
+        n = np.array([len(t) for t in token_ids], dtype=np.int64)
+        # never write past the slots the request holds (the scheduler reserved k)
+        room = batch.num_blocks[rows].astype(np.int64) * self.block_size - n + 1
+        k = np.minimum(np.array(num_tokens_wanted, dtype=np.int64), room)
+        c = np.array([min(self.num_computed.get(r, 0), int(m) - 1) for r, m in zip(req_ids, n)], dtype=np.int64)
+        q = n - c
+        order = np.argsort(q != 1, kind="stable")
+        first = np.empty(B, dtype=np.int64)
+        first[order] = self._forward(batch, rows[order], c[order], q[order], None)
+        for rid, m in zip(req_ids, n.tolist()):
+            self.num_computed[rid] = m
+        drafts = [[int(t)] if kk > 0 else [] for t, kk in zip(first, k)]
+        last = first
+        for j in range(1, int(k.max(initial=0))):
+            act = np.flatnonzero(k > j)
+            toks = self._forward(batch, rows[act], n[act] + j - 1, np.ones(len(act), dtype=np.int64),
+                                 last[act])
+            last = last.copy()
+            last[act] = toks
+            for i, t in zip(act.tolist(), toks.tolist()):
+                drafts[i].append(t)
+        return drafts
+
+
+def make_proposer(config: EngineConfig, attn=None):
+    """The proposer ``config.speculative_config`` asks for."""
+    spec = config.speculative_config
+    if spec.method == "ngram":
+        from pagedllm.spec_decode.ngram_proposer import NgramProposer
+
+        return ModelFreeProposer(
+            NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max),
+            f"ngram k={spec.num_speculative_tokens}, n={spec.prompt_lookup_min}..{spec.prompt_lookup_max}")
+    if spec.method == "suffix":
+        from pagedllm.spec_decode.suffix_proposer import SuffixProposer
+
+        return ModelFreeProposer(
+            SuffixProposer(spec.num_speculative_tokens, spec.suffix_decoding_max_tree_depth,
+                           spec.suffix_decoding_max_cached_requests, spec.suffix_decoding_max_spec_factor,
+                           spec.suffix_decoding_min_token_prob),
+            f"suffix k={spec.num_speculative_tokens}, depth {spec.suffix_decoding_max_tree_depth}")
+    if spec.method == "draft_model":
+        return DraftModelProposer(config)
+    raise ValueError(f"unknown speculative method {spec.method!r}")
