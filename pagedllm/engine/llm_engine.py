@@ -220,13 +220,20 @@ class LLMEngine:
             st = self.states.get(co.request_id)
             if st is None:
                 continue
-            st.token_ids.extend(co.new_token_ids)
-            it.num_generation_tokens += len(co.new_token_ids)
+            new_ids = co.new_token_ids
+            n_before = st.detok.num_tokens
+            matched = st.detok.update(new_ids)
+            if matched is not None:
+                # a stop string inside a chunk of several tokens (speculative decoding):
+                # the tokens after it are dropped, never returned
+                new_ids = new_ids[: st.detok.num_tokens - n_before]
+            st.token_ids.extend(new_ids)
+            it.num_generation_tokens += len(new_ids)
             m = st.metrics
             m.first_scheduled_time = co.scheduled_time
             m.num_preemptions = co.num_preemptions
             st.num_cached_tokens = co.num_cached_tokens
-            if co.new_token_ids:
+            if new_ids:
                 if m.first_token_time is None:
                     m.first_token_time = co.first_token_time or now
                     it.ttfts.append(m.first_token_time - m.arrival_time)
@@ -234,7 +241,6 @@ class LLMEngine:
                     it.itls.append(now - st.last_token_time)
                 st.last_token_time = now
             finish, stop_reason = co.finish_reason, co.stop_reason
-            matched = st.detok.update(co.new_token_ids)
             if matched is not None and finish is None:
                 finish, stop_reason = FINISH_STOP, matched
                 stop_aborts.append(co.request_id)
@@ -250,7 +256,7 @@ class LLMEngine:
                 else:
                     it.num_aborted += 1
             delta = st.detok.delta(finished)
-            results.append(self._make_output(st, finished, delta, co.new_token_ids))
+            results.append(self._make_output(st, finished, delta, new_ids))
         if stop_aborts:
             self.engine_core.abort_requests(stop_aborts)
         return results
