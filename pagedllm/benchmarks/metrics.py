@@ -334,6 +334,9 @@ SERVER_COUNTERS = {
     "prefix_cache_queries": "vllm:prefix_cache_queries_total",
     "prefix_cache_hits": "vllm:prefix_cache_hits_total",
     "requests_succeeded": "vllm:request_success_total",
+    "spec_decode_num_drafts": "vllm:spec_decode_num_drafts_total",
+    "spec_decode_num_draft_tokens": "vllm:spec_decode_num_draft_tokens_total",
+    "spec_decode_num_accepted_tokens": "vllm:spec_decode_num_accepted_tokens_total",
 }
 SERVER_GAUGES = {
     "num_requests_running": "vllm:num_requests_running",
@@ -394,6 +397,8 @@ def server_metrics_delta(
         "decode_time_share",
         "prefill_decode_ratio",
         "prefix_cache_hit_rate",
+        "spec_decode_acceptance_rate",
+        "spec_decode_mean_accepted_length",
         "finished_reasons",
     ] + [f"{g}_after" for g in SERVER_GAUGES]:
         res[k] = None
@@ -420,6 +425,12 @@ def server_metrics_delta(
     q, h = res["prefix_cache_queries"], res["prefix_cache_hits"]
     if q is not None and h is not None and q > 0:
         res["prefix_cache_hit_rate"] = h / q
+    drafts, dt, acc = (res[k] for k in ("spec_decode_num_drafts", "spec_decode_num_draft_tokens",
+                                         "spec_decode_num_accepted_tokens"))
+    if dt and acc is not None:
+        res["spec_decode_acceptance_rate"] = acc / dt
+    if drafts and acc is not None:
+        res["spec_decode_mean_accepted_length"] = 1 + acc / drafts
     prefix = SERVER_COUNTERS["requests_succeeded"] + "{finished_reason="
     reasons = {
         k[len(prefix) : -1]: after[k] - before.get(k, 0.0) for k in after if k.startswith(prefix)

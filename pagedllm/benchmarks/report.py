@@ -179,6 +179,9 @@ def format_report(res: dict) -> str:
     row("Decode time share", m["decode_time_share"], ".2%")
     row("Preemptions", m["num_preemptions"], ".0f")
     row("Prefix cache hit rate", m["prefix_cache_hit_rate"], ".2%")
+    if m.get("spec_decode_num_drafts"):
+        row("Spec decode acceptance rate", m["spec_decode_acceptance_rate"], ".2%")
+        row("Spec decode mean accepted length", m["spec_decode_mean_accepted_length"])
     row("Server-side mean TTFT (ms)", m["ttft_mean_ms"])
     if s["errors"]:
         title("Errors")

@@ -56,6 +56,7 @@ class LoggingStatLogger:
         self.prompt = 0
         self.gen = 0
         self.q0 = self.h0 = 0
+        self.d0 = self.a0 = self.n0 = 0
 
     def record(self, s: SchedulerStats, it: IterationStats) -> None:
         self.prompt += it.num_prompt_tokens
@@ -70,6 +71,14 @@ class LoggingStatLogger:
             "prefix cache hit rate %.1f%% | preemptions %d",
             self.prompt / dt, self.gen / dt, s.num_running, s.num_waiting, 100 * s.kv_cache_usage,
             100 * dh / dq if dq else 0.0, s.num_preemptions_total)
+        drafts = s.spec_decode_num_drafts - self.n0
+        if drafts:
+            dd, da = s.spec_decode_num_draft_tokens - self.d0, s.spec_decode_num_accepted_tokens - self.a0
+            logger.info("speculative decoding: acceptance rate %.1f%%, mean accepted length %.2f "
+                        "(tokens per verified step, the target's own included), %d drafts, %d draft tokens",
+                        100 * da / dd if dd else 0.0, 1 + da / drafts, drafts, dd)
+        self.n0, self.d0, self.a0 = (s.spec_decode_num_drafts, s.spec_decode_num_draft_tokens,
+                                     s.spec_decode_num_accepted_tokens)
         self.last, self.prompt, self.gen = now, 0, 0
         self.q0, self.h0 = s.prefix_cache_queries, s.prefix_cache_hits
 
@@ -119,6 +128,14 @@ class PrometheusStatLogger:
         self.running = gauge("vllm:num_requests_running", "Requests in the running batch")
         self.waiting = gauge("vllm:num_requests_waiting", "Requests waiting")
         self.kv_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage, 0..1")
+        self.spec_drafts = ctr("vllm:spec_decode_num_drafts", "Request-steps that verified draft tokens")
+        self.spec_draft_tokens = ctr("vllm:spec_decode_num_draft_tokens", "Draft tokens verified")
+        self.spec_accepted = ctr("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted")
+        self.spec_per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                    "Draft tokens accepted, by position in the step's drafts",
+                                    L + ["position"], registry=r)
+        self._last_spec = [0, 0, 0]
+        self._last_per_pos: list[int] = []
         self._last_preempt = self._last_q = self._last_h = 0
 
     def record(self, s: SchedulerStats, it: IterationStats) -> None:
@@ -130,6 +147,17 @@ class PrometheusStatLogger:
         self.pc_hits.inc(s.prefix_cache_hits - self._last_h)
         self._last_preempt, self._last_q, self._last_h = (
             s.num_preemptions_total, s.prefix_cache_queries, s.prefix_cache_hits)
+        spec = [s.spec_decode_num_drafts, s.spec_decode_num_draft_tokens, s.spec_decode_num_accepted_tokens]
+        for c, now, last in zip((self.spec_drafts, self.spec_draft_tokens, self.spec_accepted), spec, self._last_spec):
+            if now > last:
+                c.inc(now - last)
+        self._last_spec = spec
+        per_pos = s.spec_decode_num_accepted_tokens_per_pos
+        for j, v in enumerate(per_pos):
+            last = self._last_per_pos[j] if j < len(self._last_per_pos) else 0
+            if v > last:
+                self.spec_per_pos.labels(self.model, str(j)).inc(v - last)
+        self._last_per_pos = list(per_pos)
         self.prompt_tokens.inc(it.num_prompt_tokens)
         self.gen_tokens.inc(it.num_generation_tokens)
         for t in it.ttfts:

@@ -196,3 +196,18 @@ def test_prometheus_unavailable_yields_none():
     assert all(v is None for k, v in d.items() if k != "available")
     d = server_metrics_delta({}, {})
     assert d["available"] is True and d["queue_time_share"] is None and d["prefix_cache_hit_rate"] is None
+
+
+def test_spec_decode_acceptance_from_server_counters():
+    before = parse_prometheus_text(
+        'vllm:spec_decode_num_drafts_total{model_name="m"} 10\n'
+        'vllm:spec_decode_num_draft_tokens_total{model_name="m"} 40\n'
+        'vllm:spec_decode_num_accepted_tokens_total{model_name="m"} 20\n')
+    after = parse_prometheus_text(
+        'vllm:spec_decode_num_drafts_total{model_name="m"} 30\n'
+        'vllm:spec_decode_num_draft_tokens_total{model_name="m"} 120\n'
+        'vllm:spec_decode_num_accepted_tokens_total{model_name="m"} 80\n')
+    d = server_metrics_delta(before, after)
+    assert d["spec_decode_acceptance_rate"] == pytest.approx(60 / 80)
+    assert d["spec_decode_mean_accepted_length"] == pytest.approx(1 + 60 / 20)
+    assert server_metrics_delta(before, before)["spec_decode_acceptance_rate"] is None
