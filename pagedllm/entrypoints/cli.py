@@ -25,7 +25,8 @@ COMMANDS: dict[str, tuple[str, tuple[str, ...]]] = {
     "bench": ("benchmarks", ("pagedllm.benchmarks.throughput", "pagedllm.benchmarks.prefix",
                              "pagedllm.benchmarks.serve", "pagedllm.benchmarks.sweep",
                              "pagedllm.benchmarks.host_overhead", "pagedllm.benchmarks.latency",
-                             "pagedllm.benchmarks.accuracy", "pagedllm.benchmarks.attention")),
+                             "pagedllm.benchmarks.accuracy", "pagedllm.benchmarks.attention",
+                             "pagedllm.benchmarks.spec")),
     "profile": ("inspect --profile-dir output", ("pagedllm.benchmarks.profile_summary",)),
 }
 
