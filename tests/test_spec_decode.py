@@ -260,21 +260,51 @@ def test_draft_with_another_vocabulary_is_refused(tmp_path):
     assert e.value.param == "speculative_config"
 
 
-def test_adaptive_draft_length():
+def test_adaptive_draft_length_fallback_rule_and_probes():
     from pagedllm.spec_decode.adaptive import AdaptiveDraftLength
 
     a = AdaptiveDraftLength(8, min_gain=0.25, probe_interval=4)
-    assert a.num_tokens("r") == 4              # prior acceptance 0.75
+    assert a.choose(["r"], [8], 1) == [4]          # prior acceptance 0.75, no cost data yet
+    assert a.choose(["r"], [2], 1) == [2]          # never more than proposed
     for _ in range(10):
         a.record("r", 8, 8)
-    assert a.num_tokens("r") == 8
+    assert a.choose(["r"], [8], 1) == [8]
     for _ in range(30):      # each all-rejected step is one failed position
         a.record("r", 4, 0)
-    ks = [a.num_tokens("r") for _ in range(8)]
-    assert ks == [0, 0, 0, 1, 0, 0, 0, 1]     # off, with a one-token probe every 4th step
-    assert AdaptiveDraftLength(5, enabled=False).num_tokens("x") == 5
+    ks = [a.choose(["r", "s"], [4, 4], 2) for _ in range(8)]
+    # off, with one one-draft probe every 4th step, one request per step
+    assert [k[0] for k in ks] == [0, 0, 0, 1, 0, 0, 0, 1]
+    assert AdaptiveDraftLength(5, enabled=False).choose(["x"], [5], 1) == [5]
     a.remove("r")
-    assert a.num_tokens("r") == 4
+    assert a.choose(["r"], [8], 1) == [4]
+
+
+def test_adaptive_draft_length_maximises_step_throughput():
+    """With a measured cost per scored-token count, the drafts kept are those that
+    maximise expected tokens per second, across requests."""
+    from pagedllm.spec_decode.adaptive import AdaptiveDraftLength
+
+    a = AdaptiveDraftLength(4, probe_interval=100)
+    for t, ms in ((1, 80), (2, 82), (3, 84), (4, 86), (5, 88)):   # batch 1: drafts cheap
+        for _ in range(4):
+            a.cost_model.record(t, ms / 1e3)
+    for _ in range(20):
+        a.record("good", 4, 4)
+    assert a.choose(["good"], [4], 1) == [4]
+    for _ in range(40):
+        a.record("bad", 4, 0)      # acceptance ~0: its drafts add nothing
+    assert a.choose(["bad"], [4], 1) == [0]
+    b = AdaptiveDraftLength(4, probe_interval=100)
+    for t in range(8, 17):        # batch 8: a step function, 8 -> 9 rows +20 ms
+        for _ in range(4):
+            b.cost_model.record(t, (0.112 if t == 8 else 0.132 + 0.003 * (t - 9)))
+    for _ in range(6):
+        b.record("half", 4, 1)     # a ~ 0.5
+    # 8 decoding, one request with a ~ 0.5: 4 drafts add ~0.94 tokens for +29 ms: not worth it
+    assert b.choose(["half"], [4], 8) == [0]
+    for _ in range(20):
+        b.record("sure", 4, 4)
+    assert b.choose(["sure", "half"], [4, 4], 8)[0] == 4
 
 
 def test_scheduler_caps_drafts_and_frees_rejected_blocks():
@@ -334,3 +364,21 @@ def test_spec_metrics_exported():
                  'vllm:spec_decode_num_accepted_tokens_total{model_name="m"} 8.0',
                  'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="1"} 3.0'):
             assert line in text, line
+
+
+def test_step_cost_model():
+    from pagedllm.spec_decode.adaptive import StepCostModel
+
+    m = StepCostModel(min_steps=4, min_count=3)
+    assert m.cost(4) is None                          # no data yet
+    for t in (1, 3, 6, 2, 5, 4):
+        m.record(t, 0.040 + 0.002 * t)                # 40 ms + 2 ms per scored token
+    assert abs(m.per_token_seconds() - 0.002) < 1e-9
+    assert abs(m.cost(10) - 0.060) < 1e-9             # unseen T: the line
+    for _ in range(3):
+        m.record(8, 0.100)                            # a T seen often enough: its own average
+    assert abs(m.cost(8) - 0.100) < 1e-3
+    flat = StepCostModel(min_steps=2)
+    for _ in range(5):
+        flat.record(8, 0.1)
+    assert flat.per_token_seconds() is None and flat.cost(9) is None   # no slope, T unseen

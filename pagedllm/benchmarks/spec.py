@@ -13,7 +13,9 @@ Workloads (chat prompts through the model's template, built here so every run is
   with one argument changed;
 - ``random``: open-ended questions, where output rarely repeats the prompt.
 
-Concurrency c: at most c requests in flight (a new one is added as one finishes).
+Concurrency c: at most c requests in flight (a new one is added as one finishes). Each
+run gets a fresh engine (warmed up on a prompt outside the workloads), so no run sees the
+answers of another (the suffix proposer caches earlier responses).
 """
 from __future__ import annotations
 
@@ -208,30 +210,32 @@ def spec_main(args) -> int:
     results, prompts, dtype = [], None, None
     baseline: dict[tuple, dict] = {}
     for m in methods:
-        llm = LLM(model=ea.model, speculative_config=spec_config(m, args.num_speculative_tokens, args.draft_model),
-                  **base)
-        try:
-            dtype = str(llm.llm_engine.config.dtype).removeprefix("torch.")
-            if prompts is None:
-                prompts = {w: [llm.llm_engine.apply_chat_template(c) for c in WORKLOADS[w]()]
-                           for w in args.workloads}
-            run_workload(llm, prompts[args.workloads[0]][:1], 8, 1)      # warm-up
-            for w in args.workloads:
-                for c in args.concurrency:
-                    llm.reset_prefix_cache()
+        for w in args.workloads:
+            for c in args.concurrency:
+                # a fresh engine per run: the suffix proposer's cache of earlier responses
+                # must not hold this run's answers from a previous run
+                llm = LLM(model=ea.model, speculative_config=spec_config(m, args.num_speculative_tokens,
+                                                                         args.draft_model), **base)
+                try:
+                    dtype = str(llm.llm_engine.config.dtype).removeprefix("torch.")
+                    if prompts is None:
+                        prompts = {x: [llm.llm_engine.apply_chat_template(conv) for conv in WORKLOADS[x]()]
+                                   for x in args.workloads}
+                    warm = llm.llm_engine.apply_chat_template([{"role": "user", "content": "Hello!"}])
+                    run_workload(llm, [warm], 8, 1)
                     r = run_workload(llm, prompts[w], args.output_len, c)
-                    outputs = r.pop("_outputs")
-                    r = {"workload": w, "concurrency": c, "method": m, **r}
-                    if m == "none":
-                        baseline[(w, c)] = {**r, "_outputs": outputs}
-                    else:
-                        b = baseline[(w, c)]
-                        r["speedup_tokens_per_s"] = round(r["output_tokens_per_s"] / b["output_tokens_per_s"], 2)
-                        r["same_output_as_none"] = outputs == b["_outputs"]
-                    results.append(r)
-                    print(_line(r), flush=True)
-        finally:
-            llm.shutdown()
+                finally:
+                    llm.shutdown()
+                outputs = r.pop("_outputs")
+                r = {"workload": w, "concurrency": c, "method": m, **r}
+                if m == "none":
+                    baseline[(w, c)] = {**r, "_outputs": outputs}
+                else:
+                    b = baseline[(w, c)]
+                    r["speedup_tokens_per_s"] = round(r["output_tokens_per_s"] / b["output_tokens_per_s"], 2)
+                    r["same_output_as_none"] = outputs == b["_outputs"]
+                results.append(r)
+                print(_line(r), flush=True)
     machine = machine_info()
     print(f"\n{machine['cpu']} ({' '.join(machine['isa'])}); dtype {dtype}; torch threads "
           f"{torch.get_num_threads()}; k={args.num_speculative_tokens}; output {args.output_len} tokens, greedy")

@@ -1,43 +1,118 @@
-"""Per-request draft length from the acceptance each request has shown so far.
+"""How many of the proposed drafts each request verifies next step.
 
 Draft token j of a step (1-based) is kept only if drafts 1..j-1 were, so with a per-token
 acceptance rate ``a`` it adds ``a**j`` expected tokens to the step while costing one more
-scored position in the target's forward. ``AdaptiveDraftLength`` proposes the largest
-``k <= k_max`` with ``a**k >= min_gain``; below that (k = 0) the request decodes plainly
-and, every ``probe_interval`` steps, tries one draft, so a request whose text turns
-repetitive later picks speculation back up. ``a`` is estimated per request from the
-drafts it verified (accepted / tried positions, geometric model: a step that accepted m of
-k tried m + 1 positions unless all k were accepted), with exponential forgetting so that
-it follows the text's current phase.
+scored position in the target's forward. ``a`` is estimated per request from the drafts
+it verified (accepted / tried positions, geometric model: a step that accepted m of k
+tried m + 1 positions unless all k were accepted), with exponential forgetting so that it
+follows the text's current phase.
+
+The choice is made for the whole next step, since what a draft position costs depends on
+the step: ``StepCostModel`` measures decode steps' forward time by the number of scored
+tokens T (on a CPU at batch 1 a step is mostly the weight read, so extra positions are
+cheap; at batch 8 the matmuls grow with T, and not smoothly: measured here, 8 -> 9 rows
+cost +17 %, 9 -> 16 rows +17 % more). ``AdaptiveDraftLength.choose`` takes the candidate
+positions of all requests in order of expected gain and keeps the count n that maximises
+the expected output tokens per second of the step, ``(B + sum of the n best gains) /
+cost(B + n)`` for B requests decoding; n = 0 (plain decoding) is always a candidate, so by
+the model speculation never costs throughput. Until the cost model has data it falls back
+to a per-request rule: the largest k with ``a**k >= min_gain``.
+
+A request whose drafts are all dropped gets a one-draft probe every ``probe_interval``
+steps (at most one probe per step in the batch), so a request whose text turns repetitive
+later picks speculation back up.
 """
 from __future__ import annotations
 
 import math
 
 
+class StepCostModel:
+    """Forward seconds of a decode step by the number of scored tokens T: an exponential
+    moving average per T once T was seen ``min_count`` times, else the least-squares line
+    ``a + b * T`` over all steps recorded (with forgetting). Steps with a prompt chunk are
+    left out by the caller (prefill runs in another regime).
+
+    Args:
+        decay: weight of the past per recorded step (line fit).
+        ema: weight of the past per step of the same T (table).
+        min_steps: steps before the line is used; min_count: steps of a T before its own
+            average is used.
+    """
+
+    def __init__(self, decay: float = 0.97, ema: float = 0.8, min_steps: int = 16, min_count: int = 3):
+        self.decay = decay
+        self.ema = ema
+        self.min_steps = min_steps
+        self.min_count = min_count
+        self.n = 0
+        self._w = self._x = self._y = self._xx = self._xy = 0.0
+        self._table: dict[int, list[float]] = {}   # T -> [average seconds, count]
+
+    def record(self, num_tokens: int, seconds: float) -> None:
+        d = self.decay
+        x, y = float(num_tokens), float(seconds)
+        self._w = d * self._w + 1
+        self._x = d * self._x + x
+        self._y = d * self._y + y
+        self._xx = d * self._xx + x * x
+        self._xy = d * self._xy + x * y
+        self.n += 1
+        e = self._table.get(num_tokens)
+        if e is None:
+            self._table[num_tokens] = [y, 1]
+        else:
+            e[0] = self.ema * e[0] + (1 - self.ema) * y
+            e[1] += 1
+
+    def _line(self) -> tuple[float, float] | None:
+        if self.n < self.min_steps:
+            return None
+        mx, my = self._x / self._w, self._y / self._w
+        var = self._xx / self._w - mx * mx
+        if var < 0.25:        # T hardly varied: the slope is not identified
+            return None
+        b = max((self._xy / self._w - mx * my) / var, 0.0)
+        return my - b * mx, b
+
+    def per_token_seconds(self) -> float | None:
+        """b of the line fit, seconds per extra scored token (None: no fit yet)."""
+        line = self._line()
+        return None if line is None else line[1]
+
+    def cost(self, num_tokens: int) -> float | None:
+        """Predicted forward seconds of a decode step scoring ``num_tokens`` tokens, or
+        None when neither that T's average nor the line is available."""
+        e = self._table.get(num_tokens)
+        if e is not None and e[1] >= self.min_count:
+            return e[0]
+        line = self._line()
+        if line is None:
+            return None
+        return max(line[0] + line[1] * num_tokens, 1e-9)
+
+
 class AdaptiveDraftLength:
     """Args:
         k_max: ``num_speculative_tokens``.
-        min_gain: expected accepted tokens the last draft position must add (0.25: a
-            draft position costs a small share of a step at batch 1 and close to a token's
-            full cost in a large batch; this keeps the loss on text that never repeats
-            to the probes).
-        probe_interval: steps between one-token probes when k is 0.
+        min_gain: the fallback rule's threshold (used until the cost model has data).
+        probe_interval: steps between one-draft probes of a request that drafts nothing.
         decay: weight of the past per verified step (0.8: about the last 5 steps count).
-        enabled: False: always ``k_max``.
+        enabled: False: every proposed draft is verified.
     """
 
     PRIOR_ACCEPTED = 1.5
-    PRIOR_TRIED = 2.0     # prior a = 0.75: k = 4 at the default min_gain before any evidence
+    PRIOR_TRIED = 2.0     # prior a = 0.75 before any evidence
 
-    def __init__(self, k_max: int, min_gain: float = 0.25, probe_interval: int = 8,
+    def __init__(self, k_max: int, min_gain: float = 0.25, probe_interval: int = 16,
                  decay: float = 0.8, enabled: bool = True):
         self.k_max = k_max
         self.min_gain = min_gain
         self.probe_interval = probe_interval
         self.decay = decay
         self.enabled = enabled
-        # req_id -> [accepted (decayed), tried (decayed), steps since the last draft]
+        self.cost_model = StepCostModel()
+        # req_id -> [accepted (decayed), tried (decayed), steps since it last verified a draft]
         self._state: dict[str, list[float]] = {}
 
     def _get(self, req_id: str) -> list[float]:
@@ -51,24 +126,51 @@ class AdaptiveDraftLength:
         acc, tried, _ = self._get(req_id)
         return acc / tried
 
-    def num_tokens(self, req_id: str) -> int:
-        """How many drafts to propose for the request's next step (0..k_max)."""
-        if not self.enabled:
-            return self.k_max
-        a = self.acceptance_rate(req_id)
-        st = self._state[req_id]
+    def _rule(self, a: float, cap: int) -> int:
         if a >= 1.0:
-            k = self.k_max
-        elif a <= 0.0 or a < self.min_gain:
-            k = 0
+            return cap
+        if a < self.min_gain:
+            return 0
+        return min(cap, int(math.log(self.min_gain) / math.log(a)))
+
+    def choose(self, req_ids: list[str], num_proposed: list[int], num_decoding: int) -> list[int]:
+        """Drafts to verify per request next step (each <= its ``num_proposed``).
+
+        Args:
+            req_ids / num_proposed: the requests that got proposals and how many.
+            num_decoding: requests that will decode next step (B), drafts or not.
+        """
+        if not self.enabled:
+            return list(num_proposed)
+        alphas = [self.acceptance_rate(r) for r in req_ids]
+        base = self.cost_model.cost(num_decoding)
+        if base is None:
+            ks = [self._rule(a, n) for a, n in zip(alphas, num_proposed)]
         else:
-            k = min(self.k_max, int(math.log(self.min_gain) / math.log(a)))
-        if k == 0:
+            cands = sorted(((a ** j, i) for i, (a, n) in enumerate(zip(alphas, num_proposed))
+                            for j in range(1, n + 1)), key=lambda t: -t[0])
+            best_n, best_rate, gain = 0, num_decoding / base, 0.0
+            for n, (g, _) in enumerate(cands, 1):
+                c = self.cost_model.cost(num_decoding + n)
+                if c is None:
+                    break
+                gain += g
+                rate = (num_decoding + gain) / c
+                if rate > best_rate:
+                    best_n, best_rate = n, rate
+            ks = [0] * len(req_ids)
+            for _, i in cands[:best_n]:
+                ks[i] += 1
+        probed = False
+        for i, r in enumerate(req_ids):
+            st = self._state[r]
+            if ks[i] > 0:
+                continue
             st[2] += 1
-            if st[2] >= self.probe_interval:
+            if not probed and st[2] >= self.probe_interval and num_proposed[i] > 0:
+                ks[i], probed = 1, True
                 st[2] = 0
-                return 1
-        return k
+        return ks
 
     def record(self, req_id: str, num_draft: int, num_accepted: int) -> None:
         """A step verified ``num_draft`` drafts of the request and accepted the first

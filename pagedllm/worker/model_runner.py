@@ -20,6 +20,7 @@ without drafts sample with ``Sampler`` as before. At the end of the step the pro
 from __future__ import annotations
 
 import logging
+import time
 
 import numpy as np
 import torch
@@ -236,6 +237,7 @@ class ModelRunner:
         dev = self.device
         to = (lambda a: torch.from_numpy(a)) if dev.type == "cpu" else (
             lambda a: torch.from_numpy(a).to(dev, non_blocking=True))
+        t_start = time.perf_counter()
         attn_md = self.attn.build_metadata(common)
         with set_forward_context(attn_md):
             hidden = self.model(to(ids), to(pos))
@@ -277,27 +279,36 @@ class ModelRunner:
                     b.num_tokens[r] = nt + len(toks)
                     sampled[i] = toks
                     self.draft_length.record(req_ids[i], len(d), len(toks) - 1)
-        spec_out = self._propose(req_ids, rows, sample_idx) if self.proposer is not None else []
+        spec_out = []
+        if self.proposer is not None:
+            # sampled token lists are on the host now, so the forward has finished
+            step_s = time.perf_counter() - t_start
+            if len(sample_idx) == B and int(q_lens.max()) <= 1 + self.spec.num_speculative_tokens:
+                # a decode step (no prompt chunk): what T scored tokens cost
+                self.draft_length.cost_model.record(common.num_tokens, step_s)
+            spec_out = self._propose(req_ids, rows, sample_idx)
         return ModelRunnerOutput(req_ids, sampled, spec_out)
 
     def _propose(self, req_ids: list[str], rows: np.ndarray, sample_idx: np.ndarray) -> list[list[int]]:
-        """Drafts for the next step of each request that sampled this step (others: [])."""
+        """Drafts for the next step of each request that sampled this step (others: []):
+        the proposer proposes up to k each, ``AdaptiveDraftLength`` keeps what pays."""
         b = self.input_batch
         out: list[list[int]] = [[] for _ in req_ids]
         max_len = self.config.max_model_len
         want_i, want_k = [], []
         for i in sample_idx.tolist():
-            r = rows[i]
-            k = min(self.draft_length.num_tokens(req_ids[i]), max_len - int(b.num_tokens[r]) - 1)
+            k = min(self.spec.num_speculative_tokens, max_len - int(b.num_tokens[rows[i]]) - 1)
             if k > 0:
                 want_i.append(i)
                 want_k.append(k)
         if not want_i:
             return out
         prow = rows[want_i]
+        ids = [req_ids[i] for i in want_i]
         proposals = self.proposer.propose(
-            [req_ids[i] for i in want_i], [b.token_ids[r, : b.num_tokens[r]] for r in prow.tolist()],
+            ids, [b.token_ids[r, : b.num_tokens[r]] for r in prow.tolist()],
             b.num_prompt_tokens[prow].tolist(), want_k, batch=b, rows=prow)
-        for i, p in zip(want_i, proposals):
-            out[i] = list(p)
+        keep = self.draft_length.choose(ids, [len(p) for p in proposals], len(sample_idx))
+        for i, p, k in zip(want_i, proposals, keep):
+            out[i] = list(p[:k])
         return out
