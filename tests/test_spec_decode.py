@@ -382,3 +382,22 @@ def test_step_cost_model():
     for _ in range(5):
         flat.record(8, 0.1)
     assert flat.per_token_seconds() is None and flat.cost(9) is None   # no slope, T unseen
+
+
+def test_bench_spec_workload_runner(make_llm, model_path, tiny_draft):
+    """``bench spec``'s runner on an engine of this module: counters and figures come from
+    the run, outputs are the greedy ones, bad method flags fail before any model loads."""
+    from pagedllm.benchmarks.spec import copy_conversations, random_conversations, run_workload, spec_config
+
+    llm = make_llm(**PLAIN_KW, speculative_config=_spec("ngram", 3, model_path, tiny_draft))
+    plain = make_llm(**PLAIN_KW)
+    eng = llm.llm_engine
+    prompts = [eng.apply_chat_template(c) for c in copy_conversations()[:2] + random_conversations()[:1]]
+    r = run_workload(llm, prompts, 12, 2)
+    ref = run_workload(plain, prompts, 12, 2)
+    assert r["_outputs"] == ref["_outputs"] and r["output_tokens"] == 36
+    assert r["num_drafts"] > 0 and 0 <= r["num_accepted_tokens"] <= r["num_draft_tokens"]
+    assert ref["num_drafts"] == 0 and ref["acceptance_rate"] is None
+    assert json.loads(spec_config("ngram", 7, None))["num_speculative_tokens"] == 7
+    with pytest.raises(ValueError, match="--draft-model"):
+        spec_config("draft_model", 3, None)

@@ -13,8 +13,10 @@ Workloads (chat prompts through the model's template, built here so every run is
   with one argument changed;
 - ``random``: open-ended questions, where output rarely repeats the prompt.
 
-Concurrency c: at most c requests in flight (a new one is added as one finishes). Each
-run gets a fresh engine (warmed up on a prompt outside the workloads), so no run sees the
+Concurrency c: at most c requests in flight (a new one is added as one finishes). The
+methods of one (workload, concurrency) run back to back, the baseline first, so each
+ratio compares runs minutes apart at most on a machine whose speed drifts. Each run gets
+a fresh engine (warmed up on a prompt outside the workloads), so no run sees the
 answers of another (the suffix proposer caches earlier responses).
 """
 from __future__ import annotations
@@ -131,7 +133,8 @@ def register(subparsers: "argparse._SubParsersAction") -> None:
                    choices=["none", "ngram", "suffix", "draft_model"],
                    help="none = the baseline (always run first); draft_model needs --draft-model")
     p.add_argument("--draft-model", default=None, help="the draft model's path for draft_model")
-    p.add_argument("--num-speculative-tokens", type=positive_int, default=5)
+    p.add_argument("--num-speculative-tokens", type=positive_int, default=10,
+                   help="k; copy-heavy text accepts long runs, and the adaptive draft length drops what does not pay")
     p.add_argument("--workloads", nargs="+", default=["copy", "random"], choices=list(WORKLOADS))
     p.add_argument("--concurrency", nargs="+", type=positive_int, default=[1, 8])
     p.add_argument("--output-len", type=positive_int, default=128)
@@ -209,9 +212,10 @@ def spec_main(args) -> int:
     base["max_num_seqs"] = max(max(args.concurrency), 1)
     results, prompts, dtype = [], None, None
     baseline: dict[tuple, dict] = {}
-    for m in methods:
-        for w in args.workloads:
-            for c in args.concurrency:
+    # methods innermost: each one runs right after its baseline, on the same machine state
+    for w in args.workloads:
+        for c in args.concurrency:
+            for m in methods:
                 # a fresh engine per run: the suffix proposer's cache of earlier responses
                 # must not hold this run's answers from a previous run
                 llm = LLM(model=ea.model, speculative_config=spec_config(m, args.num_speculative_tokens,
