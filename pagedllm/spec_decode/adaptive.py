@@ -21,6 +21,11 @@ to a per-request rule: the largest k with ``a**k >= min_gain``.
 A request whose drafts are all dropped gets a one-draft probe every ``probe_interval``
 steps (at most one probe per step in the batch), so a request whose text turns repetitive
 later picks speculation back up.
+
+Seeded sampled requests are left out of the step-level choice: how many drafts they verify
+changes which random draws they use, and their tokens must not depend on the batch
+(``SamplingParams.seed``), so they follow the per-request rule and probe on their own
+schedule, both functions of their own history only.
 """
 from __future__ import annotations
 
@@ -133,22 +138,27 @@ class AdaptiveDraftLength:
             return 0
         return min(cap, int(math.log(self.min_gain) / math.log(a)))
 
-    def choose(self, req_ids: list[str], num_proposed: list[int], num_decoding: int) -> list[int]:
+    def choose(self, req_ids: list[str], num_proposed: list[int], num_decoding: int,
+               independent: list[bool] | None = None) -> list[int]:
         """Drafts to verify per request next step (each <= its ``num_proposed``).
 
         Args:
             req_ids / num_proposed: the requests that got proposals and how many.
             num_decoding: requests that will decode next step (B), drafts or not.
+            independent: per request, True when its count must not depend on the batch
+                (seeded sampling): the per-request rule then decides it.
         """
         if not self.enabled:
             return list(num_proposed)
+        independent = independent or [False] * len(req_ids)
         alphas = [self.acceptance_rate(r) for r in req_ids]
         base = self.cost_model.cost(num_decoding)
         if base is None:
             ks = [self._rule(a, n) for a, n in zip(alphas, num_proposed)]
         else:
-            cands = sorted(((a ** j, i) for i, (a, n) in enumerate(zip(alphas, num_proposed))
-                            for j in range(1, n + 1)), key=lambda t: -t[0])
+            ks = [self._rule(a, n) if ind else 0 for a, n, ind in zip(alphas, num_proposed, independent)]
+            cands = sorted(((a ** j, i) for i, (a, n, ind) in enumerate(zip(alphas, num_proposed, independent))
+                            if not ind for j in range(1, n + 1)), key=lambda t: -t[0])
             best_n, best_rate, gain = 0, num_decoding / base, 0.0
             for n, (g, _) in enumerate(cands, 1):
                 c = self.cost_model.cost(num_decoding + n)
@@ -158,7 +168,6 @@ class AdaptiveDraftLength:
                 rate = (num_decoding + gain) / c
                 if rate > best_rate:
                     best_n, best_rate = n, rate
-            ks = [0] * len(req_ids)
             for _, i in cands[:best_n]:
                 ks[i] += 1
         probed = False
@@ -167,8 +176,9 @@ class AdaptiveDraftLength:
             if ks[i] > 0:
                 continue
             st[2] += 1
-            if not probed and st[2] >= self.probe_interval and num_proposed[i] > 0:
-                ks[i], probed = 1, True
+            if (independent[i] or not probed) and st[2] >= self.probe_interval and num_proposed[i] > 0:
+                ks[i] = 1
+                probed = probed or not independent[i]
                 st[2] = 0
         return ks
 

@@ -308,7 +308,9 @@ class ModelRunner:
         proposals = self.proposer.propose(
             ids, [b.token_ids[r, : b.num_tokens[r]] for r in prow.tolist()],
             b.num_prompt_tokens[prow].tolist(), want_k, batch=b, rows=prow)
-        keep = self.draft_length.choose(ids, [len(p) for p in proposals], len(sample_idx))
+        # seeded sampled requests: their draft count must not depend on the batch
+        independent = [r in b.generators and b.temperature[r] > 0 for r in prow.tolist()]
+        keep = self.draft_length.choose(ids, [len(p) for p in proposals], len(sample_idx), independent)
         for i, p, k in zip(want_i, proposals, keep):
             out[i] = list(p[:k])
         return out
