@@ -239,6 +239,14 @@ class SpeculativeConfig:
         k = d.get("num_speculative_tokens")
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:
             raise bad(f"num_speculative_tokens must be a positive int, got {k!r}")
+        only = {"ngram": ("prompt_lookup_min", "prompt_lookup_max"), "draft_model": ("model",),
+                "suffix": tuple(n for n in names if n.startswith("suffix_decoding_"))}
+        for m, keys in only.items():
+            stray = sorted(k for k in keys if k in value and m != method)
+            if stray:
+                raise bad(f"{', '.join(stray)} only apply to method {m!r}, not {method!r}")
+        if not isinstance(d.get("adaptive", True), bool):
+            raise bad(f"adaptive must be true or false, got {d['adaptive']!r}")
         if method == "draft_model":
             if not d.get("model"):
                 raise bad("method draft_model needs 'model' (the draft model's path)")
@@ -248,10 +256,10 @@ class SpeculativeConfig:
             v = d.get(name, 1)
             if not isinstance(v, int) or isinstance(v, bool) or v < lo:
                 raise bad(f"{name} must be an int >= {lo}, got {v!r}")
-        for name in ("suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob"):
+        for name, hi in (("suffix_decoding_max_spec_factor", float("inf")), ("suffix_decoding_min_token_prob", 1.0)):
             v = d.get(name, 0.0)
-            if not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0:
-                raise bad(f"{name} must be a non-negative number, got {v!r}")
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 <= v <= hi:
+                raise bad(f"{name} must be a number in [0, {hi}], got {v!r}")
         return cls(**d)
 
     @property
@@ -430,8 +438,13 @@ class EngineConfig:
         kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, dtype, device, args.attention_backend)
         spec = SpeculativeConfig.parse(args.speculative_config)
         if spec is not None and spec.method == "draft_model":
-            draft_arch = load_arch_config(spec.model)
-            get_model_class(draft_arch)
+            try:
+                draft_arch = load_arch_config(spec.model)
+                get_model_class(draft_arch)
+            except (OSError, ValueError) as e:
+                raise InvalidParameterError(
+                    "speculative_config", f"speculative_config: draft model {spec.model!r} cannot be "
+                    f"loaded: {e}") from None
             if draft_arch.vocab_size != arch.vocab_size:
                 raise InvalidParameterError(
                     "speculative_config", f"speculative_config: the draft model's vocabulary "

@@ -234,6 +234,10 @@ def test_greedy_output_unchanged_in_bfloat16(make_llm, prompts, model_path, tiny
     ('{"method": "draft_model", "num_speculative_tokens": 3}', "needs 'model'"),
     ('{"method": "draft_model", "model": "/nonexistent", "num_speculative_tokens": 3}', "does not exist"),
     ("[1, 2]", "JSON object"),
+    ('{"method": "ngram", "num_speculative_tokens": 3, "model": "/x"}', "only apply to method 'draft_model'"),
+    ('{"method": "suffix", "prompt_lookup_min": 2}', "only apply to method 'ngram'"),
+    ('{"method": "ngram", "num_speculative_tokens": 3, "adaptive": "no"}', "adaptive must be true or false"),
+    ('{"method": "suffix", "suffix_decoding_min_token_prob": 2.0}', "min_token_prob must be a number in"),
 ])
 def test_bad_speculative_config_names_the_flag(value, match):
     with pytest.raises(InvalidParameterError, match=match) as e:
@@ -246,6 +250,16 @@ def test_speculative_config_defaults_follow_vllm():
     assert (s.prompt_lookup_min, s.prompt_lookup_max, s.num_lookahead_slots) == (3, 3, 0)
     s = SpeculativeConfig.parse('{"method": "suffix"}')
     assert s.num_speculative_tokens == s.suffix_decoding_max_tree_depth == 24
+
+
+@pytest.mark.parametrize("path", ["/tmp", "/etc/passwd"])
+def test_unloadable_draft_model_names_speculative_config(path):
+    from pagedllm.config import EngineConfig
+
+    spec = json.dumps({"method": "draft_model", "model": path, "num_speculative_tokens": 2})
+    with pytest.raises(InvalidParameterError, match="speculative_config: draft model") as e:
+        EngineConfig.from_args(EngineArgs(dtype="float32", device="cpu", speculative_config=spec))
+    assert e.value.param == "speculative_config"
 
 
 def test_draft_with_another_vocabulary_is_refused(tmp_path):
@@ -406,3 +420,5 @@ def test_bench_spec_workload_runner(make_llm, model_path, tiny_draft):
     assert json.loads(spec_config("ngram", 7, None))["num_speculative_tokens"] == 7
     with pytest.raises(ValueError, match="--draft-model"):
         spec_config("draft_model", 3, None)
+    with pytest.raises(ValueError, match="does not exist"):
+        spec_config("draft_model", 3, "/nonexistent.gguf")

@@ -154,7 +154,11 @@ def spec_config(method: str, k: int, draft_model: str | None) -> str | None:
         return json.dumps({"method": "suffix", "num_speculative_tokens": k})
     if not draft_model:
         raise ValueError("--methods draft_model needs --draft-model PATH")
-    return json.dumps({"method": "draft_model", "model": draft_model, "num_speculative_tokens": k})
+    value = json.dumps({"method": "draft_model", "model": draft_model, "num_speculative_tokens": k})
+    from pagedllm.config import SpeculativeConfig
+
+    SpeculativeConfig.parse(value)    # a missing path fails here, before any model loads
+    return value
 
 
 def run_workload(llm, prompts: list[list[int]], output_len: int, concurrency: int) -> dict:
@@ -202,6 +206,9 @@ def spec_main(args) -> int:
     from pagedllm.benchmarks.machine import machine_info
     from pagedllm.config import EngineArgs
 
+    if getattr(args, "speculative_config", None):
+        raise ValueError("bench spec builds --speculative-config per method: use --methods, "
+                         "--num-speculative-tokens and --draft-model instead")
     methods = ["none"] + [m for m in args.methods if m != "none"]
     for m in methods:
         spec_config(m, args.num_speculative_tokens, args.draft_model)   # fail before loading anything
