@@ -422,3 +422,19 @@ def test_bench_spec_workload_runner(make_llm, model_path, tiny_draft):
         spec_config("draft_model", 3, None)
     with pytest.raises(ValueError, match="does not exist"):
         spec_config("draft_model", 3, "/nonexistent.gguf")
+
+
+def test_adaptive_draft_length_pays_for_a_draft_model():
+    """A draft model's forwards count: drafts that would pay for the target's extra
+    positions alone are dropped when proposing them costs more than they return."""
+    from pagedllm.spec_decode.adaptive import AdaptiveDraftLength
+
+    a = AdaptiveDraftLength(4, probe_interval=100)
+    for t in range(1, 6):
+        for _ in range(4):
+            a.cost_model.record(t, 0.080 + 0.002 * t)
+    for _ in range(6):
+        a.record("r", 4, 1)                 # a ~ 0.5: 4 drafts add ~0.94 tokens
+    assert a.choose(["r"], [4], 1) == [4]   # free proposals: worth it at batch 1
+    a.record_proposer(0.060, 1)             # but each draft depth costs 60 ms
+    assert a.choose(["r"], [4], 1) == [0]

@@ -117,6 +117,7 @@ class AdaptiveDraftLength:
         self.decay = decay
         self.enabled = enabled
         self.cost_model = StepCostModel()
+        self._proposer_s: float | None = None   # a model proposer's seconds per unit of depth
         # req_id -> [accepted (decayed), tried (decayed), steps since it last verified a draft]
         self._state: dict[str, list[float]] = {}
 
@@ -138,12 +139,25 @@ class AdaptiveDraftLength:
             return 0
         return min(cap, int(math.log(self.min_gain) / math.log(a)))
 
+    def record_proposer(self, seconds: float, depth: int) -> None:
+        """A model proposer (draft model) spent ``seconds`` proposing ``depth`` tokens deep
+        (sequential draft forwards); kept as a moving average per unit of depth."""
+        if depth > 0:
+            per = seconds / depth
+            self._proposer_s = per if self._proposer_s is None else 0.8 * self._proposer_s + 0.2 * per
+
     def choose(self, req_ids: list[str], num_proposed: list[int], num_decoding: int,
                independent: list[bool] | None = None) -> list[int]:
         """Drafts to verify per request next step (each <= its ``num_proposed``).
 
+        With a model proposer (``record_proposer`` called), the choice is made before
+        proposing and each candidate count also pays the proposer's time for the depth it
+        needs (its largest per-request count), so a draft model that is not accepted stops
+        being run.
+
         Args:
-            req_ids / num_proposed: the requests that got proposals and how many.
+            req_ids / num_proposed: the requests that got proposals (or could get them)
+                and how many.
             num_decoding: requests that will decode next step (B), drafts or not.
             independent: per request, True when its count must not depend on the batch
                 (seeded sampling): the per-request rule then decides it.
@@ -168,6 +182,19 @@ class AdaptiveDraftLength:
                 rate = (num_decoding + gain) / c
                 if rate > best_rate:
                     best_n, best_rate = n, rate
+            if self._proposer_s is not None:
+                best_n, best_rate, gain, depth = 0, num_decoding / base, 0.0, [0] * len(req_ids)
+                deepest = max(ks, default=0)
+                for n, (g, i) in enumerate(cands, 1):
+                    c = self.cost_model.cost(num_decoding + n)
+                    if c is None:
+                        break
+                    gain += g
+                    depth[i] += 1
+                    deepest = max(deepest, depth[i])
+                    rate = (num_decoding + gain) / (c + self._proposer_s * deepest)
+                    if rate > best_rate:
+                        best_n, best_rate = n, rate
             for _, i in cands[:best_n]:
                 ks[i] += 1
         probed = False

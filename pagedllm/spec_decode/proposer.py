@@ -28,6 +28,8 @@ from pagedllm.forward_context import set_forward_context
 class ModelFreeProposer:
     """Adapts an n-gram or suffix proposer (token lookups, no model, no KV cache)."""
 
+    is_model = False   # proposing is cheap: propose k, then keep what pays
+
     def __init__(self, impl, description: str):
         self.impl = impl
         self._description = description
@@ -70,6 +72,8 @@ class DraftModelProposer:
     Args:
         config: the target's engine config (device, dtypes, attention backend, lengths).
     """
+
+    is_model = True   # each draft depth is a forward: the runner sizes proposals first
 
     def __init__(self, config: EngineConfig):
         from pagedllm.models.loader import load_arch_config
@@ -134,6 +138,17 @@ class DraftModelProposer:
     def propose(self, req_ids, token_ids, num_prompt_tokens, num_tokens_wanted, batch=None, rows=None):
         """Drafts per request (see the class). ``batch`` / ``rows``: the runner's
         persistent batch and the requests' rows in it (their block tables)."""
+        wanted = np.array(num_tokens_wanted, dtype=np.int64)
+        if not wanted.any():
+            return [[] for _ in req_ids]   # nothing to draft: the catch-up waits for the next proposal
+        sel = np.flatnonzero(wanted > 0)
+        if len(sel) < len(req_ids):
+            sub = self.propose([req_ids[i] for i in sel], [token_ids[i] for i in sel],
+                               [num_prompt_tokens[i] for i in sel], wanted[sel].tolist(), batch, rows[sel])
+            out = [[] for _ in req_ids]
+            for i, p in zip(sel.tolist(), sub):
+                out[i] = p
+            return out
         B = len(req_ids)
         n = np.array([len(t) for t in token_ids], dtype=np.int64)
         # never write past the slots the request holds (the scheduler reserved k)

@@ -305,12 +305,20 @@ class ModelRunner:
             return out
         prow = rows[want_i]
         ids = [req_ids[i] for i in want_i]
-        proposals = self.proposer.propose(
-            ids, [b.token_ids[r, : b.num_tokens[r]] for r in prow.tolist()],
-            b.num_prompt_tokens[prow].tolist(), want_k, batch=b, rows=prow)
         # seeded sampled requests: their draft count must not depend on the batch
         independent = [r in b.generators and b.temperature[r] > 0 for r in prow.tolist()]
-        keep = self.draft_length.choose(ids, [len(p) for p in proposals], len(sample_idx), independent)
+        tokens = [b.token_ids[r, : b.num_tokens[r]] for r in prow.tolist()]
+        if self.proposer.is_model:
+            # a draft model costs a forward per draft depth: decide before proposing
+            keep = self.draft_length.choose(ids, want_k, len(sample_idx), independent)
+            t0 = time.perf_counter()
+            proposals = self.proposer.propose(ids, tokens, b.num_prompt_tokens[prow].tolist(), keep,
+                                              batch=b, rows=prow)
+            self.draft_length.record_proposer(time.perf_counter() - t0, max(keep, default=0))
+        else:
+            proposals = self.proposer.propose(ids, tokens, b.num_prompt_tokens[prow].tolist(), want_k,
+                                              batch=b, rows=prow)
+            keep = self.draft_length.choose(ids, [len(p) for p in proposals], len(sample_idx), independent)
         for i, p, k in zip(want_i, proposals, keep):
             out[i] = list(p[:k])
         return out
