@@ -287,9 +287,12 @@ def test_adaptive_draft_length_fallback_rule_and_probes():
     assert a.choose(["r"], [8], 1) == [8]
     for _ in range(30):      # each all-rejected step is one failed position
         a.record("r", 4, 0)
-    ks = [a.choose(["r", "s"], [4, 4], 2) for _ in range(8)]
-    # off, with one one-draft probe every 4th step, one request per step
-    assert [k[0] for k in ks] == [0, 0, 0, 1, 0, 0, 0, 1]
+    for _ in range(30):
+        a.record("s", 4, 0)
+    ks = [a.choose(["r", "s"], [4, 4], 2) for _ in range(12)]
+    # off, with one one-draft probe every 4th step for the whole batch, taking turns
+    assert [k[0] for k in ks] == [0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 1]
+    assert [k[1] for k in ks] == [0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0]
     assert AdaptiveDraftLength(5, enabled=False).choose(["x"], [5], 1) == [5]
     a.remove("r")
     assert a.choose(["r"], [8], 1) == [4]
