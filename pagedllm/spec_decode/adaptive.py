@@ -176,28 +176,20 @@ class AdaptiveDraftLength:
             ks = [self._rule(a, n) if ind else 0 for a, n, ind in zip(alphas, num_proposed, independent)]
             cands = sorted(((a ** j, i) for i, (a, n, ind) in enumerate(zip(alphas, num_proposed, independent))
                             if not ind for j in range(1, n + 1)), key=lambda t: -t[0])
+            # a model proposer also pays its seconds per draft depth (the deepest count)
+            per_depth = self._proposer_s or 0.0
             best_n, best_rate, gain = 0, num_decoding / base, 0.0
-            for n, (g, _) in enumerate(cands, 1):
+            depth, deepest = [0] * len(req_ids), max(ks, default=0)
+            for n, (g, i) in enumerate(cands, 1):
                 c = self.cost_model.cost(num_decoding + n)
                 if c is None:
                     break
                 gain += g
-                rate = (num_decoding + gain) / c
+                depth[i] += 1
+                deepest = max(deepest, depth[i])
+                rate = (num_decoding + gain) / (c + per_depth * deepest)
                 if rate > best_rate:
                     best_n, best_rate = n, rate
-            if self._proposer_s is not None:
-                best_n, best_rate, gain, depth = 0, num_decoding / base, 0.0, [0] * len(req_ids)
-                deepest = max(ks, default=0)
-                for n, (g, i) in enumerate(cands, 1):
-                    c = self.cost_model.cost(num_decoding + n)
-                    if c is None:
-                        break
-                    gain += g
-                    depth[i] += 1
-                    deepest = max(deepest, depth[i])
-                    rate = (num_decoding + gain) / (c + self._proposer_s * deepest)
-                    if rate > best_rate:
-                        best_n, best_rate = n, rate
             for _, i in cands[:best_n]:
                 ks[i] += 1
         self._steps_since_probe += 1

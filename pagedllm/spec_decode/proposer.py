@@ -98,9 +98,7 @@ class DraftModelProposer:
                 f"k={self.k}")
 
     def kv_bytes_per_block(self, block_size: int) -> int:
-        a = self.arch
-        elem = torch.empty((), dtype=self.kv_cache_dtype).element_size()
-        return 2 * a.num_hidden_layers * block_size * a.num_key_value_heads * a.head_dim * elem
+        return self.arch.kv_bytes_per_block(block_size, self.kv_cache_dtype)
 
     def initialize_kv_cache(self, num_blocks: int, block_size: int) -> None:
         from pagedllm.layers import bind_kv_cache
@@ -174,7 +172,7 @@ class DraftModelProposer:
         return drafts
 
 
-def make_proposer(config: EngineConfig, attn=None):
+def make_proposer(config: EngineConfig):
     """The proposer ``config.speculative_config`` asks for."""
     spec = config.speculative_config
     if spec.method == "ngram":

@@ -65,7 +65,7 @@ class ModelRunner:
         if self.spec is not None:
             from pagedllm.spec_decode.proposer import make_proposer
 
-            self.proposer = make_proposer(config, self.attn)
+            self.proposer = make_proposer(config)
             self.draft_length = AdaptiveDraftLength(self.spec.num_speculative_tokens,
                                                     enabled=self.spec.adaptive)
         self.kv_cache: torch.Tensor | None = None
@@ -82,9 +82,7 @@ class ModelRunner:
     def kv_bytes_per_block(self) -> int:
         """Bytes of K and V for one block across all layers, in the cache's dtype (with a
         draft model, its own cache's block too: both use the same block ids)."""
-        a = self.config.arch
-        elem = torch.empty((), dtype=self.kv_cache_dtype).element_size()
-        own = 2 * a.num_hidden_layers * self.block_size * a.num_key_value_heads * a.head_dim * elem
+        own = self.config.arch.kv_bytes_per_block(self.block_size, self.kv_cache_dtype)
         return own + (self.proposer.kv_bytes_per_block(self.block_size) if self.proposer is not None else 0)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
