@@ -139,9 +139,7 @@ def _bytes_for_blocks(model, kv_dtype: torch.dtype, blocks: int, block_size: int
     from pagedllm.models.loader import load_arch_config
     from pagedllm.utils import default_model_path
 
-    cfg = load_arch_config(model or default_model_path())
-    elem = torch.empty((), dtype=kv_dtype).element_size()
-    return blocks * block_size * 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * elem
+    return blocks * load_arch_config(model or default_model_path()).kv_bytes_per_block(block_size, kv_dtype)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -45,6 +45,11 @@ class ModelArchConfig:
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
 
+    def kv_bytes_per_block(self, block_size: int, dtype) -> int:
+        """Bytes of K and V for one KV-cache block of ``block_size`` tokens across all
+        layers, with elements of ``dtype`` (a ``torch.dtype``; its ``itemsize`` bytes)."""
+        return 2 * self.num_hidden_layers * block_size * self.num_key_value_heads * self.head_dim * dtype.itemsize
+
 
 def _arch_flags(architecture: str) -> dict[str, bool]:
     """The registry's variant flags of ``architecture``; raises ValueError if unsupported."""
