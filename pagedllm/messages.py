@@ -26,6 +26,21 @@ FINISH_LENGTH = "length"
 FINISH_ABORT = "abort"
 
 
+class TokenLogprobs(msgspec.Struct, array_like=True):
+    """Log probabilities at one position (raw: ``log_softmax`` of the model's logits).
+
+    Attributes:
+        token_ids: the chosen token (sampled, or the prompt's next token), then the most
+            likely tokens in order (as many as the request's ``logprobs`` asks).
+        logprobs: natural-log probabilities, same order.
+        rank: the chosen token's rank (1 = most likely).
+    """
+
+    token_ids: list[int]
+    logprobs: list[float]
+    rank: int
+
+
 # ---------------------------------------------------------------------------------------
 # front end ↔ engine core
 # ---------------------------------------------------------------------------------------
@@ -58,6 +73,9 @@ class EngineCoreOutput(msgspec.Struct, omit_defaults=True):
         scheduled_time / first_token_time / finished_time: wall-clock seconds, None
             until the event happened.
         num_preemptions: times the request was preempted so far.
+        new_logprobs: with ``logprobs`` set, one entry per new token; else None.
+        new_prompt_logprobs: with ``prompt_logprobs`` set, entries for the prompt tokens
+            whose logprobs this step computed (in order, from the second prompt token on).
     """
 
     request_id: str
@@ -69,6 +87,8 @@ class EngineCoreOutput(msgspec.Struct, omit_defaults=True):
     first_token_time: float | None = None
     finished_time: float | None = None
     num_preemptions: int = 0
+    new_logprobs: list[TokenLogprobs] | None = None
+    new_prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 class SchedulerStats(msgspec.Struct):
@@ -224,8 +244,13 @@ class ModelRunnerOutput(msgspec.Struct):
             one token of the target's).
         spec_token_ids: with speculative decoding, per request (same order) the draft
             tokens proposed for its next step ([] for none); empty list without it.
+        logprobs: req_id -> one entry per sampled token, for requests with ``logprobs``.
+        prompt_logprobs: req_id -> entries for the prompt tokens this step computed, for
+            requests with ``prompt_logprobs`` (positions not sent before only).
     """
 
     req_ids: list[str]
     sampled_token_ids: list[list[int]]
     spec_token_ids: list[list[int]] = []
+    logprobs: dict[str, list[TokenLogprobs]] = {}
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = {}

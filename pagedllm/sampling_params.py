@@ -8,6 +8,13 @@ from pagedllm.errors import InvalidParameterError
 
 _INT = (int,)
 
+# Most completions per request (``n``), and most top logprobs per token (vLLM's
+# ``--max-logprobs`` default).
+MAX_N = 128
+MAX_LOGPROBS = 20
+# Temperatures below this are greedy (vLLM's _SAMPLING_EPS).
+GREEDY_TEMPERATURE = 1e-5
+
 
 def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
@@ -38,7 +45,26 @@ class SamplingParams:
         skip_special_tokens: drop special tokens from the detokenized text.
         cache_salt: extra key mixed into the prefix-cache hashes: requests with different
             salts never share cached KV blocks.
-        n: completions per prompt; only 1 is supported.
+        n: completions per prompt (>= 1). The n sequences share the prompt's KV blocks:
+            the front end sends sequence 0 first and the others once its prompt is in the
+            prefix cache. With a seed, sequence i uses ``seed + i``, so sequence 0 is the
+            n=1 request's output.
+        best_of: None or n (vLLM V1 has no best_of > n; it is refused).
+        presence_penalty / frequency_penalty: in [-2, 2]; subtracted from the logit of
+            every token generated so far, once / once per occurrence (OpenAI's formula).
+        repetition_penalty: > 0; a token seen in the prompt or the output has a positive
+            logit divided by it and a negative one multiplied by it (Keskar et al. 2019,
+            CTRL); 1 = off.
+        logit_bias: token id -> bias in [-100, 100] added to its logit.
+        allowed_token_ids: only these tokens may be generated.
+        bad_words: words never generated: each word's tokens (with and without a leading
+            space) are banned as a sequence: the last token is masked when the output ends
+            with the others (the front end tokenizes them into ``bad_words_token_ids``).
+        logprobs: return the log probability of each generated token and of the
+            ``logprobs`` most likely tokens at its position (0 = the generated token only),
+            from the model's distribution before any processing.
+        prompt_logprobs: the same for each prompt token (after the first).
+        truncate_prompt_tokens: keep only the last this many prompt tokens (>= 1).
 
     Raises:
         ValueError: any field out of range or of the wrong type; the message names it.
@@ -58,13 +84,32 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     cache_salt: str | None = None
+    best_of: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    truncate_prompt_tokens: int | None = None
+    bad_words_token_ids: list[list[int]] | None = None
     _stop_list: list[str] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        if not _is_int(self.n) or self.n != 1:
-            raise InvalidParameterError("n", f"n must be 1 (got {self.n!r}); several completions per prompt are not supported")
+        if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
+            raise InvalidParameterError("n", f"n must be an int in [1, {MAX_N}], got {self.n!r}")
+        if self.best_of is not None and (not _is_int(self.best_of) or self.best_of != self.n):
+            raise InvalidParameterError(
+                "best_of", f"best_of must be null or equal to n ({self.n}), got {self.best_of!r}: as in "
+                           "vLLM V1, best_of > n is not supported")
         if not _is_num(self.temperature) or self.temperature < 0:
             raise InvalidParameterError("temperature", f"temperature must be a number >= 0, got {self.temperature!r}")
+        if self.temperature < GREEDY_TEMPERATURE:
+            # 1/T overflows float32 from T ~ 3e-39 (and bf16 long before): as vLLM, a
+            # temperature this small is greedy
+            self.temperature = 0.0
         if not _is_num(self.top_p) or not (0 < self.top_p <= 1):
             raise InvalidParameterError("top_p", f"top_p must be in (0, 1], got {self.top_p!r}")
         if not _is_int(self.top_k) or (self.top_k < 0 and self.top_k != -1) or self.top_k >= 2**31:
@@ -98,6 +143,48 @@ class SamplingParams:
                 raise InvalidParameterError(name, f"{name} must be a boolean, got {getattr(self, name)!r}")
         if self.top_k == -1:
             self.top_k = 0
+        self._check_processing()
+
+    def _check_processing(self) -> None:
+        """Penalties, biases, token masks, logprobs and truncation (ranges as vLLM's)."""
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not _is_num(v) or not -2 <= v <= 2:
+                raise InvalidParameterError(name, f"{name} must be a number in [-2, 2], got {v!r}")
+        if not _is_num(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise InvalidParameterError("repetition_penalty",
+                                        f"repetition_penalty must be a number > 0, got {self.repetition_penalty!r}")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict) or not all(
+                    _is_int(k) and k >= 0 and _is_num(v) for k, v in self.logit_bias.items()):
+                raise InvalidParameterError("logit_bias", "logit_bias must map token ids (ints >= 0) to numbers, "
+                                                          f"got {self.logit_bias!r}")
+            bad = [v for v in self.logit_bias.values() if not -100 <= v <= 100]
+            if bad:
+                raise InvalidParameterError("logit_bias", f"logit_bias values must be in [-100, 100], got {bad[0]!r}")
+        if self.allowed_token_ids is not None and (
+                not isinstance(self.allowed_token_ids, list) or not self.allowed_token_ids
+                or not all(_is_int(t) and t >= 0 for t in self.allowed_token_ids)):
+            raise InvalidParameterError("allowed_token_ids", "allowed_token_ids must be a non-empty list of "
+                                                             f"token ids (ints >= 0), got {self.allowed_token_ids!r}")
+        if self.bad_words is not None and (not isinstance(self.bad_words, list) or not all(
+                isinstance(w, str) and w.strip() for w in self.bad_words)):
+            raise InvalidParameterError("bad_words", f"bad_words must be a list of non-blank strings, got {self.bad_words!r}")
+        if self.bad_words_token_ids is not None and (not isinstance(self.bad_words_token_ids, list) or not all(
+                isinstance(w, list) and w and all(_is_int(t) and t >= 0 for t in w) for w in self.bad_words_token_ids)):
+            raise InvalidParameterError("bad_words", "bad_words_token_ids must be a list of non-empty token-id lists")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (not _is_int(v) or not 0 <= v <= MAX_LOGPROBS):
+                raise InvalidParameterError(name, f"{name} must be null or an int in [0, {MAX_LOGPROBS}], got {v!r}")
+        t = self.truncate_prompt_tokens
+        if t is not None and (not _is_int(t) or t < 1):
+            raise InvalidParameterError("truncate_prompt_tokens",
+                                        f"truncate_prompt_tokens must be null or an int >= 1, got {t!r}")
+
+    @property
+    def needs_penalties(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
     @property
     def stop_strings(self) -> list[str]:

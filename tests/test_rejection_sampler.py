@@ -307,10 +307,6 @@ def test_bad_shapes_raise():
         rs(torch.zeros(4, 8), [[1, 8], []], meta(2))
     with pytest.raises(ValueError, match=r"\[T, V\]"):
         rs(torch.zeros(4), [[1, 2], []], meta(2))
-    banned = meta(2)
-    banned.banned = (torch.tensor([0]), torch.tensor([1]))
-    with pytest.raises(ValueError, match="banned"):
-        rs(torch.zeros(4, 8), [[1, 2], []], banned)
 
 
 def test_compute_probs_is_the_filtered_renormalised_distribution():

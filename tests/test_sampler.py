@@ -9,7 +9,7 @@ from pagedllm.sample.sampler import Sampler, SamplingMetadata
 V = 50
 
 
-def md(n, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seeds=None, banned=None) -> SamplingMetadata:
+def md(n, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seeds=None) -> SamplingMetadata:
     """Metadata as the ModelRunner builds it, for ``n`` rows (scalars broadcast)."""
     def col(x, dtype):
         return torch.tensor(x if isinstance(x, list) else [x] * n, dtype=dtype)
@@ -25,8 +25,7 @@ def md(n, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seeds=None, banned=Non
         all_greedy=bool((temp == 0).all()),
         need_top_k=bool(((k > 0) & (temp > 0)).any()),
         need_top_p=bool(((p < 1) & (temp > 0)).any()),
-        need_min_p=bool(((mp > 0) & (temp > 0)).any()),
-        banned=banned)
+        need_min_p=bool(((mp > 0) & (temp > 0)).any()))
 
 
 def rand_logits(n, seed=0, scale=3.0):
@@ -134,15 +133,6 @@ def test_top_k_and_top_p_combine():
     ref = torch.zeros(6)
     ref[:2] = PROBS[:2] / PROBS[:2].sum()
     assert torch.allclose(freq, ref, atol=TOL), freq
-
-
-def test_banned_tokens_are_never_sampled():
-    logits = torch.zeros(4, V)
-    logits[:, 7] = 10.0                       # token 7 would win everywhere
-    banned = (torch.tensor([0, 0, 2]), torch.tensor([7, 8, 7]))
-    out = sample(logits, md(4, temperature=0.0, banned=banned))
-    assert out[1].item() == 7 and out[3].item() == 7
-    assert out[0].item() != 7 and out[2].item() != 7
 
 
 def test_same_seed_same_tokens_regardless_of_batch():

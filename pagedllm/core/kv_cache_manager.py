@@ -58,12 +58,18 @@ class KVCacheManager:
         At least the last token is always left to compute (its logits are needed), so a
         fully cached prompt of exactly k blocks hits k-1 of them.
 
+        A request that asks for ``prompt_logprobs`` hits nothing (as in vLLM): the
+        logprobs of its prompt tokens need their positions computed. Its blocks are still
+        hashed, and cached for others.
+
         Returns:
             (blocks, num_computed_tokens); ([], 0) when caching is off.
         """
         if not self.enable_caching:
             return [], 0
         self.update_block_hashes(req)
+        if req.sampling_params.prompt_logprobs is not None:
+            return [], 0
         max_blocks = (req.num_tokens - 1) // self.block_size
         hit: list[KVCacheBlock] = []
         for h in req.block_hashes[:max_blocks]:

@@ -36,6 +36,8 @@ class Request:
         num_cached_tokens: prompt tokens served from the prefix cache at first admission.
         spec_token_ids: draft tokens proposed for the request's next step (speculative
             decoding; [] for none).
+        pending_prompt_logprobs: ``TokenLogprobs`` of prompt tokens computed by steps
+            before the first output token, sent with it.
     """
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
@@ -57,6 +59,8 @@ class Request:
         self.finished_time: float | None = None
         self.num_cached_tokens = -1
         self.spec_token_ids: list[int] = []
+        # prompt logprobs computed but not yet sent (they go out with the first token)
+        self.pending_prompt_logprobs: list = []
 
     @classmethod
     def from_engine_core_request(cls, r: EngineCoreRequest) -> Request:

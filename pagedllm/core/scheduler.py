@@ -224,6 +224,8 @@ class Scheduler:
         outputs: list[EngineCoreOutput] = []
         sampled = dict(zip(runner_output.req_ids, runner_output.sampled_token_ids))
         proposed = dict(zip(runner_output.req_ids, runner_output.spec_token_ids))
+        logprobs = runner_output.logprobs
+        prompt_lp = runner_output.prompt_logprobs
         for rid, n in so.num_scheduled_tokens.items():
             req = self.requests.get(rid)
             if req is None or req.status != RequestStatus.RUNNING:
@@ -239,6 +241,8 @@ class Scheduler:
             else:
                 req.num_computed_tokens += n
             req.spec_token_ids = proposed.get(rid) or []
+            if rid in prompt_lp:
+                req.pending_prompt_logprobs.extend(prompt_lp[rid])
             if not tokens:
                 continue
             if req.first_token_time is None:
@@ -258,7 +262,12 @@ class Scheduler:
                 freed = self.kv.free_tail(req, req.num_tokens)
                 if freed:
                     self.num_freed_blocks[rid] = self.num_freed_blocks.get(rid, 0) + freed
-            outputs.append(self._output(req, new_tokens))
+            out = self._output(req, new_tokens)
+            if rid in logprobs:
+                out.new_logprobs = logprobs[rid][: len(new_tokens)]
+            if req.sampling_params.prompt_logprobs is not None and req.pending_prompt_logprobs:
+                out.new_prompt_logprobs, req.pending_prompt_logprobs = req.pending_prompt_logprobs, []
+            outputs.append(out)
         return outputs
 
     def _count_spec(self, num_draft: int, num_accepted: int) -> None:

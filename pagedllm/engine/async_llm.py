@@ -263,7 +263,7 @@ class AsyncLLM:
                     ids, err = e.request_ids, RuntimeError(str(e))
                 else:  # outside the executor: which requests it hit is unknown, so all
                     logger.exception("engine step failed")
-                    ids, err = list(eng.states), RuntimeError(f"engine step failed: {e}")
+                    ids, err = eng.unfinished_request_ids(), RuntimeError(f"engine step failed: {e}")
                     eng.abort_request(ids)
                 for rid in ids:
                     self._deliver(rid, err)

@@ -7,8 +7,11 @@ RequestOutputs.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
+
+import msgspec
 
 from pagedllm.config import EngineArgs, EngineConfig
 from pagedllm.engine.core_client import EngineCoreClient
@@ -16,8 +19,9 @@ from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.engine.metrics import FinishedRequestStats, IterationStats, LoggingStatLogger
 from pagedllm.engine.processor import Processor, check_unicode
 from pagedllm.errors import InvalidParameterError
-from pagedllm.messages import FINISH_ABORT, FINISH_STOP, EngineCoreOutput, EngineCoreRequest, SchedulerStats
-from pagedllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from pagedllm.messages import (FINISH_ABORT, FINISH_STOP, EngineCoreOutput, EngineCoreRequest, SchedulerStats,
+                               TokenLogprobs)
+from pagedllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.tokenizer import eos_token_ids, get_tokenizer
 
@@ -25,11 +29,26 @@ logger = logging.getLogger("pagedllm")
 
 
 class _ReqState:
-    __slots__ = ("request_id", "prompt", "prompt_token_ids", "detok", "token_ids", "finish_reason",
-                 "stop_reason", "metrics", "last_token_time", "num_cached_tokens")
+    """A sequence the front end follows: a request, or one of the n of a parent request.
 
-    def __init__(self, req: EngineCoreRequest, prompt: str | None, detok: IncrementalDetokenizer):
+    ``request_id`` is the core's id; ``public_id`` the caller's (the parent's for a child);
+    ``index`` the sequence's place among its parent's n (0 otherwise)."""
+
+    __slots__ = ("request_id", "prompt", "prompt_token_ids", "detok", "token_ids", "finish_reason",
+                 "stop_reason", "metrics", "last_token_time", "num_cached_tokens", "public_id", "index",
+                 "logprobs", "prompt_logprobs", "cumulative_logprob", "want_logprobs", "want_prompt_logprobs")
+
+    def __init__(self, req: EngineCoreRequest, prompt: str | None, detok: IncrementalDetokenizer,
+                 public_id: str | None = None, index: int = 0):
         self.request_id = req.request_id
+        self.public_id = req.request_id if public_id is None else public_id
+        self.index = index
+        sp = req.sampling_params
+        self.want_logprobs = sp.logprobs is not None
+        self.want_prompt_logprobs = sp.prompt_logprobs is not None
+        self.logprobs: list[dict[int, Logprob]] | None = [] if self.want_logprobs else None
+        self.prompt_logprobs: list[dict[int, Logprob] | None] | None = [None] if self.want_prompt_logprobs else None
+        self.cumulative_logprob: float | None = 0.0 if self.want_logprobs else None
         self.prompt = prompt
         self.prompt_token_ids = req.prompt_token_ids
         self.detok = detok
@@ -39,6 +58,22 @@ class _ReqState:
         self.metrics = RequestMetrics(arrival_time=req.arrival_time)
         self.last_token_time: float | None = None
         self.num_cached_tokens = 0
+
+
+class _ParentState:
+    """A request with ``n`` > 1: its n sequences run as child requests ``"{i}_{id}"``.
+
+    Sequence 0 goes to the core first; the others wait in ``pending`` until its prompt is
+    computed (its first token arrives), so that they find the prompt's full blocks in the
+    prefix cache: the prompt is prefilled once, its blocks shared."""
+
+    __slots__ = ("request_id", "children", "pending", "finished")
+
+    def __init__(self, request_id: str, children: list[str]):
+        self.request_id = request_id
+        self.children = children
+        self.pending: list[tuple[EngineCoreRequest, str | None]] = []
+        self.finished: dict[int, CompletionOutput] = {}
 
 
 # Message roles of OpenAI's chat API.
@@ -116,6 +151,8 @@ class LLMEngine:
                                    self.eos_token_ids, args.max_num_batched_tokens,
                                    args.enable_chunked_prefill)
         self.states: dict[str, _ReqState] = {}
+        self.parents: dict[str, _ParentState] = {}
+        self._token_text: dict[int, str] = {}
         self.stat_loggers = list(stat_loggers or [])
         if log_stats:
             self.stat_loggers.append(LoggingStatLogger())
@@ -149,13 +186,58 @@ class LLMEngine:
         Raises:
             ValueError: ``request_id`` belongs to a request that is still alive.
         """
-        if req.request_id in self.states:
-            raise ValueError(f"request_id {req.request_id!r} is already in use")
+        rid = req.request_id
+        if rid in self.states or rid in self.parents:
+            raise ValueError(f"request_id {rid!r} is already in use")
+        sp = req.sampling_params
+        if sp.n == 1:
+            self._add_sequence(req, prompt_text)
+            return
+        children = [f"{i}_{rid}" for i in range(sp.n)]
+        if any(c in self.states for c in children):
+            raise ValueError(f"request_id {rid!r} is already in use")
+        parent = self.parents[rid] = _ParentState(rid, children)
+        wait = self.config.args.enable_prefix_caching and sp.prompt_logprobs is None
+        for i, cid in enumerate(children):
+            seed = None if sp.seed is None else (sp.seed + i + 2**63) % 2**64 - 2**63
+            child = msgspec.structs.replace(req, request_id=cid,
+                                            sampling_params=dataclasses.replace(sp, n=1, best_of=None, seed=seed))
+            if i == 0 or not wait:
+                self._add_sequence(child, prompt_text, rid, i)
+            else:
+                self._add_sequence(child, prompt_text, rid, i, send=False)
+                parent.pending.append(child)
+
+    def _add_sequence(self, req: EngineCoreRequest, prompt_text: str | None, public_id: str | None = None,
+                      index: int = 0, send: bool = True) -> None:
         sp = req.sampling_params
         detok = IncrementalDetokenizer(self.tokenizer, sp.stop_strings, sp.include_stop_str_in_output,
                                        sp.skip_special_tokens, sp.min_tokens)
-        self.engine_core.add_request(req)
-        self.states[req.request_id] = _ReqState(req, prompt_text, detok)
+        if send:
+            self.engine_core.add_request(req)
+        self.states[req.request_id] = _ReqState(req, prompt_text, detok, public_id, index)
+
+    def _release_pending(self, public_id: str) -> None:
+        """Send a parent's waiting sequences to the core (its first sequence's prompt is
+        computed, or it ended before that)."""
+        parent = self.parents.get(public_id)
+        if parent is not None and parent.pending:
+            for child in parent.pending:
+                if child.request_id in self.states:
+                    self.engine_core.add_request(child)
+            parent.pending = []
+
+    def _core_ids(self, request_ids) -> list[str]:
+        """The core's ids of the callers' ``request_ids`` (a parent's: its children's)."""
+        out = []
+        for rid in request_ids:
+            parent = self.parents.get(rid)
+            out.extend(parent.children if parent is not None else [rid])
+        return out
+
+    def unfinished_request_ids(self) -> list[str]:
+        """The callers' ids of the requests not finished yet."""
+        return list(dict.fromkeys(st.public_id for st in self.states.values()))
 
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None,
                     arrival_time: float | None = None) -> None:
@@ -173,6 +255,10 @@ class LLMEngine:
         engine takes no further step that would refresh them."""
         if isinstance(request_ids, str):
             request_ids = [request_ids]
+        for rid in request_ids:
+            if rid in self.parents:
+                self.parents.pop(rid).pending = []
+        request_ids = self._core_ids(request_ids)
         outs = self.engine_core.abort_requests(list(request_ids))
         it = IterationStats()
         for rid in request_ids:
@@ -197,13 +283,22 @@ class LLMEngine:
         if outs.scheduler_stats is not None:
             it.num_prompt_tokens = outs.scheduler_stats.step_num_prefill_tokens
         results = self._process_outputs(outs.outputs, it)
+        failed = []
         for rid in outs.failed_request_ids:
-            if self.states.pop(rid, None) is not None:
+            st = self.states.pop(rid, None)
+            if st is not None:
                 it.num_aborted += 1
+                if st.public_id not in failed:
+                    failed.append(st.public_id)
+        siblings = [c for pid in failed if pid in self.parents for c in self.parents[pid].children
+                    if c in self.states]
         self._record_stats(it, outs.scheduler_stats)
+        if siblings:   # a parent request fails whole
+            self.abort_request(siblings)
+        for pid in failed:
+            self.parents.pop(pid, None)
         if outs.failed_request_ids:
-            raise EngineStepError(f"engine step failed: {outs.error}", list(outs.failed_request_ids),
-                                  results)
+            raise EngineStepError(f"engine step failed: {outs.error}", failed, results)
         return results
 
     def _record_stats(self, it: IterationStats, stats: SchedulerStats | None) -> None:
@@ -228,6 +323,14 @@ class LLMEngine:
                 # the tokens after it are dropped, never returned
                 new_ids = new_ids[: st.detok.num_tokens - n_before]
             st.token_ids.extend(new_ids)
+            if st.want_logprobs and co.new_logprobs:
+                for e in co.new_logprobs[: len(new_ids)]:
+                    st.logprobs.append(self._logprob_dict(e))
+                    st.cumulative_logprob += e.logprobs[0]
+            if st.want_prompt_logprobs and co.new_prompt_logprobs:
+                st.prompt_logprobs.extend(self._logprob_dict(e) for e in co.new_prompt_logprobs)
+            if st.index == 0 and (new_ids or co.finish_reason is not None):
+                self._release_pending(st.public_id)
             it.num_generation_tokens += len(new_ids)
             m = st.metrics
             m.first_scheduled_time = co.scheduled_time
@@ -271,22 +374,43 @@ class LLMEngine:
             ttft=first - m.arrival_time, num_prompt_tokens=len(st.prompt_token_ids),
             num_generation_tokens=len(st.token_ids), num_preemptions=m.num_preemptions))
 
-    def _make_output(self, st: _ReqState, finished: bool, delta: str, delta_ids: list[int]) -> RequestOutput:
-        comp = CompletionOutput(0, st.detok.text if finished else st.detok.text[: st.detok.sent],
-                                list(st.token_ids), st.finish_reason, st.stop_reason)
-        return RequestOutput(st.request_id, st.prompt, st.prompt_token_ids, [comp], finished,
-                             st.metrics, st.num_cached_tokens, delta, list(delta_ids))
+    def _logprob_dict(self, e: TokenLogprobs) -> dict[int, Logprob]:
+        """vLLM's per-position shape: token id -> Logprob, the chosen token first."""
+        d: dict[int, Logprob] = {}
+        for j, (t, lp) in enumerate(zip(e.token_ids, e.logprobs)):
+            if t not in d:
+                d[t] = Logprob(lp, e.rank if j == 0 else j, self.token_text(t))
+        return d
 
-    def abort_output(self, request_id: str) -> RequestOutput | None:
-        """Finish a request as aborted and return its final output (None if unknown)."""
-        st = self.states.pop(request_id, None)
-        outs = self.engine_core.abort_requests([request_id])
-        self._record_stats(IterationStats(num_aborted=int(st is not None)), outs.scheduler_stats)
-        if st is None:
-            return None
-        st.finish_reason = FINISH_ABORT
-        st.metrics.finished_time = time.time()
-        return self._make_output(st, True, st.detok.delta(True), [])
+    def token_text(self, token_id: int) -> str:
+        """One token's text on its own (cached), as logprobs show it."""
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self._token_text[token_id] = self.tokenizer.decode([token_id])
+        return text
+
+    def _completion(self, st: _ReqState, finished: bool) -> CompletionOutput:
+        return CompletionOutput(st.index, st.detok.text if finished else st.detok.text[: st.detok.sent],
+                                list(st.token_ids), st.finish_reason, st.stop_reason,
+                                None if st.logprobs is None else list(st.logprobs), st.cumulative_logprob)
+
+    def _make_output(self, st: _ReqState, finished: bool, delta: str, delta_ids: list[int]) -> RequestOutput:
+        """The caller's view after news of sequence ``st``. For a parent request, the
+        output carries that sequence's completion (its ``index`` says which) and is
+        ``finished`` once all n are; the finished output lists all n, by index."""
+        comp = self._completion(st, finished)
+        outputs = [comp]
+        parent = self.parents.get(st.public_id)
+        if parent is not None:
+            if finished:
+                parent.finished[st.index] = comp
+            finished = len(parent.finished) == len(parent.children)
+            if finished:
+                outputs = [parent.finished[i] for i in range(len(parent.children))]
+                self.parents.pop(st.public_id, None)
+        return RequestOutput(st.public_id, st.prompt, st.prompt_token_ids, outputs, finished,
+                             st.metrics, st.num_cached_tokens, delta, list(delta_ids),
+                             prompt_logprobs=None if st.prompt_logprobs is None else list(st.prompt_logprobs))
 
     # ------------------------------------------------------------------------------
     # Names of transformers' apply_chat_template itself, or variables it sets for the

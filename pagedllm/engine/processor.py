@@ -72,6 +72,20 @@ class Processor:
             return None, list(prompt)
         raise InvalidParameterError("prompt", f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
 
+    def bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """Token sequences of each bad word, as vLLM tokenizes them: the word without
+        leading spaces, and with one leading space when that gives a different first
+        token but the same number of tokens (the word inside a sentence)."""
+        out: list[list[int]] = []
+        for w in words:
+            bare = self.tokenizer.encode(w.lstrip(), add_special_tokens=False)
+            if bare:
+                out.append(bare)
+            spaced = self.tokenizer.encode(" " + w.lstrip(), add_special_tokens=False)
+            if spaced and (not bare or (spaced[0] != bare[0] and len(spaced) == len(bare))):
+                out.append(spaced)
+        return out
+
     def process(self, request_id: str, prompt, params: SamplingParams | None,
                 arrival_time: float | None = None) -> tuple[EngineCoreRequest, str | None]:
         """Build an EngineCoreRequest; returns it with the prompt text (None for token ids).
@@ -88,6 +102,9 @@ class Processor:
         if not isinstance(params, SamplingParams):
             raise InvalidParameterError("sampling_params", f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         text, ids = self.tokenize(prompt)
+        if params.truncate_prompt_tokens is not None and len(ids) > params.truncate_prompt_tokens:
+            ids = ids[-params.truncate_prompt_tokens:]
+            text = None   # the prompt the model sees is no longer the text given
         if len(ids) >= self.max_model_len:
             raise InvalidParameterError(
                 "prompt", f"prompt ({len(ids)} tokens) leaves no room to generate within "
@@ -105,5 +122,12 @@ class Processor:
         for t in params.stop_token_ids:
             if t >= self.vocab_size:
                 raise InvalidParameterError("stop_token_ids", f"stop_token_ids contains {t}, outside the vocabulary")
+        for name, toks in (("logit_bias", params.logit_bias or {}), ("allowed_token_ids", params.allowed_token_ids or [])):
+            bad = [t for t in toks if t >= self.vocab_size]
+            if bad:
+                raise InvalidParameterError(name, f"{name} contains token id {bad[0]}, outside the vocabulary "
+                                                  f"[0, {self.vocab_size})")
+        if params.bad_words and params.bad_words_token_ids is None:
+            params = dataclasses.replace(params, bad_words_token_ids=self.bad_words_token_ids(params.bad_words))
         return EngineCoreRequest(request_id, ids, params, self.eos_token_ids,
                                  time.time() if arrival_time is None else arrival_time), text

@@ -14,7 +14,7 @@ def _per_position(md: SamplingMetadata, req_of_pos: torch.Tensor) -> SamplingMet
         temperature=md.temperature[req_of_pos], top_k=md.top_k[req_of_pos],
         top_p=md.top_p[req_of_pos], min_p=md.min_p[req_of_pos], generators=[],
         all_greedy=md.all_greedy, need_top_k=md.need_top_k, need_top_p=md.need_top_p,
-        need_min_p=md.need_min_p, banned=None)
+        need_min_p=md.need_min_p)
 
 
 class RejectionSampler:
@@ -66,7 +66,7 @@ class RejectionSampler:
 
         Args:
             target_logits: float32 [T, V] with T = sum(k_i + 1), laid out as in the class
-                docstring; already masked by the caller (``md.banned`` must be None).
+                docstring; already processed by the caller (``process_logits``).
             draft_token_ids: per request, its k_i >= 0 proposed token ids.
             md: per request (N rows), built as for the Sampler.
             draft_probs: float32 [sum k_i, V], the draft model's distribution at each
@@ -78,8 +78,7 @@ class RejectionSampler:
             token ids).
 
         Raises:
-            ValueError: inconsistent shapes or lengths, a draft token outside [0, V), or
-                ``md.banned`` set.
+            ValueError: inconsistent shapes or lengths, or a draft token outside [0, V).
         """
         N = len(draft_token_ids)
         ks = [len(d) for d in draft_token_ids]
@@ -170,8 +169,6 @@ class RejectionSampler:
         if not md.all_greedy and len(md.generators) != N:
             raise ValueError(f"sampling metadata has {len(md.generators)} generators for {N} "
                              "requests")
-        if md.banned is not None:
-            raise ValueError("md.banned must be None: mask target_logits before rejection sampling")
         if flat and not (0 <= min(flat) and max(flat) < V):
             raise ValueError(f"draft token ids must lie in [0, {V})")
         if draft_probs is not None and tuple(draft_probs.shape) != (K, V):

@@ -1,4 +1,5 @@
-"""Token sampling from logits: greedy, temperature, top-k, top-p, min-p, per-request seeds."""
+"""Token sampling from processed logits: greedy, temperature, min-p, top-k, top-p,
+per-request seeds (the last steps of the order in ``sample/logits_processors.py``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -16,7 +17,6 @@ class SamplingMetadata:
         generators: per-row ``torch.Generator`` for seeded requests, else None.
         all_greedy: every row greedy (argmax only, nothing else computed).
         need_top_k / need_top_p / need_min_p: whether any row uses the filter.
-        banned: (row, token) pairs to mask out (EOS before ``min_tokens``), or None.
     """
 
     temperature: torch.Tensor
@@ -28,7 +28,6 @@ class SamplingMetadata:
     need_top_k: bool
     need_top_p: bool
     need_min_p: bool
-    banned: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 def _apply_top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor | None) -> torch.Tensor:
@@ -51,29 +50,28 @@ def _apply_top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Te
 
 
 def _probs(logits: torch.Tensor, md: SamplingMetadata, renormalize: bool) -> torch.Tensor:
-    """Temperature, top-k/top-p, softmax, min-p; min-p rows summed back to 1 only if asked
-    (the exponential race is scale-invariant, so the Sampler skips that division)."""
+    """Temperature, min-p, top-k/top-p, softmax (vLLM V1's order: min-p before the
+    top-k/top-p filter). Rows are summed back to 1 only if asked (the exponential race
+    is scale-invariant, so the Sampler skips that division)."""
     temp = torch.where(md.temperature > 0, md.temperature, torch.ones_like(md.temperature))
     x = logits.float() / temp.unsqueeze(1)
+    if md.need_min_p:
+        # p_i < min_p * p_max  <=>  x_i < x_max + log(min_p)
+        top = x.max(dim=-1, keepdim=True).values
+        x = x.masked_fill(x < top + torch.log(md.min_p).unsqueeze(1), float("-inf"))
     if md.need_top_k or md.need_top_p:
         x = _apply_top_k_top_p(x, md.top_k if md.need_top_k else None,
                                md.top_p if md.need_top_p else None)
-    probs = x.softmax(dim=-1)
-    if md.need_min_p:
-        top = probs.max(dim=-1, keepdim=True).values
-        probs = probs.masked_fill(probs < md.min_p.unsqueeze(1) * top, 0.0)
-        if renormalize:
-            probs = probs / probs.sum(dim=-1, keepdim=True)
-    return probs
+    return x.softmax(dim=-1)
 
 
 def compute_probs(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
     """The distribution each random row samples from: float32 [N, V], rows sum to 1.
 
-    ``logits / temperature`` (float32), then top-k and top-p (``_apply_top_k_top_p``,
-    only if some row uses them: ``md.need_top_k`` / ``md.need_top_p``), softmax, then
-    min-p (tokens below ``min_p`` times the row's top probability dropped, the row
-    renormalised). ``md.banned`` is not applied: the caller masks ``logits`` first.
+    ``logits / temperature`` (float32), then min-p (tokens below ``min_p`` times the
+    row's top probability dropped; Nguyen et al. 2024), then top-k and top-p
+    (``_apply_top_k_top_p``), each only if some row uses it, then softmax. The caller
+    has already applied ``process_logits`` to ``logits``.
 
     Greedy rows (temperature 0 or ``top_k == 1``) are not sampled from, so their rows
     are only guaranteed finite: temperature 0 is treated as 1, and the filters apply as
@@ -100,8 +98,6 @@ class Sampler:
     """
 
     def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-        if md.banned is not None:
-            logits[md.banned] = float("-inf")
         greedy_ids = logits.argmax(dim=-1)
         if md.all_greedy:
             return greedy_ids

@@ -52,8 +52,12 @@ class InputBatch:
     Arrays (row-indexed): ``token_ids`` int32 [R, max_model_len]; ``num_tokens``,
     ``num_prompt_tokens``, ``num_computed_tokens`` int64 [R]; ``block_table`` int32
     [R, max_num_blocks_per_req] with ``num_blocks`` int32 [R]; ``temperature``, ``top_p``,
-    ``min_p`` float32 [R]; ``top_k``, ``min_tokens`` int64 [R]. Per row, only when needed:
-    ``generators`` (seeded rows) and ``stop_ids`` (ids banned until ``min_tokens``).
+    ``min_p`` float32 [R]; ``top_k``, ``min_tokens`` int64 [R]; ``presence_penalty``,
+    ``frequency_penalty``, ``repetition_penalty`` float32 [R]; ``num_logprobs``,
+    ``num_prompt_logprobs`` int64 [R] (-1 = not requested). Per row, only when needed:
+    ``generators`` (seeded rows), ``stop_ids`` (ids banned until ``min_tokens``),
+    ``allowed_ids`` (int64 array), ``logit_bias`` ((ids, biases) arrays), ``bad_words``
+    (token-id lists).
     """
 
     def __init__(self, max_num_reqs: int, max_model_len: int, max_num_blocks_per_req: int):
@@ -69,6 +73,14 @@ class InputBatch:
         self.min_p = np.zeros(R, dtype=np.float32)
         self.top_k = np.zeros(R, dtype=np.int64)
         self.min_tokens = np.zeros(R, dtype=np.int64)
+        self.presence_penalty = np.zeros(R, dtype=np.float32)
+        self.frequency_penalty = np.zeros(R, dtype=np.float32)
+        self.repetition_penalty = np.ones(R, dtype=np.float32)
+        self.num_logprobs = np.full(R, -1, dtype=np.int64)
+        self.num_prompt_logprobs = np.full(R, -1, dtype=np.int64)
+        self.allowed_ids: dict[int, np.ndarray] = {}
+        self.logit_bias: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self.bad_words: dict[int, list[list[int]]] = {}
         self.generators: dict[int, torch.Generator] = {}
         self.stop_ids: dict[int, list[int]] = {}
         self.row_of: dict[str, int] = {}
@@ -101,6 +113,18 @@ class InputBatch:
         self.min_p[row] = sp.min_p
         self.top_k[row] = sp.top_k
         self.min_tokens[row] = sp.min_tokens
+        self.presence_penalty[row] = sp.presence_penalty
+        self.frequency_penalty[row] = sp.frequency_penalty
+        self.repetition_penalty[row] = sp.repetition_penalty
+        self.num_logprobs[row] = -1 if sp.logprobs is None else sp.logprobs
+        self.num_prompt_logprobs[row] = -1 if sp.prompt_logprobs is None else sp.prompt_logprobs
+        if sp.allowed_token_ids:
+            self.allowed_ids[row] = np.asarray(sorted(set(sp.allowed_token_ids)), dtype=np.int64)
+        if sp.logit_bias:
+            self.logit_bias[row] = (np.fromiter(sp.logit_bias.keys(), dtype=np.int64),
+                                    np.fromiter(sp.logit_bias.values(), dtype=np.float32))
+        if sp.bad_words_token_ids:
+            self.bad_words[row] = sp.bad_words_token_ids
         if st.generator is not None:
             self.generators[row] = st.generator
         if sp.min_tokens > 0:
@@ -118,6 +142,12 @@ class InputBatch:
         self.req_id_of[row] = None
         self.generators.pop(row, None)
         self.stop_ids.pop(row, None)
+        self.allowed_ids.pop(row, None)
+        self.logit_bias.pop(row, None)
+        self.bad_words.pop(row, None)
+        self.presence_penalty[row] = self.frequency_penalty[row] = 0.0
+        self.repetition_penalty[row] = 1.0
+        self.num_logprobs[row] = self.num_prompt_logprobs[row] = -1
         self._free_rows.append(row)
 
     def set_block_ids(self, row: int, block_ids: list[int]) -> None:

@@ -30,6 +30,8 @@ from pagedllm.config import EngineConfig
 from pagedllm.forward_context import set_forward_context
 from pagedllm.layers import bind_kv_cache, describe_compute_path, describe_kv_scales
 from pagedllm.messages import ModelRunnerOutput, SchedulerOutput
+from pagedllm.sample.logits_processors import LogitsProcessorInputs, process_logits, token_presence
+from pagedllm.sample.logprobs import gather_logprobs, raw_logprobs
 from pagedllm.sample.rejection_sampler import RejectionSampler
 from pagedllm.sample.sampler import Sampler, SamplingMetadata
 from pagedllm.spec_decode.adaptive import AdaptiveDraftLength
@@ -70,6 +72,7 @@ class ModelRunner:
                                                     enabled=self.spec.adaptive)
         self.kv_cache: torch.Tensor | None = None
         self.requests: dict[str, CachedRequestState] = {}
+        self._prompt_lp_sent: dict[str, int] = {}   # prompt positions whose logprobs were sent
         self.input_batch: InputBatch | None = None   # made with the KV cache
 
     def describe_compute_path(self) -> str:
@@ -113,6 +116,7 @@ class ModelRunner:
         batch = self.input_batch
         for rid in so.finished_req_ids:
             self.requests.pop(rid, None)
+            self._prompt_lp_sent.pop(rid, None)
             if rid in batch.row_of:
                 batch.remove(rid)
         if self.proposer is not None and so.finished_req_ids:
@@ -152,31 +156,69 @@ class ModelRunner:
                 batch.append_block_ids(row, new_blocks)
             batch.num_computed_tokens[row] = n_computed
 
-    def _banned(self, rows: np.ndarray, num_draft: np.ndarray | None = None):
-        """(logit row, token) index tensors of the stop/EOS ids banned until
-        ``min_tokens``, or None. Request i of ``rows`` owns ``num_draft[i] + 1``
-        consecutive logit rows (1 without drafts); its j-th is banned while the request
-        has fewer than ``min_tokens`` outputs before that position."""
-        b = self.input_batch
-        if not b.stop_ids:
-            return None
-        n_out = b.num_tokens[rows] - b.num_prompt_tokens[rows]
-        counts = np.ones(len(rows), dtype=np.int64) if num_draft is None else num_draft + 1
-        starts = np.cumsum(counts) - counts
-        pairs = []
-        for i, r in enumerate(rows.tolist()):
-            ids = b.stop_ids.get(r)
-            if ids is None:
-                continue
-            for j in range(min(int(counts[i]), int(b.min_tokens[r] - n_out[i]))):
-                pairs.extend((int(starts[i]) + j, t) for t in ids)
-        if not pairs:
-            return None
-        return tuple(torch.tensor(x, device=self.device) for x in zip(*pairs))
+    def _processor_inputs(self, lrows: np.ndarray, lens: np.ndarray) -> LogitsProcessorInputs:
+        """What ``process_logits`` needs for N logit rows.
 
-    def _sampling_metadata(self, rows: np.ndarray, banned=None) -> SamplingMetadata:
-        """Sampling tensors for the batch rows that sample this step (int64 [N]);
-        ``banned``: from ``_banned``."""
+        Args:
+            lrows: int64 [N], the batch row each logit row belongs to.
+            lens: int64 [N], tokens before the position each logit row samples (the
+                request's known tokens, plus earlier drafts at a draft position).
+        """
+        b = self.input_batch
+        dev = self.device
+        inp = LogitsProcessorInputs()
+        N = len(lrows)
+        V = self.config.arch.vocab_size
+        lr = lrows.tolist()
+        if b.allowed_ids:
+            idx = [i for i in range(N) if lr[i] in b.allowed_ids]
+            if idx:
+                mask = torch.zeros(len(idx), V, dtype=torch.bool)
+                for j, i in enumerate(idx):
+                    mask[j, torch.from_numpy(b.allowed_ids[lr[i]])] = True
+                inp.allowed = (torch.tensor(idx, device=dev), mask.to(dev))
+        pairs: list[tuple[int, int]] = []
+        if b.stop_ids or b.bad_words:
+            n_out = lens - b.num_prompt_tokens[lrows]
+            for i in range(N):
+                r = lr[i]
+                ids = b.stop_ids.get(r)
+                if ids is not None and n_out[i] < b.min_tokens[r]:
+                    pairs.extend((i, t) for t in ids)
+                words = b.bad_words.get(r)
+                if words:
+                    out = b.token_ids[r, b.num_prompt_tokens[r]: lens[i]]
+                    for w in words:
+                        k = len(w) - 1
+                        if k == 0 or (len(out) >= k and out[len(out) - k:].tolist() == w[:-1]):
+                            pairs.append((i, w[-1]))
+        if pairs:
+            inp.banned = tuple(torch.tensor(x, device=dev) for x in zip(*pairs))
+        if b.logit_bias:
+            rows_, toks_, vals_ = [], [], []
+            for i in range(N):
+                bias = b.logit_bias.get(lr[i])
+                if bias is not None:
+                    rows_.append(np.full(len(bias[0]), i))
+                    toks_.append(bias[0])
+                    vals_.append(bias[1])
+            if rows_:
+                inp.bias = (torch.from_numpy(np.concatenate(rows_)).to(dev),
+                            torch.from_numpy(np.concatenate(toks_)).to(dev),
+                            torch.from_numpy(np.concatenate(vals_)).to(dev))
+        rep, freq, pres = (b.repetition_penalty[lrows], b.frequency_penalty[lrows], b.presence_penalty[lrows])
+        need = np.flatnonzero((rep != 1) | (freq != 0) | (pres != 0))
+        if len(need):
+            prow, plen = lrows[need], lens[need]
+            hist = torch.from_numpy(b.token_ids[prow, : int(plen.max())].astype(np.int64)).to(dev)
+            to = lambda a: torch.from_numpy(a).to(dev)  # noqa: E731
+            inp.prompt_seen, inp.output_counts = token_presence(hist, to(b.num_prompt_tokens[prow]), to(plen), V)
+            inp.penalty_rows = to(need.astype(np.int64))
+            inp.repetition, inp.frequency, inp.presence = to(rep[need]), to(freq[need]), to(pres[need])
+        return inp
+
+    def _sampling_metadata(self, rows: np.ndarray) -> SamplingMetadata:
+        """Sampling tensors for the batch rows that sample this step (int64 [N])."""
         b = self.input_batch
         dev = self.device
         temp = b.temperature[rows]
@@ -189,8 +231,7 @@ class ModelRunner:
             all_greedy=not random.any(),
             need_top_k=bool((random & (top_k > 0)).any()),
             need_top_p=bool((random & (top_p < 1)).any()),
-            need_min_p=bool((random & (min_p > 0)).any()),
-            banned=banned)
+            need_min_p=bool((random & (min_p > 0)).any()))
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
@@ -243,40 +284,10 @@ class ModelRunner:
         sampled: list[list[int]] = [[] for _ in range(B)]
         qsl = common.query_start_loc_np
         sample_idx = np.flatnonzero(common.seq_lens_np >= b.num_tokens[rows])
+        logprobs_out: dict[str, list] = {}
         if len(sample_idx):
-            ends = qsl[1:][sample_idx]
-            nd = num_draft[sample_idx]
-            plain = nd == 0
-            if plain.any():
-                pi = sample_idx[plain]
-                last = torch.from_numpy(ends[plain] - 1).to(dev)
-                logits = self.model.compute_logits(hidden.index_select(0, last))
-                srows = rows[pi]
-                md = self._sampling_metadata(srows, self._banned(srows))
-                tokens = self.sampler(logits, md).cpu().numpy()
-                b.append_tokens(srows, tokens)
-                for i, t in zip(pi.tolist(), tokens.tolist()):
-                    sampled[i] = [t]
-            if not plain.all():
-                si, snd = sample_idx[~plain], nd[~plain]
-                counts = snd + 1
-                starts = ends[~plain] - counts
-                first = np.cumsum(counts) - counts
-                idx = np.repeat(starts - first, counts) + np.arange(int(counts.sum()))
-                logits = self.model.compute_logits(hidden.index_select(0, torch.from_numpy(idx).to(dev)))
-                srows = rows[si]
-                banned = self._banned(srows, snd)
-                if banned is not None:
-                    logits[banned] = float("-inf")
-                md = self._sampling_metadata(srows)
-                drafts = [spec[req_ids[i]] for i in si.tolist()]
-                outs = self.rejection_sampler(logits, drafts, md)
-                for i, r, d, toks in zip(si.tolist(), srows.tolist(), drafts, outs):
-                    nt = b.num_tokens[r]
-                    b.token_ids[r, nt: nt + len(toks)] = toks
-                    b.num_tokens[r] = nt + len(toks)
-                    sampled[i] = toks
-                    self.draft_length.record(req_ids[i], len(d), len(toks) - 1)
+            self._sample(hidden, req_ids, rows, qsl, sample_idx, num_draft, spec, sampled, logprobs_out)
+        prompt_lp = self._prompt_logprobs(hidden, req_ids, rows, qsl, ctx, q_lens)
         spec_out = []
         if self.proposer is not None:
             # sampled token lists are on the host now, so the forward has finished
@@ -285,7 +296,85 @@ class ModelRunner:
                 # a decode step (no prompt chunk): what T scored tokens cost
                 self.draft_length.cost_model.record(common.num_tokens, step_s)
             spec_out = self._propose(req_ids, rows, sample_idx)
-        return ModelRunnerOutput(req_ids, sampled, spec_out)
+        return ModelRunnerOutput(req_ids, sampled, spec_out, logprobs_out, prompt_lp)
+
+    def _sample(self, hidden, req_ids, rows, qsl, sample_idx, num_draft, spec, sampled, logprobs_out) -> None:
+        """Sample the requests of ``sample_idx`` (indices into this step's order): one
+        logit row per plain request, k + 1 per request verifying k drafts. Raw logprobs
+        first, then ``process_logits``, then ``Sampler`` / ``RejectionSampler``; fills
+        ``sampled`` and ``logprobs_out`` and appends the tokens to the batch."""
+        b = self.input_batch
+        dev = self.device
+        ends = qsl[1:][sample_idx]
+        nd = num_draft[sample_idx]
+        counts = nd + 1
+        first = np.cumsum(counts) - counts            # first logit row of each request
+        idx = np.repeat(ends - counts - first, counts) + np.arange(int(counts.sum()))
+        srows = rows[sample_idx]
+        lrows = np.repeat(srows, counts)
+        lens = np.repeat(b.num_tokens[srows], counts) + (np.arange(len(lrows)) - np.repeat(first, counts))
+        logits = self.model.compute_logits(hidden.index_select(0, torch.from_numpy(idx).to(dev)))
+        n_lp = b.num_logprobs[lrows]
+        lp_rows = np.flatnonzero(n_lp >= 0)
+        raw = raw_logprobs(logits.index_select(0, torch.from_numpy(lp_rows).to(dev))) if len(lp_rows) else None
+        process_logits(logits, self._processor_inputs(lrows, lens))
+        chosen = np.zeros(len(lrows), dtype=np.int64)   # token chosen at each logit row (-1: none)
+        chosen[:] = -1
+        plain = nd == 0
+        if plain.any():
+            pi = sample_idx[plain]
+            prow = srows[plain]
+            tokens = self.sampler(logits.index_select(0, torch.from_numpy(first[plain]).to(dev)),
+                                  self._sampling_metadata(prow)).cpu().numpy()
+            b.append_tokens(prow, tokens)
+            chosen[first[plain]] = tokens
+            for i, t in zip(pi.tolist(), tokens.tolist()):
+                sampled[i] = [t]
+        if not plain.all():
+            sp_ = ~plain
+            si = sample_idx[sp_]
+            rsel = np.flatnonzero(np.repeat(sp_, counts))
+            drafts = [spec[req_ids[i]] for i in si.tolist()]
+            outs = self.rejection_sampler(logits.index_select(0, torch.from_numpy(rsel).to(dev)), drafts,
+                                          self._sampling_metadata(srows[sp_]))
+            for i, r, f, d, toks in zip(si.tolist(), srows[sp_].tolist(), first[sp_].tolist(), drafts, outs):
+                nt = b.num_tokens[r]
+                b.token_ids[r, nt: nt + len(toks)] = toks
+                b.num_tokens[r] = nt + len(toks)
+                chosen[f: f + len(toks)] = toks
+                sampled[i] = toks
+                self.draft_length.record(req_ids[i], len(d), len(toks) - 1)
+        if raw is not None:
+            keep = chosen[lp_rows] >= 0
+            if keep.any():
+                ent = gather_logprobs(raw[torch.from_numpy(np.flatnonzero(keep)).to(dev)],
+                                      torch.from_numpy(chosen[lp_rows][keep]).to(dev),
+                                      n_lp[lp_rows][keep].tolist())
+                owner = np.repeat(sample_idx, counts)[lp_rows][keep]
+                for i, e in zip(owner.tolist(), ent):
+                    logprobs_out.setdefault(req_ids[i], []).append(e)
+
+    def _prompt_logprobs(self, hidden, req_ids, rows, qsl, ctx, q_lens) -> dict[str, list]:
+        """Logprobs of the prompt tokens whose predecessors were computed this step, for
+        requests with ``prompt_logprobs`` (a position is sent once, even when a preempted
+        request computes its prompt again)."""
+        b = self.input_batch
+        want = np.flatnonzero(b.num_prompt_logprobs[rows] >= 0)
+        out: dict[str, list] = {}
+        for i in want.tolist():
+            rid, r = req_ids[i], rows[i]
+            n_prompt = int(b.num_prompt_tokens[r])
+            # position p predicts prompt token p + 1
+            lo = max(int(ctx[i]), self._prompt_lp_sent.get(rid, 0))
+            hi = min(int(ctx[i] + q_lens[i]), n_prompt - 1)
+            if hi <= lo:
+                continue
+            h = hidden[int(qsl[i]) + lo - int(ctx[i]): int(qsl[i]) + hi - int(ctx[i])]
+            lp = raw_logprobs(self.model.compute_logits(h))
+            nxt = torch.from_numpy(b.token_ids[r, lo + 1: hi + 1].astype(np.int64)).to(self.device)
+            out[rid] = gather_logprobs(lp, nxt, [int(b.num_prompt_logprobs[r])] * (hi - lo))
+            self._prompt_lp_sent[rid] = hi
+        return out
 
     def _propose(self, req_ids: list[str], rows: np.ndarray, sample_idx: np.ndarray) -> list[list[int]]:
         """Drafts for the next step of each request that sampled this step (others: []):

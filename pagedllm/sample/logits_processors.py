@@ -1,0 +1,116 @@
+"""The request-dependent edits of the logits before temperature and sampling, vectorised
+over the logit rows of one step (a row per sampled position: one per plain request,
+k + 1 per request verifying k drafts).
+
+Order (after the raw logprobs are taken, before temperature; documented in README.md's
+"Sampling" section and tested in tests/test_logits_processors.py):
+
+1. token masks: ``allowed_token_ids``, ``bad_words`` and the grammar bitmask of
+   structured outputs (all are -inf masks, so their order among themselves is moot);
+2. the ``min_tokens`` ban of EOS and stop token ids, then ``logit_bias`` (added);
+3. penalties: repetition (prompt and output tokens; Keskar et al. 2019, CTRL: a positive
+   logit is divided by the penalty, a negative one multiplied), then frequency and
+   presence (output tokens only; OpenAI's formula
+   ``logit - frequency_penalty * count - presence_penalty * (count > 0)``).
+
+Temperature, min-p, top-k/top-p and the draw follow in ``Sampler`` / ``RejectionSampler``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class LogitsProcessorInputs:
+    """What step 1-3 need for N logit rows; every field None when no row uses it.
+
+    Attributes:
+        allowed: (row index int64 [A], allowed-token mask bool [A, V]) for rows with
+            ``allowed_token_ids``.
+        banned: (row int64 [M], token int64 [M]) pairs masked to -inf: bad words whose
+            prefix the row's output ends with, and EOS/stop ids before ``min_tokens``.
+        bias: (row int64 [K], token int64 [K], bias float32 [K]) from ``logit_bias``.
+        penalty_rows: int64 [P], the rows with a penalty; ``prompt_seen`` bool [P, V]
+            (token in the prompt), ``output_counts`` float32 [P, V] (times generated);
+            ``repetition`` / ``frequency`` / ``presence`` float32 [P].
+    """
+
+    allowed: tuple[torch.Tensor, torch.Tensor] | None = None
+    banned: tuple[torch.Tensor, torch.Tensor] | None = None
+    bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    penalty_rows: torch.Tensor | None = None
+    prompt_seen: torch.Tensor | None = None
+    output_counts: torch.Tensor | None = None
+    repetition: torch.Tensor | None = None
+    frequency: torch.Tensor | None = None
+    presence: torch.Tensor | None = None
+
+
+def apply_token_masks(logits: torch.Tensor, inp: LogitsProcessorInputs) -> None:
+    """Step 1 without the grammar (the runner applies its bitmask right after): -inf
+    outside ``allowed`` and at the bad-word pairs of ``banned``. In place on float
+    logits [N, V]."""
+    if inp.allowed is not None:
+        rows, mask = inp.allowed
+        sub = logits.index_select(0, rows)
+        logits.index_copy_(0, rows, sub.masked_fill(~mask, float("-inf")))
+
+
+def apply_ban_and_bias(logits: torch.Tensor, inp: LogitsProcessorInputs) -> None:
+    """Step 2: the banned pairs to -inf, then the logit biases added. In place."""
+    if inp.banned is not None:
+        logits[inp.banned] = float("-inf")
+    if inp.bias is not None:
+        rows, toks, vals = inp.bias
+        logits.index_put_((rows, toks), vals.to(logits.dtype), accumulate=True)
+
+
+def apply_penalties(logits: torch.Tensor, inp: LogitsProcessorInputs) -> None:
+    """Step 3: repetition, then frequency and presence penalties. In place."""
+    if inp.penalty_rows is None:
+        return
+    rows = inp.penalty_rows
+    x = logits.index_select(0, rows).float()
+    counts = inp.output_counts
+    seen = inp.prompt_seen | (counts > 0)
+    rep = inp.repetition.unsqueeze(1)
+    x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
+    x = x - inp.frequency.unsqueeze(1) * counts - inp.presence.unsqueeze(1) * (counts > 0).float()
+    logits.index_copy_(0, rows, x.to(logits.dtype))
+
+
+def token_presence(history: torch.Tensor, prompt_len: torch.Tensor, length: torch.Tensor,
+                   vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompt-token presence and output-token counts of P sequences.
+
+    Args:
+        history: int64 [P, L], each row's tokens (prompt, then output), padded past
+            ``length`` with any valid id.
+        prompt_len / length: int64 [P], prompt tokens and tokens before the position
+            being sampled (so drafts before a draft position count as output).
+        vocab_size: V.
+
+    Returns:
+        (prompt_seen bool [P, V], output_counts float32 [P, V]).
+    """
+    pos = torch.arange(history.shape[1], device=history.device).unsqueeze(0)
+    in_prompt = pos < torch.minimum(prompt_len, length).unsqueeze(1)
+    in_output = (pos >= prompt_len.unsqueeze(1)) & (pos < length.unsqueeze(1))
+    P = history.shape[0]
+    seen = torch.zeros(P, vocab_size, device=history.device)
+    seen.scatter_add_(1, history, in_prompt.float())
+    counts = torch.zeros(P, vocab_size, device=history.device)
+    counts.scatter_add_(1, history, in_output.float())
+    return seen > 0, counts
+
+
+def process_logits(logits: torch.Tensor, inp: LogitsProcessorInputs, grammar=None) -> None:
+    """Steps 1-3 in order, in place on float logits [N, V]; ``grammar``: a callable that
+    masks ``logits`` in place with the structured-output bitmask (or None)."""
+    apply_token_masks(logits, inp)
+    if grammar is not None:
+        grammar(logits)
+    apply_ban_and_bias(logits, inp)
+    apply_penalties(logits, inp)
