@@ -1,0 +1,83 @@
+"""The logits edits before temperature, on known logits: formulas and their order."""
+from __future__ import annotations
+
+import torch
+
+from pagedllm.sample.logits_processors import (LogitsProcessorInputs, process_logits,
+                                               token_presence)
+from pagedllm.sample.logprobs import gather_logprobs, raw_logprobs
+from pagedllm.sample.sampler import SamplingMetadata, compute_probs
+
+
+def _penalty_inputs(history, prompt_len, length, rep, freq, pres, V=4):
+    seen, counts = token_presence(torch.tensor(history), torch.tensor(prompt_len), torch.tensor(length), V)
+    n = len(history)
+    return LogitsProcessorInputs(
+        penalty_rows=torch.arange(n), prompt_seen=seen, output_counts=counts,
+        repetition=torch.full((n,), rep), frequency=torch.full((n,), freq), presence=torch.full((n,), pres))
+
+
+def test_token_presence_counts_output_and_marks_prompt():
+    # prompt [0, 3], output [1, 1, 2]; the last position is a draft not yet before us
+    seen, counts = token_presence(torch.tensor([[0, 3, 1, 1, 2, 2]]), torch.tensor([2]), torch.tensor([5]), 4)
+    assert seen.tolist() == [[True, False, False, True]]
+    assert counts.tolist() == [[0.0, 2.0, 1.0, 0.0]]
+
+
+def test_repetition_frequency_presence_formulas():
+    logits = torch.tensor([[2.0, -2.0, 1.0, 0.5]])
+    # prompt [0], output [1, 1, 2]
+    inp = _penalty_inputs([[0, 1, 1, 2]], [1], [4], rep=2.0, freq=0.5, pres=0.25)
+    process_logits(logits, inp)
+    # token 0: prompt only, positive: 2 / 2; token 1: output x2, negative: -2 * 2 - 0.5 * 2 - 0.25;
+    # token 2: output x1, positive: 1 / 2 - 0.5 - 0.25; token 3: untouched
+    assert torch.allclose(logits, torch.tensor([[1.0, -5.25, -0.25, 0.5]]))
+
+
+def test_order_masks_then_bias_then_penalties():
+    logits = torch.tensor([[2.0, 0.0, 5.0, 1.0]])
+    inp = _penalty_inputs([[0, 0]], [1], [2], rep=2.0, freq=0.0, pres=0.0)   # token 0 seen
+    inp.bias = (torch.tensor([0, 0]), torch.tensor([0, 2]), torch.tensor([2.0, 1.0]))
+    inp.allowed = (torch.tensor([0]), torch.tensor([[True, True, False, True]]))
+    inp.banned = (torch.tensor([0]), torch.tensor([3]))
+    process_logits(logits, inp)
+    # bias before the repetition penalty: (2 + 2) / 2 = 2, not 2 / 2 + 2 = 3; a masked token
+    # stays masked whatever its bias
+    assert logits[0, 0].item() == 2.0
+    assert logits[0, 1].item() == 0.0
+    assert logits[0, 2].item() == float("-inf") and logits[0, 3].item() == float("-inf")
+
+
+def test_grammar_mask_runs_between_allowed_and_bias():
+    calls = []
+    logits = torch.zeros(1, 4)
+    inp = LogitsProcessorInputs(bias=(torch.tensor([0]), torch.tensor([1]), torch.tensor([3.0])))
+
+    def grammar(x):
+        calls.append(x.clone())
+        x[0, 2] = float("-inf")
+
+    process_logits(logits, inp, grammar)
+    assert calls[0].tolist() == [[0.0, 0.0, 0.0, 0.0]]   # before the bias
+    assert logits.tolist() == [[0.0, 3.0, float("-inf"), 0.0]]
+
+
+def test_min_p_before_top_p():
+    # probs 0.5 0.3 0.15 0.05: min_p 0.2 drops 0.05 (< 0.1); top_p 0.8 on the
+    # renormalised rest (0.526 0.316 0.158) keeps the two most likely
+    p = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
+    md = SamplingMetadata(temperature=torch.ones(1), top_k=torch.zeros(1, dtype=torch.int64),
+                          top_p=torch.tensor([0.8]), min_p=torch.tensor([0.2]), generators=[None],
+                          all_greedy=False, need_top_k=False, need_top_p=True, need_min_p=True)
+    probs = compute_probs(p.log(), md)
+    assert torch.allclose(probs, torch.tensor([[0.625, 0.375, 0.0, 0.0]]), atol=1e-6)
+
+
+def test_gather_logprobs_ranks_and_top():
+    logits = torch.tensor([[1.0, 3.0, 2.0, 0.0], [0.0, 0.0, 0.0, 5.0]])
+    lp = raw_logprobs(logits)
+    out = gather_logprobs(lp, torch.tensor([2, 3]), [2, 0])
+    ref = torch.log_softmax(logits, -1)
+    assert out[0].token_ids == [2, 1, 2] and out[0].rank == 2
+    assert torch.allclose(torch.tensor(out[0].logprobs), ref[0, [2, 1, 2]])
+    assert out[1].token_ids == [3] and out[1].rank == 1
