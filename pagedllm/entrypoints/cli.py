@@ -26,7 +26,7 @@ COMMANDS: dict[str, tuple[str, tuple[str, ...]]] = {
                              "pagedllm.benchmarks.serve", "pagedllm.benchmarks.sweep",
                              "pagedllm.benchmarks.host_overhead", "pagedllm.benchmarks.latency",
                              "pagedllm.benchmarks.accuracy", "pagedllm.benchmarks.attention",
-                             "pagedllm.benchmarks.spec")),
+                             "pagedllm.benchmarks.spec", "pagedllm.benchmarks.sampling")),
     "profile": ("inspect --profile-dir output", ("pagedllm.benchmarks.profile_summary",)),
 }
 
