@@ -1,0 +1,236 @@
+"""OpenAI tool calling building blocks (pagedllm/entrypoints/openai/tool_calls/): the
+hermes and llama3_json parsers (whole and streamed, which must agree however the text is
+cut), request checks, constrained-decoding schemas, and rendering for chat templates with
+and without tools. No engine: only SmolLM2's tokenizer, for its real chat template."""
+from __future__ import annotations
+
+import json
+import random
+import re
+
+import pytest
+
+from pagedllm.entrypoints.openai.tool_calls import (
+    ExtractedToolCalls, ToolCall, get_tool_parser, new_tool_call_id)
+from pagedllm.entrypoints.openai.tool_calls.json_scan import JsonValueScanner, Scan
+
+ID = re.compile(r"call_[A-Za-z0-9]{24}")
+W = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+
+
+def _calls(result: ExtractedToolCalls) -> list[tuple[str, str]]:
+    return [(c.name, c.arguments) for c in result.tool_calls]
+
+
+# --------------------------------------------------------------------------------------
+# Recorded outputs: (parser, text, expected calls [(name, arguments)], expected content)
+# --------------------------------------------------------------------------------------
+WELL_FORMED = [
+    ("hermes", f"<tool_call>{W}</tool_call>", [("get_weather", '{"city": "Paris"}')], None),
+    ("hermes", f"<tool_call>\n{W}\n</tool_call>\n", [("get_weather", '{"city": "Paris"}')], None),
+    ("hermes", f"Let me check.\n\n<tool_call>\n{W}\n</tool_call>",
+     [("get_weather", '{"city": "Paris"}')], "Let me check."),
+    ("hermes", f"<tool_call>\n{W}\n</tool_call>\n<tool_call>\n"
+               '{"name": "get_time", "arguments": {"tz": "Europe/Paris", "24h": true}}\n</tool_call>',
+     [("get_weather", '{"city": "Paris"}'), ("get_time", '{"tz": "Europe/Paris", "24h": true}')], None),
+    ("hermes", '<tool_call>{"name": "translate", "arguments": {"text": "Grüße aus Zürich ☀️ \\u00e9", '
+               '"to": "日本語"}}</tool_call>',
+     [("translate", '{"text": "Grüße aus Zürich ☀️ \\u00e9", "to": "日本語"}')], None),
+    ("hermes", '<tool_call>{"arguments": {"n": -1.5e3, "xs": [1, {"a": null}], "s": "}{<tool_call>\\""}, '
+               '"name": "f"}</tool_call>',
+     [("f", '{"n": -1.5e3, "xs": [1, {"a": null}], "s": "}{<tool_call>\\""}')], None),
+    ("hermes", '<tool_call>{"name": "now"}</tool_call>', [("now", "{}")], None),
+    ("hermes", '<tool_call>{"name": "now", "arguments": {}, "id": 7}</tool_call>', [("now", "{}")], None),
+    ("hermes", f"<tool_call>{W}</tool_call>\nI asked for the weather.",
+     [("get_weather", '{"city": "Paris"}')], "\nI asked for the weather."),
+    ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Paris"}}',
+     [("get_weather", '{"city": "Paris"}')], None),
+    ("llama3_json", '<|python_tag|>{"name": "a", "parameters": {"x": 1}}; {"name": "b", "arguments": {}}',
+     [("a", '{"x": 1}'), ("b", "{}")], None),
+    ("llama3_json", '  {"name": "a", "parameters": {"x": 10}} ;\n{"name": "b", "parameters": {"y": "é"}}\n',
+     [("a", '{"x": 10}'), ("b", '{"y": "é"}')], None),
+]
+
+PLAIN = [  # no call: all content
+    ("hermes", "The weather in Paris is sunny."),
+    ("hermes", "  leading and trailing whitespace \n"),
+    ("hermes", "I will use <tool_call> blocks later"),      # marker inside text: malformed, content
+    ("hermes", "a < b and <tool but not a call"),
+    ("hermes", "ends with a partial marker <tool_ca"),
+    ("hermes", ""),
+    ("llama3_json", "The answer is 42."),
+    ("llama3_json", "Sure! " + W),
+    ("llama3_json", "<|python_tag|>print('hi')"),
+    ("llama3_json", "  \n"),
+]
+
+MALFORMED = [  # the non-streaming parser returns them as content
+    ("hermes", '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}</tool_call>'),   # missing }
+    ("hermes", "<tool_call>not json</tool_call>"),
+    ("hermes", '<tool_call>{"arguments": {"city": "Paris"}}</tool_call>'),                        # no name
+    ("hermes", f"<tool_call>{W}"),                                                                 # unterminated
+    ("hermes", f"<tool_call>{W}</tool_call><tool_call>" + '{"name": "x", "arguments": {'),
+    ("hermes", '<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}</tool_call>'),              # string args
+    ("hermes", '<tool_call>{"name": "f", "arguments": {"x": NaN}}</tool_call>'),
+    ("hermes", '<tool_call>{"name": "f", "name": "g", "arguments": {}}</tool_call>'),
+    ("hermes", f"<tool_call>{W} trailing</tool_call>"),
+    ("hermes", f"Text <tool_call>{W}</tool_cal"),
+    ("llama3_json", '{"name": "a", "parameters": {"x": 1}} and then text'),
+    ("llama3_json", '{"name": "a", "parameters": {"x": 1}};'),
+    ("llama3_json", '{"parameters": {"x": 1}}'),
+    ("llama3_json", '{"name": "a", "parameters": {"x": 1}'),
+    ("llama3_json", '{"answer": 42}'),
+]
+
+
+@pytest.mark.parametrize("parser, text, calls, content", WELL_FORMED)
+def test_extract_well_formed(parser, text, calls, content):
+    r = get_tool_parser(parser)().extract_tool_calls(text)
+    assert r.tools_called
+    assert _calls(r) == calls
+    assert r.content == content
+    for c in r.tool_calls:
+        assert ID.fullmatch(c.id)
+        json.loads(c.arguments)
+    assert len({c.id for c in r.tool_calls}) == len(r.tool_calls)
+
+
+@pytest.mark.parametrize("parser, text", PLAIN + MALFORMED)
+def test_extract_plain_and_malformed_are_content(parser, text):
+    r = get_tool_parser(parser)().extract_tool_calls(text)
+    assert r == ExtractedToolCalls(tools_called=False, tool_calls=[], content=text)
+
+
+def _stream(parser_name: str, text: str, cuts: list[int]) -> tuple[str, list[tuple[str, str, str]], list[dict]]:
+    """Feed ``text`` cut at ``cuts``; returns (content, [(id, name, arguments)], deltas),
+    checking the OpenAI shape of every delta on the way."""
+    p = get_tool_parser(parser_name)()
+    bounds = [0, *cuts, len(text)]
+    deltas = []
+    for a, b in zip(bounds, bounds[1:]):
+        deltas += p.extract_streaming(text[a:b])
+    deltas += p.finish()
+    content, calls = "", []
+    for d in deltas:
+        assert len(d) == 1
+        if "content" in d:
+            assert d["content"]
+            content += d["content"]
+            continue
+        (tc,) = d["tool_calls"]
+        if "id" in tc:   # a call's first delta: id, type, name, no arguments yet
+            assert tc["index"] == len(calls) and ID.fullmatch(tc["id"]) and tc["type"] == "function"
+            assert tc["function"]["arguments"] == ""
+            calls.append([tc["id"], tc["function"]["name"], ""])
+        else:
+            assert set(tc) == {"index", "function"} and set(tc["function"]) == {"arguments"}
+            assert tc["index"] == len(calls) - 1 and tc["function"]["arguments"]
+            calls[-1][2] += tc["function"]["arguments"]
+    assert [tuple(c) for c in calls] == [(c.id, c.name, c.arguments) for c in p.tool_calls]
+    return content, [tuple(c) for c in calls], deltas
+
+
+def _splits(text: str):
+    yield "whole", []
+    for step in (1, 2, 3, 7):
+        yield f"every {step}", list(range(step, len(text), step))
+    rng = random.Random(len(text))
+    for k in range(5 if len(text) > 1 else 0):
+        yield f"random {k}", sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(1, 12))))
+
+
+@pytest.mark.parametrize("parser, text, calls, content", WELL_FORMED)
+def test_streaming_equals_non_streaming(parser, text, calls, content):
+    for how, cuts in _splits(text):
+        got_content, got_calls, _ = _stream(parser, text, cuts)
+        assert got_content == (content or ""), how
+        assert [(n, a) for _, n, a in got_calls] == calls, how
+
+
+@pytest.mark.parametrize("parser, text", PLAIN + MALFORMED)
+def test_streaming_never_depends_on_the_cuts(parser, text):
+    """Malformed outputs may stream differently from non-streaming (a call sent cannot be
+    taken back), but never raise, and what is sent does not depend on the cuts."""
+    results = set()
+    for how, cuts in _splits(text):
+        content, calls, _ = _stream(parser, text, cuts)
+        results.add((content, tuple((n, a) for _, n, a in calls)))
+    assert len(results) == 1, results
+
+
+@pytest.mark.parametrize("parser, text", PLAIN + [
+    ("hermes", "<tool_call>not json</tool_call>"),
+    ("hermes", '<tool_call>{"arguments": {"city": "Paris"}}</tool_call>'),
+    ("hermes", "<tool_call>"),
+    ("hermes", "\n<tool_call>{\"na"),
+    ("llama3_json", '{"parameters": {"x": 1}}'),
+    ("llama3_json", '{"answer": 42}'),
+])
+def test_streamed_as_content_when_broken_before_the_name(parser, text):
+    """No call was sent yet: streaming gives exactly the non-streaming result (all content)."""
+    for how, cuts in _splits(text):
+        content, calls, _ = _stream(parser, text, cuts)
+        assert (content, calls) == (text, []), how
+
+
+def test_streaming_after_a_sent_call_keeps_it():
+    # the missing brace is found after the call was sent: the call stays, the rest is content
+    text = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}</tool_call>'
+    content, calls, _ = _stream("hermes", text, [])
+    assert content == "</tool_call>"
+    assert [(n, a) for _, n, a in calls] == [("get_weather", '{"city": "Paris"}')]
+    # an unterminated call: sent as far as it went
+    content, calls, _ = _stream("hermes", f'ok <tool_call>{{"name": "f", "arguments": {{"a": [1, 2', [])
+    assert content == "ok" and [(n, a) for _, n, a in calls] == [("f", '{"a": [1, 2')]
+
+
+def test_streaming_delta_shapes_and_hold_back():
+    p = get_tool_parser("hermes")()
+    assert p.extract_streaming("Sure") == [{"content": "Sure"}]
+    assert p.extract_streaming(". \n<tool") == [{"content": "."}]      # " \n<tool" held back
+    assert p.extract_streaming("_call>\n{\"name\": \"get_") == []
+    first = p.extract_streaming('weather", "arguments": {"ci')
+    assert first[0]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": ""}
+    assert first[1:] == [{"tool_calls": [{"index": 0, "function": {"arguments": '{"ci'}}]}]
+    assert p.extract_streaming('ty": "Paris"}}\n</tool_call>\n') == [
+        {"tool_calls": [{"index": 0, "function": {"arguments": 'ty": "Paris"}'}}]}]
+    assert p.finish() == []
+    assert not p.malformed and p.tool_calls[0].arguments == '{"city": "Paris"}'
+    with pytest.raises(RuntimeError):
+        p.extract_streaming("x")
+
+    p = get_tool_parser("hermes")()
+    assert p.extract_streaming("x <tool_c") == [{"content": "x"}]
+    assert p.finish() == [{"content": " <tool_c"}]          # no call: held text is content
+
+
+def test_tool_call_ids():
+    ids = {new_tool_call_id() for _ in range(200)}
+    assert len(ids) == 200 and all(ID.fullmatch(i) for i in ids)
+    text = f"<tool_call>{W}</tool_call><tool_call>{W}</tool_call>"
+    a, b = (get_tool_parser("hermes")().extract_tool_calls(text) for _ in range(2))
+    assert len({c.id for c in a.tool_calls + b.tool_calls}) == 4
+    assert ToolCall("call_x", "f", "{}").to_openai() == {
+        "id": "call_x", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+
+
+def test_get_tool_parser_unknown_name():
+    with pytest.raises(ValueError, match=r"--tool-call-parser.*'mistral'.*hermes, llama3_json"):
+        get_tool_parser("mistral")
+
+
+@pytest.mark.parametrize("text, ok", [
+    ('{"a": [1, 2.5, -0, 1e-3, true, false, null, "\\u00e9\\n"]}', True),
+    ('{"a": 01}', False), ('{"a": 1.}', False), ('{"a": .5}', False), ('{"a": tru}', False),
+    ('{"a": "\\x"}', False), ('{"a": "\n"}', False), ('{"a": 1,}', False), ('{a: 1}', False),
+    ('[1, [2, [3]]]', True), ('{"a": Infinity}', False), ('"\\ud83d\\ude00"', True),
+])
+def test_json_scanner_agrees_with_json_loads(text, ok):
+    s, results = JsonValueScanner(), []
+    for c in text:
+        results.append(s.feed(c))
+        if results[-1] in (Scan.DONE, Scan.ERROR):
+            break
+    assert (results[-1] is Scan.DONE and len(results) == len(text)) == ok
+    if ok:
+        json.loads(text)
