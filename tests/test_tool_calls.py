@@ -11,8 +11,10 @@ import re
 import pytest
 
 from pagedllm.entrypoints.openai.tool_calls import (
-    ExtractedToolCalls, ToolCall, get_tool_parser, new_tool_call_id)
+    ExtractedToolCalls, ToolCall, get_tool_parser, new_tool_call_id, validate_parallel_tool_calls,
+    validate_tool_choice, validate_tool_request, validate_tools)
 from pagedllm.entrypoints.openai.tool_calls.json_scan import JsonValueScanner, Scan
+from pagedllm.errors import InvalidParameterError
 
 ID = re.compile(r"call_[A-Za-z0-9]{24}")
 W = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
@@ -234,3 +236,82 @@ def test_json_scanner_agrees_with_json_loads(text, ok):
     assert (results[-1] is Scan.DONE and len(results) == len(text)) == ok
     if ok:
         json.loads(text)
+
+
+# --------------------------------------------------------------------------------------
+# Request checks
+# --------------------------------------------------------------------------------------
+def _tool(name, params=None, **extra):
+    fn = {"name": name, "description": f"{name} tool", **extra}
+    if params is not None:
+        fn["parameters"] = params
+    return {"type": "function", "function": fn}
+
+
+WEATHER_SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+TOOLS = [_tool("get_weather", WEATHER_SCHEMA), _tool("now")]
+
+
+def test_validate_tools_normalises():
+    tools = validate_tools(TOOLS)
+    assert tools[0] == TOOLS[0]
+    assert tools[1]["function"]["parameters"] == {"type": "object", "properties": {}}
+    assert "parameters" not in TOOLS[1]["function"]    # input not modified
+    assert validate_tools(None) == [] and validate_tools([]) == []
+
+
+@pytest.mark.parametrize("tools, message", [
+    ({"type": "function"}, "tools must be an array"),
+    (["x"], r"tools\[0\] must be an object"),
+    ([{"type": "code_interpreter"}], r"tools\[0\].type must be \"function\""),
+    ([{"type": "function", "function": {"name": "f"}, "x": 1}], "unknown keys: x"),
+    ([{"type": "function"}], r"tools\[0\].function must be an object"),
+    ([_tool("get weather")], "1 to 64 letters"),
+    ([_tool("f" * 65)], "1 to 64 letters"),
+    ([{"type": "function", "function": {"name": 3}}], "1 to 64 letters"),
+    ([_tool("f"), _tool("g"), _tool("f")], r"tools\[2\].function.name: 'f' is given twice"),
+    ([_tool("f", description=3)], "description must be a string"),
+    ([_tool("f", params=[1])], "parameters must be a JSON Schema object"),
+    ([_tool("f", params={"type": "string"})], "must describe an object"),
+    ([_tool("f", strict="yes")], "strict must be a boolean"),
+    ([{"type": "function", "function": {"name": "f", "examples": []}}], "unknown keys: examples"),
+])
+def test_validate_tools_refuses(tools, message):
+    with pytest.raises(InvalidParameterError, match=message) as e:
+        validate_tools(tools)
+    assert e.value.param == "tools"
+
+
+def test_validate_tool_choice():
+    tools = validate_tools(TOOLS)
+    assert validate_tool_choice(None, tools) == "auto"
+    assert validate_tool_choice(None, []) == "none"
+    for mode in ("none", "auto", "required"):
+        assert validate_tool_choice(mode, tools) == mode
+    named = {"type": "function", "function": {"name": "now"}}
+    assert validate_tool_choice(named, tools) == named
+    for bad, message in [("any", "must be one of"), (3, "must be"), ({"type": "function"}, "must be"),
+                         ({"type": "function", "function": {"name": "nope"}}, "'nope', which is not among"),
+                         ({"type": "function", "function": {"name": "now", "x": 1}}, "must be")]:
+        with pytest.raises(InvalidParameterError, match=message) as e:
+            validate_tool_choice(bad, tools)
+        assert e.value.param == "tool_choice"
+    with pytest.raises(InvalidParameterError, match="needs tools"):
+        validate_tool_choice("required", [])
+    with pytest.raises(InvalidParameterError, match="none given"):
+        validate_tool_choice(named, [])
+
+
+def test_validate_parallel_tool_calls_and_legacy_fields():
+    assert validate_parallel_tool_calls(None) is True
+    assert validate_parallel_tool_calls(False) is False
+    with pytest.raises(InvalidParameterError) as e:
+        validate_parallel_tool_calls("false")
+    assert e.value.param == "parallel_tool_calls"
+    req = validate_tool_request(TOOLS, {"type": "function", "function": {"name": "now"}}, False,
+                                functions=[], function_call="none")
+    assert req.named_function == "now" and req.parallel_tool_calls is False and len(req.tools) == 2
+    for kwargs, param in [({"functions": [{"name": "f"}]}, "functions"), ({"function_call": "auto"}, "function_call")]:
+        with pytest.raises(InvalidParameterError, match="deprecated") as e:
+            validate_tool_request(**kwargs)
+        assert e.value.param == param

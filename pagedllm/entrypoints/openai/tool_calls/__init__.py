@@ -1,5 +1,7 @@
 """OpenAI tool calling, in pure functions and per-request objects (no engine state):
 
+- ``request``: checks ``tools``, ``tool_choice``, ``parallel_tool_calls`` (and refuses the
+  deprecated ``functions`` / ``function_call``).
 - ``registry`` (``hermes``, ``llama3_json``, on ``parser``, ``call_object``,
   ``json_scan``): calls read from the generated text, whole or streamed.
 - ``calls``: the values (``ToolCall``, ``ExtractedToolCalls``, call ids).
@@ -7,7 +9,12 @@
 from pagedllm.entrypoints.openai.tool_calls.calls import ExtractedToolCalls, ToolCall, new_tool_call_id
 from pagedllm.entrypoints.openai.tool_calls.parser import ToolParser
 from pagedllm.entrypoints.openai.tool_calls.registry import TOOL_PARSERS, get_tool_parser
+from pagedllm.entrypoints.openai.tool_calls.request import (ToolRequest, refuse_legacy_functions,
+                                                            validate_parallel_tool_calls, validate_tool_choice,
+                                                            validate_tool_request, validate_tools)
 
 __all__ = [
-    "ExtractedToolCalls", "TOOL_PARSERS", "ToolCall", "ToolParser", "get_tool_parser", "new_tool_call_id",
+    "ExtractedToolCalls", "TOOL_PARSERS", "ToolCall", "ToolParser", "ToolRequest", "get_tool_parser",
+    "new_tool_call_id", "refuse_legacy_functions", "validate_parallel_tool_calls", "validate_tool_choice",
+    "validate_tool_request", "validate_tools",
 ]
