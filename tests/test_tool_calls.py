@@ -11,8 +11,9 @@ import re
 import pytest
 
 from pagedllm.entrypoints.openai.tool_calls import (
-    ExtractedToolCalls, ToolCall, get_tool_parser, new_tool_call_id, validate_parallel_tool_calls,
-    validate_tool_choice, validate_tool_request, validate_tools)
+    ConstrainedOutputError, ExtractedToolCalls, ToolCall, get_tool_parser, new_tool_call_id,
+    parse_constrained_output, tool_choice_json_schema, validate_parallel_tool_calls, validate_tool_choice,
+    validate_tool_request, validate_tools)
 from pagedllm.entrypoints.openai.tool_calls.json_scan import JsonValueScanner, Scan
 from pagedllm.errors import InvalidParameterError
 
@@ -315,3 +316,57 @@ def test_validate_parallel_tool_calls_and_legacy_fields():
         with pytest.raises(InvalidParameterError, match="deprecated") as e:
             validate_tool_request(**kwargs)
         assert e.value.param == param
+
+
+# --------------------------------------------------------------------------------------
+# Constrained decoding
+# --------------------------------------------------------------------------------------
+def test_schema_for_a_named_function_is_its_parameters():
+    tools = validate_tools(TOOLS)
+    assert tool_choice_json_schema(tools, {"type": "function", "function": {"name": "get_weather"}}) == WEATHER_SCHEMA
+    assert tool_choice_json_schema(tools, {"type": "function", "function": {"name": "now"}}) == {
+        "type": "object", "properties": {}}
+    assert tool_choice_json_schema(tools, "auto") is None and tool_choice_json_schema(tools, "none") is None
+
+
+def test_schema_for_required():
+    tools = validate_tools(TOOLS)
+    schema = tool_choice_json_schema(tools, "required", parallel_tool_calls=True)
+    assert schema == {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": [
+        {"properties": {"name": {"type": "string", "const": "get_weather"}, "parameters": WEATHER_SCHEMA},
+         "required": ["name", "parameters"]},
+        {"properties": {"name": {"type": "string", "const": "now"},
+                        "parameters": {"type": "object", "properties": {}}},
+         "required": ["name", "parameters"]}]}}
+    assert tool_choice_json_schema(tools, "required", parallel_tool_calls=False)["maxItems"] == 1
+
+
+def test_schema_for_required_hoists_defs():
+    unit = {"enum": ["C", "F"]}
+    params = {"type": "object", "properties": {"u": {"$ref": "#/$defs/unit"}}, "$defs": {"unit": unit}}
+    tools = validate_tools([_tool("a", params), _tool("b", params)])
+    schema = tool_choice_json_schema(tools, "required")
+    assert schema["$defs"] == {"unit": unit}
+    assert "$defs" not in schema["items"]["anyOf"][0]["properties"]["parameters"]
+    assert "$defs" in tools[0]["function"]["parameters"]    # input not modified
+    other = {**params, "$defs": {"unit": {"enum": ["K"]}}}
+    with pytest.raises(InvalidParameterError, match=r"\$defs/unit"):
+        tool_choice_json_schema(validate_tools([_tool("a", params), _tool("b", other)]), "required")
+
+
+def test_parse_constrained_output():
+    tools = validate_tools(TOOLS)
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    (call,) = parse_constrained_output('{ "city" : "Zürich" }', tools, named)
+    assert (call.name, call.arguments) == ("get_weather", '{"city":"Zürich"}') and ID.fullmatch(call.id)
+    calls = parse_constrained_output('[{"name": "get_weather", "parameters": {"city": "Paris"}}, '
+                                     '{"name": "now", "parameters": {}}]', tools, "required")
+    assert [(c.name, c.arguments) for c in calls] == [("get_weather", '{"city":"Paris"}'), ("now", "{}")]
+    assert calls[0].id != calls[1].id
+    for text, choice in [('{"city": "Par', named), ("[1]", named), ("[]", "required"),
+                         ('[{"name": "nope", "parameters": {}}]', "required"),
+                         ('[{"name": "now"}]', "required")]:
+        with pytest.raises(ConstrainedOutputError):
+            parse_constrained_output(text, tools, choice)
+    with pytest.raises(ValueError):
+        parse_constrained_output("{}", tools, "auto")
