@@ -8,12 +8,13 @@ import json
 import random
 import re
 
+import jinja2
 import pytest
 
 from pagedllm.entrypoints.openai.tool_calls import (
     ConstrainedOutputError, ExtractedToolCalls, ToolCall, get_tool_parser, new_tool_call_id,
-    parse_constrained_output, tool_choice_json_schema, validate_parallel_tool_calls, validate_tool_choice,
-    validate_tool_request, validate_tools)
+    parse_constrained_output, render_messages_for_template, template_supports_tools, tool_choice_json_schema,
+    validate_parallel_tool_calls, validate_tool_choice, validate_tool_request, validate_tools)
 from pagedllm.entrypoints.openai.tool_calls.json_scan import JsonValueScanner, Scan
 from pagedllm.errors import InvalidParameterError
 
@@ -370,3 +371,117 @@ def test_parse_constrained_output():
             parse_constrained_output(text, tools, choice)
     with pytest.raises(ValueError):
         parse_constrained_output("{}", tools, "auto")
+
+
+# --------------------------------------------------------------------------------------
+# Rendering
+# --------------------------------------------------------------------------------------
+CONVERSATION = [
+    {"role": "user", "content": "What is the weather in Paris?"},
+    {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_abc", "type": "function",
+         "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+    {"role": "tool", "tool_call_id": "call_abc", "content": '{"temperature_c": 21, "sky": "ensoleillé"}'},
+]
+
+TOOLS_TEMPLATE = (
+    "{% if tools %}TOOLS:{% for t in tools %}[{{ t.function.name }}]{% endfor %}\n{% endif %}"
+    "{% for m in messages %}<{{ m.role }}>{{ m.content }}"
+    "{% for tc in m.tool_calls or [] %}CALL {{ tc.function.name }} {{ tc.function.arguments.city }}{% endfor %}"
+    "{% if m.tool_call_id %} (for {{ m.tool_call_id }}){% endif %}\n{% endfor %}")
+
+
+def test_template_supports_tools():
+    assert template_supports_tools(TOOLS_TEMPLATE)
+    assert not template_supports_tools("{% for m in messages %}{{ m.content }}{% endfor %}")
+    assert not template_supports_tools("{% set tools = [] %}{{ tools }}")     # its own variable
+    assert not template_supports_tools(None) and not template_supports_tools("")
+    # jinja2 cannot parse transformers' {% generation %} tag: the regex decides
+    assert template_supports_tools("{% generation %}{{ tools | tojson }}{% endgeneration %}")
+    assert not template_supports_tools("{% generation %}{{ messages }}{% endgeneration %}")
+
+
+def test_render_for_a_template_with_tools():
+    tools = validate_tools(TOOLS)
+    messages, tools_kwarg, note = render_messages_for_template(CONVERSATION, tools, True)
+    assert tools_kwarg == tools and note is None
+    assert messages[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
+    assert CONVERSATION[1]["tool_calls"][0]["function"]["arguments"] == '{"city": "Paris"}'   # not modified
+    assert messages[2]["tool_call_id"] == "call_abc"
+    text = jinja2.Environment().from_string(TOOLS_TEMPLATE).render(messages=messages, tools=tools_kwarg)
+    assert text.startswith("TOOLS:[get_weather][now]\n")
+    assert "CALL get_weather Paris" in text and "(for call_abc)" in text
+    # malformed arguments echoed back by a client stay a string instead of failing
+    bad = [{**CONVERSATION[1], "tool_calls": [{"id": "c", "type": "function",
+                                                "function": {"name": "f", "arguments": "{oops"}}]}]
+    assert render_messages_for_template(bad, tools, True)[0][0]["tool_calls"][0]["function"]["arguments"] == "{oops"
+
+
+def test_render_without_template_support():
+    tools = validate_tools(TOOLS)
+    messages, tools_kwarg, note = render_messages_for_template(
+        [{"role": "system", "content": "Be brief."}] + CONVERSATION + [
+            {"role": "tool", "tool_call_id": "call_zzz", "name": "now", "content": "12:00"}], tools, False)
+    assert tools_kwarg is None and "system prompt" in note and "does not support tools" in note
+    assert [m["role"] for m in messages] == ["system", "user", "assistant", "user"]
+    assert messages[0]["content"].startswith("Be brief.\n\n# Tools")
+    assert json.dumps(tools[0], ensure_ascii=False) in messages[0]["content"]
+    assert messages[2] == {"role": "assistant", "content":
+                           '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'}
+    assert messages[3]["content"] == (
+        '<tool_response>\n{"name": "get_weather", "tool_call_id": "call_abc", "content": '
+        '"{\\"temperature_c\\": 21, \\"sky\\": \\"ensoleillé\\"}"}\n</tool_response>\n'
+        '<tool_response>\n{"name": "now", "tool_call_id": "call_zzz", "content": "12:00"}\n</tool_response>')
+    # what the rendered assistant turn says is what the hermes parser reads back
+    r = get_tool_parser("hermes")().extract_tool_calls(messages[2]["content"])
+    assert _calls(r) == [("get_weather", '{"city": "Paris"}')]
+    # no system message: one is added; no tools and no tool messages: nothing changes
+    messages, _, _ = render_messages_for_template(CONVERSATION[:1], tools, False)
+    assert messages[0]["role"] == "system" and messages[1:] == CONVERSATION[:1]
+    assert render_messages_for_template(CONVERSATION[:1], None, False) == (CONVERSATION[:1], None, None)
+    _, _, note = render_messages_for_template(CONVERSATION, None, False)
+    assert "messages as text" in note
+
+
+@pytest.mark.parametrize("messages", [
+    [{"role": "assistant", "content": None, "tool_calls": {"id": "x"}}],
+    [{"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f", "arguments": {}}}]}],
+    [{"role": "tool", "content": "x"}],
+])
+def test_render_refuses_malformed_tool_messages(messages):
+    with pytest.raises(InvalidParameterError) as e:
+        render_messages_for_template(messages, None, False)
+    assert e.value.param == "messages"
+
+
+@pytest.mark.parametrize("messages", ["hi", ["hi"], None])
+def test_render_leaves_other_shapes_to_the_engine_checks(messages):
+    assert render_messages_for_template(messages, None, False) == (messages, None, None)
+
+
+@pytest.fixture(scope="module")
+def smollm_tokenizer():
+    """The bundled model's tokenizer (~5-12 s to load)."""
+    from pagedllm.tokenizer import get_tokenizer
+    from pagedllm.utils import default_model_path
+    return get_tokenizer(default_model_path())
+
+
+def test_render_with_smollm2_template(smollm_tokenizer):
+    """SmolLM2's ChatML template knows no tools: they reach the prompt as text."""
+    from pagedllm.engine.llm_engine import normalize_chat_messages
+    tok = smollm_tokenizer
+    assert not template_supports_tools(tok.chat_template)
+    tools = validate_tools(TOOLS)
+    messages, tools_kwarg, note = render_messages_for_template(CONVERSATION, tools, False)
+    messages = normalize_chat_messages(messages)     # as LLMEngine.apply_chat_template does
+    text = tok.apply_chat_template(messages, tools=tools_kwarg, tokenize=False, add_generation_prompt=True)
+    assert text.startswith("<|im_start|>system\n# Tools\n")
+    assert '"name": "get_weather"' in text and '"name": "now"' in text
+    assert json.dumps(WEATHER_SCHEMA) in text
+    assert '<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}' in text
+    assert "<|im_start|>user\n<tool_response>" in text and "call_abc" in text and "ensoleillé" in text
+    assert text.endswith("<|im_start|>assistant\n")
+    # without the rewrite the same template would silently drop them
+    plain = tok.apply_chat_template(normalize_chat_messages(CONVERSATION), tools=tools, tokenize=False)
+    assert "get_weather" not in plain.replace("What is the weather", "")
