@@ -105,3 +105,13 @@ def test_model_files_import_only_layers():
         for module, line in _imports(path):
             assert not module.startswith(("pagedllm.kernels", "pagedllm.attention")), (
                 f"{path.name}:{line} imports {module}: models are built from layers/ only")
+
+
+def test_tool_calls_stay_pure():
+    """entrypoints/openai/tool_calls/ is pure functions over JSON values and text: it
+    needs only the error type, never the engine or the server (which use it)."""
+    package = ROOT / "entrypoints" / "openai" / "tool_calls"
+    bad = [f"{path.name}:{line}: {module}" for path in sorted(package.glob("*.py"))
+           for module, line in _imports(path)
+           if module != "pagedllm.errors" and not module.startswith("pagedllm.entrypoints.openai.tool_calls")]
+    assert not bad, "tool_calls imports outside itself:\n" + "\n".join(bad)

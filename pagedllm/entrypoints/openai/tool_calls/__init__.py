@@ -1,0 +1,29 @@
+"""OpenAI tool calling, in pure functions and per-request objects (no engine state):
+
+- ``request``: checks ``tools``, ``tool_choice``, ``parallel_tool_calls`` (and refuses the
+  deprecated ``functions`` / ``function_call``).
+- ``rendering``: tools and tool messages for the chat template, with a Hermes-format text
+  fallback for templates that cannot show tools.
+- ``registry`` (``hermes``, ``llama3_json``, on ``parser``, ``call_object``,
+  ``json_scan``): calls read from the generated text, whole or streamed.
+- ``constrained``: the JSON schema for ``tool_choice`` "required" or a named function,
+  and the calls read from the constrained output.
+- ``calls``: the values (``ToolCall``, ``ExtractedToolCalls``, call ids).
+"""
+from pagedllm.entrypoints.openai.tool_calls.calls import ExtractedToolCalls, ToolCall, new_tool_call_id
+from pagedllm.entrypoints.openai.tool_calls.constrained import (ConstrainedOutputError, parse_constrained_output,
+                                                                tool_choice_json_schema)
+from pagedllm.entrypoints.openai.tool_calls.parser import ToolParser
+from pagedllm.entrypoints.openai.tool_calls.registry import TOOL_PARSERS, get_tool_parser
+from pagedllm.entrypoints.openai.tool_calls.rendering import (FALLBACK_PARSER, render_messages_for_template,
+                                                              template_supports_tools)
+from pagedllm.entrypoints.openai.tool_calls.request import (ToolRequest, refuse_legacy_functions,
+                                                            validate_parallel_tool_calls, validate_tool_choice,
+                                                            validate_tool_request, validate_tools)
+
+__all__ = [
+    "ConstrainedOutputError", "ExtractedToolCalls", "FALLBACK_PARSER", "TOOL_PARSERS", "ToolCall", "ToolParser",
+    "ToolRequest", "get_tool_parser", "new_tool_call_id", "parse_constrained_output", "refuse_legacy_functions",
+    "render_messages_for_template", "template_supports_tools", "tool_choice_json_schema",
+    "validate_parallel_tool_calls", "validate_tool_choice", "validate_tool_request", "validate_tools",
+]

@@ -1,0 +1,115 @@
+"""Tool calls by constrained decoding: the JSON schema the output must follow when
+``tool_choice`` forces a call, and the calls read back from such an output.
+
+As vLLM does: for a named function the output *is* its arguments object (the schema is
+the function's ``parameters``); for ``"required"`` the output is a JSON array of
+``{"name": ..., "parameters": {...}}`` objects, one alternative (``anyOf``) per tool, of
+at most one element when ``parallel_tool_calls`` is False. ``"none"`` and ``"auto"`` need
+no schema: the model writes freely and a ``ToolParser`` reads its calls.
+"""
+from __future__ import annotations
+
+import copy
+import json
+
+from pagedllm.entrypoints.openai.tool_calls.calls import ToolCall, new_tool_call_id
+from pagedllm.entrypoints.openai.tool_calls.request import EMPTY_PARAMETERS
+from pagedllm.errors import InvalidParameterError
+
+
+class ConstrainedOutputError(ValueError):
+    """A constrained output that is not an instance of its schema (e.g. cut short by
+    ``max_tokens``, or produced without the constraint)."""
+
+
+def parameters_schema(tool: dict) -> dict:
+    """A tool's ``parameters`` schema; ``{"type": "object", "properties": {}}`` when it
+    has none or an empty one."""
+    return tool["function"].get("parameters") or dict(EMPTY_PARAMETERS)
+
+
+def tool_choice_json_schema(tools: list[dict], tool_choice: str | dict,
+                            parallel_tool_calls: bool = True) -> dict | None:
+    """The JSON schema that forces the calls ``tool_choice`` asks for (see the module
+    doc), or None for ``"none"`` and ``"auto"``.
+
+    Args:
+        tools, tool_choice, parallel_tool_calls: as checked by ``request``.
+
+    For ``"required"``, each tool's ``$defs`` are moved to the top of the schema, where
+    its ``"$ref": "#/$defs/..."`` still finds them.
+
+    Raises:
+        InvalidParameterError(param="tools"): two tools define the same ``$defs`` name
+            differently (``"required"`` only).
+        ValueError: ``tool_choice`` names a function that is not among ``tools``.
+    """
+    if tool_choice in ("none", "auto"):
+        return None
+    if isinstance(tool_choice, dict):
+        return parameters_schema(_tool(tools, tool_choice["function"]["name"]))
+    defs: dict[str, dict] = {}
+    alternatives = []
+    for tool in tools:
+        name = tool["function"]["name"]
+        params = copy.deepcopy(parameters_schema(tool))
+        for key, schema in params.pop("$defs", {}).items():
+            if key in defs and defs[key] != schema:
+                raise InvalidParameterError("tools", f"tools define $defs/{key} differently; with tool_choice "
+                                                     '"required" all tools share one $defs')
+            defs[key] = schema
+        alternatives.append({"properties": {"name": {"type": "string", "const": name}, "parameters": params},
+                             "required": ["name", "parameters"]})
+    schema = {"type": "array", "minItems": 1,
+              "items": {"type": "object", "anyOf": alternatives}}
+    if not parallel_tool_calls:
+        schema["maxItems"] = 1
+    if defs:
+        schema["$defs"] = defs
+    return schema
+
+
+def parse_constrained_output(text: str, tools: list[dict], tool_choice: str | dict) -> list[ToolCall]:
+    """The calls in an output made under ``tool_choice_json_schema(tools, tool_choice)``:
+    for a named function one call with the output as its arguments, for ``"required"``
+    one per array element. Arguments are re-serialised compactly (``{"city":"Paris"}``,
+    non-ASCII kept as is). Only the shape is checked, not each tool's schema.
+
+    Raises:
+        ConstrainedOutputError: the text is not JSON of the expected shape, or names a
+            function that is not among ``tools``.
+        ValueError: ``tool_choice`` is ``"none"`` or ``"auto"``.
+    """
+    if tool_choice in ("none", "auto"):
+        raise ValueError(f'tool_choice {tool_choice!r} is not constrained; use a ToolParser')
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConstrainedOutputError(f"the constrained output is not valid JSON: {e}") from None
+    if isinstance(tool_choice, dict):
+        name = tool_choice["function"]["name"]
+        if not isinstance(value, dict):
+            raise ConstrainedOutputError(f"the arguments of {name} must be a JSON object")
+        return [ToolCall(new_tool_call_id(), name, _compact(value))]
+    if not isinstance(value, list) or not value:
+        raise ConstrainedOutputError("the constrained output must be a non-empty JSON array of calls")
+    names = {t["function"]["name"] for t in tools}
+    calls = []
+    for i, item in enumerate(value):
+        if (not isinstance(item, dict) or item.get("name") not in names
+                or not isinstance(item.get("parameters"), dict)):
+            raise ConstrainedOutputError(f"call {i} of the constrained output is not {{\"name\": one of "
+                                         f"{', '.join(sorted(names))}, \"parameters\": {{...}}}}")
+        calls.append(ToolCall(new_tool_call_id(), item["name"], _compact(item["parameters"])))
+    return calls
+
+
+def _tool(tools: list[dict], name: str) -> dict:
+    for tool in tools:
+        if tool["function"]["name"] == name:
+            return tool
+    raise ValueError(f"tool_choice names {name!r}, which is not among the tools")
+
+
+def _compact(value) -> str:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
