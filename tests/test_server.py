@@ -581,3 +581,45 @@ def test_chat_message_extra_keys_reach_the_template(server):
         del server.engine.engine.apply_chat_template
     assert r.status_code == 200, r.text
     assert seen and seen[0][0]["name"] == "bob"
+
+
+def _text_both_ways(server, endpoint: str, body: dict) -> tuple[str, str, dict]:
+    """(non-streamed text, concatenated streamed deltas, non-streamed choice) for ``body``."""
+    r = _post(server, endpoint, body)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    full = choice["message"]["content"] if endpoint == "chat" else choice["text"]
+    path = "chat/completions" if endpoint == "chat" else "completions"
+    parts = []
+    with httpx.stream("POST", f"{server.url}/v1/{path}", json={**body, "stream": True}, timeout=60) as s:
+        assert s.status_code == 200
+        for ln in s.iter_lines():
+            if ln.startswith("data: {"):
+                for c in json.loads(ln[len("data: "):])["choices"]:
+                    parts.append((c["delta"].get("content") if endpoint == "chat" else c["text"]) or "")
+    return full, "".join(parts), choice
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_stop_token_text_only_with_include_stop_str(server, include):
+    """vLLM leaves the text of the stop token id that ended a request out of ``text`` and
+    out of every streamed delta, unless include_stop_str_in_output (token 1797 is " United")."""
+    body = {"model": server.engine.model_name, "prompt": "The capital city of France is", "max_tokens": 24,
+            "temperature": 0, "stop_token_ids": [1797], "include_stop_str_in_output": include}
+    full, streamed, choice = _text_both_ways(server, "completions", body)
+    want = " Paris.\n\nThe United" if include else " Paris.\n\nThe"
+    assert (full, streamed) == (want, want)
+    assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", 1797)
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_eos_text_only_with_include_stop_str(server, include):
+    """With skip_special_tokens false the EOS that ended a chat answer is not in its text
+    (nor in the stream) unless include_stop_str_in_output."""
+    body = {**_body(server, "chat"), "max_tokens": 64, "skip_special_tokens": False,
+            "include_stop_str_in_output": include}
+    full, streamed, choice = _text_both_ways(server, "chat", body)
+    assert choice["finish_reason"] == "stop" and choice["stop_reason"] is None
+    assert full == streamed
+    assert full.endswith("<|im_end|>") == include
+    assert full.count("<|im_end|>") == int(include)

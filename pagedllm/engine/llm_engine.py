@@ -222,7 +222,9 @@ class LLMEngine:
                 continue
             new_ids = co.new_token_ids
             n_before = st.detok.num_tokens
-            matched = st.detok.update(new_ids)
+            # the core finishes a request with "stop" only on an EOS or stop token id, the
+            # last of its new tokens (stop strings are matched here)
+            matched = st.detok.update(new_ids, stop_terminated=co.finish_reason == FINISH_STOP)
             if matched is not None:
                 # a stop string inside a chunk of several tokens (speculative decoding):
                 # the tokens after it are dropped, never returned
