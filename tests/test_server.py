@@ -623,3 +623,19 @@ def test_eos_text_only_with_include_stop_str(server, include):
     assert full == streamed
     assert full.endswith("<|im_end|>") == include
     assert full.count("<|im_end|>") == int(include)
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_null_optional_fields_mean_their_default(server, endpoint):
+    nulls = {"n": None, "stream": None, "stream_options": None, "min_tokens": None, "ignore_eos": None,
+             "include_stop_str_in_output": None, "skip_special_tokens": None, "seed": None, "stop": None}
+    if endpoint == "chat":
+        nulls["add_generation_prompt"] = None
+    plain = _post(server, endpoint, _body(server, endpoint))
+    r = _post(server, endpoint, {**_body(server, endpoint), **nulls})
+    assert r.status_code == 200, r.text
+    key = "message" if endpoint == "chat" else "text"
+    assert r.json()["choices"][0][key] == plain.json()["choices"][0][key]
+    assert r.json()["usage"] == plain.json()["usage"]
+    r = _post(server, endpoint, {**_body(server, endpoint), "frobnicate": None})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "frobnicate"
