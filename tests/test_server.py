@@ -97,6 +97,27 @@ def test_models_and_health(server, client):
     assert httpx.get(f"{server.url}/health").status_code == 200
 
 
+def test_model_retrieve_and_a_fixed_card(server, client):
+    """The openai client's models.retrieve works; the card's ``created`` is the server's
+    start (the same on every call) and ``root`` is the served name, not a filesystem path."""
+    name = server.engine.model_name
+    listed = client.models.list().data[0]
+    time.sleep(1.1)
+    got = client.models.retrieve(name)
+    assert got.model_dump() == client.models.list().data[0].model_dump() == listed.model_dump()
+    assert (got.id, got.object, got.owned_by, got.root) == (name, "model", "pagedllm", name)
+    assert got.max_model_len == MAX_MODEL_LEN
+    assert got.created <= time.time() - 1
+    assert server.engine.model_path not in httpx.get(f"{server.url}/v1/models").text
+    for unknown in ("nope", "org/nope"):
+        r = httpx.get(f"{server.url}/v1/models/{unknown}", timeout=30)
+        assert r.status_code == 404
+        assert r.json() == {"error": {"message": f"The model `{unknown}` does not exist.",
+                                      "type": "NotFoundError", "param": "model", "code": 404}}
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("nope")
+
+
 def test_chat_answers_and_usage(client, server):
     r = client.chat.completions.create(model=server.engine.model_name, temperature=0, max_tokens=16,
                                        messages=[{"role": "user", "content": "What is the capital of France?"}])
