@@ -660,3 +660,26 @@ def test_null_optional_fields_mean_their_default(server, endpoint):
     assert r.json()["usage"] == plain.json()["usage"]
     r = _post(server, endpoint, {**_body(server, endpoint), "frobnicate": None})
     assert r.status_code == 400 and r.json()["error"]["param"] == "frobnicate"
+
+
+def test_prompt_tokens_counter_includes_prefix_cached_tokens(server):
+    """vllm:prompt_tokens_total grows by each request's usage.prompt_tokens, cached or not
+    (two identical ~310-token prompts added 310 + 6); cache hits have their own counter."""
+    prompt = list(range(6000, 6310))
+
+    def read():
+        text = httpx.get(f"{server.url}/metrics", timeout=30).text
+        return _metric(text, "vllm:prompt_tokens_total"), _metric(text, "vllm:prefix_cache_hits_total")
+
+    tokens0, hits0 = read()
+    usages = []
+    for _ in range(2):
+        r = _post(server, "completions", {**_body(server, "completions"), "prompt": prompt})
+        assert r.status_code == 200, r.text
+        usages.append(r.json()["usage"])
+    assert [u["prompt_tokens"] for u in usages] == [310, 310]
+    cached = usages[1]["prompt_tokens_details"]["cached_tokens"]
+    assert cached == 304
+    tokens1, hits1 = read()
+    assert tokens1 - tokens0 == 620
+    assert hits1 - hits0 == cached

@@ -194,8 +194,6 @@ class LLMEngine:
         """
         outs = self.engine_core.get_output()
         it = IterationStats()
-        if outs.scheduler_stats is not None:
-            it.num_prompt_tokens = outs.scheduler_stats.step_num_prefill_tokens
         results = self._process_outputs(outs.outputs, it)
         for rid in outs.failed_request_ids:
             if self.states.pop(rid, None) is not None:
@@ -239,6 +237,9 @@ class LLMEngine:
                 if m.first_token_time is None:
                     m.first_token_time = co.first_token_time or now
                     it.ttfts.append(m.first_token_time - m.arrival_time)
+                    # the whole prompt, prefix-cached tokens included (as vLLM, and as the
+                    # request's usage.prompt_tokens), counted once per request
+                    it.num_prompt_tokens += len(st.prompt_token_ids)
                 elif st.last_token_time is not None:
                     it.itls.append(now - st.last_token_time)
                 st.last_token_time = now
