@@ -105,7 +105,7 @@ class SamplingParams:
                 "best_of", f"best_of must be null or equal to n ({self.n}), got {self.best_of!r}: as in "
                            "vLLM V1, best_of > n is not supported")
         if not _is_num(self.temperature) or self.temperature < 0:
-            raise InvalidParameterError("temperature", f"temperature must be a number >= 0, got {self.temperature!r}")
+            raise InvalidParameterError("temperature", f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if self.temperature < GREEDY_TEMPERATURE:
             # 1/T overflows float32 from T ~ 3e-39 (and bf16 long before): as vLLM, a
             # temperature this small is greedy
@@ -113,7 +113,7 @@ class SamplingParams:
         if not _is_num(self.top_p) or not (0 < self.top_p <= 1):
             raise InvalidParameterError("top_p", f"top_p must be in (0, 1], got {self.top_p!r}")
         if not _is_int(self.top_k) or (self.top_k < 0 and self.top_k != -1) or self.top_k >= 2**31:
-            raise InvalidParameterError("top_k", f"top_k must be an int >= 0 (or -1 to disable), got {self.top_k!r}")
+            raise InvalidParameterError("top_k", f"top_k must be an int from 0 to 2**31 - 1 (0 or -1 disables it), got {self.top_k!r}")
         if not _is_num(self.min_p) or not (0 <= self.min_p <= 1):
             raise InvalidParameterError("min_p", f"min_p must be in [0, 1], got {self.min_p!r}")
         if self.seed is not None and (not _is_int(self.seed) or not (-2**63 <= self.seed < 2**63)):
@@ -134,7 +134,7 @@ class SamplingParams:
         self._stop_list = stop
         ids = self.stop_token_ids or []
         if not isinstance(ids, list) or not all(_is_int(t) and t >= 0 for t in ids):
-            raise InvalidParameterError("stop_token_ids", f"stop_token_ids must be a list of ints >= 0, got {self.stop_token_ids!r}")
+            raise InvalidParameterError("stop_token_ids", f"stop_token_ids must be a list of token ids (ints >= 0, below the vocabulary size), got {self.stop_token_ids!r}")
         self.stop_token_ids = ids
         if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
             raise InvalidParameterError("cache_salt", f"cache_salt must be a non-empty string, got {self.cache_salt!r}")

@@ -229,6 +229,13 @@ def test_stop_token_ids(llm, mixed_prompts, greedy_alone):
     out = llm.generate([mixed_prompts[2]], sp, use_tqdm=False)[0].outputs[0]
     assert out.token_ids == ids[: first + 1]
     assert (out.finish_reason, out.stop_reason) == ("stop", stop_tok)
+    # As vLLM: the stop token stays in the token ids, its text only with include_stop_str_in_output
+    tok = llm.get_tokenizer()
+    assert out.text == tok.decode(ids[:first])
+    sp = SamplingParams(temperature=0, max_tokens=REF_TOKENS, stop_token_ids=[stop_tok], ignore_eos=True,
+                        include_stop_str_in_output=True)
+    out = llm.generate([mixed_prompts[2]], sp, use_tqdm=False)[0].outputs[0]
+    assert (out.token_ids, out.text) == (ids[: first + 1], tok.decode(ids[: first + 1]))
 
 
 def test_eos_stops_unless_ignored(llm):
@@ -243,8 +250,17 @@ def test_eos_stops_unless_ignored(llm):
     out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)[0].outputs[0]
     assert out.token_ids == full.token_ids[: hits[0] + 1]
     assert (out.finish_reason, out.stop_reason) == ("stop", None)
-    # The EOS token is not part of the text.
+    # The EOS token is not part of the text, even with special tokens kept, unless
+    # include_stop_str_in_output.
     assert out.text == llm.get_tokenizer().decode(full.token_ids[: hits[0]])
+    tok = llm.get_tokenizer()
+    for include in (False, True):
+        sp = SamplingParams(temperature=0, max_tokens=16, skip_special_tokens=False,
+                            include_stop_str_in_output=include)
+        out = llm.generate([prompt], sp, use_tqdm=False)[0].outputs[0]
+        assert out.token_ids == full.token_ids[: hits[0] + 1]
+        n = hits[0] + 1 if include else hits[0]
+        assert out.text == tok.decode(full.token_ids[:n], skip_special_tokens=False)
     # min_tokens suppresses EOS until that many tokens exist.
     sp = SamplingParams(temperature=0, max_tokens=16, min_tokens=hits[0] + 2)
     out = llm.generate([prompt], sp, use_tqdm=False)[0].outputs[0]

@@ -138,3 +138,54 @@ def test_stop_strings_wait_for_min_tokens(tokenizer):
             break
     assert matched == "." and d.num_tokens >= first_dot + 2
     assert d.text.startswith("Paris.") and d.text.count(".") == 1
+
+
+def _feed(d, chunks, stop_terminated_last=True):
+    """Feed ``chunks`` (lists of ids) as LLMEngine does, the last one ending the request as an
+    EOS / stop token id would; returns (deltas while running, final delta, matched)."""
+    deltas = []
+    matched = None
+    for k, chunk in enumerate(chunks):
+        last = k == len(chunks) - 1
+        matched = d.update(chunk, stop_terminated=last and stop_terminated_last)
+        if matched is not None or last:
+            return deltas, d.delta(True), matched
+        deltas.append(d.delta(False))
+    return deltas, d.delta(True), matched
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["one-per-step", "speculative-chunk"])
+@pytest.mark.parametrize("include", [False, True])
+def test_stop_token_text_only_with_include_stop_str(tokenizer, chunked, include):
+    """As vLLM: the EOS / stop token id that ended a request stays in the token ids, but its
+    text is in neither the text nor any streamed delta unless include_stop_str_in_output.
+    With speculative decoding it arrives as the last of several tokens of one step."""
+    ids = tokenizer.encode(" Paris.\n\nThe United", add_special_tokens=False)
+    assert ids[-1] == 1797 and tokenizer.decode([1797]) == " United"
+    chunks = [ids[:2], ids[2:]] if chunked else [[t] for t in ids]
+    d = IncrementalDetokenizer(tokenizer, ["zzz"], include)
+    deltas, last, matched = _feed(d, chunks)
+    want = " Paris.\n\nThe United" if include else " Paris.\n\nThe"
+    assert matched is None
+    assert (d.text, "".join(deltas) + last) == (want, want)
+    assert d.num_tokens == len(ids)
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_eos_text_left_out_with_special_tokens_kept(tokenizer, include):
+    """skip_special_tokens=False keeps special tokens inside the text, but the EOS that
+    ended the request is not part of it (unless include_stop_str_in_output)."""
+    im_start, im_end = tokenizer.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"])
+    ids = [im_start] + tokenizer.encode("assistant\nHello!", add_special_tokens=False) + [im_end]
+    d = IncrementalDetokenizer(tokenizer, [], include, skip_special_tokens=False)
+    deltas, last, _ = _feed(d, [[t] for t in ids])
+    want = "<|im_start|>assistant\nHello!" + ("<|im_end|>" if include else "")
+    assert (d.text, "".join(deltas) + last) == (want, want)
+
+
+def test_stop_string_before_the_stop_token_in_one_chunk(tokenizer):
+    """A stop string completed by an earlier token of the chunk wins over the stop token."""
+    ids = tokenizer.encode(" Paris.\n\nThe United", add_special_tokens=False)
+    d = IncrementalDetokenizer(tokenizer, ["."], include_stop_str_in_output=True)
+    assert d.update(ids, stop_terminated=True) == "."
+    assert d.text == " Paris."

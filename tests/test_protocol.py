@@ -134,3 +134,53 @@ def test_normalize_chat_messages_content():
         {"role": "assistant", "content": "", "tool_calls": [{"id": "1"}]},
         {"role": "assistant", "content": ""}, {"role": "user", "content": "c", "name": "x"}]
     assert msgs[1]["content"] is None      # the caller's messages are not modified
+
+
+_MINIMAL = {CompletionRequest: {"prompt": "x"},
+            ChatCompletionRequest: {"messages": [{"role": "user", "content": "Hi"}]}}
+
+
+def _optional_fields(model) -> list[str]:
+    return [name for name, f in model.model_fields.items() if not f.is_required()]
+
+
+@pytest.mark.parametrize("model, name", [(m, n) for m in _MINIMAL for n in _optional_fields(m)],
+                         ids=lambda x: x if isinstance(x, str) else x.__name__)
+def test_null_means_the_default_for_every_optional_field(model, name):
+    """Every declared optional field of both request bodies accepts null, and null means
+    its default: the same field value and the same SamplingParams as leaving it out."""
+    base = model.model_validate(_MINIMAL[model])
+    got = model.model_validate({**_MINIMAL[model], name: None})
+    default = model.model_fields[name].default
+    assert getattr(got, name) == default == getattr(base, name)
+    assert got.to_sampling_params(default_max_tokens=16) == base.to_sampling_params(default_max_tokens=16)
+
+
+def test_all_optional_fields_null_at_once():
+    for model, minimal in _MINIMAL.items():
+        body = {**minimal, **{n: None for n in _optional_fields(model)}}
+        assert model.model_validate(body) == model.model_validate(minimal)
+    r = CompletionRequest.model_validate({"prompt": "x", "stream_options": {"include_usage": None}})
+    assert r.stream_options.include_usage is False
+    r = CompletionRequest.model_validate({"prompt": "x", "n": None, "stream": None, "min_tokens": None,
+                                          "ignore_eos": None, "skip_special_tokens": None})
+    assert (r.n, r.stream, r.min_tokens, r.ignore_eos, r.skip_special_tokens) == (1, False, 0, False, True)
+    r = ChatCompletionRequest.model_validate({**_MINIMAL[ChatCompletionRequest],
+                                              "add_generation_prompt": None,
+                                              "include_stop_str_in_output": None})
+    assert (r.add_generation_prompt, r.include_stop_str_in_output) == (True, False)
+
+
+@pytest.mark.parametrize("model, body, message, param", [
+    (CompletionRequest, {"prompt": "x", "frobnicate": None},
+     "unrecognized request argument: frobnicate (this server does not support it)", "frobnicate"),
+    (ChatCompletionRequest, {"messages": [{"role": "user", "content": "Hi"}], "nope": None},
+     "unrecognized request argument: nope (this server does not support it)", "nope"),
+    (ChatCompletionRequest, {"messages": None},
+     "invalid value for messages: Input should be a valid list", "messages"),
+    (CompletionRequest, {"prompt": "x", "stream_options": {"bogus": None}},
+     "unrecognized request argument: stream_options.bogus (this server does not support it)",
+     "stream_options"),
+])
+def test_null_for_unknown_or_required_fields_is_still_refused(model, body, message, param):
+    assert _error(model, body) == (message, param)

@@ -111,3 +111,50 @@ def test_defaults_and_normalisation():
 ])
 def test_boundary_values_are_accepted(kw):
     SamplingParams(**kw)
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(top_k=2**31), "top_k must be an int from 0 to 2**31 - 1 (0 or -1 disables it), got 2147483648"),
+    (dict(top_k=-2), "top_k must be an int from 0 to 2**31 - 1 (0 or -1 disables it), got -2"),
+    (dict(seed=2**63), "seed must be an int in [-2**63, 2**63), got 9223372036854775808"),
+    (dict(seed=-2**63 - 1), "seed must be an int in [-2**63, 2**63), got -9223372036854775809"),
+    (dict(temperature=math.inf), "temperature must be a finite number >= 0, got inf"),
+    (dict(max_tokens=0), "max_tokens must be an int >= 1, got 0"),
+    (dict(min_tokens=-1), "min_tokens must be an int >= 0, got -1"),
+    (dict(max_tokens=4, min_tokens=5), "min_tokens (5) must not exceed max_tokens (4)"),
+    (dict(stop_token_ids=[-1]),
+     "stop_token_ids must be a list of token ids (ints >= 0, below the vocabulary size), got [-1]"),
+])
+def test_out_of_range_messages_state_the_real_bound(kw, message):
+    """A refused number is refused with the limit that refused it (top_k >= 2**31 was
+    refused as if it had to be >= 0)."""
+    with pytest.raises(ValueError) as ei:
+        SamplingParams(**kw)
+    assert str(ei.value) == message
+    SamplingParams(top_k=2**31 - 1), SamplingParams(seed=2**63 - 1), SamplingParams(seed=-2**63)
+
+
+class _Tok:
+    def encode(self, text):
+        return [ord(c) % 100 for c in text]
+
+
+@pytest.mark.parametrize("kw, param, message", [
+    (dict(stop_token_ids=[100]), "stop_token_ids", "stop_token_ids contains 100, outside the vocabulary [0, 100)"),
+    (dict(stop_token_ids=[2**70]), "stop_token_ids",
+     f"stop_token_ids contains {2**70}, outside the vocabulary [0, 100)"),
+    (dict(max_tokens=28), "max_tokens",
+     "prompt (5 tokens) + max_tokens (28) exceeds max_model_len (32); lower max_tokens"),
+    # max_tokens not set: the limit is what the prompt leaves, not a max_tokens never sent
+    (dict(max_tokens=None, min_tokens=28), "min_tokens",
+     "min_tokens (28) exceeds the 27 tokens that max_model_len (32) leaves after the prompt (5 tokens)"),
+])
+def test_engine_bounds_are_stated(kw, param, message):
+    from pagedllm.engine.processor import Processor
+
+    p = Processor(_Tok(), vocab_size=100, max_model_len=32, eos_token_ids={2},
+                  max_num_batched_tokens=16, enable_chunked_prefill=True)
+    with pytest.raises(ValueError) as ei:
+        p.process("x", "hello", SamplingParams(**kw))
+    assert (ei.value.param, str(ei.value)) == (param, message)
+    assert p.process("x", "hello", SamplingParams(max_tokens=None, min_tokens=27))[0].sampling_params.max_tokens == 27

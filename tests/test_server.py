@@ -97,6 +97,27 @@ def test_models_and_health(server, client):
     assert httpx.get(f"{server.url}/health").status_code == 200
 
 
+def test_model_retrieve_and_a_fixed_card(server, client):
+    """The openai client's models.retrieve works; the card's ``created`` is the server's
+    start (the same on every call) and ``root`` is the served name, not a filesystem path."""
+    name = server.engine.model_name
+    listed = client.models.list().data[0]
+    time.sleep(1.1)
+    got = client.models.retrieve(name)
+    assert got.model_dump() == client.models.list().data[0].model_dump() == listed.model_dump()
+    assert (got.id, got.object, got.owned_by, got.root) == (name, "model", "pagedllm", name)
+    assert got.max_model_len == MAX_MODEL_LEN
+    assert got.created <= time.time() - 1
+    assert server.engine.model_path not in httpx.get(f"{server.url}/v1/models").text
+    for unknown in ("nope", "org/nope"):
+        r = httpx.get(f"{server.url}/v1/models/{unknown}", timeout=30)
+        assert r.status_code == 404
+        assert r.json() == {"error": {"message": f"The model `{unknown}` does not exist.",
+                                      "type": "NotFoundError", "param": "model", "code": 404}}
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("nope")
+
+
 def test_chat_answers_and_usage(client, server):
     r = client.chat.completions.create(model=server.engine.model_name, temperature=0, max_tokens=16,
                                        messages=[{"role": "user", "content": "What is the capital of France?"}])
@@ -581,3 +602,84 @@ def test_chat_message_extra_keys_reach_the_template(server):
         del server.engine.engine.apply_chat_template
     assert r.status_code == 200, r.text
     assert seen and seen[0][0]["name"] == "bob"
+
+
+def _text_both_ways(server, endpoint: str, body: dict) -> tuple[str, str, dict]:
+    """(non-streamed text, concatenated streamed deltas, non-streamed choice) for ``body``."""
+    r = _post(server, endpoint, body)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    full = choice["message"]["content"] if endpoint == "chat" else choice["text"]
+    path = "chat/completions" if endpoint == "chat" else "completions"
+    parts = []
+    with httpx.stream("POST", f"{server.url}/v1/{path}", json={**body, "stream": True}, timeout=60) as s:
+        assert s.status_code == 200
+        for ln in s.iter_lines():
+            if ln.startswith("data: {"):
+                for c in json.loads(ln[len("data: "):])["choices"]:
+                    parts.append((c["delta"].get("content") if endpoint == "chat" else c["text"]) or "")
+    return full, "".join(parts), choice
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_stop_token_text_only_with_include_stop_str(server, include):
+    """vLLM leaves the text of the stop token id that ended a request out of ``text`` and
+    out of every streamed delta, unless include_stop_str_in_output (token 1797 is " United")."""
+    body = {"model": server.engine.model_name, "prompt": "The capital city of France is", "max_tokens": 24,
+            "temperature": 0, "stop_token_ids": [1797], "include_stop_str_in_output": include}
+    full, streamed, choice = _text_both_ways(server, "completions", body)
+    want = " Paris.\n\nThe United" if include else " Paris.\n\nThe"
+    assert (full, streamed) == (want, want)
+    assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", 1797)
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_eos_text_only_with_include_stop_str(server, include):
+    """With skip_special_tokens false the EOS that ended a chat answer is not in its text
+    (nor in the stream) unless include_stop_str_in_output."""
+    body = {**_body(server, "chat"), "max_tokens": 64, "skip_special_tokens": False,
+            "include_stop_str_in_output": include}
+    full, streamed, choice = _text_both_ways(server, "chat", body)
+    assert choice["finish_reason"] == "stop" and choice["stop_reason"] is None
+    assert full == streamed
+    assert full.endswith("<|im_end|>") == include
+    assert full.count("<|im_end|>") == int(include)
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_null_optional_fields_mean_their_default(server, endpoint):
+    nulls = {"n": None, "stream": None, "stream_options": None, "min_tokens": None, "ignore_eos": None,
+             "include_stop_str_in_output": None, "skip_special_tokens": None, "seed": None, "stop": None}
+    if endpoint == "chat":
+        nulls["add_generation_prompt"] = None
+    plain = _post(server, endpoint, _body(server, endpoint))
+    r = _post(server, endpoint, {**_body(server, endpoint), **nulls})
+    assert r.status_code == 200, r.text
+    key = "message" if endpoint == "chat" else "text"
+    assert r.json()["choices"][0][key] == plain.json()["choices"][0][key]
+    assert r.json()["usage"] == plain.json()["usage"]
+    r = _post(server, endpoint, {**_body(server, endpoint), "frobnicate": None})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "frobnicate"
+
+
+def test_prompt_tokens_counter_includes_prefix_cached_tokens(server):
+    """vllm:prompt_tokens_total grows by each request's usage.prompt_tokens, cached or not
+    (two identical ~310-token prompts added 310 + 6); cache hits have their own counter."""
+    prompt = list(range(6000, 6310))
+
+    def read():
+        text = httpx.get(f"{server.url}/metrics", timeout=30).text
+        return _metric(text, "vllm:prompt_tokens_total"), _metric(text, "vllm:prefix_cache_hits_total")
+
+    tokens0, hits0 = read()
+    usages = []
+    for _ in range(2):
+        r = _post(server, "completions", {**_body(server, "completions"), "prompt": prompt})
+        assert r.status_code == 200, r.text
+        usages.append(r.json()["usage"])
+    assert [u["prompt_tokens"] for u in usages] == [310, 310]
+    cached = usages[1]["prompt_tokens_details"]["cached_tokens"]
+    assert cached == 304
+    tokens1, hits1 = read()
+    assert tokens1 - tokens0 == 620
+    assert hits1 - hits0 == cached

@@ -184,6 +184,7 @@ def test_finish_conditions_inside_an_accepted_chunk(make_llm, prompts, model_pat
     cases = [
         _greedy(max_tokens=5),
         _greedy(stop_token_ids=[toks[j]]),
+        _greedy(stop_token_ids=[toks[j]], include_stop_str_in_output=True),
         SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, stop=[text_stop]),
         SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, stop=[text_stop], include_stop_str_in_output=True),
         _greedy(min_tokens=12, stop_token_ids=[toks[2]]),
@@ -195,6 +196,10 @@ def test_finish_conditions_inside_an_accepted_chunk(make_llm, prompts, model_pat
             (want.token_ids, want.text, want.finish_reason, want.stop_reason), sp
     assert _run(spec, prompts[:1], cases[0])[0].token_ids == toks[:5]
     assert _run(spec, prompts[:1], cases[1])[0].token_ids == toks[: j + 1]
+    # the stop token, last of its chunk, is in the text only with include_stop_str_in_output
+    tok = plain.get_tokenizer()
+    assert _run(spec, prompts[:1], cases[1])[0].text == tok.decode(toks[:j])
+    assert _run(spec, prompts[:1], cases[2])[0].text == tok.decode(toks[: j + 1])
 
 
 def test_streaming_deltas_concatenate(make_llm, prompts, model_path, tiny_draft):

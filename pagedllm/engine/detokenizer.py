@@ -7,6 +7,8 @@ Stop strings are searched in the produced text; while a request runs, the last
 ``max(len(stop)) - 1`` characters are held back so a stop string split across tokens is
 never streamed before it is recognised. As in vLLM, stop strings are not looked for
 until ``min_tokens`` tokens exist (text completed before then is not searched again).
+Also as in vLLM, the token that ended a request by being an EOS or stop token id stays in
+the token ids but its text is left out (unless ``include_stop_str_in_output``).
 """
 from __future__ import annotations
 
@@ -16,7 +18,8 @@ from tokenizers.decoders import DecodeStream
 class IncrementalDetokenizer:
     """Args:
         tokenizer: a ``transformers`` fast tokenizer.
-        stop: stop strings; include_stop_str_in_output: keep the matched stop string.
+        stop: stop strings; include_stop_str_in_output: keep the matched stop string, and
+            the text of an EOS / stop token id that ended the request.
         skip_special_tokens: drop special tokens from the text.
         min_tokens: stop strings count only from this many generated tokens on.
     """
@@ -33,9 +36,18 @@ class IncrementalDetokenizer:
         self.text = ""
         self.sent = 0
 
-    def update(self, new_token_ids: list[int]) -> str | None:
-        """Add tokens; returns the stop string matched (text truncated there) or None."""
-        for t in new_token_ids:
+    def update(self, new_token_ids: list[int], stop_terminated: bool = False) -> str | None:
+        """Add tokens; returns the stop string matched (text truncated there) or None.
+
+        ``stop_terminated``: the last of ``new_token_ids`` ended the request as an EOS or
+        stop token id (the engine core's finish_reason "stop"); its text is not added
+        unless ``include_stop_str_in_output``. It still counts in ``num_tokens``.
+        """
+        last = len(new_token_ids) - 1
+        for k, t in enumerate(new_token_ids):
+            if stop_terminated and k == last and not self.include_stop:
+                self.num_tokens += 1
+                return None
             start = len(self.text)
             piece = self._stream.step(self._tok, t)
             if piece:

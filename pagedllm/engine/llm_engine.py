@@ -280,8 +280,6 @@ class LLMEngine:
         """
         outs = self.engine_core.get_output()
         it = IterationStats()
-        if outs.scheduler_stats is not None:
-            it.num_prompt_tokens = outs.scheduler_stats.step_num_prefill_tokens
         results = self._process_outputs(outs.outputs, it)
         failed = []
         for rid in outs.failed_request_ids:
@@ -317,7 +315,9 @@ class LLMEngine:
                 continue
             new_ids = co.new_token_ids
             n_before = st.detok.num_tokens
-            matched = st.detok.update(new_ids)
+            # the core finishes a request with "stop" only on an EOS or stop token id, the
+            # last of its new tokens (stop strings are matched here)
+            matched = st.detok.update(new_ids, stop_terminated=co.finish_reason == FINISH_STOP)
             if matched is not None:
                 # a stop string inside a chunk of several tokens (speculative decoding):
                 # the tokens after it are dropped, never returned
@@ -340,6 +340,9 @@ class LLMEngine:
                 if m.first_token_time is None:
                     m.first_token_time = co.first_token_time or now
                     it.ttfts.append(m.first_token_time - m.arrival_time)
+                    # the whole prompt, prefix-cached tokens included (as vLLM, and as the
+                    # request's usage.prompt_tokens), counted once per request
+                    it.num_prompt_tokens += len(st.prompt_token_ids)
                 elif st.last_token_time is not None:
                     it.itls.append(now - st.last_token_time)
                 st.last_token_time = now

@@ -37,7 +37,12 @@ class FinishedRequestStats:
 
 @dataclass
 class IterationStats:
-    """What one engine step did, as the front end observed it."""
+    """What one engine step did, as the front end observed it.
+
+    ``num_prompt_tokens``: the prompt lengths of the requests that got their first token
+    this step, prefix-cached tokens included (as vLLM: the counter sums to the requests'
+    ``usage.prompt_tokens``; cache hits are counted apart, by ``prefix_cache_hits``).
+    """
 
     num_prompt_tokens: int = 0
     num_generation_tokens: int = 0
@@ -116,7 +121,8 @@ class PrometheusStatLogger:
         self.decode = hist("vllm:request_decode_time_seconds", "First token to finished (s)")
         self.prompt_hist = hist("vllm:request_prompt_tokens", "Prompt tokens per request", _TOKEN_BUCKETS)
         self.gen_hist = hist("vllm:request_generation_tokens", "Generated tokens per request", _TOKEN_BUCKETS)
-        self.prompt_tokens = ctr("vllm:prompt_tokens", "Prompt tokens processed")
+        self.prompt_tokens = ctr("vllm:prompt_tokens",
+                                 "Prompt tokens of requests that got their first token, prefix-cached ones included")
         self.gen_tokens = ctr("vllm:generation_tokens", "Tokens generated")
         self.preemptions = ctr("vllm:num_preemptions", "Preemptions")
         self.pc_queries = ctr("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache")

@@ -94,8 +94,10 @@ class Processor:
         Raises:
             InvalidParameterError (a ValueError): bad prompt (``prompt``); prompt +
                 max_tokens over max_model_len (``max_tokens``); a prompt over the step
-                budget with chunked prefill off (``prompt``); stop ids outside the
-                vocabulary (``stop_token_ids``); sampling_params not a SamplingParams.
+                budget with chunked prefill off (``prompt``); min_tokens over what the
+                prompt leaves when max_tokens is not set (``min_tokens``); stop ids
+                outside the vocabulary (``stop_token_ids``); sampling_params not a
+                SamplingParams.
         """
         if params is None:
             params = SamplingParams()
@@ -114,14 +116,20 @@ class Processor:
                 "prompt", f"prompt ({len(ids)} tokens) exceeds max_num_batched_tokens "
                 f"({self.max_num_batched_tokens}) and chunked prefill is off")
         if params.max_tokens is None:
-            params = dataclasses.replace(params, max_tokens=self.max_model_len - len(ids))
+            room = self.max_model_len - len(ids)
+            if params.min_tokens > room:  # the bound is what the prompt leaves, not a max_tokens the caller never set
+                raise InvalidParameterError(
+                    "min_tokens", f"min_tokens ({params.min_tokens}) exceeds the {room} tokens that "
+                    f"max_model_len ({self.max_model_len}) leaves after the prompt ({len(ids)} tokens)")
+            params = dataclasses.replace(params, max_tokens=room)
         elif len(ids) + params.max_tokens > self.max_model_len:
             raise InvalidParameterError(
                 "max_tokens", f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
                 f"max_model_len ({self.max_model_len}); lower max_tokens")
         for t in params.stop_token_ids:
             if t >= self.vocab_size:
-                raise InvalidParameterError("stop_token_ids", f"stop_token_ids contains {t}, outside the vocabulary")
+                raise InvalidParameterError("stop_token_ids", f"stop_token_ids contains {t}, outside the "
+                                                              f"vocabulary [0, {self.vocab_size})")
         for name, toks in (("logit_bias", params.logit_bias or {}), ("allowed_token_ids", params.allowed_token_ids or [])):
             bad = [t for t in toks if t >= self.vocab_size]
             if bad:

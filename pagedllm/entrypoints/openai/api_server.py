@@ -1,7 +1,8 @@
 """OpenAI-compatible HTTP server (FastAPI + uvicorn) over AsyncLLM.
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (``stream`` true or false;
-SSE chunks as OpenAI's, closing with ``data: [DONE]``), GET /v1/models, GET /health,
+SSE chunks as OpenAI's, closing with ``data: [DONE]``), GET /v1/models and
+GET /v1/models/{id} (404 for another id), GET /health,
 GET /metrics (Prometheus, vLLM names), POST /reset_prefix_cache.
 A client that disconnects mid-request aborts it; its KV blocks are freed at once.
 
@@ -83,10 +84,21 @@ def build_app(engine: AsyncLLM, prometheus=None, trust_request_chat_template: bo
     async def _dead(_req, exc):
         return _err(str(exc), None, 503, "service_unavailable")
 
+    def model_not_found(name: str):
+        return _err(f"The model `{name}` does not exist.", "model", 404, "NotFoundError")
+
     def check_model(name: str | None):
         if name not in (None, "", engine.model_name, engine.model_path):
-            return _err(f"The model `{name}` does not exist.", "model", 404, "NotFoundError")
+            return model_not_found(name)
         return None
+
+    # The model card: ``created`` is when this server started (fixed, as vLLM's), and
+    # ``root`` the served name, never the model's path on this machine.
+    started = int(time.time())
+
+    def model_card() -> dict:
+        return {"id": engine.model_name, "object": "model", "created": started, "owned_by": "pagedllm",
+                "root": engine.model_name, "parent": None, "max_model_len": engine.max_model_len}
 
     @app.get("/health")
     async def health():
@@ -95,10 +107,14 @@ def build_app(engine: AsyncLLM, prometheus=None, trust_request_chat_template: bo
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{
-            "id": engine.model_name, "object": "model", "created": int(time.time()),
-            "owned_by": "pagedllm", "root": engine.model_path,
-            "max_model_len": engine.max_model_len}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def retrieve_model(model_id: str):
+        # a served name may contain "/" (e.g. "org/model"), hence the path converter
+        if model_id != engine.model_name:
+            return model_not_found(model_id)
+        return model_card()
 
     @app.get("/metrics")
     async def metrics():

@@ -10,13 +10,18 @@ send with their neutral value (``n: 1``, ``presence_penalty: 0``, ``logprobs: fa
 ``tools: []``, ...) are declared and accepted with that value only; fields that do not
 change the output (``user``, ``metadata``, ``store``, ``service_tier``, ...) are accepted
 and ignored.
+
+``null`` means the default for every optional field (as OpenAI's and vLLM's servers treat
+it): ``"n": null`` is ``n: 1``, ``"stream": null`` is ``stream: false``. A required field
+(``prompt``, ``messages``) still refuses null, and an unknown field is refused whatever its
+value.
 """
 from __future__ import annotations
 
 import re
 from typing import Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from pagedllm.errors import InvalidParameterError
 from pagedllm.sampling_params import SamplingParams
@@ -36,6 +41,18 @@ def _is_zero(v) -> bool:
 
 class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        """Drop ``null`` for declared optional fields, so that they take their default
+        (fields whose default is None accept null as it is); required and unknown fields
+        keep it, to be refused by name."""
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {k: v for k, v in data.items()
+                if not (v is None and k in fields and not fields[k].is_required())}
 
 
 class StreamOptions(_Strict):
