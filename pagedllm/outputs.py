@@ -77,7 +77,8 @@ class RequestOutput:
     ``outputs[0].text`` / ``token_ids`` are cumulative; in streaming, ``delta_text`` and
     ``delta_token_ids`` hold what is new since the previous RequestOutput. With ``n`` > 1,
     each output before the last carries the one sequence that has news (its ``index``
-    says which) and the final output (``finished``) all n, in index order.
+    says which) and the final output (``finished``) all n, in index order;
+    ``delta_index`` is the index of the sequence the delta belongs to.
     ``prompt_logprobs``: with ``SamplingParams.prompt_logprobs``, None for the first
     prompt token, then per prompt token a dict as ``CompletionOutput.logprobs``.
     """
@@ -92,3 +93,4 @@ class RequestOutput:
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    delta_index: int = 0

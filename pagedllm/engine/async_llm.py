@@ -131,11 +131,13 @@ class AsyncLLM:
 
     async def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                                   chat_template: str | None = None,
-                                  chat_template_kwargs: dict | None = None) -> list[int]:
+                                  chat_template_kwargs: dict | None = None,
+                                  tools: list[dict] | None = None) -> list[int]:
         """LLMEngine.apply_chat_template in the tokenizer thread (same errors)."""
         self._check_alive()
         return await self._in_tokenizer_thread(self.engine.apply_chat_template, messages,
-                                               add_generation_prompt, chat_template, chat_template_kwargs)
+                                               add_generation_prompt, chat_template, chat_template_kwargs,
+                                               tools)
 
     async def generate(self, prompt, sampling_params: SamplingParams, request_id: str) -> AsyncIterator[RequestOutput]:
         """``add_request`` + iterate; leaving the loop early aborts the request."""

@@ -413,7 +413,8 @@ class LLMEngine:
                 self.parents.pop(st.public_id, None)
         return RequestOutput(st.public_id, st.prompt, st.prompt_token_ids, outputs, finished,
                              st.metrics, st.num_cached_tokens, delta, list(delta_ids),
-                             prompt_logprobs=None if st.prompt_logprobs is None else list(st.prompt_logprobs))
+                             prompt_logprobs=None if st.prompt_logprobs is None else list(st.prompt_logprobs),
+                             delta_index=st.index)
 
     # ------------------------------------------------------------------------------
     # Names of transformers' apply_chat_template itself, or variables it sets for the
@@ -425,8 +426,12 @@ class LLMEngine:
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             chat_template: str | None = None,
-                            chat_template_kwargs: dict | None = None) -> list[int]:
+                            chat_template_kwargs: dict | None = None,
+                            tools: list[dict] | None = None) -> list[int]:
         """Render a conversation with the model's chat template and tokenize it.
+
+        ``tools``: OpenAI tool definitions, passed to the template as its ``tools``
+        variable (for a template that can show them; see ``tool_calls.rendering``).
 
         Args:
             chat_template_kwargs: extra variables for the template (as vLLM's field of the
@@ -452,6 +457,8 @@ class LLMEngine:
         if chat_template is None and not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this model has no chat template; use the completions endpoint")
         try:
+            if tools:
+                extra["tools"] = tools
             text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
                                                       tokenize=False, chat_template=chat_template, **extra)
         except TypeError as e:   # e.g. a chat_template_kwargs key the renderer takes itself

@@ -14,6 +14,7 @@ slow one would hold the tokenizer thread.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -27,6 +28,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from pagedllm.engine.async_llm import AsyncLLM, EngineDeadError
 from pagedllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
                                                   describe_validation_error, error_body)
+from pagedllm.entrypoints.openai.chat_tools import ChatTools
+from pagedllm.entrypoints.openai.responses import (chat_logprobs, completion_logprobs, prompt_logprobs,
+                                                   usage)
+from pagedllm.entrypoints.openai.tool_calls import get_tool_parser
 from pagedllm.errors import InvalidParameterError
 
 logger = logging.getLogger("pagedllm")
@@ -44,19 +49,23 @@ def _err(message: str, param: str | None, code: int = 400, type_: str = "invalid
     return _AsciiJSONResponse(error_body(message, param, code, type_), status_code=code)
 
 
-def _usage(prompt_tokens: int, completion_tokens: int, cached: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached}}
-
-
 def _sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-def build_app(engine: AsyncLLM, prometheus=None, trust_request_chat_template: bool = False) -> FastAPI:
+def build_app(engine: AsyncLLM, prometheus=None, trust_request_chat_template: bool = False,
+              enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None) -> FastAPI:
     """The FastAPI app serving ``engine``; ``prometheus`` is a PrometheusStatLogger (or None);
-    ``trust_request_chat_template``: honour a chat request's ``chat_template`` field."""
+    ``trust_request_chat_template``: honour a chat request's ``chat_template`` field;
+    ``enable_auto_tool_choice`` / ``tool_call_parser``: ``tool_choice: "auto"`` reads calls
+    from the output with that parser (vLLM's flags).
+
+    Raises:
+        ValueError: ``enable_auto_tool_choice`` without a known ``tool_call_parser``."""
+    if enable_auto_tool_choice:
+        if tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+        get_tool_parser(tool_call_parser)
     app = FastAPI(title="pagedllm", version="0.1.0")
     app.state.engine = engine
 
@@ -143,52 +152,15 @@ def build_app(engine: AsyncLLM, prometheus=None, trust_request_chat_template: bo
                     await st.aclose()
                 return Response(status_code=499)
 
-    # -- /v1/completions ---------------------------------------------------------------
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, raw: Request):
-        if (r := check_model(body.model)) is not None:
-            return r
-        try:
-            params = body.to_sampling_params(default_max_tokens=16)
-        except InvalidParameterError as e:
-            raise body.to_api_error(e) from e
-        p = body.prompt
-        if isinstance(p, str) or (isinstance(p, list) and p and isinstance(p[0], int)):
-            prompts = [p]
-        else:
-            prompts = list(p)
-            if not prompts:
-                raise InvalidParameterError("prompt", "prompt must not be empty")
-        base = f"cmpl-{uuid.uuid4().hex}"
-        created = int(time.time())
-        # all prompts are validated before any is queued (a bad one queues nothing)
-        streams = await engine.add_requests([(f"{base}-{i}", pr, params) for i, pr in enumerate(prompts)])
-        if body.stream:
-            return StreamingResponse(_stream_completion(streams, base, created, body),
-                                     media_type="text/event-stream")
-        return await _with_disconnect(raw, _full_completion(streams, base, created), streams)
-
     async def _drain(stream):
         last = None
         async for out in stream:
             last = out
         return last
 
-    async def _full_completion(streams, base, created):
-        finals = await asyncio.gather(*[_drain(st) for st in streams])
-        choices, pt, ct, cached = [], 0, 0, 0
-        for i, f in enumerate(finals):
-            c = f.outputs[0]
-            choices.append({"index": i, "text": c.text, "logprobs": None,
-                            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
-            pt += len(f.prompt_token_ids)
-            ct += len(c.token_ids)
-            cached += f.num_cached_tokens
-        return {"id": base, "object": "text_completion", "created": created,
-                "model": engine.model_name, "choices": choices, "usage": _usage(pt, ct, cached)}
-
-    async def _stream_completion(streams, base, created, body):
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    async def _merged(streams):
+        """(stream index, RequestOutput) from several streams as they come; an exception
+        from one is yielded in place of an output."""
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(i, st):
@@ -202,34 +174,111 @@ def build_app(engine: AsyncLLM, prometheus=None, trust_request_chat_template: bo
 
         tasks = [asyncio.ensure_future(pump(i, st)) for i, st in enumerate(streams)]
         pending = len(tasks)
-        pt = ct = cached = 0
         try:
             while pending:
                 i, out = await queue.get()
                 if out is None:
                     pending -= 1
                     continue
-                if isinstance(out, BaseException):
-                    yield _sse(error_body(str(out), getattr(out, "param", None), 500, "internal_error"))
-                    continue
-                c = out.outputs[0]
-                if out.delta_text or out.finished:
-                    yield _sse({"id": base, "object": "text_completion", "created": created,
-                                "model": engine.model_name,
-                                "choices": [{"index": i, "text": out.delta_text, "logprobs": None,
-                                             "finish_reason": c.finish_reason if out.finished else None,
-                                             "stop_reason": c.stop_reason if out.finished else None}]})
-                if out.finished:
-                    pt += len(out.prompt_token_ids)
-                    ct += len(c.token_ids)
-                    cached += out.num_cached_tokens
-            if include_usage:
-                yield _sse({"id": base, "object": "text_completion", "created": created,
-                            "model": engine.model_name, "choices": [], "usage": _usage(pt, ct, cached)})
-            yield "data: [DONE]\n\n"
+                yield i, out
         finally:
             for t in tasks:
                 t.cancel()
+
+    def _log_user(body, rid: str) -> None:
+        if body.user:
+            logger.info("request %s from user %r", rid, body.user)
+
+    # -- /v1/completions ---------------------------------------------------------------
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, raw: Request):
+        if (r := check_model(body.model)) is not None:
+            return r
+        try:
+            params = body.to_sampling_params(default_max_tokens=16)
+        except InvalidParameterError as e:
+            raise body.to_api_error(e) from e
+        if body.echo and params.logprobs is not None and params.prompt_logprobs is None:
+            params = dataclasses.replace(params, prompt_logprobs=params.logprobs)  # echoed tokens' logprobs
+        p = body.prompt
+        if isinstance(p, str) or (isinstance(p, list) and p and isinstance(p[0], int)):
+            prompts = [p]
+        else:
+            prompts = list(p)
+            if not prompts:
+                raise InvalidParameterError("prompt", "prompt must not be empty")
+        base = f"cmpl-{uuid.uuid4().hex}"
+        _log_user(body, base)
+        created = int(time.time())
+        # all prompts are validated before any is queued (a bad one queues nothing)
+        try:
+            streams = await engine.add_requests([(f"{base}-{i}", pr, params) for i, pr in enumerate(prompts)])
+        except InvalidParameterError as e:
+            raise body.to_api_error(e) from e
+        fmt = _CompletionFormat(body, params, engine)
+        if body.stream:
+            return StreamingResponse(_stream_completion(streams, base, created, body, fmt),
+                                     media_type="text/event-stream")
+        return await _with_disconnect(raw, _full_completion(streams, base, created, fmt), streams)
+
+    async def _full_completion(streams, base, created, fmt):
+        finals = await asyncio.gather(*[_drain(st) for st in streams])
+        choices, pt, ct, cached = [], 0, 0, 0
+        for i, f in enumerate(finals):
+            for c in f.outputs:
+                choices.append(fmt.choice(i * fmt.n + c.index, f, c))
+                ct += len(c.token_ids)
+            pt += len(f.prompt_token_ids)
+            cached += f.num_cached_tokens
+        return {"id": base, "object": "text_completion", "created": created,
+                "model": engine.model_name, "choices": choices, "usage": usage(pt, ct, cached)}
+
+    async def _stream_completion(streams, base, created, body, fmt):
+        opts = body.stream_options
+        include_usage = bool(opts and opts.include_usage)
+        continuous = bool(opts and opts.continuous_usage_stats)
+        pt = ct = cached = 0
+        sent_lp: dict[tuple[int, int], int] = {}
+        echoed: set[tuple[int, int]] = set()
+        try:
+            async for i, out in _merged(streams):
+                if isinstance(out, BaseException):
+                    yield _sse(error_body(str(out), getattr(out, "param", None), 500, "internal_error"))
+                    continue
+                c = next(x for x in out.outputs if x.index == out.delta_index)
+                key = (i, c.index)
+                text = out.delta_text
+                lp = None
+                if key not in echoed:
+                    echoed.add(key)
+                    if body.echo:
+                        text = fmt.prompt_text(out) + text
+                        if fmt.k is not None:
+                            lp = fmt.prompt_lp(out)
+                if fmt.k is not None:
+                    n0 = sent_lp.get(key, 0)
+                    gen = completion_logprobs(c.token_ids[n0:], c.logprobs[n0:], fmt.k, engine.engine.token_text)
+                    sent_lp[key] = len(c.token_ids)
+                    lp = gen if lp is None else {k: lp[k] + gen[k] for k in lp}
+                done = c.finish_reason is not None
+                if text or done or (lp and lp["tokens"]):
+                    chunk = {"id": base, "object": "text_completion", "created": created,
+                             "model": engine.model_name,
+                             "choices": [{"index": i * fmt.n + c.index, "text": text, "logprobs": lp,
+                                          "finish_reason": c.finish_reason if done else None,
+                                          "stop_reason": c.stop_reason if done else None}]}
+                    if continuous:
+                        chunk["usage"] = usage(len(out.prompt_token_ids), len(c.token_ids), out.num_cached_tokens)
+                    yield _sse(chunk)
+                if out.finished:
+                    pt += len(out.prompt_token_ids)
+                    ct += sum(len(x.token_ids) for x in out.outputs)
+                    cached += out.num_cached_tokens
+            if include_usage:
+                yield _sse({"id": base, "object": "text_completion", "created": created,
+                            "model": engine.model_name, "choices": [], "usage": usage(pt, ct, cached)})
+            yield "data: [DONE]\n\n"
+        finally:
             for st in streams:
                 await st.aclose()
 
@@ -244,13 +293,16 @@ def build_app(engine: AsyncLLM, prometheus=None, trust_request_chat_template: bo
                                  "--trust-request-chat-template to allow it")
         body.check_supported()
         rid = f"chatcmpl-{uuid.uuid4().hex}"
+        _log_user(body, rid)
         created = int(time.time())
+        tools = ChatTools(body, engine, enable_auto_tool_choice, tool_call_parser)
         try:
             # Checked and reduced to string content by the engine (normalize_chat_messages).
             messages = [m.model_dump() for m in body.messages]   # extra keys (name, ...) reach the template
+            messages, tools_kw = tools.render(messages)
             try:
                 ids = await engine.apply_chat_template(messages, body.add_generation_prompt, body.chat_template,
-                                                       body.chat_template_kwargs)
+                                                       body.chat_template_kwargs, tools_kw)
             except (InvalidParameterError, EngineDeadError):
                 raise
             except Exception as e:  # the engine's ValueErrors already say what failed
@@ -258,46 +310,77 @@ def build_app(engine: AsyncLLM, prometheus=None, trust_request_chat_template: bo
                     "chat_template" if body.chat_template is not None
                     else "chat_template_kwargs" if body.chat_template_kwargs else "messages",
                     str(e) if isinstance(e, ValueError) else f"cannot apply the chat template: {e}") from e
-            params = body.to_sampling_params(default_max_tokens=None)
+            params = body.to_sampling_params(default_max_tokens=None, constraint=tools.constraint())
             stream = await engine.add_request(rid, ids, params)
         except InvalidParameterError as e:
             raise body.to_api_error(e) from e
+        headers = {"X-PagedLLM-Warning": tools.note} if tools.note else None
         if body.stream:
-            return StreamingResponse(_stream_chat(stream, rid, created, body),
-                                     media_type="text/event-stream")
-        return await _with_disconnect(raw, _full_chat(stream, rid, created), [stream])
+            return StreamingResponse(_stream_chat(stream, rid, created, body, params, tools),
+                                     media_type="text/event-stream", headers=headers)
+        result = await _with_disconnect(raw, _full_chat(stream, rid, created, params, tools), [stream])
+        if isinstance(result, dict) and headers:
+            return JSONResponse(result, headers=headers)
+        return result
 
-    async def _full_chat(stream, rid, created):
+    async def _full_chat(stream, rid, created, params, tools):
         out = await _drain(stream)
-        c = out.outputs[0]
-        return {"id": rid, "object": "chat.completion", "created": created, "model": engine.model_name,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": c.text},
-                             "logprobs": None, "finish_reason": c.finish_reason,
-                             "stop_reason": c.stop_reason}],
-                "usage": _usage(len(out.prompt_token_ids), len(c.token_ids), out.num_cached_tokens)}
+        choices = []
+        for c in out.outputs:
+            message, finish = tools.message(c)
+            choices.append({"index": c.index, "message": message,
+                            "logprobs": None if c.logprobs is None else chat_logprobs(c.token_ids, c.logprobs,
+                                                                                      params.logprobs),
+                            "finish_reason": finish, "stop_reason": c.stop_reason})
+        resp = {"id": rid, "object": "chat.completion", "created": created, "model": engine.model_name,
+                "choices": choices,
+                "usage": usage(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs),
+                               out.num_cached_tokens)}
+        if out.prompt_logprobs is not None:
+            resp["prompt_logprobs"] = prompt_logprobs(out.prompt_logprobs)
+        return resp
 
-    async def _stream_chat(stream, rid, created, body):
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    async def _stream_chat(stream, rid, created, body, params, tools):
+        opts = body.stream_options
+        include_usage = bool(opts and opts.include_usage)
+        continuous = bool(opts and opts.continuous_usage_stats)
+        n_prompt = cached = 0
+        n_out: dict[int, int] = {}
 
-        def chunk(delta: dict, finish=None, stop_reason=None):
-            return _sse({"id": rid, "object": "chat.completion.chunk", "created": created,
-                         "model": engine.model_name,
-                         "choices": [{"index": 0, "delta": delta, "logprobs": None,
-                                      "finish_reason": finish, "stop_reason": stop_reason}]})
+        def chunk(index: int, delta: dict, finish=None, stop_reason=None, lp=None):
+            obj = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": engine.model_name,
+                   "choices": [{"index": index, "delta": delta, "logprobs": lp,
+                                "finish_reason": finish, "stop_reason": stop_reason}]}
+            if continuous:
+                obj["usage"] = usage(n_prompt, sum(n_out.values()), cached)
+            return _sse(obj)
         try:
-            yield chunk({"role": "assistant", "content": ""})
+            for i in range(params.n):
+                yield chunk(i, {"role": "assistant", "content": ""})
+            sent_lp: dict[int, int] = {}
             try:
                 async for out in stream:
-                    c = out.outputs[0]
-                    if out.delta_text:
-                        yield chunk({"content": out.delta_text})
-                    if out.finished:
-                        yield chunk({}, c.finish_reason, c.stop_reason)
-                        if include_usage:
-                            yield _sse({"id": rid, "object": "chat.completion.chunk", "created": created,
-                                        "model": engine.model_name, "choices": [],
-                                        "usage": _usage(len(out.prompt_token_ids), len(c.token_ids),
-                                                        out.num_cached_tokens)})
+                    n_prompt, cached = len(out.prompt_token_ids), out.num_cached_tokens
+                    c = next(x for x in out.outputs if x.index == out.delta_index)
+                    n_out[c.index] = len(c.token_ids)
+                    lp = None
+                    if c.logprobs is not None:
+                        n0 = sent_lp.get(c.index, 0)
+                        if len(c.token_ids) > n0:
+                            lp = chat_logprobs(c.token_ids[n0:], c.logprobs[n0:], params.logprobs)
+                        sent_lp[c.index] = len(c.token_ids)
+                    done = c.finish_reason is not None
+                    deltas = tools.stream(c.index, out.delta_text, done)
+                    for j, d in enumerate(deltas):
+                        yield chunk(c.index, d, lp=lp if j == len(deltas) - 1 else None)
+                    if not deltas and lp is not None:
+                        yield chunk(c.index, {}, lp=lp)
+                    if done:
+                        yield chunk(c.index, {}, tools.finish_reason(c), c.stop_reason)
+                    if out.finished and include_usage:
+                        yield _sse({"id": rid, "object": "chat.completion.chunk", "created": created,
+                                    "model": engine.model_name, "choices": [],
+                                    "usage": usage(n_prompt, sum(len(x.token_ids) for x in out.outputs), cached)})
             except Exception as e:  # noqa: BLE001
                 yield _sse(error_body(str(e), getattr(e, "param", None), 500, "internal_error"))
             yield "data: [DONE]\n\n"
@@ -333,7 +416,8 @@ def run_server(args) -> None:
     # engine has loaded; the engine thread picks it up at its next step.
     prom = PrometheusStatLogger(engine.model_name)
     engine.add_stat_logger(prom)
-    app = build_app(engine, prom, trust_request_chat_template=args.trust_request_chat_template)
+    app = build_app(engine, prom, trust_request_chat_template=args.trust_request_chat_template,
+                    enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser)
     logger.info("serving %s on http://%s:%d", engine.model_name, args.host, args.port)
     try:
         # Ctrl-C: open streams get 5 s to finish, then the server exits anyway

@@ -1,15 +1,16 @@
 """OpenAI API request bodies (pydantic, strict types) and their mapping to SamplingParams.
 
 Extensions as in vLLM: top_k, min_p, min_tokens, ignore_eos, stop_token_ids,
-include_stop_str_in_output, skip_special_tokens, cache_salt, and for chat
+include_stop_str_in_output, skip_special_tokens, cache_salt, repetition_penalty,
+allowed_token_ids, bad_words, prompt_logprobs, truncate_prompt_tokens,
+structured_outputs, stream_options.continuous_usage_stats, and for chat
 add_generation_prompt, chat_template (when trusted) and chat_template_kwargs.
 
 Unknown fields are rejected (HTTP 400 naming the field, as OpenAI's API does), so that a
 client never gets an answer that silently ignores what it asked for. Fields a client may
-send with their neutral value (``n: 1``, ``presence_penalty: 0``, ``logprobs: false``,
-``tools: []``, ...) are declared and accepted with that value only; fields that do not
-change the output (``user``, ``metadata``, ``store``, ``service_tier``, ...) are accepted
-and ignored.
+send only with their neutral value (``suffix: ""``, ``modalities: ["text"]``) are declared
+and accepted with that value only; fields that do not change the output (``user``,
+``metadata``, ``store``, ``service_tier``, ...) are accepted (``user`` is logged).
 
 ``null`` means the default for every optional field (as OpenAI's and vLLM's servers treat
 it): ``"n": null`` is ``n: 1``, ``"stream": null`` is ``stream: false``. A required field
@@ -19,12 +20,12 @@ value.
 from __future__ import annotations
 
 import re
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from pagedllm.errors import InvalidParameterError
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 def _none_or(*neutral):
@@ -56,24 +57,44 @@ class _Strict(BaseModel):
 
 
 class StreamOptions(_Strict):
+    """``include_usage``: a last chunk with the request's usage; ``continuous_usage_stats``
+    (vLLM's): usage so far in every chunk."""
+
     include_usage: bool = False
+    continuous_usage_stats: bool = False
     include_obfuscation: bool | None = None  # accepted and ignored (no obfuscation padding)
+
+
+class StructuredOutputsField(_Strict):
+    """vLLM's ``structured_outputs`` extra: exactly one of ``json`` (a JSON schema),
+    ``regex``, ``choice``, ``grammar`` (EBNF) or ``json_object``."""
+
+    json_: str | dict[str, Any] | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+
+class JsonSchemaFormat(_Strict):
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    """OpenAI's ``response_format``: ``text``, ``json_object`` or ``json_schema``."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class _SamplingFields(_Strict):
     # Declared fields that are only accepted with a neutral value: name -> predicate.
-    _NEUTRAL: ClassVar[dict[str, Any]] = {
-        "presence_penalty": _is_zero,
-        "frequency_penalty": _is_zero,
-        "repetition_penalty": lambda v: v is None or (not isinstance(v, bool) and v == 1),
-        "logit_bias": lambda v: v is None or v == {},
-        "logprobs": _none_or(False),
-    }
-    _WHY: ClassVar[dict[str, str]] = {
-        "presence_penalty": "only 0", "frequency_penalty": "only 0", "repetition_penalty": "only 1",
-        "logit_bias": "only an empty object",
-        "logprobs": "only false or null: log probabilities are not returned",
-    }
+    _NEUTRAL: ClassVar[dict[str, Any]] = {}
+    _WHY: ClassVar[dict[str, str]] = {}
 
     model: str | None = None
     max_tokens: int | None = None
@@ -92,13 +113,16 @@ class _SamplingFields(_Strict):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     cache_salt: str | None = None
-    # accepted with their neutral value only (see _NEUTRAL)
-    presence_penalty: Any = None
-    frequency_penalty: Any = None
-    repetition_penalty: Any = None
-    logit_bias: Any = None
-    logprobs: Any = None
-    # accepted and ignored: they do not change the output
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[str, float] | None = None   # token id (as a string, OpenAI's) -> bias
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    prompt_logprobs: int | None = None
+    truncate_prompt_tokens: int | None = None
+    structured_outputs: StructuredOutputsField | None = None
+    # accepted: logged (``user``) or without effect on the output
     user: str | None = None
     metadata: dict[str, Any] | None = None
     store: bool | None = None
@@ -130,10 +154,33 @@ class _SamplingFields(_Strict):
             return e
         return InvalidParameterError(name, str(e).replace(e.param, name))
 
-    def to_sampling_params(self, default_max_tokens: int | None) -> SamplingParams:
-        """Raises InvalidParameterError naming the engine's parameter (see ``to_api_error``)."""
+    def num_logprobs(self) -> int | None:
+        """SamplingParams.logprobs: top logprobs per generated token (None: none)."""
+        return None
+
+    def constraint(self) -> StructuredOutputsParams | None:
+        """The structured-output constraint this request asks for (None: none)."""
+        so = self.structured_outputs
+        if so is None:
+            return None
+        return StructuredOutputsParams(json=so.json_, regex=so.regex, choice=so.choice, grammar=so.grammar,
+                                       json_object=so.json_object, disable_any_whitespace=so.disable_any_whitespace)
+
+    def to_sampling_params(self, default_max_tokens: int | None,
+                           constraint: StructuredOutputsParams | None = None) -> SamplingParams:
+        """Raises InvalidParameterError naming the engine's parameter (see ``to_api_error``).
+
+        Args:
+            constraint: overrides the request's own (tool_choice's schema)."""
         self.check_supported()
         max_tokens = self.requested_max_tokens()
+        bias = None
+        if self.logit_bias is not None:
+            try:
+                bias = {int(k): v for k, v in self.logit_bias.items()}
+            except ValueError:
+                raise InvalidParameterError("logit_bias", "logit_bias keys must be token ids (integers "
+                                                          "written as strings)") from None
         return SamplingParams(
             n=self.n,
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -149,25 +196,38 @@ class _SamplingFields(_Strict):
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
             cache_salt=self.cache_salt,
+            best_of=getattr(self, "best_of", None),
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            logit_bias=bias,
+            allowed_token_ids=self.allowed_token_ids,
+            bad_words=self.bad_words,
+            logprobs=self.num_logprobs(),
+            prompt_logprobs=self.prompt_logprobs,
+            truncate_prompt_tokens=self.truncate_prompt_tokens,
+            structured_outputs=constraint if constraint is not None else self.constraint(),
         )
 
 
 class CompletionRequest(_SamplingFields):
-    """POST /v1/completions. ``max_tokens`` defaults to 16 (OpenAI's default)."""
+    """POST /v1/completions. ``max_tokens`` defaults to 16 (OpenAI's default).
 
-    _NEUTRAL: ClassVar[dict[str, Any]] = {
-        **_SamplingFields._NEUTRAL,
-        "echo": _none_or(False),
-        "suffix": _none_or(""),
-        "best_of": _none_or(1),
-    }
-    _WHY: ClassVar[dict[str, str]] = {**_SamplingFields._WHY, "best_of": "only 1",
-                                     "echo": "only false", "suffix": "only empty"}
+    ``logprobs``: top logprobs per token (0-20; 0 = the sampled token's only); ``echo``:
+    the prompt is prepended to the text (and to the logprobs, when asked for);
+    ``best_of``: null or ``n`` (vLLM V1 has no best_of > n)."""
+
+    _NEUTRAL: ClassVar[dict[str, Any]] = {"suffix": _none_or("")}
+    _WHY: ClassVar[dict[str, str]] = {"suffix": "only empty"}
 
     prompt: str | list[str] | list[int] | list[list[int]]
-    echo: Any = None
+    echo: bool = False
+    logprobs: int | None = None
     suffix: Any = None
-    best_of: Any = None
+    best_of: int | None = None
+
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
 
 
 class ChatMessage(BaseModel):
@@ -184,38 +244,31 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_SamplingFields):
     """POST /v1/chat/completions. ``max_tokens`` (or ``max_completion_tokens``) defaults
     to what is left of max_model_len. ``chat_template`` is honoured only when the server
-    trusts request templates (``--trust-request-chat-template``)."""
+    trusts request templates (``--trust-request-chat-template``).
+
+    ``logprobs`` (bool) with ``top_logprobs`` (0-20); ``response_format``; ``tools``,
+    ``tool_choice`` and ``parallel_tool_calls`` (checked by ``tool_calls.request``; the
+    deprecated ``functions`` / ``function_call`` are refused there)."""
 
     _NEUTRAL: ClassVar[dict[str, Any]] = {
-        **_SamplingFields._NEUTRAL,
-        "top_logprobs": _is_zero,
-        "response_format": lambda v: v is None or v == {"type": "text"},
-        "tools": lambda v: v is None or v == [],
-        "functions": lambda v: v is None or v == [],
-        "tool_choice": _none_or("none"),
-        "function_call": _none_or("none"),
         "modalities": lambda v: v is None or v == ["text"],
     }
-    _WHY: ClassVar[dict[str, str]] = {
-        **_SamplingFields._WHY, "top_logprobs": "only 0: log probabilities are not returned",
-        "response_format": 'only {"type": "text"}', "tools": "no tool calling",
-        "functions": "no tool calling", "tool_choice": 'only "none"', "function_call": 'only "none"',
-        "modalities": 'only ["text"]',
-    }
+    _WHY: ClassVar[dict[str, str]] = {"modalities": 'only ["text"]'}
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None  # OpenAI's current name of max_tokens; wins over it
     add_generation_prompt: bool = True
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # extra template variables (vLLM's field)
-    top_logprobs: Any = None
-    response_format: Any = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    response_format: ResponseFormat | None = None
     tools: Any = None
     functions: Any = None
     tool_choice: Any = None
     function_call: Any = None
     modalities: Any = None
-    parallel_tool_calls: bool | None = None  # only meaningful with tools, which are rejected
+    parallel_tool_calls: Any = None
 
     def requested_max_tokens(self) -> int | None:
         # OpenAI's current name wins over the deprecated max_tokens, as in vLLM
@@ -225,7 +278,30 @@ class ChatCompletionRequest(_SamplingFields):
         names = {"prompt": "messages"}   # the rendered conversation is the engine's prompt
         if self.max_completion_tokens is not None:
             names["max_tokens"] = "max_completion_tokens"
+        if self.logprobs:
+            names["logprobs"] = "top_logprobs"
+        if self.structured_outputs is None and self.response_format is not None:
+            names["structured_outputs"] = "response_format"
         return names
+
+    def num_logprobs(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise InvalidParameterError("top_logprobs", "top_logprobs needs logprobs: true")
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def constraint(self) -> StructuredOutputsParams | None:
+        rf = self.response_format
+        if rf is not None and rf.type != "text" and self.structured_outputs is not None:
+            raise InvalidParameterError("response_format", "response_format and structured_outputs "
+                                                           "cannot both constrain the output")
+        if rf is None or rf.type == "text":
+            return super().constraint()
+        if rf.type == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if rf.json_schema is None or rf.json_schema.schema_ is None:
+            raise InvalidParameterError("response_format", "response_format of type json_schema needs "
+                                                           "json_schema.schema")
+        return StructuredOutputsParams(json=rf.json_schema.schema_)
 
 
 # pydantic marks which member of a union an error belongs to with the member's type in the

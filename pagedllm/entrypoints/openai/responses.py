@@ -1,0 +1,76 @@
+"""Response pieces in OpenAI's shapes: usage, and logprobs for chat and for completions.
+
+Logprob entries come from ``CompletionOutput.logprobs`` / ``RequestOutput.prompt_logprobs``:
+per position a dict token id -> ``Logprob`` holding the chosen token (with its rank) and
+the top tokens (ranks 1..k).
+"""
+from __future__ import annotations
+
+from pagedllm.outputs import Logprob
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached: int) -> dict:
+    """OpenAI's ``usage`` object (token counts)."""
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def _top(entry: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
+    """The k most likely tokens of a position, by rank."""
+    return sorted(entry.items(), key=lambda kv: kv[1].rank)[:k]
+
+
+def _logprob(v: float) -> float:
+    # JSON has no -Infinity: a token the model gives probability 0 gets OpenAI's floor
+    return max(v, -9999.0)
+
+
+def chat_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]], k: int) -> dict:
+    """``choices[i].logprobs`` of a chat completion: ``{"content": [{"token", "logprob",
+    "bytes", "top_logprobs": [{"token", "logprob", "bytes"}] (k of them)}]}``."""
+    content = []
+    for t, e in zip(token_ids, entries):
+        lp = e[t]
+        content.append({"token": lp.decoded_token, "logprob": _logprob(lp.logprob),
+                        "bytes": list(lp.decoded_token.encode("utf-8")),
+                        "top_logprobs": [{"token": x.decoded_token, "logprob": _logprob(x.logprob),
+                                          "bytes": list(x.decoded_token.encode("utf-8"))} for _, x in _top(e, k)]})
+    return {"content": content}
+
+
+def completion_logprobs(token_ids: list[int], entries: list[dict[int, Logprob] | None], k: int,
+                        token_text=str) -> dict:
+    """``choices[i].logprobs`` of a completion: parallel lists ``tokens``,
+    ``token_logprobs``, ``top_logprobs`` (a dict token text -> logprob, k of them) and
+    ``text_offset`` (characters into the choice's text). An entry of None (the first
+    prompt token, with ``echo``) has null logprobs; its text comes from ``token_text``
+    (a callable: token id -> text)."""
+    tokens, lps, tops, offsets = [], [], [], []
+    pos = 0
+    for t, e in zip(token_ids, entries):
+        if e is None:
+            text = token_text(t)
+            tokens.append(text)
+            lps.append(None)
+            tops.append(None)
+            offsets.append(pos)
+            pos += len(text)
+            continue
+        lp = e[t]
+        tokens.append(lp.decoded_token)
+        lps.append(_logprob(lp.logprob))
+        tops.append({x.decoded_token: _logprob(x.logprob) for _, x in _top(e, k)})
+        offsets.append(pos)
+        pos += len(lp.decoded_token)
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def prompt_logprobs(entries: list[dict[int, Logprob] | None] | None) -> list | None:
+    """vLLM's ``prompt_logprobs`` field: per prompt token None (the first) or a dict
+    token id (a string) -> {"logprob", "rank", "decoded_token"}."""
+    if entries is None:
+        return None
+    return [None if e is None else {str(t): {"logprob": _logprob(v.logprob), "rank": v.rank,
+                                             "decoded_token": v.decoded_token} for t, v in e.items()}
+            for e in entries]
