@@ -12,6 +12,7 @@ import time
 from pagedllm.errors import InvalidParameterError
 from pagedllm.messages import EngineCoreRequest
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.structured_output import validate_structured_outputs
 
 
 def check_unicode(param: str, text: str) -> None:
@@ -81,7 +82,9 @@ class Processor:
             InvalidParameterError (a ValueError): bad prompt (``prompt``); prompt +
                 max_tokens over max_model_len (``max_tokens``); a prompt over the step
                 budget with chunked prefill off (``prompt``); stop ids outside the
-                vocabulary (``stop_token_ids``); sampling_params not a SamplingParams.
+                vocabulary (``stop_token_ids``); sampling_params not a SamplingParams;
+                a JSON schema, regex or EBNF grammar that does not parse
+                (``structured_outputs``; see ``validate_structured_outputs``).
         """
         if params is None:
             params = SamplingParams()
@@ -105,5 +108,7 @@ class Processor:
         for t in params.stop_token_ids:
             if t >= self.vocab_size:
                 raise InvalidParameterError("stop_token_ids", f"stop_token_ids contains {t}, outside the vocabulary")
+        if params.structured_outputs is not None:
+            validate_structured_outputs(params.structured_outputs)
         return EngineCoreRequest(request_id, ids, params, self.eos_token_ids,
                                  time.time() if arrival_time is None else arrival_time), text

@@ -16,6 +16,10 @@ and ``RejectionSampler`` keeps the accepted drafts and one token of the target's
 without drafts sample with ``Sampler`` as before. At the end of the step the proposer
 (n-gram, suffix or draft model) proposes each sampling request's next drafts, as many as
 ``AdaptiveDraftLength`` allows.
+
+Structured outputs: the scheduler's ``grammar_bitmask`` (one row per sampling position of
+each constrained request) sets disallowed tokens' logits to -inf right after
+``compute_logits``, in both sampling paths (``_apply_grammar_bitmask``).
 """
 from __future__ import annotations
 
@@ -33,6 +37,7 @@ from pagedllm.messages import ModelRunnerOutput, SchedulerOutput
 from pagedllm.sample.rejection_sampler import RejectionSampler
 from pagedllm.sample.sampler import Sampler, SamplingMetadata
 from pagedllm.spec_decode.adaptive import AdaptiveDraftLength
+from pagedllm.structured_output import apply_token_bitmask, unpack_bitmask
 from pagedllm.utils import cdiv, empty_cpu_hugepages
 from pagedllm.worker.input_batch import CachedRequestState, InputBatch
 
@@ -201,12 +206,7 @@ class ModelRunner:
         Returns:
             the scheduled requests (decodes first), the tokens each produced, and (with
             speculative decoding) the drafts each proposes for its next step.
-
-        Raises:
-            NotImplementedError: a grammar bitmask (structured outputs do not exist yet).
         """
-        if so.grammar_bitmask is not None:
-            raise NotImplementedError("structured outputs are not implemented")
         self._update_states(so)
         if so.is_empty:
             return ModelRunnerOutput([], [])
@@ -251,6 +251,7 @@ class ModelRunner:
                 pi = sample_idx[plain]
                 last = torch.from_numpy(ends[plain] - 1).to(dev)
                 logits = self.model.compute_logits(hidden.index_select(0, last))
+                self._apply_grammar_bitmask(logits, [req_ids[i] for i in pi.tolist()], so)
                 srows = rows[pi]
                 md = self._sampling_metadata(srows, self._banned(srows))
                 tokens = self.sampler(logits, md).cpu().numpy()
@@ -264,6 +265,8 @@ class ModelRunner:
                 first = np.cumsum(counts) - counts
                 idx = np.repeat(starts - first, counts) + np.arange(int(counts.sum()))
                 logits = self.model.compute_logits(hidden.index_select(0, torch.from_numpy(idx).to(dev)))
+                self._apply_grammar_bitmask(
+                    logits, [req_ids[i] for i, c in zip(si.tolist(), counts.tolist()) for _ in range(c)], so)
                 srows = rows[si]
                 banned = self._banned(srows, snd)
                 if banned is not None:
@@ -286,6 +289,38 @@ class ModelRunner:
                 self.draft_length.cost_model.record(common.num_tokens, step_s)
             spec_out = self._propose(req_ids, rows, sample_idx)
         return ModelRunnerOutput(req_ids, sampled, spec_out)
+
+    def _apply_grammar_bitmask(self, logits: torch.Tensor, row_req_ids: list[str], so: SchedulerOutput) -> None:
+        """Structured outputs: set the logits of tokens a request's grammar forbids to
+        -inf, in place (XGrammar's bitmask; Dong et al. 2024, "XGrammar").
+
+        Args:
+            logits: float32 [N, vocab] on the runner's device.
+            row_req_ids: the request of each logits row; a request's consecutive rows are
+                its sampling positions in order (k + 1 with k drafts), matching its
+                consecutive rows in ``so.grammar_bitmask`` (from ``req_first_row``).
+            so: the step's SchedulerOutput; nothing happens without a bitmask or when no
+                row belongs to a constrained request.
+        """
+        gb = so.grammar_bitmask
+        if gb is None:
+            return
+        first = gb.req_first_row
+        src, dst = [], []
+        prev, j = None, 0
+        for r, rid in enumerate(row_req_ids):
+            j = j + 1 if rid == prev else 0
+            prev = rid
+            f = first.get(rid)
+            if f is not None:
+                src.append(f + j)
+                dst.append(r)
+        if not dst:
+            return
+        packed = unpack_bitmask(gb)
+        bitmask = torch.full((logits.shape[0], gb.num_words), -1, dtype=torch.int32)
+        bitmask[dst] = packed[src]
+        apply_token_bitmask(logits, bitmask, dst)
 
     def _propose(self, req_ids: list[str], rows: np.ndarray, sample_idx: np.ndarray) -> list[list[int]]:
         """Drafts for the next step of each request that sampled this step (others: []):
