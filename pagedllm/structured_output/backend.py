@@ -24,7 +24,8 @@ _CPP_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: (Check failed: \(.*?\) is false
 def grammar_key(params: StructuredOutputsParams) -> tuple[str, str]:
     """The compile-cache key of a constraint: (kind, spec), where spec is a string.
 
-    Kinds: ``"json"`` (the schema, a dict serialised with sorted keys), ``"json_any"``
+    Kinds: ``"json"`` (the schema; a dict serialised as ``json.dumps`` does, keys in
+    their order, since property order is part of the grammar), ``"json_any"``
     (json_object), ``"regex"``, ``"grammar"`` (EBNF; a choice becomes
     ``root ::= "a" | "b"``). ``disable_any_whitespace`` is part of the JSON kinds' key
     (``"json!ws"``, ``"json_any!ws"``).
@@ -32,7 +33,7 @@ def grammar_key(params: StructuredOutputsParams) -> tuple[str, str]:
     kind = params.kind
     ws = "!ws" if params.disable_any_whitespace else ""
     if kind == "json":
-        spec = params.json if isinstance(params.json, str) else json.dumps(params.json, sort_keys=True)
+        spec = params.json if isinstance(params.json, str) else json.dumps(params.json)
         return "json" + ws, spec
     if kind == "json_object":
         return "json_any" + ws, ""
