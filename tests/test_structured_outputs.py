@@ -135,6 +135,20 @@ def test_greedy_constrained_output_is_batch_and_spec_invariant(make_llm, llm, mi
     assert drafted
 
 
+def test_preempted_and_chunked_constrained_requests_keep_their_grammar(make_llm, llm, mixed_prompts):
+    """A preempted request recomputes its tokens and goes on from where its matcher was;
+    a prompt chunked over steps gets no bitmask row until its last chunk."""
+    prompts = [JSON_PROMPTS[1], mixed_prompts[5], JSON_PROMPTS[0], mixed_prompts[9]]
+    params = [_greedy(32, json=PERSON), _greedy(32, regex=r"[0-9]{3}-[a-z]{2}"), _greedy(32, json=PERSON),
+              _greedy(32, json_object=True, disable_any_whitespace=True)]
+    alone = [_gen(llm, [p], [sp])[0].token_ids for p, sp in zip(prompts, params)]
+    small = make_llm(max_model_len=192, num_gpu_blocks_override=12, block_size=16, max_num_batched_tokens=48)
+    sched = engine_core(small.llm_engine).scheduler
+    before = sched.num_preemptions_total
+    assert [c.token_ids for c in _gen(small, prompts, params)] == alone
+    assert sched.num_preemptions_total > before
+
+
 # --------------------------------------------------------------------------------------
 # validation and the compile cache
 # --------------------------------------------------------------------------------------
