@@ -194,6 +194,21 @@ def test_identical_schemas_compile_once(llm):
     assert all(o.token_ids for o in outs)
 
 
+def test_a_grammar_that_fails_to_compile_aborts_only_its_request(llm, monkeypatch):
+    manager = engine_core(llm.llm_engine).structured_output
+
+    def fail(kind, spec):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(manager, "_compile", fail)
+    outs = _gen(llm, ["My phone code is", "Hello"], [_greedy(4, regex="[0-9]{9}x"), _greedy(4)])
+    assert [o.finish_reason for o in outs] == ["abort", "length"]
+    assert outs[0].token_ids == [] and len(outs[1].token_ids) == 4
+    monkeypatch.undo()
+    out, = _gen(llm, ["My phone code is"], [_greedy(16, regex="[0-9]{9}x")])   # a failure is not cached
+    assert out.finish_reason == "stop" and re.fullmatch("[0-9]{9}x", out.text)
+
+
 # --------------------------------------------------------------------------------------
 # the scheduler without a model
 # --------------------------------------------------------------------------------------
