@@ -12,8 +12,8 @@ from pagedllm.core.request import Request
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.engine.processor import Processor
 from pagedllm.errors import InvalidParameterError
-from pagedllm.messages import (CachedRequestData, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, GrammarBitmask,
-                               ModelRunnerOutput, SchedulerOutput, SchedulerStats)
+from pagedllm.messages import (CachedRequestData, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest,
+                               GrammarBitmask, ModelRunnerOutput, SchedulerOutput, SchedulerStats)
 from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 from pagedllm.worker.input_batch import CachedRequestState, InputBatch
 
