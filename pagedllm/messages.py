@@ -200,6 +200,24 @@ class CachedRequestData(msgspec.Struct):
     num_freed_blocks: list[int] = []
 
 
+class GrammarBitmask(msgspec.Struct):
+    """Structured outputs: the tokens each constrained request may sample this step.
+
+    Attributes:
+        req_first_row: req_id → its first row; a request with k draft tokens owns k + 1
+            consecutive rows (its sampling positions in order), else one.
+        num_rows / num_words: the shape, words = ceil(vocab_size / 32).
+        data: int32 little-endian [num_rows, num_words], row-major; bit j of word i set =
+            token 32 i + j allowed (xgrammar's layout; ``structured_output/bitmask.py``
+            packs and unpacks it).
+    """
+
+    req_first_row: dict[str, int]
+    num_rows: int
+    num_words: int
+    data: bytes
+
+
 class SchedulerOutput(msgspec.Struct):
     """One step's batch.
 
@@ -210,9 +228,8 @@ class SchedulerOutput(msgspec.Struct):
         total_num_scheduled_tokens: their sum (<= max_num_batched_tokens).
         scheduled_spec_decode_tokens: req_id → proposed draft tokens to verify (empty
             without speculative decoding).
-        grammar_bitmask: for structured outputs, allowed-token bitmasks of the requests
-            that have a grammar; nothing produces one yet, and the runner refuses one
-            rather than ignore it.
+        grammar_bitmask: for structured outputs, the allowed-token bitmask rows of the
+            constrained requests that sample this step; None when there are none.
         finished_req_ids: requests that ended since the last step; the runner forgets them.
         num_prefill_tokens / num_decode_tokens / num_preempted: for statistics.
     """
@@ -222,7 +239,7 @@ class SchedulerOutput(msgspec.Struct):
     num_scheduled_tokens: dict[str, int]
     total_num_scheduled_tokens: int
     scheduled_spec_decode_tokens: dict[str, list[int]] = {}
-    grammar_bitmask: bytes | None = None
+    grammar_bitmask: GrammarBitmask | None = None
     finished_req_ids: set[str] = set()
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0

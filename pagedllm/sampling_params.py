@@ -26,6 +26,68 @@ def _is_num(x) -> bool:
 
 
 @dataclass
+class StructuredOutputsParams:
+    """A constraint on the generated text (vLLM's ``StructuredOutputsParams``), enforced by
+    grammar-constrained decoding with XGrammar (Dong et al. 2024, "XGrammar: Flexible and
+    Efficient Structured Generation Engine for Large Language Models"): at every sampling
+    position, tokens the grammar cannot accept get probability 0.
+
+    Exactly one kind is set:
+        json: a JSON schema (a JSON string or a dict); the output is a JSON value valid
+            against it.
+        regex: a regular expression the whole output matches.
+        choice: a non-empty list of non-empty strings; the output is one of them.
+        grammar: an EBNF grammar (XGrammar's dialect, GBNF-like; rule ``root`` starts it).
+        json_object: True: the output is any JSON object.
+
+    Attributes:
+        disable_any_whitespace: JSON kinds only: no free whitespace between JSON tokens
+            (small models can otherwise emit whitespace until ``max_tokens``), as vLLM's.
+
+    Raises:
+        InvalidParameterError("structured_outputs"): no kind or several set, or a field of
+            the wrong type. (Whether a schema, regex or grammar parses is checked by the
+            Processor, ``pagedllm.structured_output.validate_structured_outputs``.)
+    """
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        def bad(msg):
+            return InvalidParameterError("structured_outputs", f"structured_outputs: {msg}")
+
+        kinds = [k for k in ("json", "regex", "choice", "grammar", "json_object")
+                 if getattr(self, k) not in (None, False)]
+        if len(kinds) != 1:
+            raise bad(f"exactly one of json, regex, choice, grammar, json_object must be set, "
+                      f"got {kinds or 'none'}")
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise bad(f"json must be a JSON schema string or dict, got {type(self.json).__name__}")
+        for name in ("regex", "grammar"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, str) or not v):
+                raise bad(f"{name} must be a non-empty string, got {v!r}")
+        if self.choice is not None and (not isinstance(self.choice, list) or not self.choice
+                                        or not all(isinstance(c, str) and c for c in self.choice)):
+            raise bad(f"choice must be a non-empty list of non-empty strings, got {self.choice!r}")
+        if self.json_object is not None and not isinstance(self.json_object, bool):
+            raise bad(f"json_object must be a boolean, got {self.json_object!r}")
+        if not isinstance(self.disable_any_whitespace, bool):
+            raise bad(f"disable_any_whitespace must be a boolean, got {self.disable_any_whitespace!r}")
+
+    @property
+    def kind(self) -> str:
+        """The kind that is set: "json", "regex", "choice", "grammar" or "json_object"."""
+        return next(k for k in ("json", "regex", "choice", "grammar", "json_object")
+                    if getattr(self, k) not in (None, False))
+
+
+@dataclass
 class SamplingParams:
     """How to pick tokens and when to stop.
 
@@ -65,6 +127,8 @@ class SamplingParams:
             from the model's distribution before any processing.
         prompt_logprobs: the same for each prompt token (after the first).
         truncate_prompt_tokens: keep only the last this many prompt tokens (>= 1).
+        structured_outputs: constrain the output to a JSON schema, regex, choice or
+            grammar (``StructuredOutputsParams``); None = unconstrained.
 
     Raises:
         ValueError: any field out of range or of the wrong type; the message names it.
@@ -95,6 +159,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     truncate_prompt_tokens: int | None = None
     bad_words_token_ids: list[list[int]] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
     _stop_list: list[str] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -141,6 +206,9 @@ class SamplingParams:
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidParameterError(name, f"{name} must be a boolean, got {getattr(self, name)!r}")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise InvalidParameterError("structured_outputs", f"structured_outputs must be a StructuredOutputsParams, "
+                                                              f"got {type(self.structured_outputs).__name__}")
         if self.top_k == -1:
             self.top_k = 0
         self._check_processing()

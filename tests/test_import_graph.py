@@ -19,7 +19,7 @@ RANKS = {
     "errors": 0, "envs": 0, "outputs": 0, "forward_context": 0, "platform": 0,
     "utils": 1, "sampling_params": 1, "kernels": 1, "sample": 1,
     "messages": 2, "attention": 2, "tokenizer": 2,
-    "layers": 3,
+    "layers": 3, "structured_output": 3,
     "models": 4,
     "config": 5,
     "spec_decode": 6,

@@ -12,9 +12,9 @@ from pagedllm.core.request import Request
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.engine.processor import Processor
 from pagedllm.errors import InvalidParameterError
-from pagedllm.messages import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, ModelRunnerOutput,
-                               SchedulerOutput, SchedulerStats)
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.messages import (CachedRequestData, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest,
+                               GrammarBitmask, ModelRunnerOutput, SchedulerOutput, SchedulerStats)
+from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 from pagedllm.worker.input_batch import CachedRequestState, InputBatch
 
 
@@ -54,6 +54,20 @@ def test_scheduler_output_roundtrips_and_sends_deltas():
     assert back.scheduled_cached_reqs.new_block_ids == [[]]
     assert back.scheduled_cached_reqs.num_computed_tokens == [10]
     assert back.num_scheduled_tokens == {"a": 1}
+
+
+@pytest.mark.parametrize("so", [
+    StructuredOutputsParams(json={"type": "object", "properties": {"a": {"type": "integer"}}}),
+    StructuredOutputsParams(json='{"type": "string"}', disable_any_whitespace=True),
+    StructuredOutputsParams(regex="[0-9]+"), StructuredOutputsParams(choice=["yes", "no"]),
+    StructuredOutputsParams(grammar='root ::= "a"'), StructuredOutputsParams(json_object=True)])
+def test_structured_outputs_roundtrip(so):
+    req = EngineCoreRequest("r1", [1, 2], SamplingParams(max_tokens=4, structured_outputs=so), [2], 1.0)
+    back = roundtrip(req, EngineCoreRequest)
+    assert back == req and back.sampling_params.structured_outputs.kind == so.kind
+    out = SchedulerOutput([], CachedRequestData(), {"r1": 3}, 3, {"r1": [5, 6]},
+                          grammar_bitmask=GrammarBitmask({"r1": 0}, 3, 2, bytes(range(24))))
+    assert roundtrip(out, SchedulerOutput) == out
 
 
 class _Tok:

@@ -14,6 +14,7 @@ from pagedllm.core.scheduler import Scheduler
 from pagedllm.core.step_profiler import StepProfiler, StepRecord
 from pagedllm.executor.abstract import Executor
 from pagedllm.messages import EngineCoreInfo, EngineCoreOutputs, EngineCoreRequest
+from pagedllm.structured_output import StructuredOutputManager
 
 logger = logging.getLogger("pagedllm")
 
@@ -52,9 +53,13 @@ class EngineCore:
         self.executor.initialize_kv_cache(num_blocks)
         self.kv = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching)
         spec = config.speculative_config
+        # grammars for structured outputs (the tokenizer is loaded at the first one)
+        self.structured_output = StructuredOutputManager(config.model_path, config.arch.vocab_size,
+                                                         config.arch.eos_token_ids)
         self.scheduler = Scheduler(self.kv, args.max_num_batched_tokens, args.max_num_seqs,
                                    config.max_model_len, args.enable_chunked_prefill,
-                                   spec.num_lookahead_slots if spec is not None else 0)
+                                   spec.num_lookahead_slots if spec is not None else 0,
+                                   self.structured_output)
         per_block = self.executor.kv_bytes_per_block()
         logger.info("KV cache: %d blocks of %d tokens (%.2f GiB); max concurrency at "
                     "max_model_len %d: %.2fx", num_blocks, args.block_size,
@@ -93,19 +98,22 @@ class EngineCore:
             prof.before_step(self.step_count)
         t0 = time.perf_counter()
         so = self.scheduler.schedule()
+        failed_grammars = self.scheduler.take_failed_outputs()
         t1 = time.perf_counter()
         if so.is_empty:   # the runner still learns which requests finished
             self.executor.execute_model(so)
-            return EngineCoreOutputs([], self.scheduler.stats())
+            if not failed_grammars and self.structured_output.num_compiling:
+                self.structured_output.wait_for_compiles(timeout=0.05)   # rather than spin
+            return EngineCoreOutputs(failed_grammars, self.scheduler.stats())
         try:
             runner_output = self.executor.execute_model(so)
         except Exception as e:  # noqa: BLE001  (fail this step's requests, not the engine)
             logger.exception("engine step failed")
             failed = list(so.num_scheduled_tokens)
             self.scheduler.finish_requests(failed, RequestStatus.FINISHED_ABORTED)
-            return EngineCoreOutputs([], self.scheduler.stats(), failed, f"{type(e).__name__}: {e}")
+            return EngineCoreOutputs(failed_grammars, self.scheduler.stats(), failed, f"{type(e).__name__}: {e}")
         t2 = time.perf_counter()
-        outputs = self.scheduler.update_from_output(so, runner_output)
+        outputs = failed_grammars + self.scheduler.update_from_output(so, runner_output)
         t3 = time.perf_counter()
         stats = self.scheduler.stats()
         stats.step_num_reqs = len(so.num_scheduled_tokens)
@@ -131,6 +139,7 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self.executor.shutdown()
+        self.structured_output.shutdown()
         if self.profiler is not None:
             self.profiler.close()
             self.profiler = None

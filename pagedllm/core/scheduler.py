@@ -13,9 +13,17 @@ drafts, capped so that accepting all of them stays within its ``max_tokens``,
 ``max_model_len`` and the step's budget; ``num_lookahead_slots`` more slots are reserved
 for a draft model's own K/V. After the step, the computed-token count advances only over
 accepted tokens, and the blocks that held nothing but rejected slots are freed.
+
+Structured outputs (``pagedllm/structured_output``): a constrained request stays in the
+waiting queue, skipped without blocking the requests behind it, until its grammar has
+compiled; its drafts are cut to the prefix its grammar accepts before it is scheduled;
+the step's ``grammar_bitmask`` has a row per sampling position of each constrained
+request that samples; after the step its matcher advances over the accepted tokens, and
+a grammar that accepts a stop token finishes the request with "stop".
 """
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 
@@ -23,6 +31,9 @@ from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.messages import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput, NewRequestData,
                                SchedulerOutput, SchedulerStats)
+from pagedllm.structured_output import GrammarCompileError, StructuredOutputManager
+
+logger = logging.getLogger("pagedllm")
 
 
 class Scheduler:
@@ -35,11 +46,13 @@ class Scheduler:
             when off, a prompt waits until it fits whole (and must fit the budget).
         num_lookahead_slots: KV slots reserved past a sampling request's scheduled tokens
             (``SpeculativeConfig.num_lookahead_slots``; 0 without a draft model).
+        structured_output: compiles grammars and builds bitmasks; needed for requests
+            with ``structured_outputs`` (None: there are none).
     """
 
     def __init__(self, kv_cache_manager: KVCacheManager, max_num_batched_tokens: int,
                  max_num_seqs: int, max_model_len: int, enable_chunked_prefill: bool = True,
-                 num_lookahead_slots: int = 0):
+                 num_lookahead_slots: int = 0, structured_output: StructuredOutputManager | None = None):
         self.kv = kv_cache_manager
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
@@ -58,6 +71,8 @@ class Scheduler:
         self.num_accepted_tokens = 0
         self.num_accepted_tokens_per_pos: list[int] = []
         self.num_freed_blocks: dict[str, int] = {}   # rejected-slot blocks the runner must drop
+        self.structured_output = structured_output
+        self.failed_outputs: list[EngineCoreOutput] = []   # finished outside a step (see take_failed_outputs)
 
     # -- requests --------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -68,6 +83,9 @@ class Scheduler:
         assert req.num_prompt_tokens + req.sampling_params.max_tokens <= self.max_model_len
         assert self.enable_chunked_prefill or req.num_prompt_tokens <= self.max_num_batched_tokens
         self.requests[req.request_id] = req
+        if req.sampling_params.structured_outputs is not None:
+            assert self.structured_output is not None, "a constrained request needs a StructuredOutputManager"
+            self.structured_output.add_request(req.request_id, req.sampling_params.structured_outputs)
         self.waiting.append(req)
 
     def finish_requests(self, request_ids, status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> list[Request]:
@@ -95,6 +113,8 @@ class Scheduler:
         self.num_freed_blocks.pop(req.request_id, None)
         self.requests.pop(req.request_id, None)
         self.finished_req_ids.add(req.request_id)
+        if req.sampling_params.structured_outputs is not None:
+            self.structured_output.remove_request(req.request_id)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
@@ -134,6 +154,8 @@ class Scheduler:
                 continue
             spec = req.spec_token_ids
             if spec and n == 1 and req.num_computed_tokens + 1 == req.num_tokens:
+                if req.sampling_params.structured_outputs is not None:
+                    spec = self.structured_output.validate_drafts(req.request_id, spec)
                 # every draft accepted plus the target's own token must stay in bounds
                 room = min(req.sampling_params.max_tokens - req.num_output_tokens,
                            self.max_model_len - req.num_tokens, budget) - 1
@@ -160,8 +182,14 @@ class Scheduler:
             i += 1
 
         if num_preempted == 0:
+            skipped: list[Request] = []   # grammars still compiling: they keep their place
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
                 req = self.waiting[0]
+                if req.sampling_params.structured_outputs is not None and not self._grammar_ready(req):
+                    if req.status != RequestStatus.FINISHED_ABORTED:
+                        skipped.append(req)
+                    self.waiting.popleft()
+                    continue
                 hit_blocks, n_hit = self.kv.get_computed_blocks(req)
                 n = req.num_tokens - n_hit
                 # Without chunked prefill a prompt waits until it fits the budget whole
@@ -184,6 +212,7 @@ class Scheduler:
                 self.running.append(req)
                 scheduled.append((req, n, self.kv.get_block_ids(req.request_id), True))
                 budget -= n
+            self.waiting.extendleft(reversed(skipped))
 
         new_reqs: list[NewRequestData] = []
         cached = CachedRequestData()
@@ -209,7 +238,31 @@ class Scheduler:
                 out.num_decode_tokens += n
             else:
                 out.num_prefill_tokens += n
+        if self.structured_output is not None:
+            out.grammar_bitmask = self.structured_output.grammar_bitmask(
+                [(req.request_id, spec_tokens.get(req.request_id, [])) for req, n, _, _ in scheduled
+                 if req.sampling_params.structured_outputs is not None
+                 and req.num_computed_tokens + n - len(spec_tokens.get(req.request_id, ())) >= req.num_tokens])
         self.finished_req_ids = set()
+        return out
+
+    def _grammar_ready(self, req: Request) -> bool:
+        """Whether ``req``'s grammar has compiled; a failed compile aborts it (its output
+        goes out through ``take_failed_outputs``)."""
+        try:
+            return self.structured_output.is_ready(req.request_id)
+        except GrammarCompileError as e:
+            logger.error("request %s: %s", req.request_id, e)
+            req.status = RequestStatus.FINISHED_ABORTED
+            req.finished_time = time.time()
+            self._free(req)
+            self.failed_outputs.append(self._output(req, []))
+            return False
+
+    def take_failed_outputs(self) -> list[EngineCoreOutput]:
+        """Final outputs of requests finished while scheduling (a grammar that did not
+        compile: ``finish_reason="abort"``), once."""
+        out, self.failed_outputs = self.failed_outputs, []
         return out
 
     def update_from_output(self, so: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
@@ -248,10 +301,18 @@ class Scheduler:
             if req.first_token_time is None:
                 req.first_token_time = now
             new_tokens = []
+            constrained = req.sampling_params.structured_outputs is not None
             for tok in tokens:
                 req.append_output_token(tok)
                 new_tokens.append(tok)
                 status = self._check_stop(req, tok)
+                if constrained:
+                    if not self.structured_output.accept_tokens(rid, [tok]):
+                        # the bitmask allows only accepted tokens: a bug, not the model
+                        logger.error("request %s: grammar rejected token %d; aborting it", rid, tok)
+                        status = RequestStatus.FINISHED_ABORTED
+                    elif self.structured_output.is_terminated(rid):
+                        status = RequestStatus.FINISHED_STOPPED
                 if status is not None:
                     req.status = status
                     req.finished_time = now

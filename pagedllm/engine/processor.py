@@ -12,6 +12,7 @@ import time
 from pagedllm.errors import InvalidParameterError
 from pagedllm.messages import EngineCoreRequest
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.structured_output import validate_structured_outputs
 
 
 def check_unicode(param: str, text: str) -> None:
@@ -97,7 +98,8 @@ class Processor:
                 budget with chunked prefill off (``prompt``); min_tokens over what the
                 prompt leaves when max_tokens is not set (``min_tokens``); stop ids
                 outside the vocabulary (``stop_token_ids``); sampling_params not a
-                SamplingParams.
+                SamplingParams; a JSON schema, regex or EBNF grammar that does not
+                parse (``structured_outputs``; see ``validate_structured_outputs``).
         """
         if params is None:
             params = SamplingParams()
@@ -137,5 +139,7 @@ class Processor:
                                                   f"[0, {self.vocab_size})")
         if params.bad_words and params.bad_words_token_ids is None:
             params = dataclasses.replace(params, bad_words_token_ids=self.bad_words_token_ids(params.bad_words))
+        if params.structured_outputs is not None:
+            validate_structured_outputs(params.structured_outputs)
         return EngineCoreRequest(request_id, ids, params, self.eos_token_ids,
                                  time.time() if arrival_time is None else arrival_time), text

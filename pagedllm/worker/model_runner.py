@@ -16,6 +16,10 @@ and ``RejectionSampler`` keeps the accepted drafts and one token of the target's
 without drafts sample with ``Sampler`` as before. At the end of the step the proposer
 (n-gram, suffix or draft model) proposes each sampling request's next drafts, as many as
 ``AdaptiveDraftLength`` allows.
+
+Structured outputs: the scheduler's ``grammar_bitmask`` (one row per sampling position of
+each constrained request) sets disallowed tokens' logits to -inf right after
+``compute_logits``, in both sampling paths (``_apply_grammar_bitmask``).
 """
 from __future__ import annotations
 
@@ -35,6 +39,7 @@ from pagedllm.sample.logprobs import gather_logprobs, raw_logprobs
 from pagedllm.sample.rejection_sampler import RejectionSampler
 from pagedllm.sample.sampler import Sampler, SamplingMetadata
 from pagedllm.spec_decode.adaptive import AdaptiveDraftLength
+from pagedllm.structured_output import apply_token_bitmask, unpack_bitmask
 from pagedllm.utils import cdiv, empty_cpu_hugepages
 from pagedllm.worker.input_batch import CachedRequestState, InputBatch
 
@@ -242,12 +247,7 @@ class ModelRunner:
         Returns:
             the scheduled requests (decodes first), the tokens each produced, and (with
             speculative decoding) the drafts each proposes for its next step.
-
-        Raises:
-            NotImplementedError: a grammar bitmask (structured outputs do not exist yet).
         """
-        if so.grammar_bitmask is not None:
-            raise NotImplementedError("structured outputs are not implemented")
         self._update_states(so)
         if so.is_empty:
             return ModelRunnerOutput([], [])
@@ -286,7 +286,7 @@ class ModelRunner:
         sample_idx = np.flatnonzero(common.seq_lens_np >= b.num_tokens[rows])
         logprobs_out: dict[str, list] = {}
         if len(sample_idx):
-            self._sample(hidden, req_ids, rows, qsl, sample_idx, num_draft, spec, sampled, logprobs_out)
+            self._sample(so, hidden, req_ids, rows, qsl, sample_idx, num_draft, spec, sampled, logprobs_out)
         prompt_lp = self._prompt_logprobs(hidden, req_ids, rows, qsl, ctx, q_lens)
         spec_out = []
         if self.proposer is not None:
@@ -298,7 +298,7 @@ class ModelRunner:
             spec_out = self._propose(req_ids, rows, sample_idx)
         return ModelRunnerOutput(req_ids, sampled, spec_out, logprobs_out, prompt_lp)
 
-    def _sample(self, hidden, req_ids, rows, qsl, sample_idx, num_draft, spec, sampled, logprobs_out) -> None:
+    def _sample(self, so, hidden, req_ids, rows, qsl, sample_idx, num_draft, spec, sampled, logprobs_out) -> None:
         """Sample the requests of ``sample_idx`` (indices into this step's order): one
         logit row per plain request, k + 1 per request verifying k drafts. Raw logprobs
         first, then ``process_logits``, then ``Sampler`` / ``RejectionSampler``; fills
@@ -317,7 +317,11 @@ class ModelRunner:
         n_lp = b.num_logprobs[lrows]
         lp_rows = np.flatnonzero(n_lp >= 0)
         raw = raw_logprobs(logits.index_select(0, torch.from_numpy(lp_rows).to(dev))) if len(lp_rows) else None
-        process_logits(logits, self._processor_inputs(lrows, lens))
+        grammar = None
+        if so.grammar_bitmask is not None:
+            row_req_ids = [req_ids[i] for i, c in zip(sample_idx.tolist(), counts.tolist()) for _ in range(c)]
+            grammar = lambda x: self._apply_grammar_bitmask(x, row_req_ids, so)  # noqa: E731
+        process_logits(logits, self._processor_inputs(lrows, lens), grammar)
         chosen = np.zeros(len(lrows), dtype=np.int64)   # token chosen at each logit row (-1: none)
         chosen[:] = -1
         plain = nd == 0
@@ -375,6 +379,38 @@ class ModelRunner:
             out[rid] = gather_logprobs(lp, nxt, [int(b.num_prompt_logprobs[r])] * (hi - lo))
             self._prompt_lp_sent[rid] = hi
         return out
+
+    def _apply_grammar_bitmask(self, logits: torch.Tensor, row_req_ids: list[str], so: SchedulerOutput) -> None:
+        """Structured outputs: set the logits of tokens a request's grammar forbids to
+        -inf, in place (XGrammar's bitmask; Dong et al. 2024, "XGrammar").
+
+        Args:
+            logits: float32 [N, vocab] on the runner's device.
+            row_req_ids: the request of each logits row; a request's consecutive rows are
+                its sampling positions in order (k + 1 with k drafts), matching its
+                consecutive rows in ``so.grammar_bitmask`` (from ``req_first_row``).
+            so: the step's SchedulerOutput; nothing happens without a bitmask or when no
+                row belongs to a constrained request.
+        """
+        gb = so.grammar_bitmask
+        if gb is None:
+            return
+        first = gb.req_first_row
+        src, dst = [], []
+        prev, j = None, 0
+        for r, rid in enumerate(row_req_ids):
+            j = j + 1 if rid == prev else 0
+            prev = rid
+            f = first.get(rid)
+            if f is not None:
+                src.append(f + j)
+                dst.append(r)
+        if not dst:
+            return
+        packed = unpack_bitmask(gb)
+        bitmask = torch.full((logits.shape[0], gb.num_words), -1, dtype=torch.int32)
+        bitmask[dst] = packed[src]
+        apply_token_bitmask(logits, bitmask, dst)
 
     def _propose(self, req_ids: list[str], rows: np.ndarray, sample_idx: np.ndarray) -> list[list[int]]:
         """Drafts for the next step of each request that sampled this step (others: []):

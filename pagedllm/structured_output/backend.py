@@ -1,0 +1,181 @@
+"""The XGrammar backend (Dong et al. 2024, "XGrammar: Flexible and Efficient Structured
+Generation Engine for Large Language Models"; https://github.com/mlc-ai/xgrammar).
+
+XGrammar turns a JSON schema, regex or EBNF grammar into a pushdown automaton, and at
+compile time splits the vocabulary into context-independent tokens (decided once per
+automaton position and cached) and context-dependent ones (checked at run time), so a
+matcher fills a step's allowed-token bitmask in tens of microseconds. A compile needs
+the tokenizer (``xgr.TokenizerInfo``); a parse (``xgr.Grammar.from_*``) does not, which is
+what validation uses.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import re
+
+from pagedllm.errors import InvalidParameterError
+from pagedllm.sampling_params import StructuredOutputsParams
+
+# "[10:48:33] /project/cpp/regex_converter.cc:94: " before xgrammar's own message
+_CPP_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
+
+
+def grammar_key(params: StructuredOutputsParams) -> tuple[str, str]:
+    """The compile-cache key of a constraint: (kind, spec), where spec is a string.
+
+    Kinds: ``"json"`` (the schema; a dict serialised as ``json.dumps`` does, keys in
+    their order, since property order is part of the grammar), ``"json_any"``
+    (json_object), ``"regex"``, ``"grammar"`` (EBNF; a choice becomes
+    ``root ::= "a" | "b"``). ``disable_any_whitespace`` is part of the JSON kinds' key
+    (``"json!ws"``, ``"json_any!ws"``).
+    """
+    kind = params.kind
+    ws = "!ws" if params.disable_any_whitespace else ""
+    if kind == "json":
+        spec = params.json if isinstance(params.json, str) else json.dumps(params.json)
+        return "json" + ws, spec
+    if kind == "json_object":
+        return "json_any" + ws, ""
+    if kind == "regex":
+        return "regex", params.regex
+    if kind == "choice":
+        # JSON string escapes are EBNF string escapes (", \\, \n, \uXXXX)
+        return "grammar", "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in params.choice)
+    return "grammar", params.grammar
+
+
+def parse_grammar(kind: str, spec: str):
+    """An ``xgr.Grammar`` for a ``grammar_key``: parsing only, no tokenizer (~1 ms).
+
+    Raises:
+        RuntimeError / ValueError / TypeError: xgrammar's message on a bad spec.
+    """
+    import xgrammar as xgr
+
+    base, _, ws = kind.partition("!")
+    if base == "json":
+        return xgr.Grammar.from_json_schema(spec, any_whitespace=not ws)
+    if base == "json_any":
+        if not ws:
+            return xgr.Grammar.builtin_json_grammar()
+        return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
+    if base == "regex":
+        return xgr.Grammar.from_regex(spec)
+    if base == "grammar":
+        return xgr.Grammar.from_ebnf(spec)
+    raise ValueError(f"unknown grammar kind {kind!r}")
+
+
+@functools.lru_cache(maxsize=256)
+def _parse_error(kind: str, spec: str) -> str | None:
+    """xgrammar's parse error for a key, cleaned of its C++ location; None when it parses."""
+    if kind.startswith("json"):
+        try:
+            schema = json.loads(spec) if kind.startswith("json!") or kind == "json" else None
+        except ValueError as e:
+            return f"json is not valid JSON: {e}"
+        if schema is not None and not isinstance(schema, (dict, bool)):
+            return f"json schema must be an object or a boolean, got {type(schema).__name__}"
+    try:
+        parse_grammar(kind, spec)
+    except Exception as e:  # noqa: BLE001  (xgrammar raises RuntimeError, ValueError, ...)
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        return _CPP_PREFIX.sub("", msg)
+    return None
+
+
+def validate_structured_outputs(params: StructuredOutputsParams) -> None:
+    """Check that a constraint parses (JSON schema, regex or EBNF), without compiling it
+    against the tokenizer; results are cached by spec.
+
+    Raises:
+        InvalidParameterError("structured_outputs"): the schema is not valid JSON or not a
+            JSON object/boolean, or xgrammar cannot convert it (an unsupported or broken
+            schema, a regex that does not parse, an EBNF grammar with an error); the
+            message names the kind and quotes xgrammar's reason.
+    """
+    kind, spec = grammar_key(params)
+    err = _parse_error(kind, spec)
+    if err is not None:
+        raise InvalidParameterError("structured_outputs", f"structured_outputs.{params.kind} is invalid: {err}")
+
+
+class XgrammarBackend:
+    """The tokenizer's vocabulary as xgrammar sees it, and a compiler over it.
+
+    Args:
+        tokenizer: the model's HF tokenizer.
+        vocab_size: the MODEL's vocabulary (logits width, ``ModelArchConfig.vocab_size``),
+            which may exceed ``len(tokenizer)``: ids past the tokenizer are never allowed.
+        stop_token_ids: ids that end generation (EOS); a grammar allows them once it is
+            complete, and a matcher that accepts one is terminated.
+        max_threads: xgrammar's compile threads per grammar.
+    """
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int], max_threads: int = 2):
+        import xgrammar as xgr
+
+        self.vocab_size = vocab_size
+        self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(
+            tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(stop_token_ids))
+        self.compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=max_threads)
+
+    def compile(self, kind: str, spec: str):
+        """An ``xgr.CompiledGrammar`` for a ``grammar_key`` (seconds for a large schema;
+        the manager runs this in a worker thread).
+
+        Raises:
+            RuntimeError / ValueError: the spec does not compile.
+        """
+        return self.compiler.compile_grammar(parse_grammar(kind, spec))
+
+
+class StructuredOutputGrammar:
+    """One request's position in its grammar: an ``xgr.GrammarMatcher``.
+
+    Used on the engine core's thread only. Args: compiled: an ``xgr.CompiledGrammar``.
+    """
+
+    def __init__(self, compiled):
+        import xgrammar as xgr
+
+        self.matcher = xgr.GrammarMatcher(compiled)
+        self.num_processed_tokens = 0
+
+    def accept_tokens(self, tokens: list[int]) -> bool:
+        """Advance through ``tokens``; stops at the first one the grammar rejects and
+        returns False then (the tokens before it stay accepted), True if all were."""
+        for t in tokens:
+            if not self.matcher.accept_token(int(t)):
+                return False
+            self.num_processed_tokens += 1
+        return True
+
+    def validate_tokens(self, tokens: list[int]) -> list[int]:
+        """The longest prefix of ``tokens`` (drafts) the grammar accepts from here; the
+        matcher is left where it was."""
+        n = 0
+        for t in tokens:
+            if self.matcher.is_terminated() or not self.matcher.accept_token(int(t)):
+                break
+            n += 1
+        if n:
+            self.matcher.rollback(n)
+        return list(tokens[:n])
+
+    def rollback(self, n: int) -> None:
+        """Undo the last ``n`` accepted tokens."""
+        if n > 0:
+            self.matcher.rollback(n)
+            self.num_processed_tokens -= n
+
+    def fill_bitmask(self, bitmask, row: int) -> None:
+        """Write the tokens allowed next into row ``row`` of ``bitmask`` (int32 CPU tensor
+        [rows, ceil(vocab / 32)], bit j of word i = token 32 i + j). A terminated
+        matcher allows nothing."""
+        self.matcher.fill_next_token_bitmask(bitmask, row)
+
+    def is_terminated(self) -> bool:
+        """True once the grammar accepted a stop token (the request is done)."""
+        return self.matcher.is_terminated()
