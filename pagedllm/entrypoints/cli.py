@@ -18,6 +18,12 @@ import sys
 
 from pagedllm import envs
 
+# --tool-call-parser's choices (pagedllm.entrypoints.openai.tool_calls.TOOL_PARSERS, which
+# imports nothing heavy)
+from pagedllm.entrypoints.openai.tool_calls import TOOL_PARSERS as _PARSERS
+
+TOOL_PARSER_NAMES = tuple(_PARSERS)
+
 #: Parent command -> (its help, the command modules registered under it).
 #: The parent "" is ``pagedllm`` itself.
 COMMANDS: dict[str, tuple[str, tuple[str, ...]]] = {
@@ -39,6 +45,8 @@ def _setup_logging(level: str = "INFO") -> None:
 def _serve(args) -> int:
     from pagedllm.entrypoints.openai.api_server import run_server
 
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:   # before the model loads
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
     run_server(args)
     return 0
 
@@ -91,6 +99,10 @@ def register(subparsers: "argparse._SubParsersAction") -> None:
     p.add_argument("--trust-request-chat-template", action="store_true",
                    help="honour a chat request's own chat_template field (a template is a program "
                         "the server runs; off by default, as in vLLM)")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='let tool_choice "auto" read tool calls from the output (needs --tool-call-parser)')
+    p.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSER_NAMES),
+                   help="the format of the model's tool calls, for tool_choice \"auto\"")
     p.set_defaults(func=_serve)
 
     p = subparsers.add_parser("generate", help="print a completion of PROMPT",

@@ -29,8 +29,7 @@ from pagedllm.engine.async_llm import AsyncLLM, EngineDeadError
 from pagedllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
                                                   describe_validation_error, error_body)
 from pagedllm.entrypoints.openai.chat_tools import ChatTools
-from pagedllm.entrypoints.openai.responses import (chat_logprobs, completion_logprobs, prompt_logprobs,
-                                                   usage)
+from pagedllm.entrypoints.openai.responses import CompletionFormat, chat_logprobs, prompt_logprobs, usage
 from pagedllm.entrypoints.openai.tool_calls import get_tool_parser
 from pagedllm.errors import InvalidParameterError
 
@@ -215,7 +214,7 @@ def build_app(engine: AsyncLLM, prometheus=None, trust_request_chat_template: bo
             streams = await engine.add_requests([(f"{base}-{i}", pr, params) for i, pr in enumerate(prompts)])
         except InvalidParameterError as e:
             raise body.to_api_error(e) from e
-        fmt = _CompletionFormat(body, params, engine)
+        fmt = CompletionFormat(body, params, engine.engine)
         if body.stream:
             return StreamingResponse(_stream_completion(streams, base, created, body, fmt),
                                      media_type="text/event-stream")
@@ -239,6 +238,7 @@ def build_app(engine: AsyncLLM, prometheus=None, trust_request_chat_template: bo
         continuous = bool(opts and opts.continuous_usage_stats)
         pt = ct = cached = 0
         sent_lp: dict[tuple[int, int], int] = {}
+        sent_chars: dict[tuple[int, int], int] = {}
         echoed: set[tuple[int, int]] = set()
         try:
             async for i, out in _merged(streams):
@@ -249,17 +249,16 @@ def build_app(engine: AsyncLLM, prometheus=None, trust_request_chat_template: bo
                 key = (i, c.index)
                 text = out.delta_text
                 lp = None
-                if key not in echoed:
-                    echoed.add(key)
-                    if body.echo:
-                        text = fmt.prompt_text(out) + text
-                        if fmt.k is not None:
-                            lp = fmt.prompt_lp(out)
+                first = key not in echoed
+                echoed.add(key)
+                if first and body.echo:
+                    text = fmt.prompt_text(out) + text
                 if fmt.k is not None:
                     n0 = sent_lp.get(key, 0)
-                    gen = completion_logprobs(c.token_ids[n0:], c.logprobs[n0:], fmt.k, engine.engine.token_text)
+                    part = dataclasses.replace(c, token_ids=c.token_ids[n0:], logprobs=(c.logprobs or [])[n0:])
+                    lp = fmt.logprobs(out, part, first and body.echo, sent_chars.get(key, 0))
                     sent_lp[key] = len(c.token_ids)
-                    lp = gen if lp is None else {k: lp[k] + gen[k] for k in lp}
+                sent_chars[key] = sent_chars.get(key, 0) + len(text)
                 done = c.finish_reason is not None
                 if text or done or (lp and lp["tokens"]):
                     chunk = {"id": base, "object": "text_completion", "created": created,

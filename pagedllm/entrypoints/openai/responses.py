@@ -40,14 +40,14 @@ def chat_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]], k: in
 
 
 def completion_logprobs(token_ids: list[int], entries: list[dict[int, Logprob] | None], k: int,
-                        token_text=str) -> dict:
+                        token_text=str, start: int = 0) -> dict:
     """``choices[i].logprobs`` of a completion: parallel lists ``tokens``,
     ``token_logprobs``, ``top_logprobs`` (a dict token text -> logprob, k of them) and
-    ``text_offset`` (characters into the choice's text). An entry of None (the first
+    ``text_offset`` (characters into the choice's text, the first at ``start``). An entry of None (the first
     prompt token, with ``echo``) has null logprobs; its text comes from ``token_text``
     (a callable: token id -> text)."""
     tokens, lps, tops, offsets = [], [], [], []
-    pos = 0
+    pos = start
     for t, e in zip(token_ids, entries):
         if e is None:
             text = token_text(t)
@@ -74,3 +74,51 @@ def prompt_logprobs(entries: list[dict[int, Logprob] | None] | None) -> list | N
     return [None if e is None else {str(t): {"logprob": _logprob(v.logprob), "rank": v.rank,
                                              "decoded_token": v.decoded_token} for t, v in e.items()}
             for e in entries]
+
+
+class CompletionFormat:
+    """The choices of one /v1/completions request (``echo``, ``logprobs``, ``n``).
+
+    Args:
+        body: the CompletionRequest; params: its SamplingParams; engine: an LLMEngine
+            (its ``token_text`` and tokenizer).
+    """
+
+    def __init__(self, body, params, engine):
+        self.echo = body.echo
+        self.k = params.logprobs
+        self.n = params.n
+        self.want_prompt_logprobs = body.prompt_logprobs is not None
+        self.engine = engine
+
+    def prompt_text(self, out) -> str:
+        """The prompt as text (decoded when it was given as token ids or truncated)."""
+        if out.prompt is not None:
+            return out.prompt
+        return self.engine.tokenizer.decode(out.prompt_token_ids)
+
+    def prompt_lp(self, out) -> dict:
+        """The echoed prompt's part of ``logprobs``."""
+        entries = out.prompt_logprobs or [None] * len(out.prompt_token_ids)
+        return completion_logprobs(out.prompt_token_ids, entries, self.k, self.engine.token_text)
+
+    def logprobs(self, out, c, echo: bool, start: int = 0) -> dict | None:
+        """``logprobs`` of completion ``c`` of ``out`` (with the prompt's first if ``echo``);
+        ``start``: the text offset of ``c``'s first token."""
+        if self.k is None:
+            return None
+        if not echo:
+            return completion_logprobs(c.token_ids, c.logprobs or [], self.k, self.engine.token_text, start)
+        p = self.prompt_lp(out)
+        gen = completion_logprobs(c.token_ids, c.logprobs or [], self.k, self.engine.token_text,
+                                  len(self.prompt_text(out)))
+        return {key: p[key] + gen[key] for key in p}
+
+    def choice(self, index: int, out, c) -> dict:
+        """A whole choice: ``index`` (prompt i's sequence j is ``i * n + j``)."""
+        text = self.prompt_text(out) + c.text if self.echo else c.text
+        ch = {"index": index, "text": text, "logprobs": self.logprobs(out, c, self.echo),
+              "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+        if self.want_prompt_logprobs:
+            ch["prompt_logprobs"] = prompt_logprobs(out.prompt_logprobs)
+        return ch

@@ -1,0 +1,163 @@
+"""Tool calling for one chat request: the tools shown to the model, the constraint that
+``tool_choice`` "required" or a named function puts on its output, and the calls read
+back from it (whole, or as OpenAI's streamed deltas).
+
+Modes, from the checked ``tool_choice`` (``tool_calls.request``):
+- ``none``: tools are shown, the output is plain content;
+- ``required`` / a named function: the output is constrained (structured outputs) to
+  ``tool_calls.tool_choice_json_schema``, so it is a call whatever the model; the calls
+  are parsed from it with ``parse_constrained_output``. Streaming sends each call's id and
+  name, then its arguments, once the output is complete (the JSON is only known to be
+  whole at the end);
+- ``auto``: the server must run with ``--enable-auto-tool-choice --tool-call-parser P``
+  (as vLLM's); the output is read by parser P, incrementally when streaming. A model
+  whose chat template cannot show tools gets them in Hermes format in its system prompt
+  (``tool_calls.rendering``), so its output is read with the ``hermes`` parser, and the
+  client is told in the ``X-PagedLLM-Warning`` response header.
+"""
+from __future__ import annotations
+
+import logging
+
+from pagedllm.entrypoints.openai.tool_calls import (FALLBACK_PARSER, ConstrainedOutputError, ToolCall,
+                                                    get_tool_parser, parse_constrained_output,
+                                                    render_messages_for_template, template_supports_tools,
+                                                    tool_choice_json_schema, validate_tool_request)
+from pagedllm.errors import InvalidParameterError
+from pagedllm.outputs import CompletionOutput
+from pagedllm.sampling_params import StructuredOutputsParams
+
+logger = logging.getLogger("pagedllm")
+
+
+class ChatTools:
+    """Args:
+        body: the ``ChatCompletionRequest``; engine: the ``AsyncLLM`` (its tokenizer's
+        chat template); enable_auto_tool_choice / tool_call_parser: the server's flags.
+
+    Raises:
+        InvalidParameterError: bad ``tools`` / ``tool_choice`` / ``parallel_tool_calls``,
+            the deprecated ``functions`` / ``function_call``, ``tool_choice`` "auto" with
+            tools on a server without ``--enable-auto-tool-choice``, ``response_format``
+            with a forced call.
+    """
+
+    def __init__(self, body, engine, enable_auto_tool_choice: bool, tool_call_parser: str | None):
+        self.req = validate_tool_request(body.tools, body.tool_choice, body.parallel_tool_calls,
+                                         body.functions, body.function_call)
+        self.body = body
+        self.engine = engine
+        choice = self.req.tool_choice
+        self.mode = "constrained" if (choice == "required" or isinstance(choice, dict)) else choice
+        if self.mode == "auto" and self.req.tools and not enable_auto_tool_choice:
+            raise InvalidParameterError(
+                "tool_choice", '"auto" tool choice needs the server to run with --enable-auto-tool-choice and '
+                               '--tool-call-parser; send tool_choice "required", a named function or "none"')
+        self.parser_name = tool_call_parser
+        self.note: str | None = None
+        self._parsers: dict[int, object] = {}
+        self._constrained_text: dict[int, str] = {}
+        self._streamed_calls: set[int] = set()
+
+    # -- before generation ------------------------------------------------------------
+    def render(self, messages: list[dict]) -> tuple[list[dict], list[dict] | None]:
+        """(messages, tools for the template's ``tools`` variable or None)."""
+        has_tool_turns = any(isinstance(m, dict) and (m.get("tool_calls") or m.get("role") == "tool")
+                             for m in messages)
+        if not self.req.tools and not has_tool_turns:
+            return messages, None
+        template = self.body.chat_template or getattr(self.engine.tokenizer, "chat_template", None)
+        supports = template_supports_tools(template)
+        messages, tools_kw, note = render_messages_for_template(messages, self.req.tools or None, supports)
+        if note:
+            self.note = note
+            logger.info("%s", note)
+        if not supports:
+            self.parser_name = FALLBACK_PARSER   # the text fallback asks for Hermes' format
+        return messages, tools_kw
+
+    def constraint(self) -> StructuredOutputsParams | None:
+        """The structured-output constraint of a forced call, else None."""
+        if self.mode != "constrained":
+            return None
+        rf = self.body.response_format
+        if self.body.structured_outputs is not None or (rf is not None and rf.type != "text"):
+            raise InvalidParameterError("response_format", "response_format / structured_outputs cannot be "
+                                                           f"combined with tool_choice {self._choice_name()}")
+        schema = tool_choice_json_schema(self.req.tools, self.req.tool_choice, self.req.parallel_tool_calls)
+        return StructuredOutputsParams(json=schema)
+
+    def _choice_name(self) -> str:
+        c = self.req.tool_choice
+        return f"naming {c['function']['name']!r}" if isinstance(c, dict) else f'"{c}"'
+
+    def _reads_calls(self) -> bool:
+        return bool(self.req.tools) and self.mode in ("auto", "constrained")
+
+    # -- after generation ---------------------------------------------------------------
+    def message(self, c: CompletionOutput) -> tuple[dict, str | None]:
+        """The assistant message of a whole completion and its finish reason
+        (``tool_calls`` when it made calls)."""
+        if not self._reads_calls():
+            return {"role": "assistant", "content": c.text}, c.finish_reason
+        if self.mode == "constrained":
+            calls = self._constrained_calls(c)
+            if calls is None:
+                return {"role": "assistant", "content": c.text}, c.finish_reason
+            return self._calls_message(None, calls), "tool_calls"
+        got = get_tool_parser(self.parser_name)().extract_tool_calls(c.text)
+        if not got.tools_called:
+            return {"role": "assistant", "content": c.text}, c.finish_reason
+        return self._calls_message(got.content, got.tool_calls), "tool_calls"
+
+    def _constrained_calls(self, c: CompletionOutput) -> list[ToolCall] | None:
+        """The forced calls, or None when the output was cut before the JSON closed."""
+        if c.finish_reason != "stop":
+            return None
+        try:
+            return parse_constrained_output(c.text, self.req.tools, self.req.tool_choice)
+        except ConstrainedOutputError as e:
+            logger.warning("constrained tool-call output did not parse: %s", e)
+            return None
+
+    @staticmethod
+    def _calls_message(content: str | None, calls: list[ToolCall]) -> dict:
+        return {"role": "assistant", "content": content, "tool_calls": [t.to_openai() for t in calls]}
+
+    def stream(self, index: int, delta_text: str, done: bool) -> list[dict]:
+        """The chat deltas of sequence ``index``'s next piece of text (``done``: its last)."""
+        if not self._reads_calls():
+            return [{"content": delta_text}] if delta_text else []
+        if self.mode == "constrained":
+            text = self._constrained_text.get(index, "") + delta_text
+            self._constrained_text[index] = text
+            if not done:
+                return []
+            try:
+                calls = parse_constrained_output(text, self.req.tools, self.req.tool_choice)
+            except ConstrainedOutputError:   # cut by max_tokens before the JSON closed
+                return [{"content": text}] if text else []
+            self._streamed_calls.add(index)
+            out = []
+            for i, t in enumerate(calls):
+                out.append({"tool_calls": [{"index": i, "id": t.id, "type": "function",
+                                            "function": {"name": t.name, "arguments": ""}}]})
+                out.append({"tool_calls": [{"index": i, "function": {"arguments": t.arguments}}]})
+            return out
+        p = self._parsers.get(index)
+        if p is None:
+            p = self._parsers[index] = get_tool_parser(self.parser_name)()
+        out = p.extract_streaming(delta_text) if delta_text else []
+        if done:
+            out += p.finish()
+        return out
+
+    def finish_reason(self, c: CompletionOutput) -> str | None:
+        """A streamed sequence's finish reason: ``tool_calls`` when it made calls."""
+        if not self._reads_calls():
+            return c.finish_reason
+        if self.mode == "constrained":
+            made = c.index in self._streamed_calls
+            return "tool_calls" if made and c.finish_reason == "stop" else c.finish_reason
+        p = self._parsers.get(c.index)
+        return "tool_calls" if p is not None and p.tool_calls else c.finish_reason
