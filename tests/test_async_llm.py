@@ -46,6 +46,9 @@ class FakeEngine:
     def has_unfinished_requests(self):
         return bool(self.states)
 
+    def unfinished_request_ids(self):
+        return list(self.states)
+
     def step(self):
         return self.step_impl()
 

@@ -285,7 +285,7 @@ class ChatCompletionRequest(_SamplingFields):
         return names
 
     def num_logprobs(self) -> int | None:
-        if self.top_logprobs is not None and not self.logprobs:
+        if self.top_logprobs and not self.logprobs:
             raise InvalidParameterError("top_logprobs", "top_logprobs needs logprobs: true")
         return (self.top_logprobs or 0) if self.logprobs else None
 
