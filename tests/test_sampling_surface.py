@@ -21,6 +21,13 @@ def chunked(make_llm):
 
 
 @pytest.fixture(scope="module")
+def tight(make_llm):
+    """11 blocks of 16 tokens: six requests of 42-60 prompt tokens (3-4 blocks) preempt
+    one another as they grow."""
+    return make_llm(num_gpu_blocks_override=11, block_size=16, max_model_len=128)
+
+
+@pytest.fixture(scope="module")
 def spec_llm(make_llm):
     return make_llm(max_model_len=1024, kv_cache_memory="512MiB", speculative_config=SPEC)
 
@@ -95,22 +102,34 @@ def _tokens(outs):
     return [o.outputs[0].token_ids for o in outs]
 
 
-def test_processing_invariant_to_batching_chunking_and_speculation(llm, chunked, spec_llm):
-    prompts = [PROMPT, "Once upon a time, in a small village,", "A list of the planets: Mercury, Venus,",
-               "def add(a, b):\n    return a + b\n\ndef add(a, b):", "The three primary colors are",
-               "Water boils at"]
+def test_processing_invariant_to_batching_chunking_preemption_and_speculation(llm, chunked, tight, spec_llm):
+    # ~45 tokens each (3 blocks of 16), distinct from the first block on: six of them
+    # outgrow the tight engine's 12 blocks while decoding
+    prompts = [f"Note {i}. {PROMPT} {t}" for i, t in enumerate([
+        "Once upon a time, in a small village,", "A list of the planets: Mercury, Venus,",
+        "The three primary colors are", "Water boils at",
+        "def add(a, b):\n    return a + b\n\ndef add(a, b):",   # copy-heavy, greedy: drafts accepted
+        "Question: what is 2 + 2? Answer:"])]
     params = _params()
     alone = [llm.generate([p], sp, use_tqdm=False)[0] for p, sp in zip(prompts, params)]
     accepted = spec_llm.stats().spec_decode_num_accepted_tokens
-    for eng in (llm, chunked, spec_llm):
+    preempted = tight.stats().num_preemptions_total
+    for eng in (llm, chunked, tight, spec_llm):
+        ref = alone
+        if eng is spec_llm:
+            # a seeded sampled request draws differently with speculation (same
+            # distribution); alone vs in a batch it must still be the same
+            ref = [a if sp.temperature == 0 else eng.generate([p], sp, use_tqdm=False)[0]
+                   for a, p, sp in zip(alone, prompts, params)]
         batch = eng.generate(prompts, params, use_tqdm=False)
-        assert _tokens(batch) == _tokens(alone)
-        for a, b, sp in zip(alone, batch, params):
+        assert _tokens(batch) == _tokens(ref)
+        for a, b, sp in zip(ref, batch, params):
             if sp.logprobs is not None:
                 for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
                     assert x.keys() == y.keys()
                     assert all(abs(x[t].logprob - y[t].logprob) < ATOL for t in x)
     assert spec_llm.stats().spec_decode_num_accepted_tokens > accepted   # drafts were verified
+    assert tight.stats().num_preemptions_total > preempted               # requests were preempted
 
 
 def test_bad_words_allowed_ids_and_logit_bias(llm, tokenizer):
