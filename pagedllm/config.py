@@ -304,6 +304,9 @@ class EngineArgs:
         seed: global seed for unseeded sampling.
         num_threads: torch intra-op threads on CPU (None = torch's default).
         profile_dir: write a per-step JSONL log and a torch.profiler trace there.
+        engine_process: run the engine core in its own process, reached over ZMQ
+            (``engine/core_client.py``'s ``MPClient``); False keeps it in the front end's
+            process (``--no-engine-process``: debugging, tests that look inside the core).
     """
 
     model: str | None = None
@@ -326,6 +329,7 @@ class EngineArgs:
     seed: int = 0
     num_threads: int | None = None
     profile_dir: str | None = None
+    engine_process: bool = True
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -363,6 +367,9 @@ class EngineArgs:
         parser.add_argument("--num-threads", type=int, default=None)
         parser.add_argument("--profile-dir", default=None,
                             help="write steps.jsonl and a torch.profiler trace here")
+        parser.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=d.engine_process,
+                            help="run the engine core in its own process (default); --no-engine-process "
+                                 "keeps it in this one, for debugging")
         return parser
 
     @classmethod

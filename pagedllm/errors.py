@@ -13,3 +13,8 @@ class InvalidParameterError(ValueError):
     def __init__(self, param: str, message: str):
         super().__init__(message)
         self.param = param
+
+
+class EngineDeadError(RuntimeError):
+    """The engine core has died (its loop raised, or its process exited); no request can
+    be served any more. The server answers 503 and ``/health`` turns 503."""

@@ -158,6 +158,50 @@ class EngineCoreInfo(msgspec.Struct):
     compute_path: str
 
 
+class UtilityCall(msgspec.Struct, array_like=True):
+    """A call of one of the core's query methods, across the process seam
+    (``core/engine_proc.py``): ``reset_prefix_cache`` or ``get_scheduler_stats``, no
+    arguments.
+
+    Attributes:
+        call_id: chosen by the caller, echoed in the ``UtilityResult``.
+        method: the EngineCore method's name.
+    """
+
+    call_id: int
+    method: str
+
+
+class UtilityResult(msgspec.Struct, array_like=True):
+    """The answer to a ``UtilityCall``.
+
+    Attributes:
+        call_id: the call's id.
+        result: the method's return value, msgpack-encoded (decoded by the caller, which
+            knows the method's return type); msgpack nil when it raised.
+        error: ``"TypeName: message"`` when the method raised, else None.
+    """
+
+    call_id: int
+    result: msgspec.Raw
+    error: str | None = None
+
+
+class EngineCoreFailure(msgspec.Struct):
+    """The core process could not start, or its loop failed outside a step; it exits after
+    sending this.
+
+    Attributes:
+        error_type: the exception's class name (``ValueError``, ``InvalidParameterError``...).
+        message: its message.
+        param: the ``InvalidParameterError.param`` it named, else None.
+    """
+
+    error_type: str
+    message: str
+    param: str | None = None
+
+
 # ---------------------------------------------------------------------------------------
 # engine core ↔ worker
 # ---------------------------------------------------------------------------------------

@@ -44,7 +44,9 @@ _ENGINES: dict[tuple, object] = {}
 
 # Settings shared by every engine of the suite: float32 so that results can be compared
 # with the float32 transformers reference, and a modest CPU KV cache.
-BASE_LLM_KW = dict(dtype="float32", device="cpu", seed=0)
+# The core runs in this process (engine_process=False) so that the leak check can look
+# inside it; test_engine_process.py tests the default, the core in its own process.
+BASE_LLM_KW = dict(dtype="float32", device="cpu", seed=0, engine_process=False)
 
 # Greedy tokens generated per request in the engine invariance tests. Every decode step
 # streams all weights (~90 ms on one core), so the 32 one-at-a-time reference runs

@@ -18,8 +18,12 @@ def run_alone(llm, prompts, params) -> list[list[int]]:
 
 def engine_core(llm_engine):
     """The in-process EngineCore behind an LLMEngine (tests may look inside; the front
-    end itself never does)."""
-    return llm_engine.engine_core.engine_core
+    end itself never does). Raises TypeError for an engine whose core runs in its own
+    process: build it with ``engine_process=False``."""
+    client = llm_engine.engine_core
+    if not hasattr(client, "engine_core"):
+        raise TypeError("this engine's core runs in its own process; build it with engine_process=False")
+    return client.engine_core
 
 
 def model_runner(llm_engine):

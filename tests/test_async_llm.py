@@ -37,8 +37,14 @@ class FakeEngine:
         self.states.clear()
         return done
 
-    def process(self, request_id, prompt, params, arrival_time=None):
+    def process(self, request_id, prompt, params, arrival_time=None, processor=None):
         return SimpleNamespace(request_id=request_id), prompt
+
+    def tokenizer_copy(self):
+        return None, None
+
+    def check_health(self):
+        pass
 
     def add_processed(self, req, text):
         self.states[req.request_id] = text
@@ -62,7 +68,7 @@ class FakeEngine:
         return 0
 
     def apply_chat_template(self, messages, add_generation_prompt=True, chat_template=None,
-                            chat_template_kwargs=None):
+                            chat_template_kwargs=None, tools=None, tokenizer=None):
         return [1, 2, 3]
 
     def shutdown(self):
@@ -72,7 +78,7 @@ class FakeEngine:
 @pytest.fixture
 def engine(monkeypatch):
     monkeypatch.setattr(async_llm, "LLMEngine", FakeEngine)
-    eng = AsyncLLM(EngineArgs())
+    eng = AsyncLLM(EngineArgs(engine_process=False))   # the fake steps in this process
     yield eng
     eng.shutdown()
 

@@ -141,9 +141,19 @@ SMOL_SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576)]
 
 @pytest.mark.skipif(not onednn_packing_available(CPU, F32), reason="no oneDNN (or PAGEDLLM_ONEDNN=0)")
 @pytest.mark.parametrize("fin, fout", SMOL_SHAPES + [(576, 49152)])
-def test_onednn_float32_rows_are_invariant(fin, fout):
-    layer = _layer(fin, fout, OneDNNPackedLinearMethod())
-    assert bi.probe_row_invariance(layer, fin, F32, CPU, bi.probe_rows(fin, fout)) == []
+def test_onednn_float32_rows_end_invariant(fin, fout):
+    """oneDNN's packed float32 rows are independent of M at these shapes on the AMD AVX2
+    CPU; on the AVX-512 Xeon the 1536 -> 576 down projection's are not at 1 row (measured
+    2026-12-01). Either way the layer comes out of the load-time probe invariant."""
+    class One(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = _layer(fin, fout, OneDNNPackedLinearMethod())
+
+    model = One()
+    results = bi.ensure_batch_invariant_linears(model)
+    assert all(not r.still_failed_at for r in results), results
+    assert bi.probe_row_invariance(model.proj, fin, F32, CPU, bi.probe_rows(fin, fout)) == []
 
 
 @pytest.mark.skipif(platform.has_native_bf16(), reason="measured row-invariant on the AVX2 machine only")

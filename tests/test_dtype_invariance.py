@@ -94,8 +94,11 @@ def _check_invariance(model: str | None, dtype: str, prompts: list[list[int]], m
         kw = dict(kw)
         if label.startswith("preemption"):
             per_req = -(-(max(len(p) for p in prompts) + max_tokens) // block_size)
-            # room for two requests at most: the rest wait, and running ones get preempted
-            kw["kv_cache_memory"] = _bytes_for_blocks(model, kv_dtype, per_req * 2 + 1, block_size)
+            # room for one request and 3 blocks more: the shared prefix's blocks are held
+            # once, so a room of two whole requests held all 8 of the bundled model's
+            # 300-token-prefix prompts at once; with this the rest wait, and running ones
+            # get preempted
+            kw["kv_cache_memory"] = _bytes_for_blocks(model, kv_dtype, per_req + 3, block_size)
             kw["max_model_len"] = per_req * block_size
         else:
             kw.setdefault("kv_cache_memory", "256MiB")

@@ -36,7 +36,8 @@ class _Server:
         import uvicorn
 
         self.engine = AsyncLLM(EngineArgs(dtype="float32", device="cpu", max_model_len=MAX_MODEL_LEN,
-                                          kv_cache_memory="256MiB", num_threads=1), log_stats=False)
+                                          kv_cache_memory="256MiB", num_threads=1,
+                                          engine_process=False), log_stats=False)
         # as run_server: the logger is labelled with the model name, known once loaded
         self.prom = PrometheusStatLogger(self.engine.model_name)
         self.engine.engine.stat_loggers.append(self.prom)
@@ -583,9 +584,9 @@ def test_chat_message_extra_keys_reach_the_template(server):
     seen = []
     orig = server.engine.engine.apply_chat_template
 
-    def spy(messages, *args):
+    def spy(messages, *args, **kw):
         seen.append(messages)
-        return orig(messages, *args)
+        return orig(messages, *args, **kw)
 
     server.engine.engine.apply_chat_template = spy
     try:

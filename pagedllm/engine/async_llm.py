@@ -1,12 +1,14 @@
 """AsyncLLM: an asyncio front end over the engine, for the HTTP server.
 
-The engine steps in one background thread (torch releases the GIL during kernels, so the
-event loop keeps serving connections while the model runs). Coroutines validate, render
-chat templates and tokenize in a tokenizer thread (a long prompt or a slow template never
-blocks the event loop; one thread, as in vLLM, so tokenizer calls never run concurrently),
-hand the Request to the engine thread through a queue, and receive RequestOutputs on a
-per-request asyncio.Queue. Aborts (client disconnects) go through the same queue and free
-the request's blocks at the next loop turn.
+The engine core runs in its own process by default (``MPClient``; ``engine_process=False``
+keeps it in this one), so HTTP, tokenizing and detokenizing never compete with the model
+loop for the GIL. Here, one output thread (``pagedllm-engine``) hands new requests and
+aborts to the core, takes each step's outputs, detokenizes them and puts RequestOutputs
+on per-request asyncio.Queues. Coroutines validate, render chat templates and tokenize in
+a pool of ``TOKENIZER_THREADS`` threads, each with its own copy of the tokenizer (a long
+prompt or a slow template never blocks the event loop, nor the other requests' prompts),
+then hand the request to the output thread through a queue. Aborts (client disconnects)
+go through the same queue and reach the core before its next step.
 
 Failures: a step that raises fails the requests it scheduled and the engine keeps serving
 the others; after ``MAX_CONSECUTIVE_STEP_FAILURES`` failed steps in a row, or any error
@@ -25,6 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from pagedllm.config import EngineArgs
 from pagedllm.engine.llm_engine import EngineStepError, LLMEngine
+from pagedllm.errors import EngineDeadError  # noqa: F401  (re-exported: the server imports it here)
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -36,9 +39,14 @@ logger = logging.getLogger("pagedllm")
 # itself is broken, e.g. a device error).
 MAX_CONSECUTIVE_STEP_FAILURES = 3
 
+# Threads that validate, template and tokenize requests (each with its own tokenizer).
+TOKENIZER_THREADS = 4
 
-class EngineDeadError(RuntimeError):
-    """The engine loop has died; no request can be served any more."""
+# With the core in its own process: seconds the output thread waits for the core's next
+# outputs before it looks at its queue of new requests and aborts again (busy), and for
+# new requests before it takes the core's news (idle: aborts' freed blocks, stats).
+OUTPUT_WAIT_S = 0.02
+IDLE_WAIT_S = 0.05
 
 
 class AsyncLLM:
@@ -54,7 +62,10 @@ class AsyncLLM:
         self._dead: BaseException | None = None
         self._stop = False
         self._failed_steps = 0  # consecutive
-        self._tokenizer_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedllm-tokenizer")
+        self._tokenizer_pool = ThreadPoolExecutor(max_workers=TOKENIZER_THREADS,
+                                                  thread_name_prefix="pagedllm-tokenizer")
+        self._local = threading.local()   # per tokenizer thread: (tokenizer, processor)
+        self._multiprocess = args.engine_process
         self._thread = threading.Thread(target=self._loop, name="pagedllm-engine", daemon=True)
         self._thread.start()
 
@@ -82,13 +93,36 @@ class AsyncLLM:
 
     def _check_alive(self) -> None:
         if self._dead is not None:
-            raise EngineDeadError(f"the engine has died ({self._dead!r}); restart the server")
+            raise EngineDeadError(f"the engine has died ({self._dead}); restart the server")
         if not self._thread.is_alive():
             raise EngineDeadError("the engine loop has stopped")
+        self.engine.check_health()
 
     async def _in_tokenizer_thread(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(
             self._tokenizer_pool, functools.partial(fn, *args))
+
+    def _thread_tokenizer(self):
+        """This tokenizer thread's (tokenizer, processor), copied at its first use."""
+        tp = getattr(self._local, "tp", None)
+        if tp is None:
+            tp = self._local.tp = self.engine.tokenizer_copy()
+        return tp
+
+    def _process(self, rid, prompt, params):
+        return self.engine.process(rid, prompt, params, processor=self._thread_tokenizer()[1])
+
+    def _render(self, *args):
+        return self.engine.apply_chat_template(*args, tokenizer=self._thread_tokenizer()[0])
+
+    async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``, in a tokenizer thread."""
+        return await self._in_tokenizer_thread(
+            lambda: self._thread_tokenizer()[0].encode(text, add_special_tokens=add_special_tokens))
+
+    async def detokenize(self, token_ids: list[int]) -> str:
+        """The text of ``token_ids``, in a tokenizer thread."""
+        return await self._in_tokenizer_thread(lambda: self._thread_tokenizer()[0].decode(token_ids))
 
     async def add_request(self, request_id: str, prompt, sampling_params: SamplingParams) -> "RequestStream":
         """Validate, tokenize (in the tokenizer thread) and queue a request.
@@ -113,8 +147,8 @@ class AsyncLLM:
             EngineDeadError: the engine loop has died.
         """
         self._check_alive()
-        processed = [await self._in_tokenizer_thread(self.engine.process, rid, prompt, params)
-                     for rid, prompt, params in requests]
+        processed = await asyncio.gather(*[self._in_tokenizer_thread(self._process, rid, prompt, params)
+                                           for rid, prompt, params in requests])
         ids = [req.request_id for req, _ in processed]
         loop = asyncio.get_running_loop()
         queues = [asyncio.Queue() for _ in processed]
@@ -135,7 +169,7 @@ class AsyncLLM:
                                   tools: list[dict] | None = None) -> list[int]:
         """LLMEngine.apply_chat_template in the tokenizer thread (same errors)."""
         self._check_alive()
-        return await self._in_tokenizer_thread(self.engine.apply_chat_template, messages,
+        return await self._in_tokenizer_thread(self._render, messages,
                                                add_generation_prompt, chat_template, chat_template_kwargs,
                                                tools)
 
@@ -242,19 +276,29 @@ class AsyncLLM:
 
     def _run(self) -> None:
         eng = self.engine
+        mp = self._multiprocess
         while not self._stop:
             try:
                 block = not eng.has_unfinished_requests()
-                msg = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+                if block:
+                    msg = self._inbox.get(timeout=IDLE_WAIT_S if mp else 0.5)
+                else:
+                    msg = self._inbox.get_nowait()
                 self._handle(msg)
                 while True:  # drain everything that arrived
                     self._handle(self._inbox.get_nowait())
             except queue.Empty:
                 pass
-            if self._stop or not eng.has_unfinished_requests():
+            if self._stop:
+                continue
+            busy = eng.has_unfinished_requests()
+            if not busy and not mp:
                 continue
             try:
-                outputs = eng.step()
+                # in process: one step; else the core's next outputs (idle: what it sent)
+                outputs = eng.step(OUTPUT_WAIT_S if busy else 0) if mp else eng.step()
+            except EngineDeadError:
+                raise
             except Exception as e:  # fail the requests of this step, keep serving others
                 self._failed_steps += 1
                 if self._failed_steps >= MAX_CONSECUTIVE_STEP_FAILURES:

@@ -1,15 +1,33 @@
 """EngineCoreClient: the front end's only way to the engine core (vLLM V1's shape).
 
-Everything that crosses it is a message from ``pagedllm/messages.py`` or a plain value,
-so an implementation that runs the core in another process (over ZMQ, msgspec-encoded)
-can stand in for ``InprocClient`` without either side changing.
+Everything that crosses it is a message from ``pagedllm/messages.py`` or a plain value.
+Two implementations: ``MPClient`` runs the core in its own process and speaks to it over
+ZMQ with msgspec-encoded messages (``core/engine_proc.py``; the default), and
+``InprocClient`` calls a core in this process (``engine_process=False``, for debugging
+and for tests that look inside the core).
 """
 from __future__ import annotations
 
+import itertools
+import logging
+import os
+import queue
+import shutil
+import tempfile
+import threading
+import weakref
 from abc import ABC, abstractmethod
+from concurrent.futures import Future
+
+import msgspec
 
 from pagedllm.config import EngineConfig
-from pagedllm.messages import EngineCoreInfo, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
+from pagedllm.core import engine_proc as wire   # the process's entry point and wire format
+from pagedllm.errors import EngineDeadError, InvalidParameterError
+from pagedllm.messages import (EngineCoreFailure, EngineCoreInfo, EngineCoreOutputs, EngineCoreRequest,
+                               SchedulerStats, UtilityCall, UtilityResult)
+
+logger = logging.getLogger("pagedllm")
 
 
 class EngineCoreClient(ABC):
@@ -21,7 +39,15 @@ class EngineCoreClient(ABC):
 
     @staticmethod
     def make_client(config: EngineConfig) -> EngineCoreClient:
-        """The client for ``config`` (today the in-process one; loads the model)."""
+        """The client for ``config``: the core in its own process unless
+        ``config.args.engine_process`` is False. Loads the model (in that process).
+
+        Raises:
+            ValueError / InvalidParameterError: the core could not start (as raised there).
+            EngineDeadError: its process died while starting.
+        """
+        if config.args.engine_process:
+            return MPClient(config)
         return InprocClient(config)
 
     @abstractmethod
@@ -29,12 +55,21 @@ class EngineCoreClient(ABC):
         """Queue a validated request."""
 
     @abstractmethod
-    def get_output(self) -> EngineCoreOutputs:
-        """Run (or wait for) one engine step and return its outputs."""
+    def get_output(self, timeout: float | None = None) -> EngineCoreOutputs:
+        """The next step's outputs: the in-process client runs a step; the multiprocess
+        one waits for the core's next message, up to ``timeout`` seconds (None = until one
+        comes), returning empty ``EngineCoreOutputs`` (``scheduler_stats`` None) when none
+        came.
+
+        Raises:
+            EngineDeadError: the core has died.
+        """
 
     @abstractmethod
     def abort_requests(self, request_ids: list[str]) -> EngineCoreOutputs:
-        """Abort requests; their KV blocks are freed. Returns their final outputs."""
+        """Abort requests; their KV blocks are freed before the core's next step. Returns
+        their final outputs where the core is in this process; the multiprocess client
+        returns empty outputs at once and the core's news follows in ``get_output``."""
 
     @abstractmethod
     def reset_prefix_cache(self) -> int:
@@ -43,6 +78,9 @@ class EngineCoreClient(ABC):
     @abstractmethod
     def get_scheduler_stats(self) -> SchedulerStats:
         """The scheduler's statistics now (for a caller with no step to read them from)."""
+
+    def check_health(self) -> None:
+        """Raises EngineDeadError when the core has died."""
 
     @abstractmethod
     def shutdown(self) -> None:
@@ -62,7 +100,7 @@ class InprocClient(EngineCoreClient):
     def add_request(self, request: EngineCoreRequest) -> None:
         self.engine_core.add_request(request)
 
-    def get_output(self) -> EngineCoreOutputs:
+    def get_output(self, timeout: float | None = None) -> EngineCoreOutputs:
         return self.engine_core.step()
 
     def abort_requests(self, request_ids: list[str]) -> EngineCoreOutputs:
@@ -76,3 +114,231 @@ class InprocClient(EngineCoreClient):
 
     def shutdown(self) -> None:
         self.engine_core.shutdown()
+
+
+class MPClient(EngineCoreClient):
+    """The core in its own process (``core.engine_proc.run_engine_core`` in a fresh
+    interpreter of this Python), reached over two ZMQ IPC sockets this client
+    binds: requests, aborts and utility calls go out on one, outputs come back on the
+    other. An output thread reads the core's messages: step outputs queue for
+    ``get_output``, utility results complete their callers' futures.
+
+    Failure model: the output thread checks every ``POLL_S`` seconds that the process is
+    alive. When it has died (killed, crashed, or after sending ``FAILED``), the client is
+    dead: ``get_output``, ``check_health`` and every waiting or later call raise
+    ``EngineDeadError`` naming the exit code, within ``POLL_S`` of the death.
+    ``shutdown`` asks the core to stop, then terminates it if it has not within
+    ``SHUTDOWN_WAIT_S``; it also runs at interpreter exit, so no engine process is left
+    behind (and the core exits by itself when this process dies: ``engine_proc``).
+
+    Raises (constructor): the core's start-up error, re-raised as its type where it is a
+    ``ValueError`` (``InvalidParameterError`` keeps its ``param``); ``EngineDeadError``
+    when the process died while starting.
+    """
+
+    POLL_S = 0.1
+    SHUTDOWN_WAIT_S = 5.0
+
+    def __init__(self, config: EngineConfig):
+        import pickle
+        import subprocess
+        import sys
+
+        import zmq
+
+        self._dir = tempfile.mkdtemp(prefix="pagedllm-core-")
+        in_addr, out_addr = f"ipc://{self._dir}/input", f"ipc://{self._dir}/output"
+        self._ctx = zmq.Context()
+        self._input = self._ctx.socket(zmq.PUSH)
+        self._input.setsockopt(zmq.LINGER, 0)
+        self._input.bind(in_addr)
+        self._output = self._ctx.socket(zmq.PULL)
+        self._output.setsockopt(zmq.LINGER, 0)
+        self._output.bind(out_addr)
+        self._send_lock = threading.Lock()
+        self._encoder = msgspec.msgpack.Encoder()
+        self._outputs_decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
+        self._outputs: queue.Queue = queue.Queue()
+        self._calls: dict[int, tuple[Future, type]] = {}
+        self._call_ids = itertools.count()
+        self._dead: str | None = None
+        self._closed = False
+        self._thread = None
+        level = logging.getLogger("pagedllm").getEffectiveLevel()
+        self._proc = subprocess.Popen(
+            [sys.executable, "-c", f"from {wire.__name__} import main; main()"],
+            stdin=subprocess.PIPE)
+        self._finalizer = weakref.finalize(self, MPClient._cleanup, self._proc, self._ctx, self._dir)
+        try:
+            self._proc.stdin.write(pickle.dumps((config, in_addr, out_addr, os.getpid(), level)))
+            self._proc.stdin.close()
+            self.info = self._wait_ready()
+        except BaseException:
+            self.shutdown()
+            raise
+        self._thread = threading.Thread(target=self._read_outputs, name="pagedllm-core-output", daemon=True)
+        self._thread.start()
+        logger.info("engine core running in process %d", self._proc.pid)
+
+    def _alive(self) -> bool:
+        return self._proc.poll() is None
+
+    @property
+    def pid(self) -> int:
+        """The engine process's pid."""
+        return self._proc.pid
+
+    # -- start-up ----------------------------------------------------------------------
+    def _wait_ready(self) -> EngineCoreInfo:
+
+        while True:
+            if self._output.poll(int(self.POLL_S * 1000)):
+                kind, payload = self._output.recv_multipart()
+                if kind == wire.READY:
+                    return msgspec.msgpack.decode(payload, type=EngineCoreInfo)
+                if kind == wire.FAILED:
+                    raise _start_error(msgspec.msgpack.decode(payload, type=EngineCoreFailure))
+                raise EngineDeadError(f"engine core sent {kind!r} before it was ready")
+            if not self._alive():
+                raise EngineDeadError(f"the engine core process exited while starting "
+                                      f"(exit code {self._proc.returncode})")
+
+    # -- output thread -------------------------------------------------------------------
+    def _read_outputs(self) -> None:
+
+        reason = None
+        try:
+            while not self._closed:
+                if not self._output.poll(int(self.POLL_S * 1000)):
+                    if not self._alive():
+                        reason = f"the engine core process died (exit code {self._proc.returncode})"
+                        break
+                    continue
+                kind, payload = self._output.recv_multipart()
+                if kind == wire.OUTPUTS:
+                    self._outputs.put(self._outputs_decoder.decode(payload))
+                elif kind == wire.UTILITY:
+                    res = msgspec.msgpack.decode(payload, type=UtilityResult)
+                    fut, rtype = self._calls.pop(res.call_id, (None, None))
+                    if fut is None:
+                        continue
+                    if res.error is not None:
+                        fut.set_exception(RuntimeError(f"engine core: {res.error}"))
+                    else:
+                        fut.set_result(msgspec.msgpack.decode(res.result, type=rtype))
+                elif kind == wire.FAILED:
+                    f = msgspec.msgpack.decode(payload, type=EngineCoreFailure)
+                    reason = f"the engine core failed ({f.error_type}: {f.message})"
+                    break
+        except Exception as e:  # noqa: BLE001  (a broken socket or message: the core is lost)
+            if not self._closed:
+                logger.exception("engine core output thread failed")
+                reason = f"the engine core connection failed ({type(e).__name__}: {e})"
+        if reason is not None and not self._closed:
+            self._set_dead(reason)
+
+    def _set_dead(self, reason: str) -> None:
+        logger.error("%s", reason)
+        self._dead = reason
+        self._outputs.put(None)   # wakes a waiting get_output
+        err = EngineDeadError(f"{reason}; restart the server")
+        for fut, _ in list(self._calls.values()):
+            if not fut.done():
+                fut.set_exception(err)
+        self._calls.clear()
+
+    # -- calls -----------------------------------------------------------------------
+    def check_health(self) -> None:
+        if self._dead is not None:
+            raise EngineDeadError(f"{self._dead}; restart the server")
+        if self._closed:
+            raise EngineDeadError("the engine core has been shut down")
+
+    def _send(self, kind: bytes, obj) -> None:
+        self.check_health()
+        payload = b"" if obj is None else self._encoder.encode(obj)
+        with self._send_lock:
+            self._input.send_multipart([kind, payload], copy=False)
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+
+        self._send(wire.ADD, request)
+
+    def get_output(self, timeout: float | None = None) -> EngineCoreOutputs:
+        self.check_health()
+        try:
+            outs = self._outputs.get(timeout=timeout)
+        except queue.Empty:
+            return EngineCoreOutputs()
+        if outs is None:
+            self._outputs.put(None)   # every later waiter wakes too
+            self.check_health()
+        return outs
+
+    def abort_requests(self, request_ids: list[str]) -> EngineCoreOutputs:
+
+        if request_ids:
+            self._send(wire.ABORT, list(request_ids))
+        return EngineCoreOutputs()
+
+    def _call(self, method: str, rtype: type):
+
+        fut: Future = Future()
+        call_id = next(self._call_ids)
+        self._calls[call_id] = (fut, rtype)
+        try:
+            self._send(wire.UTILITY, UtilityCall(call_id, method))
+        except BaseException:
+            self._calls.pop(call_id, None)
+            raise
+        if self._dead is not None and not fut.done():   # died between the check and the send
+            self.check_health()
+        return fut.result()
+
+    def reset_prefix_cache(self) -> int:
+        return self._call("reset_prefix_cache", int)
+
+    def get_scheduler_stats(self) -> SchedulerStats:
+        return self._call("get_scheduler_stats", SchedulerStats)
+
+    def shutdown(self) -> None:
+
+        if self._closed:
+            return
+        if self._dead is None and self._alive():
+            try:
+                with self._send_lock:
+                    self._input.send_multipart([wire.SHUTDOWN, b""])
+                self._proc.wait(self.SHUTDOWN_WAIT_S)
+            except Exception:  # noqa: BLE001  (a timeout: stopped by _cleanup below)
+                pass
+        self._closed = True
+        thread = self._thread
+        if thread is not None:
+            thread.join(timeout=2 * self.POLL_S + 1)
+        self._finalizer()
+
+    @staticmethod
+    def _cleanup(proc, ctx, path: str) -> None:
+        """Stop the process if it still runs, close the sockets, remove their folder."""
+        import subprocess
+
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(2)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(2)
+        ctx.destroy(linger=0)
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _start_error(f: EngineCoreFailure) -> BaseException:
+    """The front end's exception for a core that failed to start: ValueErrors keep their
+    type (and ``param``) so that callers see the same error as in process."""
+    if f.error_type == "InvalidParameterError" and f.param is not None:
+        return InvalidParameterError(f.param, f.message)
+    if f.error_type in ("ValueError", "InvalidParameterError"):
+        return ValueError(f.message)
+    return EngineDeadError(f"the engine core failed to start ({f.error_type}: {f.message})")

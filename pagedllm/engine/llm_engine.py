@@ -7,6 +7,7 @@ RequestOutputs.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import time
@@ -172,13 +173,24 @@ class LLMEngine:
 
     # ------------------------------------------------------------------------------
     def process(self, request_id: str, prompt, params: SamplingParams | None,
-                arrival_time: float | None = None) -> tuple[EngineCoreRequest, str | None]:
-        """Validate and tokenize (safe to call from another thread than ``step``).
+                arrival_time: float | None = None,
+                processor: Processor | None = None) -> tuple[EngineCoreRequest, str | None]:
+        """Validate and tokenize (safe to call from another thread than ``step``; threads
+        that tokenize concurrently each pass their own ``processor``, from
+        ``tokenizer_copy``).
 
         Raises:
             ValueError: bad prompt or parameters (the message names which).
         """
-        return self.processor.process(request_id, prompt, params, arrival_time)
+        return (processor or self.processor).process(request_id, prompt, params, arrival_time)
+
+    def tokenizer_copy(self) -> tuple[object, Processor]:
+        """A copy of the tokenizer and a Processor over it, for a thread that tokenizes
+        beside others (a fast tokenizer must not be used by two threads at once)."""
+        tok = copy.deepcopy(self.tokenizer)
+        proc = copy.copy(self.processor)
+        proc.tokenizer = tok
+        return tok, proc
 
     def add_processed(self, req: EngineCoreRequest, prompt_text: str | None) -> None:
         """Send a processed request to the core.
@@ -270,15 +282,18 @@ class LLMEngine:
         return bool(self.states)
 
     # ------------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
-        """Run one engine step; returns a RequestOutput for every request that got new
-        tokens (cumulative text/tokens, plus the delta since its previous output).
+    def step(self, timeout: float | None = None) -> list[RequestOutput]:
+        """Run one engine step (or, with the core in its own process, take its next
+        step's outputs, waiting up to ``timeout`` seconds; None = until they come); returns
+        a RequestOutput for every request that got new tokens (cumulative text/tokens, plus
+        the delta since its previous output).
 
         Raises:
             EngineStepError: the step failed for some requests (they are gone); it
                 carries the step's outputs for the others.
+            EngineDeadError: the engine core has died.
         """
-        outs = self.engine_core.get_output()
+        outs = self.engine_core.get_output(timeout)
         it = IterationStats()
         results = self._process_outputs(outs.outputs, it)
         failed = []
@@ -427,8 +442,9 @@ class LLMEngine:
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             chat_template: str | None = None,
                             chat_template_kwargs: dict | None = None,
-                            tools: list[dict] | None = None) -> list[int]:
-        """Render a conversation with the model's chat template and tokenize it.
+                            tools: list[dict] | None = None, tokenizer=None) -> list[int]:
+        """Render a conversation with the model's chat template and tokenize it (with
+        ``tokenizer``, a ``tokenizer_copy`` of this thread's, else the engine's own).
 
         ``tools``: OpenAI tool definitions, passed to the template as its ``tools``
         variable (for a template that can show them; see ``tool_calls.rendering``).
@@ -454,12 +470,13 @@ class LLMEngine:
         if reserved:
             raise InvalidParameterError("chat_template_kwargs",
                                         f"chat_template_kwargs may not set {', '.join(reserved)}")
-        if chat_template is None and not getattr(self.tokenizer, "chat_template", None):
+        tok = tokenizer or self.tokenizer
+        if chat_template is None and not getattr(tok, "chat_template", None):
             raise ValueError("this model has no chat template; use the completions endpoint")
         try:
             if tools:
                 extra["tools"] = tools
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+            text = tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
                                                       tokenize=False, chat_template=chat_template, **extra)
         except TypeError as e:   # e.g. a chat_template_kwargs key the renderer takes itself
             if extra:
@@ -468,7 +485,7 @@ class LLMEngine:
             raise ValueError(f"cannot apply the chat template: {e}") from e
         except Exception as e:   # jinja2 syntax/undefined errors, a template's raise_exception
             raise ValueError(f"cannot apply the chat template: {e}") from e
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return tok.encode(text, add_special_tokens=False)
 
     def reset_prefix_cache(self) -> int:
         n = self.engine_core.reset_prefix_cache()
@@ -479,6 +496,10 @@ class LLMEngine:
     def get_scheduler_stats(self) -> SchedulerStats:
         """Running/waiting requests, KV use, prefix-cache queries and hits, now."""
         return self.engine_core.get_scheduler_stats()
+
+    def check_health(self) -> None:
+        """Raises EngineDeadError when the engine core has died."""
+        self.engine_core.check_health()
 
     def shutdown(self) -> None:
         self.engine_core.shutdown()
