@@ -14,6 +14,7 @@ it before the engine starts. Names, defaults and meanings:
 | ``PAGEDLLM_BATCH_INVARIANT_PROBE`` | ``1`` | ``0``: skip the load-time check that each linear layer's rows are independent of the batch size (and the row-chunk wrapping of layers whose are not; ``layers/batch_invariance.py``) |
 | ``PAGEDLLM_ALLOW_LONG_MAX_MODEL_LEN`` | ``0`` | ``1``: allow ``max_model_len`` past the model's context |
 | ``PAGEDLLM_PROFILE_STEPS`` | ``5,20`` | ``START,NUM``: engine steps the torch.profiler trace covers |
+| ``PAGEDLLM_API_KEY`` | unset | the server's API key when ``--api-key`` is not given (Bearer auth) |
 """
 from __future__ import annotations
 
@@ -72,3 +73,8 @@ def profile_steps() -> tuple[int, int]:
     except ValueError:
         raise ValueError(f"PAGEDLLM_PROFILE_STEPS must be 'START,NUM' (two integers), got {raw!r}") from None
     return start, num
+
+
+def api_key() -> str | None:
+    """``PAGEDLLM_API_KEY``, or None when unset or empty."""
+    return os.environ.get("PAGEDLLM_API_KEY") or None

@@ -30,6 +30,7 @@ class FakeEngine:
         self.states: dict[str, str] = {}
         self.step_impl = self.finish_all
         self.abort_impl = None
+        self.stat_loggers = []
 
     def finish_all(self):
         time.sleep(0.01)

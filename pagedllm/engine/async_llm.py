@@ -66,6 +66,11 @@ class AsyncLLM:
                                                   thread_name_prefix="pagedllm-tokenizer")
         self._local = threading.local()   # per tokenizer thread: (tokenizer, processor)
         self._multiprocess = args.engine_process
+        # requests waiting for the engine: the scheduler's count in the latest stats, plus
+        # those handed to the engine thread since (see num_waiting)
+        self._sched_waiting = 0
+        self._added_since_stats = 0
+        self.engine.stat_loggers.append(self)
         self._thread = threading.Thread(target=self._loop, name="pagedllm-engine", daemon=True)
         self._thread.start()
 
@@ -87,13 +92,32 @@ class AsyncLLM:
         """The model's file or directory, as given or resolved at start."""
         return self.engine.config.model_path
 
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.config.arch.vocab_size
+
+    def record(self, scheduler_stats, iteration_stats) -> None:
+        """Stat-logger hook (engine thread): keeps the scheduler's waiting count."""
+        with self._lock:
+            self._sched_waiting = scheduler_stats.num_waiting
+            self._added_since_stats = 0
+
+    def num_waiting(self) -> int:
+        """Requests waiting for the engine: in the scheduler's queue at the latest step,
+        plus those queued since (an estimate that errs high by what the engine admitted
+        since its last step; ``--max-waiting-requests`` compares it)."""
+        with self._lock:
+            return self._sched_waiting + self._added_since_stats
+
     def add_stat_logger(self, stat_logger) -> None:
         """Attach a logger with ``record(SchedulerStats, IterationStats)`` (e.g. Prometheus's)."""
         self.engine.stat_loggers.append(stat_logger)
 
     def _check_alive(self) -> None:
         if self._dead is not None:
-            raise EngineDeadError(f"the engine has died ({self._dead}); restart the server")
+            if isinstance(self._dead, EngineDeadError):
+                raise EngineDeadError(str(self._dead))
+            raise EngineDeadError(f"the engine has died ({self._dead!r}); restart the server")
         if not self._thread.is_alive():
             raise EngineDeadError("the engine loop has stopped")
         self.engine.check_health()
@@ -159,6 +183,7 @@ class AsyncLLM:
                 raise ValueError(f"request_id {taken[0]!r} is already in use")
             for rid, q in zip(ids, queues):
                 self._streams[rid] = (loop, q)
+            self._added_since_stats += len(ids)
         for req, text in processed:
             self._inbox.put(("add", req, text))
         return [RequestStream(self, rid, q) for rid, q in zip(ids, queues)]
@@ -263,7 +288,8 @@ class AsyncLLM:
         with self._lock:
             self._dead = exc
             rids = list(self._streams)
-        err = EngineDeadError(f"the engine has died ({exc!r}); restart the server")
+        err = exc if isinstance(exc, EngineDeadError) else EngineDeadError(
+            f"the engine has died ({exc!r}); restart the server")
         for rid in rids:
             self._deliver(rid, err)
         while True:

@@ -47,6 +47,10 @@ def _serve(args) -> int:
 
     if args.enable_auto_tool_choice and args.tool_call_parser is None:   # before the model loads
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+    if args.max_waiting_requests is not None and args.max_waiting_requests < 0:
+        raise ValueError(f"--max-waiting-requests must be >= 0, got {args.max_waiting_requests}")
+    if args.shutdown_timeout < 0:
+        raise ValueError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
     run_server(args)
     return 0
 
@@ -103,6 +107,17 @@ def register(subparsers: "argparse._SubParsersAction") -> None:
                    help='let tool_choice "auto" read tool calls from the output (needs --tool-call-parser)')
     p.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSER_NAMES),
                    help="the format of the model's tool calls, for tool_choice \"auto\"")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on every route but /health "
+                        "(default: $PAGEDLLM_API_KEY; none: no auth)")
+    p.add_argument("--metrics-without-auth", action="store_true",
+                   help="serve /metrics without the API key (for a Prometheus scraper)")
+    p.add_argument("--max-waiting-requests", type=int, default=None,
+                   help="answer 503 with Retry-After to a new request while this many wait for the "
+                        "engine (default: no limit)")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="on SIGTERM / Ctrl-C, seconds that in-flight requests get to finish before "
+                        "they are aborted")
     p.set_defaults(func=_serve)
 
     p = subparsers.add_parser("generate", help="print a completion of PROMPT",

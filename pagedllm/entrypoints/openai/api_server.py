@@ -2,9 +2,23 @@
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (``stream`` true or false;
 SSE chunks as OpenAI's, closing with ``data: [DONE]``), GET /v1/models and
-GET /v1/models/{id} (404 for another id), GET /health,
-GET /metrics (Prometheus, vLLM names), POST /reset_prefix_cache.
+GET /v1/models/{id} (404 for another id), GET /health, GET /version,
+POST /tokenize and POST /detokenize (vLLM's), GET /metrics (Prometheus, vLLM names),
+POST /reset_prefix_cache, and GET /openapi.json describing them.
 A client that disconnects mid-request aborts it; its KV blocks are freed at once.
+
+Production behaviour (``middleware.py``, ``run_server``):
+- ``--api-key`` (or ``PAGEDLLM_API_KEY``): Bearer auth on every route but /health (and
+  /metrics with ``--metrics-without-auth``); 401 in OpenAI's error shape.
+- ``--max-waiting-requests N``: a completion or chat request that finds N requests
+  already waiting for the engine gets 503 with ``Retry-After``, instead of queueing.
+- ``X-Request-Id``: honoured (the response ids are built from it) and echoed; a
+  duplicate of an id in flight gets a fresh internal id, so streams never cross. One
+  access-log line per request (``pagedllm.access``).
+- The engine core's death (its process killed, say): open requests fail at once (503,
+  or an error event then ``[DONE]`` on a stream) and /health answers 503.
+- SIGTERM / Ctrl-C: stop accepting, let in-flight requests finish for up to
+  ``--shutdown-timeout`` seconds, abort the rest, stop the engine process, exit 0.
 
 Chat templates are rendered and prompts tokenized in AsyncLLM's tokenizer thread, never on
 the event loop. A request's own ``chat_template`` is honoured only when the server was
@@ -20,17 +34,22 @@ import logging
 import time
 import uuid
 
+import uvicorn
+
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedllm.engine.async_llm import AsyncLLM, EngineDeadError
-from pagedllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
-                                                  describe_validation_error, error_body)
+from pagedllm.entrypoints.openai.middleware import ApiKeyMiddleware, RequestIdMiddleware
+from pagedllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                                  TokenizeRequest, describe_validation_error, error_body)
 from pagedllm.entrypoints.openai.chat_tools import ChatTools
 from pagedllm.entrypoints.openai.responses import CompletionFormat, chat_logprobs, prompt_logprobs, usage
 from pagedllm.entrypoints.openai.tool_calls import get_tool_parser
+from pagedllm import __version__
+from pagedllm.engine.processor import check_unicode
 from pagedllm.errors import InvalidParameterError
 
 logger = logging.getLogger("pagedllm")
@@ -52,21 +71,70 @@ def _sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
+def _sse_error(e: BaseException) -> str:
+    """The error event of a stream that failed: 503 when the engine has died, else 500."""
+    if isinstance(e, EngineDeadError):
+        return _sse(error_body(str(e), None, 503, "service_unavailable"))
+    return _sse(error_body(str(e), getattr(e, "param", None), 500, "internal_error"))
+
+
 def build_app(engine: AsyncLLM, prometheus=None, trust_request_chat_template: bool = False,
-              enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None) -> FastAPI:
+              enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
+              api_key: str | None = None, metrics_without_auth: bool = False,
+              max_waiting_requests: int | None = None) -> FastAPI:
     """The FastAPI app serving ``engine``; ``prometheus`` is a PrometheusStatLogger (or None);
     ``trust_request_chat_template``: honour a chat request's ``chat_template`` field;
     ``enable_auto_tool_choice`` / ``tool_call_parser``: ``tool_choice: "auto"`` reads calls
-    from the output with that parser (vLLM's flags).
+    from the output with that parser (vLLM's flags); ``api_key``: require it as a Bearer
+    token (``metrics_without_auth``: but not on /metrics); ``max_waiting_requests``: refuse
+    new generation requests with 503 while that many wait for the engine (None: never).
 
     Raises:
-        ValueError: ``enable_auto_tool_choice`` without a known ``tool_call_parser``."""
+        ValueError: ``enable_auto_tool_choice`` without a known ``tool_call_parser``;
+            ``max_waiting_requests`` < 0."""
     if enable_auto_tool_choice:
         if tool_call_parser is None:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
         get_tool_parser(tool_call_parser)
-    app = FastAPI(title="pagedllm", version="0.1.0")
+    if max_waiting_requests is not None and max_waiting_requests < 0:
+        raise ValueError(f"--max-waiting-requests must be >= 0, got {max_waiting_requests}")
+    app = FastAPI(title="pagedllm", version=__version__)
     app.state.engine = engine
+    if api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key, metrics_without_auth=metrics_without_auth)
+    app.add_middleware(RequestIdMiddleware)   # outermost: a refused request has an id and a log line too
+    in_flight: set[str] = set()   # engine request ids of requests being served
+
+    def engine_request_id(raw: Request, prefix: str) -> str:
+        """``prefix-<X-Request-Id or uuid>``, or a fresh one when that id is in flight;
+        released when the response ends."""
+        rid = f"{prefix}-{raw.state.request_id}"
+        if rid in in_flight:
+            rid = f"{rid}-{uuid.uuid4().hex[:12]}"
+        in_flight.add(rid)
+        raw.state.on_end = [*getattr(raw.state, "on_end", []), lambda: in_flight.discard(rid)]
+        return rid
+
+    def check_capacity():
+        """503 with Retry-After when ``max_waiting_requests`` requests wait already."""
+        if max_waiting_requests is not None and engine.num_waiting() >= max_waiting_requests:
+            r = _err(f"the server is at capacity ({engine.num_waiting()} requests waiting, "
+                     f"--max-waiting-requests {max_waiting_requests}); retry later", None, 503,
+                     "service_unavailable")
+            r.headers["Retry-After"] = "1"
+            return r
+        return None
+
+    def note_usage(raw_state, outs) -> None:
+        """What the access log reports: tokens and TTFT of the request's final outputs."""
+        outs = [o for o in outs if o is not None]
+        if not outs:
+            return
+        firsts = [o.metrics.first_token_time - o.metrics.arrival_time for o in outs
+                  if o.metrics.first_token_time is not None]
+        raw_state.usage = {"prompt_tokens": sum(len(o.prompt_token_ids) for o in outs),
+                           "output_tokens": sum(len(c.token_ids) for o in outs for c in o.outputs),
+                           "ttft": min(firsts) if firsts else None}
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_req, exc: RequestValidationError):
@@ -112,6 +180,39 @@ def build_app(engine: AsyncLLM, prometheus=None, trust_request_chat_template: bo
     async def health():
         await engine.check_health()
         return Response(status_code=200)
+
+    @app.get("/version")
+    async def version():
+        return {"version": __version__}
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        if (r := check_model(body.model)) is not None:
+            return r
+        if (body.prompt is None) == (body.messages is None):
+            raise InvalidParameterError("prompt", "give exactly one of prompt and messages")
+        if body.messages is not None:
+            try:
+                ids = await engine.apply_chat_template([m.model_dump() for m in body.messages],
+                                                       body.add_generation_prompt)
+            except (InvalidParameterError, EngineDeadError):
+                raise
+            except ValueError as e:
+                raise InvalidParameterError("messages", str(e)) from e
+        else:
+            check_unicode("prompt", body.prompt)
+            ids = await engine.tokenize(body.prompt, body.add_special_tokens)
+        return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        if (r := check_model(body.model)) is not None:
+            return r
+        vocab = engine.vocab_size
+        bad = [t for t in body.tokens if not 0 <= t < vocab]
+        if bad:
+            raise InvalidParameterError("tokens", f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        return {"prompt": await engine.detokenize(body.tokens)}
 
     @app.get("/v1/models")
     async def models():
@@ -206,7 +307,9 @@ def build_app(engine: AsyncLLM, prometheus=None, trust_request_chat_template: bo
             prompts = list(p)
             if not prompts:
                 raise InvalidParameterError("prompt", "prompt must not be empty")
-        base = f"cmpl-{uuid.uuid4().hex}"
+        if (r := check_capacity()) is not None:
+            return r
+        base = engine_request_id(raw, "cmpl")
         _log_user(body, base)
         created = int(time.time())
         # all prompts are validated before any is queued (a bad one queues nothing)
@@ -216,12 +319,13 @@ def build_app(engine: AsyncLLM, prometheus=None, trust_request_chat_template: bo
             raise body.to_api_error(e) from e
         fmt = CompletionFormat(body, params, engine.engine)
         if body.stream:
-            return StreamingResponse(_stream_completion(streams, base, created, body, fmt),
+            return StreamingResponse(_stream_completion(streams, base, created, body, fmt, raw.state),
                                      media_type="text/event-stream")
-        return await _with_disconnect(raw, _full_completion(streams, base, created, fmt), streams)
+        return await _with_disconnect(raw, _full_completion(streams, base, created, fmt, raw.state), streams)
 
-    async def _full_completion(streams, base, created, fmt):
+    async def _full_completion(streams, base, created, fmt, raw_state):
         finals = await asyncio.gather(*[_drain(st) for st in streams])
+        note_usage(raw_state, finals)
         choices, pt, ct, cached = [], 0, 0, 0
         for i, f in enumerate(finals):
             for c in f.outputs:
@@ -232,7 +336,7 @@ def build_app(engine: AsyncLLM, prometheus=None, trust_request_chat_template: bo
         return {"id": base, "object": "text_completion", "created": created,
                 "model": engine.model_name, "choices": choices, "usage": usage(pt, ct, cached)}
 
-    async def _stream_completion(streams, base, created, body, fmt):
+    async def _stream_completion(streams, base, created, body, fmt, raw_state):
         opts = body.stream_options
         include_usage = bool(opts and opts.include_usage)
         continuous = bool(opts and opts.continuous_usage_stats)
@@ -240,10 +344,11 @@ def build_app(engine: AsyncLLM, prometheus=None, trust_request_chat_template: bo
         sent_lp: dict[tuple[int, int], int] = {}
         sent_chars: dict[tuple[int, int], int] = {}
         echoed: set[tuple[int, int]] = set()
+        finals = [None] * len(streams)
         try:
             async for i, out in _merged(streams):
                 if isinstance(out, BaseException):
-                    yield _sse(error_body(str(out), getattr(out, "param", None), 500, "internal_error"))
+                    yield _sse_error(out)
                     continue
                 c = next(x for x in out.outputs if x.index == out.delta_index)
                 key = (i, c.index)
@@ -273,6 +378,8 @@ def build_app(engine: AsyncLLM, prometheus=None, trust_request_chat_template: bo
                     pt += len(out.prompt_token_ids)
                     ct += sum(len(x.token_ids) for x in out.outputs)
                     cached += out.num_cached_tokens
+                    finals[i] = out
+                    note_usage(raw_state, finals)
             if include_usage:
                 yield _sse({"id": base, "object": "text_completion", "created": created,
                             "model": engine.model_name, "choices": [], "usage": usage(pt, ct, cached)})
@@ -291,7 +398,9 @@ def build_app(engine: AsyncLLM, prometheus=None, trust_request_chat_template: bo
                 "chat_template", "chat_template in a request is refused: start the server with "
                                  "--trust-request-chat-template to allow it")
         body.check_supported()
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        if (r := check_capacity()) is not None:
+            return r
+        rid = engine_request_id(raw, "chatcmpl")
         _log_user(body, rid)
         created = int(time.time())
         tools = ChatTools(body, engine, enable_auto_tool_choice, tool_call_parser)
@@ -315,15 +424,16 @@ def build_app(engine: AsyncLLM, prometheus=None, trust_request_chat_template: bo
             raise body.to_api_error(e) from e
         headers = {"X-PagedLLM-Warning": tools.note} if tools.note else None
         if body.stream:
-            return StreamingResponse(_stream_chat(stream, rid, created, body, params, tools),
+            return StreamingResponse(_stream_chat(stream, rid, created, body, params, tools, raw.state),
                                      media_type="text/event-stream", headers=headers)
-        result = await _with_disconnect(raw, _full_chat(stream, rid, created, params, tools), [stream])
+        result = await _with_disconnect(raw, _full_chat(stream, rid, created, params, tools, raw.state), [stream])
         if isinstance(result, dict) and headers:
             return JSONResponse(result, headers=headers)
         return result
 
-    async def _full_chat(stream, rid, created, params, tools):
+    async def _full_chat(stream, rid, created, params, tools, raw_state):
         out = await _drain(stream)
+        note_usage(raw_state, [out])
         choices = []
         for c in out.outputs:
             message, finish = tools.message(c)
@@ -339,7 +449,7 @@ def build_app(engine: AsyncLLM, prometheus=None, trust_request_chat_template: bo
             resp["prompt_logprobs"] = prompt_logprobs(out.prompt_logprobs)
         return resp
 
-    async def _stream_chat(stream, rid, created, body, params, tools):
+    async def _stream_chat(stream, rid, created, body, params, tools, raw_state):
         opts = body.stream_options
         include_usage = bool(opts and opts.include_usage)
         continuous = bool(opts and opts.continuous_usage_stats)
@@ -376,12 +486,14 @@ def build_app(engine: AsyncLLM, prometheus=None, trust_request_chat_template: bo
                         yield chunk(c.index, {}, lp=lp)
                     if done:
                         yield chunk(c.index, {}, tools.finish_reason(c), c.stop_reason)
+                    if out.finished:
+                        note_usage(raw_state, [out])
                     if out.finished and include_usage:
                         yield _sse({"id": rid, "object": "chat.completion.chunk", "created": created,
                                     "model": engine.model_name, "choices": [],
                                     "usage": usage(n_prompt, sum(len(x.token_ids) for x in out.outputs), cached)})
             except Exception as e:  # noqa: BLE001
-                yield _sse(error_body(str(e), getattr(e, "param", None), 500, "internal_error"))
+                yield _sse_error(e)
             yield "data: [DONE]\n\n"
         finally:
             await stream.aclose()
@@ -401,26 +513,46 @@ def _check_can_listen(host: str, port: int) -> None:
                                             "choose another --port (or --host)") from e
 
 
-def run_server(args) -> None:
-    """Load the engine from parsed CLI args, then serve until interrupted."""
-    import uvicorn
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server, except that the SIGTERM / SIGINT that began its graceful shutdown
+    is not raised again once the shutdown is done: uvicorn re-raises it, which kills the
+    process (SIGTERM) or raises KeyboardInterrupt (SIGINT) before the engine process is
+    stopped. A second Ctrl-C still forces the exit."""
 
+    def handle_exit(self, sig, frame) -> None:
+        super().handle_exit(sig, frame)
+        self._captured_signals.clear()
+
+
+def run_server(args) -> None:
+    """Load the engine from parsed CLI args, then serve until SIGTERM or Ctrl-C.
+
+    Shutdown (``DrainingServer``): uvicorn stops accepting connections and gives in-flight requests up to
+    ``--shutdown-timeout`` seconds; those still running then are cancelled (their streams
+    close and the engine aborts them), the engine process is stopped, and the function
+    returns (the command exits 0)."""
+    from pagedllm import envs
     from pagedllm.config import EngineArgs
     from pagedllm.engine.metrics import PrometheusStatLogger
 
     engine_args = EngineArgs.from_cli_args(args)
     _check_can_listen(args.host, args.port)  # before the model load, not after it
     engine = AsyncLLM(engine_args)
-    # The Prometheus logger is labelled with the served model name, known only once the
-    # engine has loaded; the engine thread picks it up at its next step.
-    prom = PrometheusStatLogger(engine.model_name)
-    engine.add_stat_logger(prom)
-    app = build_app(engine, prom, trust_request_chat_template=args.trust_request_chat_template,
-                    enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser)
-    logger.info("serving %s on http://%s:%d", engine.model_name, args.host, args.port)
     try:
-        # Ctrl-C: open streams get 5 s to finish, then the server exits anyway
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                    timeout_graceful_shutdown=5)
+        # The Prometheus logger is labelled with the served model name, known only once the
+        # engine has loaded; the engine thread picks it up at its next step.
+        prom = PrometheusStatLogger(engine.model_name)
+        engine.add_stat_logger(prom)
+        api_key = getattr(args, "api_key", None) or envs.api_key()
+        app = build_app(engine, prom, trust_request_chat_template=args.trust_request_chat_template,
+                        enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
+                        api_key=api_key, metrics_without_auth=getattr(args, "metrics_without_auth", False),
+                        max_waiting_requests=getattr(args, "max_waiting_requests", None))
+        logger.info("serving %s on http://%s:%d%s", engine.model_name, args.host, args.port,
+                    " (API key required)" if api_key else "")
+        config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                                timeout_graceful_shutdown=getattr(args, "shutdown_timeout", 30.0))
+        DrainingServer(config).run()
     finally:
         engine.shutdown()
+    logger.info("server stopped")

@@ -317,6 +317,25 @@ _JSON_TYPES = {type(None): ("null", "null"), bool: ("a boolean", "booleans"),
                str: ("a string", "strings"), list: ("an array", "arrays"), dict: ("an object", "objects")}
 
 
+class TokenizeRequest(_Strict):
+    """``POST /tokenize`` (vLLM's): either ``prompt`` (text) or ``messages`` (rendered with
+    the chat template first, ``add_generation_prompt`` as in a chat request).
+    ``add_special_tokens`` applies to ``prompt`` (the template writes its own)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = True
+
+
+class DetokenizeRequest(_Strict):
+    """``POST /detokenize`` (vLLM's): token ids back to text."""
+
+    model: str | None = None
+    tokens: list[int]
+
+
 def _loc(error: dict) -> list:
     """An error's location without the leading ``"body"`` that FastAPI adds."""
     loc = list(error.get("loc", ()))
