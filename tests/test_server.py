@@ -13,7 +13,6 @@ import time
 import httpx
 import openai
 import pytest
-from engine_helpers import engine_core
 
 from pagedllm.config import EngineArgs
 from pagedllm.engine.async_llm import AsyncLLM
@@ -30,14 +29,17 @@ def _free_port() -> int:
 
 
 class _Server:
-    """``app_kw``: extra arguments of ``build_app`` (e.g. the tool-calling flags)."""
+    """``app_kw``: extra arguments of ``build_app`` (e.g. the tool-calling flags);
+    ``engine_kw``: EngineArgs settings over the suite's (the core runs in this process
+    unless ``engine_process=True``)."""
 
-    def __init__(self, **app_kw):
+    def __init__(self, engine_kw: dict | None = None, **app_kw):
         import uvicorn
 
-        self.engine = AsyncLLM(EngineArgs(dtype="float32", device="cpu", max_model_len=MAX_MODEL_LEN,
-                                          kv_cache_memory="256MiB", num_threads=1,
-                                          engine_process=False), log_stats=False)
+        kw = dict(dtype="float32", device="cpu", max_model_len=MAX_MODEL_LEN, kv_cache_memory="256MiB",
+                  num_threads=1, engine_process=False)
+        kw.update(engine_kw or {})
+        self.engine = AsyncLLM(EngineArgs(**kw), log_stats=False)
         # as run_server: the logger is labelled with the model name, known once loaded
         self.prom = PrometheusStatLogger(self.engine.model_name)
         self.engine.engine.stat_loggers.append(self.prom)
@@ -46,26 +48,30 @@ class _Server:
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
-        deadline = time.time() + 60
+        deadline = time.time() + 120
         while time.time() < deadline:
             try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                if httpx.get(f"{self.url}/health", timeout=2, headers=self.auth).status_code == 200:
                     return
             except httpx.HTTPError:
                 time.sleep(0.2)
         raise RuntimeError("server did not start")
+
+    auth: dict = {}
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
     def idle_and_free(self, timeout: float = 10.0) -> bool:
-        """True once no request is alive and every KV block is free."""
-        core = engine_core(self.engine.engine)
+        """True once no request is alive and every KV block is free (asked of the core
+        itself, in this process or in its own)."""
+        eng = self.engine.engine
         deadline = time.time() + timeout
         while time.time() < deadline:
-            if (not core.has_unfinished_requests() and not self.engine.engine.states
-                    and core.kv.num_free_blocks == core.kv.num_blocks):
+            st = eng.get_scheduler_stats()
+            if (not eng.states and st.num_running == 0 and st.num_waiting == 0
+                    and st.num_blocks_used == 0):
                 return True
             time.sleep(0.05)
         return False
@@ -208,10 +214,8 @@ def _stream_then_disconnect(server, at_third_chunk) -> None:
 
 def test_disconnect_mid_stream_frees_blocks(server):
     """A client that goes away mid-stream aborts its request; its blocks are freed."""
-    core = engine_core(server.engine.engine)
-
     def holds_blocks():
-        assert core.kv.num_free_blocks < core.kv.num_blocks
+        assert server.engine.engine.get_scheduler_stats().num_blocks_used > 0
 
     _stream_then_disconnect(server, holds_blocks)
     assert server.idle_and_free(timeout=10)

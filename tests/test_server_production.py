@@ -1,0 +1,325 @@
+"""The server as a team runs it: the engine core in its own process, API-key auth on every
+route, backpressure, request ids, the tokenizer routes, 256 concurrent streaming clients
+of which 30 % go away mid-request, schemathesis against /openapi.json, and a SIGTERM that
+drains a long stream and exits 0 leaving no engine process. Loopback only; every loop
+is bounded in count and time."""
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+from test_dtype_invariance import tiny_dir  # noqa: F401 (fixture)
+from test_engine_process import _alive, _wait_gone
+from test_server import _free_port, _Server
+
+KEY = "test-key-123"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+class _AuthServer(_Server):
+    auth = AUTH
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = _AuthServer(engine_kw=dict(engine_process=True, max_model_len=256, kv_cache_memory="1GiB"),
+                    api_key=KEY)
+    yield s
+    s.stop()
+
+
+def _metric(text: str, name: str) -> float:
+    m = re.search(rf"^{re.escape(name)}\{{[^}}]*\}} (\S+)$", text, re.M)
+    assert m, f"{name} not in /metrics"
+    return float(m.group(1))
+
+
+def test_every_route_but_health_needs_the_key(server):
+    from fastapi.routing import APIRoute
+
+    app = server.server.config.app
+    checked = set()
+    for route in app.routes:
+        path = route.path.replace("{model_id:path}", "x")
+        for method in sorted(getattr(route, "methods", None) or ["GET"]):
+            if method == "HEAD":
+                continue
+            kw = {"json": {}} if method == "POST" else {}
+            no_key = httpx.request(method, f"{server.url}{path}", timeout=30, **kw)
+            wrong = httpx.request(method, f"{server.url}{path}", timeout=30,
+                                  headers={"Authorization": "Bearer nope"}, **kw)
+            with_key = httpx.request(method, f"{server.url}{path}", timeout=30, headers=AUTH, **kw)
+            if path == "/health":
+                assert no_key.status_code == 200
+                continue
+            for r in (no_key, wrong):
+                assert r.status_code == 401, (method, path, r.status_code)
+                assert r.json()["error"]["code"] == 401 and r.json()["error"]["type"] == "AuthenticationError"
+                assert r.headers["www-authenticate"] == "Bearer"
+            assert with_key.status_code != 401, (method, path)
+            if isinstance(route, APIRoute):
+                checked.add(route.path)
+    assert {"/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/models/{model_id:path}", "/tokenize",
+            "/detokenize", "/version", "/metrics", "/reset_prefix_cache"} <= checked
+
+
+def test_metrics_without_auth_opens_only_metrics():
+    from pagedllm.entrypoints.openai.middleware import ApiKeyMiddleware
+
+    async def app(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    async def go():
+        transport = httpx.ASGITransport(app=ApiKeyMiddleware(app, KEY, metrics_without_auth=True))
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+            return [(await c.get(p)).status_code for p in ("/metrics", "/health", "/v1/models")]
+
+    assert asyncio.run(go()) == [200, 200, 401]
+    with pytest.raises(ValueError):
+        ApiKeyMiddleware(app, "")
+
+
+def test_tokenize_detokenize_version_models(server):
+    u = server.url
+    r = httpx.post(f"{u}/tokenize", json={"prompt": "Hello world"}, headers=AUTH).json()
+    assert r["count"] == len(r["tokens"]) > 0 and r["max_model_len"] == 256
+    back = httpx.post(f"{u}/detokenize", json={"tokens": r["tokens"]}, headers=AUTH).json()
+    assert back == {"prompt": "Hello world"}
+    chat = httpx.post(f"{u}/tokenize", json={"messages": [{"role": "user", "content": "Hi"}]},
+                      headers=AUTH).json()
+    assert chat["count"] > 3 and "<|im_start|>" in httpx.post(
+        f"{u}/detokenize", json={"tokens": chat["tokens"]}, headers=AUTH).json()["prompt"]
+    bad = httpx.post(f"{u}/detokenize", json={"tokens": [10**9]}, headers=AUTH)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+    both = httpx.post(f"{u}/tokenize", json={"prompt": "a", "messages": []}, headers=AUTH)
+    assert both.status_code == 400 and both.json()["error"]["param"] == "prompt"
+    assert httpx.get(f"{u}/version", headers=AUTH).json() == {"version": "0.1.0"}
+    assert httpx.get(f"{u}/v1/models", headers=AUTH).json()["data"][0]["max_model_len"] == 256
+    spec = httpx.get(f"{u}/openapi.json", headers=AUTH).json()
+    assert {"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize", "/version", "/health",
+            "/metrics", "/v1/models", "/v1/models/{model_id}"} <= set(spec["paths"])
+
+
+def test_request_id_echoed_and_duplicates_never_cross(server):
+    """Two streams in flight with the same X-Request-Id each get their own text."""
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+
+    def body(p, stream):
+        return {"prompt": p, "max_tokens": 8, "temperature": 0, "ignore_eos": True, "stream": stream}
+
+    alone = [httpx.post(f"{server.url}/v1/completions", json=body(p, False), headers=AUTH, timeout=60).json()
+             for p in prompts]
+
+    async def both():
+        async with httpx.AsyncClient(timeout=60, headers={**AUTH, "X-Request-Id": "same-id"}) as c:
+            async def one(p):
+                text, ids = "", set()
+                async with c.stream("POST", f"{server.url}/v1/completions", json=body(p, True)) as r:
+                    assert r.headers["x-request-id"] == "same-id"
+                    async for line in r.aiter_lines():
+                        if line.startswith("data: {"):
+                            import json
+                            chunk = json.loads(line[6:])
+                            ids.add(chunk["id"])
+                            text += chunk["choices"][0]["text"]
+                return text, ids
+            return await asyncio.gather(*[one(p) for p in prompts])
+
+    got = asyncio.run(both())
+    assert [t for t, _ in got] == [a["choices"][0]["text"] for a in alone]
+    (_, ids0), (_, ids1) = got
+    assert len(ids0) == len(ids1) == 1 and ids0 != ids1
+    assert all(i.startswith("cmpl-same-id") for i in ids0 | ids1)
+    r = httpx.post(f"{server.url}/v1/completions", json=body("Hi", False), timeout=60,
+                   headers={**AUTH, "X-Request-Id": "solo"})
+    assert r.headers["x-request-id"] == "solo" and r.json()["id"] == "cmpl-solo"
+    assert len(httpx.get(f"{server.url}/version", headers=AUTH).headers["x-request-id"]) == 32   # a uuid
+
+
+def test_256_streaming_clients_with_30_percent_disconnects(server):
+    """Every client that stays gets the greedy text its prompt gets alone; the ones that go
+    away (before the first token, or after 1-4 chunks) free everything they held."""
+    from conftest import _TOPICS
+
+    prompts = _TOPICS[:8]
+    n_clients, max_tokens = 256, 8
+
+    def body(p, stream):
+        return {"prompt": p, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": stream}
+
+    alone = {p: httpx.post(f"{server.url}/v1/completions", json=body(p, False), headers=AUTH,
+                           timeout=60).json()["choices"][0]["text"] for p in prompts}
+    rng = random.Random(7)
+    plan = [(prompts[i % len(prompts)], rng.choice([0, 1, 2, 4]) if rng.random() < 0.3 else None)
+            for i in range(n_clients)]
+
+    async def run():
+        limits = httpx.Limits(max_connections=n_clients + 8, max_keepalive_connections=0)
+        async with httpx.AsyncClient(timeout=300, headers=AUTH, limits=limits) as c:
+            async def one(prompt, leave_after):
+                import json
+                text, chunks = "", 0
+                async with c.stream("POST", f"{server.url}/v1/completions", json=body(prompt, True)) as r:
+                    assert r.status_code == 200
+                    if leave_after == 0:
+                        return None   # before any token: the request is in prefill or waiting
+                    async for line in r.aiter_lines():
+                        if line.startswith("data: {"):
+                            text += json.loads(line[6:])["choices"][0]["text"]
+                            chunks += 1
+                            if leave_after is not None and chunks >= leave_after:
+                                return None
+                return text
+            return await asyncio.wait_for(asyncio.gather(*[one(p, k) for p, k in plan]), 240)
+
+    results = asyncio.run(run())
+    stayed = [(p, t) for (p, k), t in zip(plan, results) if k is None]
+    assert len(stayed) > 150
+    wrong = [(p, t) for p, t in stayed if t != alone[p]]
+    assert not wrong, f"{len(wrong)} of {len(stayed)} texts differ from alone, e.g. {wrong[0]}"
+    assert server.idle_and_free(timeout=20)
+    deadline = time.time() + 10
+    while time.time() < deadline:   # the gauges follow the core's news of the aborts
+        m = httpx.get(f"{server.url}/metrics", headers=AUTH).text
+        vals = [_metric(m, f"vllm:{g}") for g in ("num_requests_running", "num_requests_waiting",
+                                                  "kv_cache_usage_perc")]
+        if vals == [0, 0, 0]:
+            break
+        time.sleep(0.2)
+    assert vals == [0, 0, 0], vals
+
+
+@pytest.fixture(scope="module")
+def tiny_server(tiny_dir):  # noqa: F811 (fixture)
+    s = _Server(engine_kw=dict(model=tiny_dir, engine_process=True, max_model_len=128, max_num_seqs=8))
+    yield s
+    s.stop()
+
+
+def test_backpressure_503_with_retry_after(tiny_dir):  # noqa: F811 (fixture)
+    """One request runs (max_num_seqs 1) and one waits: the next is refused at once."""
+    s = _Server(engine_kw=dict(model=tiny_dir, engine_process=True, max_model_len=1024, max_num_seqs=1),
+                max_waiting_requests=1)
+    try:
+        long = {"prompt": "Count:", "max_tokens": 1000, "ignore_eos": True, "temperature": 0}
+
+        async def go():
+            async with httpx.AsyncClient(timeout=120) as c:
+                first = asyncio.ensure_future(c.post(f"{s.url}/v1/completions", json=long))
+                for _ in range(200):   # until it runs (it is then not waiting)
+                    await asyncio.sleep(0.02)
+                    if s.engine.engine.get_scheduler_stats().num_running == 1:
+                        break
+                second = asyncio.ensure_future(c.post(f"{s.url}/v1/completions", json=long))
+                await asyncio.sleep(0.3)
+                third = await c.post(f"{s.url}/v1/completions", json={"prompt": "hi", "max_tokens": 1})
+                chat = await c.post(f"{s.url}/v1/chat/completions",
+                                    json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1})
+                health = await c.get(f"{s.url}/health")
+                return await first, await second, third, chat, health
+
+        first, second, third, chat, health = asyncio.run(go())
+        assert first.status_code == second.status_code == 200
+        for r in (third, chat):
+            assert r.status_code == 503 and r.headers["retry-after"] == "1"
+            assert r.json()["error"]["code"] == 503 and "max-waiting-requests" in r.json()["error"]["message"]
+        assert health.status_code == 200
+        # once the queue has drained, requests are served again
+        ok = httpx.post(f"{s.url}/v1/completions", json={"prompt": "hi", "max_tokens": 1}, timeout=60)
+        assert ok.status_code == 200
+        assert s.idle_and_free()
+    finally:
+        s.stop()
+
+
+def test_schemathesis_no_5xx_and_openai_shaped_4xx(tiny_server):
+    """A few hundred generated requests over every route of /openapi.json."""
+    import schemathesis
+    from hypothesis import HealthCheck, given, settings
+
+    schema = schemathesis.openapi.from_url(f"{tiny_server.url}/openapi.json")
+    failures, calls = [], [0]
+
+    for op in schema.get_all_operations():
+        operation = op.ok()
+
+        @settings(max_examples=80, deadline=None, database=None, derandomize=True,
+                  suppress_health_check=list(HealthCheck))
+        @given(case=operation.as_strategy())
+        def check(case):
+            if isinstance(case.body, dict):
+                case.body.pop("stream", None)   # streamed bodies are checked elsewhere
+                if "max_tokens" in case.body and isinstance(case.body["max_tokens"], int):
+                    case.body["max_tokens"] = min(case.body["max_tokens"], 8)
+            r = case.call(timeout=60)
+            calls[0] += 1
+            if r.status_code >= 500:
+                failures.append((case.method, case.path, r.status_code, r.text[:200]))
+            elif r.status_code >= 400:
+                err = r.json().get("error", {})
+                if not (isinstance(err.get("message"), str) and "type" in err and err.get("code") == r.status_code
+                        and "param" in err):
+                    failures.append((case.method, case.path, r.status_code, r.text[:200]))
+
+        check()
+    assert not failures, failures[:5]
+    assert calls[0] >= 300
+    assert tiny_server.idle_and_free()
+
+
+def test_sigterm_drains_a_long_stream_and_exits_0_without_orphans():
+    port = _free_port()
+    env = {**os.environ, "PAGEDLLM_LOG_LEVEL": "INFO"}
+    p = subprocess.Popen([sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--port", str(port),
+                          "--dtype", "float32", "--max-model-len", "256", "--kv-cache-memory", "64MiB",
+                          "--num-threads", "1", "--shutdown-timeout", "60"],
+                         stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        engine_pid = None
+        deadline = time.time() + 120
+        while engine_pid is None and time.time() < deadline:
+            line = p.stderr.readline()
+            m = re.search(r"engine core running in process (\d+)", line)
+            if m:
+                engine_pid = int(m.group(1))
+            assert line or p.poll() is None, "the server exited while starting"
+        assert engine_pid is not None
+        url = f"http://127.0.0.1:{port}"
+        while time.time() < deadline:
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        body = {"prompt": "Count to a hundred:", "max_tokens": 40, "ignore_eos": True, "temperature": 0,
+                "stream": True, "stream_options": {"include_usage": True}}
+        chunks, done, last = 0, False, None
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    chunks += 1
+                    last = line
+                    if chunks == 2:
+                        p.send_signal(signal.SIGTERM)
+                        time.sleep(0.5)
+                        with pytest.raises(httpx.ConnectError):   # no longer accepting
+                            httpx.get(f"{url}/health", timeout=2)
+                done = done or line == "data: [DONE]"
+        # the in-flight stream finished whole
+        assert done and '"completion_tokens": 40' in last
+        assert p.wait(60) == 0
+        assert _wait_gone(engine_pid, 5), "the engine process outlived the server"
+    finally:
+        if p.poll() is None:
+            p.kill()
+        p.stderr.close()
+    assert not _alive(engine_pid)
