@@ -32,7 +32,8 @@ COMMANDS: dict[str, tuple[str, tuple[str, ...]]] = {
                              "pagedllm.benchmarks.serve", "pagedllm.benchmarks.sweep",
                              "pagedllm.benchmarks.host_overhead", "pagedllm.benchmarks.latency",
                              "pagedllm.benchmarks.accuracy", "pagedllm.benchmarks.attention",
-                             "pagedllm.benchmarks.spec", "pagedllm.benchmarks.sampling")),
+                             "pagedllm.benchmarks.spec", "pagedllm.benchmarks.sampling",
+                             "pagedllm.benchmarks.server")),
     "profile": ("inspect --profile-dir output", ("pagedllm.benchmarks.profile_summary",)),
 }
 
