@@ -70,7 +70,9 @@ def _check_invariance(model: str | None, dtype: str, prompts: list[list[int]], m
     """Greedy outputs of ``prompts`` batched, staggered, chunked, prefix-cached and preempted
     equal the same prompts run alone (``engine_kwargs``: more LLM settings for every run,
     e.g. ``quantization``)."""
+    # engine_process=False: four engines per call; the process seam is tested in test_engine_process.py
     common = dict(model=model, dtype=dtype, device="cpu", seed=0, max_model_len=1024, block_size=block_size,
+                  engine_process=False,
                   attention_backend=attention_backend, kv_cache_dtype=kv_cache_dtype, **engine_kwargs)
     kv_dtype = getattr(torch, dtype) if kv_cache_dtype == "auto" else KV_DTYPES[kv_cache_dtype]
     alone_llm = LLM(**common, enable_prefix_caching=False, kv_cache_memory="256MiB")
