@@ -163,6 +163,7 @@ class MPClient(EngineCoreClient):
         self._call_ids = itertools.count()
         self._dead: str | None = None
         self._closed = False
+        self._stopping = False
         self._thread = None
         level = logging.getLogger("pagedllm").getEffectiveLevel()
         self._proc = subprocess.Popen(
@@ -210,6 +211,8 @@ class MPClient(EngineCoreClient):
         try:
             while not self._closed:
                 if not self._output.poll(int(self.POLL_S * 1000)):
+                    if self._stopping:
+                        continue
                     if not self._alive():
                         reason = f"the engine core process died (exit code {self._proc.returncode})"
                         break
@@ -234,7 +237,7 @@ class MPClient(EngineCoreClient):
             if not self._closed:
                 logger.exception("engine core output thread failed")
                 reason = f"the engine core connection failed ({type(e).__name__}: {e})"
-        if reason is not None and not self._closed:
+        if reason is not None and not self._closed and not self._stopping:
             self._set_dead(reason)
 
     def _set_dead(self, reason: str) -> None:
@@ -305,6 +308,7 @@ class MPClient(EngineCoreClient):
 
         if self._closed:
             return
+        self._stopping = True   # the process's exit from here on is expected, not a death
         if self._dead is None and self._alive():
             try:
                 with self._send_lock:
