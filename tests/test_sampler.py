@@ -187,3 +187,43 @@ def test_top_k_1_is_greedy_even_with_ties():
         assert got.tolist() == greedy_ids.tolist()
     mixed = sample(logits, md(4, temperature=[0.0, 1.0, 1.0, 1.0], top_k=[0, 1, 2, 1], seeds=[0, 1, 2, 3]))
     assert mixed[[0, 1, 3]].tolist() == [7, 7, 7] and mixed[2].item() in (7, 30)
+
+
+def test_topk_path_keeps_what_the_sort_keeps():
+    """Rows with top-k filter through topk over a power-of-two width; they keep exactly
+    the tokens (and logits) a full sort keeps, with top-p on or off (p = 1 included)."""
+    from pagedllm.sample.sampler import _apply_top_k_top_p, _sort_filter
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(48, 5000, generator=g) * 3
+    k = torch.randint(1, 700, (48,), generator=g)
+    k[:3] = torch.tensor([0, 1, 5000])            # off, greedy-like, the whole vocabulary
+    p = torch.rand(48, generator=g) * 0.9 + 0.05
+    p[::4] = 1.0
+    for pp in (p, None):
+        fast, ref = _apply_top_k_top_p(x, k, pp), _sort_filter(x, k, pp)
+        keep = torch.isfinite(ref)
+        assert torch.equal(torch.isfinite(fast), keep)
+        assert torch.equal(fast[keep], ref[keep])
+        assert (keep.sum(dim=1) >= 1).all()
+
+
+def test_topk_path_keeps_ties_at_the_kth_value_and_ignores_the_batch():
+    """Ties at the k-th value survive together (as the sort keeps them), also when they
+    reach past the topk width (the row then sorts); a row keeps the same set alone and
+    in a batch of rows with other k."""
+    from pagedllm.sample.sampler import _apply_top_k_top_p
+
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(3, 2000, generator=g)
+    x[0, :10] = 5.0                                # 10 tied at the top, k = 3
+    x[1, :100] = 5.0                               # 100 tied, k = 3: past width 64
+    k = torch.tensor([3, 3, 200])
+    out = _apply_top_k_top_p(x, k, None)
+    assert torch.isfinite(out[0]).sum() == 10 and torch.isfinite(out[1]).sum() == 100
+    assert torch.isfinite(out[2]).sum() == 200
+    p = torch.tensor([0.5, 0.9, 0.7])
+    batched = _apply_top_k_top_p(x, k, p)
+    for i in range(3):
+        alone = _apply_top_k_top_p(x[i:i + 1], k[i:i + 1], p[i:i + 1])
+        assert torch.equal(alone[0], batched[i])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedllm.sample.sampler import SamplingMetadata, _probs
+from pagedllm.sample.sampler import SamplingMetadata, _probs, fill_exponential_
 
 
 def _per_position(md: SamplingMetadata, req_of_pos: torch.Tensor) -> SamplingMetadata:
@@ -115,7 +115,7 @@ class RejectionSampler:
             for i, k in enumerate(ks):
                 if rand_list[i]:
                     g = md.generators[i]
-                    E[i].exponential_(generator=g)
+                    fill_exponential_(E[i], g)
                     if k:
                         u[d0:d0 + k].uniform_(generator=g)
                 d0 += k
