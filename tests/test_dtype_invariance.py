@@ -96,11 +96,11 @@ def _check_invariance(model: str | None, dtype: str, prompts: list[list[int]], m
         kw = dict(kw)
         if label.startswith("preemption"):
             per_req = -(-(max(len(p) for p in prompts) + max_tokens) // block_size)
-            # room for one request and 3 blocks more: the shared prefix's blocks are held
-            # once, so a room of two whole requests held all 8 of the bundled model's
-            # 300-token-prefix prompts at once; with this the rest wait, and running ones
-            # get preempted
-            kw["kv_cache_memory"] = _bytes_for_blocks(model, kv_dtype, per_req + 3, block_size)
+            # the shared prefix's full blocks are held once; beyond them, room for the own
+            # blocks of two requests at most: the rest wait, and running ones get preempted
+            shared = _common_prefix_len(prompts) // block_size
+            kw["kv_cache_memory"] = _bytes_for_blocks(model, kv_dtype, shared + 2 * (per_req - shared) + 1,
+                                                      block_size)
             kw["max_model_len"] = per_req * block_size
         else:
             kw.setdefault("kv_cache_memory", "256MiB")
@@ -138,6 +138,13 @@ def _staggered(llm: LLM, prompts: list[list[int]], max_tokens: int, gaps: list[i
                 done[o.request_id] = o.outputs[0].token_ids
         wait = max(wait - 1, 0)
     return [done[f"stag-{i}"] for i in range(len(prompts))]
+
+
+def _common_prefix_len(prompts: list[list[int]]) -> int:
+    n = 0
+    while all(len(p) > n and p[n] == prompts[0][n] for p in prompts):
+        n += 1
+    return n
 
 
 def _bytes_for_blocks(model, kv_dtype: torch.dtype, blocks: int, block_size: int) -> int:

@@ -372,7 +372,7 @@ def test_checkpoint_scales_reach_the_layers(scaled_tiny_dir):
     blocks = {}
     for kv in ("auto", "bfloat16", "fp8_e4m3"):
         llm = LLM(model=scaled_tiny_dir, dtype="float32", device="cpu", kv_cache_memory="8MiB",
-                  max_model_len=256, kv_cache_dtype=kv)
+                  max_model_len=256, kv_cache_dtype=kv, engine_process=False)
         try:
             runner = model_runner(llm.llm_engine)
             layers = [m for m in runner.model.modules() if isinstance(m, Attention)]

@@ -148,9 +148,10 @@ def test_request_id_echoed_and_duplicates_never_cross(server):
 def test_256_streaming_clients_with_30_percent_disconnects(server):
     """Every client that stays gets the greedy text its prompt gets alone; the ones that go
     away (before the first token, or after 1-4 chunks) free everything they held."""
-    from conftest import _TOPICS
-
-    prompts = _TOPICS[:8]
+    prompts = ["The capital of France is", "Once upon a time, in a small village,", "def fibonacci(n):",
+               "The three primary colors are", "Question: What is 17 plus 25? Answer:",
+               "My favorite recipe for pancakes starts with", "Water boils at a temperature of",
+               "A list of the planets in the solar system:"]
     n_clients, max_tokens = 256, 8
 
     def body(p, stream):

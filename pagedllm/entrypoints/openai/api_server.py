@@ -48,7 +48,7 @@ from pagedllm.entrypoints.openai.protocol import (ChatCompletionRequest, Complet
 from pagedllm.entrypoints.openai.chat_tools import ChatTools
 from pagedllm.entrypoints.openai.responses import CompletionFormat, chat_logprobs, prompt_logprobs, usage
 from pagedllm.entrypoints.openai.tool_calls import get_tool_parser
-from pagedllm import __version__
+import pagedllm
 from pagedllm.engine.processor import check_unicode
 from pagedllm.errors import InvalidParameterError
 
@@ -98,7 +98,7 @@ def build_app(engine: AsyncLLM, prometheus=None, trust_request_chat_template: bo
         get_tool_parser(tool_call_parser)
     if max_waiting_requests is not None and max_waiting_requests < 0:
         raise ValueError(f"--max-waiting-requests must be >= 0, got {max_waiting_requests}")
-    app = FastAPI(title="pagedllm", version=__version__)
+    app = FastAPI(title="pagedllm", version=pagedllm.__version__)
     app.state.engine = engine
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key, metrics_without_auth=metrics_without_auth)
@@ -183,7 +183,7 @@ def build_app(engine: AsyncLLM, prometheus=None, trust_request_chat_template: bo
 
     @app.get("/version")
     async def version():
-        return {"version": __version__}
+        return {"version": pagedllm.__version__}
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
