@@ -110,7 +110,9 @@ def test_tokenize_detokenize_version_models(server):
 
 
 def test_request_id_echoed_and_duplicates_never_cross(server):
-    """Two streams in flight with the same X-Request-Id each get their own text."""
+    """Two streams in flight with the same X-Request-Id each get their own text, and so
+    does a request that reuses the id of one its client just walked away from (the
+    engine has not dropped that one yet)."""
     prompts = ["The capital of France is", "def fibonacci(n):"]
 
     def body(p, stream):
@@ -137,8 +139,16 @@ def test_request_id_echoed_and_duplicates_never_cross(server):
     got = asyncio.run(both())
     assert [t for t, _ in got] == [a["choices"][0]["text"] for a in alone]
     (_, ids0), (_, ids1) = got
-    assert len(ids0) == len(ids1) == 1 and ids0 != ids1
-    assert all(i.startswith("cmpl-same-id") for i in ids0 | ids1)
+    assert ids0 == ids1 == {"cmpl-same-id"}
+    for _ in range(3):   # walk away after the first chunk, then reuse the id at once
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body(prompts[0], True), timeout=60,
+                          headers={**AUTH, "X-Request-Id": "retry"}) as r:
+            next(ln for ln in r.iter_lines() if ln.startswith("data: {"))
+        again = httpx.post(f"{server.url}/v1/completions", json=body(prompts[1], False), timeout=60,
+                           headers={**AUTH, "X-Request-Id": "retry"}).json()
+        assert again["choices"][0]["text"] == alone[1]["choices"][0]["text"]
+        assert again["choices"][0]["finish_reason"] == "length"
+    assert httpx.get(f"{server.url}/health").status_code == 200
     r = httpx.post(f"{server.url}/v1/completions", json=body("Hi", False), timeout=60,
                    headers={**AUTH, "X-Request-Id": "solo"})
     assert r.headers["x-request-id"] == "solo" and r.json()["id"] == "cmpl-solo"

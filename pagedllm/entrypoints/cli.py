@@ -48,8 +48,10 @@ def _serve(args) -> int:
 
     if args.enable_auto_tool_choice and args.tool_call_parser is None:   # before the model loads
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
-    if args.max_waiting_requests is not None and args.max_waiting_requests < 0:
-        raise ValueError(f"--max-waiting-requests must be >= 0, got {args.max_waiting_requests}")
+    if args.max_waiting_requests is not None and args.max_waiting_requests < 1:
+        raise ValueError(f"--max-waiting-requests must be >= 1, got {args.max_waiting_requests}")
+    if args.api_key is not None and not args.api_key.strip():
+        raise ValueError("--api-key must not be empty (leave it out to serve without auth)")
     if args.shutdown_timeout < 0:
         raise ValueError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
     run_server(args)

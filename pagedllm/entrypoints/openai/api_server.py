@@ -12,8 +12,9 @@ Production behaviour (``middleware.py``, ``run_server``):
   /metrics with ``--metrics-without-auth``); 401 in OpenAI's error shape.
 - ``--max-waiting-requests N``: a completion or chat request that finds N requests
   already waiting for the engine gets 503 with ``Retry-After``, instead of queueing.
-- ``X-Request-Id``: honoured (the response ids are built from it) and echoed; a
-  duplicate of an id in flight gets a fresh internal id, so streams never cross. One
+- ``X-Request-Id``: honoured (the response ids are built from it) and echoed; the
+  engine's id for the request always adds a fresh suffix, so a reused id (in flight
+  twice, or retried right after a disconnect) never crosses streams. One
   access-log line per request (``pagedllm.access``).
 - The engine core's death (its process killed, say): open requests fail at once (503,
   or an error event then ``[DONE]`` on a stream) and /health answers 503.
@@ -91,29 +92,25 @@ def build_app(engine: AsyncLLM, prometheus=None, trust_request_chat_template: bo
 
     Raises:
         ValueError: ``enable_auto_tool_choice`` without a known ``tool_call_parser``;
-            ``max_waiting_requests`` < 0."""
+            ``max_waiting_requests`` < 1."""
     if enable_auto_tool_choice:
         if tool_call_parser is None:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
         get_tool_parser(tool_call_parser)
-    if max_waiting_requests is not None and max_waiting_requests < 0:
-        raise ValueError(f"--max-waiting-requests must be >= 0, got {max_waiting_requests}")
+    if max_waiting_requests is not None and max_waiting_requests < 1:
+        raise ValueError(f"--max-waiting-requests must be >= 1, got {max_waiting_requests}")
     app = FastAPI(title="pagedllm", version=pagedllm.__version__)
     app.state.engine = engine
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key, metrics_without_auth=metrics_without_auth)
     app.add_middleware(RequestIdMiddleware)   # outermost: a refused request has an id and a log line too
-    in_flight: set[str] = set()   # engine request ids of requests being served
-
-    def engine_request_id(raw: Request, prefix: str) -> str:
-        """``prefix-<X-Request-Id or uuid>``, or a fresh one when that id is in flight;
-        released when the response ends."""
-        rid = f"{prefix}-{raw.state.request_id}"
-        if rid in in_flight:
-            rid = f"{rid}-{uuid.uuid4().hex[:12]}"
-        in_flight.add(rid)
-        raw.state.on_end = [*getattr(raw.state, "on_end", []), lambda: in_flight.discard(rid)]
-        return rid
+    def request_ids(raw: Request, prefix: str) -> tuple[str, str]:
+        """(the response's id, ``prefix-<X-Request-Id or uuid>``; the engine's id, that plus
+        a fresh suffix). The engine's id is never a client's: a client that reuses an id
+        (twice in flight, or a retry right after a disconnect, before the engine has
+        dropped the first request) can never receive the other request's tokens."""
+        public = f"{prefix}-{raw.state.request_id}"
+        return public, f"{public}-{uuid.uuid4().hex[:12]}"
 
     def check_capacity():
         """503 with Retry-After when ``max_waiting_requests`` requests wait already."""
@@ -309,12 +306,13 @@ def build_app(engine: AsyncLLM, prometheus=None, trust_request_chat_template: bo
                 raise InvalidParameterError("prompt", "prompt must not be empty")
         if (r := check_capacity()) is not None:
             return r
-        base = engine_request_id(raw, "cmpl")
+        base, engine_base = request_ids(raw, "cmpl")
         _log_user(body, base)
         created = int(time.time())
         # all prompts are validated before any is queued (a bad one queues nothing)
         try:
-            streams = await engine.add_requests([(f"{base}-{i}", pr, params) for i, pr in enumerate(prompts)])
+            streams = await engine.add_requests([(f"{engine_base}-{i}", pr, params)
+                                                 for i, pr in enumerate(prompts)])
         except InvalidParameterError as e:
             raise body.to_api_error(e) from e
         fmt = CompletionFormat(body, params, engine.engine)
@@ -400,7 +398,7 @@ def build_app(engine: AsyncLLM, prometheus=None, trust_request_chat_template: bo
         body.check_supported()
         if (r := check_capacity()) is not None:
             return r
-        rid = engine_request_id(raw, "chatcmpl")
+        rid, engine_rid = request_ids(raw, "chatcmpl")
         _log_user(body, rid)
         created = int(time.time())
         tools = ChatTools(body, engine, enable_auto_tool_choice, tool_call_parser)
@@ -419,7 +417,7 @@ def build_app(engine: AsyncLLM, prometheus=None, trust_request_chat_template: bo
                     else "chat_template_kwargs" if body.chat_template_kwargs else "messages",
                     str(e) if isinstance(e, ValueError) else f"cannot apply the chat template: {e}") from e
             params = body.to_sampling_params(default_max_tokens=None, constraint=tools.constraint())
-            stream = await engine.add_request(rid, ids, params)
+            stream = await engine.add_request(engine_rid, ids, params)
         except InvalidParameterError as e:
             raise body.to_api_error(e) from e
         headers = {"X-PagedLLM-Warning": tools.note} if tools.note else None
