@@ -169,7 +169,7 @@ def run_engine_core(config, input_addr: str, output_addr: str, parent_pid: int, 
     inp = ctx.socket(zmq.PULL)
     inp.connect(input_addr)
     out = ctx.socket(zmq.PUSH)
-    out.setsockopt(zmq.LINGER, 2000)
+    out.setsockopt(zmq.LINGER, 500)   # a FAILED message gets out; a dead front end delays exit little
     out.connect(output_addr)
     encoder = msgspec.msgpack.Encoder()
     status = 0

@@ -163,13 +163,16 @@ class MPClient(EngineCoreClient):
         self._call_ids = itertools.count()
         self._dead: str | None = None
         self._closed = False
-        self._stopping = False
+        # set when the process's exit is expected (shutdown, or the finalizer at
+        # interpreter exit): the output thread then stops without reporting a death
+        self._stopping = threading.Event()
         self._thread = None
         level = logging.getLogger("pagedllm").getEffectiveLevel()
         self._proc = subprocess.Popen(
             [sys.executable, "-c", f"from {wire.__name__} import main; main()"],
             stdin=subprocess.PIPE)
-        self._finalizer = weakref.finalize(self, MPClient._cleanup, self._proc, self._ctx, self._dir)
+        self._finalizer = weakref.finalize(self, MPClient._cleanup, self._proc, self._ctx, self._dir,
+                                           self._stopping)
         try:
             self._proc.stdin.write(pickle.dumps((config, in_addr, out_addr, os.getpid(), level)))
             self._proc.stdin.close()
@@ -211,7 +214,7 @@ class MPClient(EngineCoreClient):
         try:
             while not self._closed:
                 if not self._output.poll(int(self.POLL_S * 1000)):
-                    if self._stopping:
+                    if self._stopping.is_set():
                         continue
                     if not self._alive():
                         reason = f"the engine core process died (exit code {self._proc.returncode})"
@@ -234,10 +237,10 @@ class MPClient(EngineCoreClient):
                     reason = f"the engine core failed ({f.error_type}: {f.message})"
                     break
         except Exception as e:  # noqa: BLE001  (a broken socket or message: the core is lost)
-            if not self._closed:
+            if not self._closed and not self._stopping.is_set():
                 logger.exception("engine core output thread failed")
                 reason = f"the engine core connection failed ({type(e).__name__}: {e})"
-        if reason is not None and not self._closed and not self._stopping:
+        if reason is not None and not self._closed and not self._stopping.is_set():
             self._set_dead(reason)
 
     def _set_dead(self, reason: str) -> None:
@@ -308,7 +311,7 @@ class MPClient(EngineCoreClient):
 
         if self._closed:
             return
-        self._stopping = True   # the process's exit from here on is expected, not a death
+        self._stopping.set()   # the process's exit from here on is expected, not a death
         if self._dead is None and self._alive():
             try:
                 with self._send_lock:
@@ -323,10 +326,11 @@ class MPClient(EngineCoreClient):
         self._finalizer()
 
     @staticmethod
-    def _cleanup(proc, ctx, path: str) -> None:
+    def _cleanup(proc, ctx, path: str, stopping: threading.Event) -> None:
         """Stop the process if it still runs, close the sockets, remove their folder."""
         import subprocess
 
+        stopping.set()
         if proc.poll() is None:
             proc.terminate()
             try:
