@@ -12,6 +12,7 @@ import torch
 
 from pagedllm import envs
 from pagedllm.errors import InvalidParameterError
+from pagedllm.kv_cache_interface import KVCacheConfig, make_kv_cache_config
 from pagedllm.models.arch_config import ModelArchConfig
 from pagedllm.platform import CpuFeatures, cpu_features
 from pagedllm.utils import default_model_path, parse_size, resolve_device
@@ -304,6 +305,10 @@ class EngineArgs:
         seed: global seed for unseeded sampling.
         num_threads: torch intra-op threads on CPU (None = torch's default).
         profile_dir: write a per-step JSONL log and a torch.profiler trace there.
+        disable_hybrid_kv_cache_manager: keep every block of sliding-window layers (one
+            KV-cache group for all layers, as vLLM's flag of that name); by default a
+            model with local layers gets its own groups for them, whose blocks out of
+            the window are released (``kv_cache_interface``).
         engine_process: run the engine core in its own process, reached over ZMQ
             (``engine/core_client.py``'s ``MPClient``); False keeps it in the front end's
             process (``--no-engine-process``: debugging, tests that look inside the core).
@@ -329,6 +334,7 @@ class EngineArgs:
     seed: int = 0
     num_threads: int | None = None
     profile_dir: str | None = None
+    disable_hybrid_kv_cache_manager: bool = False
     engine_process: bool = True
 
     @staticmethod
@@ -367,6 +373,9 @@ class EngineArgs:
         parser.add_argument("--num-threads", type=int, default=None)
         parser.add_argument("--profile-dir", default=None,
                             help="write steps.jsonl and a torch.profiler trace here")
+        parser.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",
+                            help="keep every KV block of sliding-window layers (one block table for "
+                                 "all layers) instead of releasing those out of the window")
         parser.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=d.engine_process,
                             help="run the engine core in its own process (default); --no-engine-process "
                                  "keeps it in this one, for debugging")
@@ -422,6 +431,12 @@ class EngineConfig:
         if self.kv_cache_dtype is None:
             self.kv_cache_dtype = self.dtype
 
+    @property
+    def kv_cache_config(self) -> KVCacheConfig:
+        """How the layers share the KV cache (``kv_cache_interface``): one group, or with
+        sliding-window layers and the hybrid manager on, groups per kind of layer."""
+        return make_kv_cache_config(self.arch.layer_windows(), hybrid=not self.args.disable_hybrid_kv_cache_manager)
+
     @classmethod
     def from_args(cls, args: EngineArgs) -> EngineConfig:
 
@@ -452,6 +467,10 @@ class EngineConfig:
                 raise InvalidParameterError(
                     "speculative_config", f"speculative_config: draft model {spec.model!r} cannot be "
                     f"loaded: {e}") from None
+            if arch.sliding_window is not None and not args.disable_hybrid_kv_cache_manager:
+                raise InvalidParameterError(
+                    "speculative_config", "speculative_config: a draft model cannot share the block tables "
+                    "of a model with sliding-window layers; add --disable-hybrid-kv-cache-manager")
             if draft_arch.vocab_size != arch.vocab_size:
                 raise InvalidParameterError(
                     "speculative_config", f"speculative_config: the draft model's vocabulary "

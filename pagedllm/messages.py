@@ -212,7 +212,8 @@ class NewRequestData(msgspec.Struct):
         prompt_token_ids: the prompt's token ids.
         sampling_params: the request's parameters.
         eos_token_ids: banned with ``stop_token_ids`` until ``min_tokens`` are out.
-        block_ids: its whole block table so far.
+        block_ids: its whole block table so far, one list per KV-cache group
+            (``kv_cache_interface``; one group for most models), all of one length.
         num_computed_tokens: tokens already in the KV cache (a prefix-cache hit).
     """
 
@@ -220,7 +221,7 @@ class NewRequestData(msgspec.Struct):
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     eos_token_ids: list[int]
-    block_ids: list[int]
+    block_ids: list[list[int]]
     num_computed_tokens: int
 
 
@@ -230,7 +231,8 @@ class CachedRequestData(msgspec.Struct):
     Attributes:
         resumed_from_preemption: the request was preempted (its blocks freed) and runs
             again: ``new_block_ids`` is then its whole new block table.
-        new_block_ids: blocks appended to its table since the last step it ran.
+        new_block_ids: blocks appended to its tables since the last step it ran, one
+            list per KV-cache group (all of one length).
         num_computed_tokens: tokens in the KV cache before this step.
         num_freed_blocks: blocks dropped from the end of its table since the last step it
             ran (slots of rejected draft tokens), before ``new_block_ids`` are appended;
@@ -239,7 +241,7 @@ class CachedRequestData(msgspec.Struct):
 
     req_ids: list[str] = []
     resumed_from_preemption: list[bool] = []
-    new_block_ids: list[list[int]] = []
+    new_block_ids: list[list[list[int]]] = []
     num_computed_tokens: list[int] = []
     num_freed_blocks: list[int] = []
 

@@ -58,7 +58,7 @@ def test_shared_prefix_hits_exactly_64_tokens():
     first = kv.get_block_ids("r0")[:4]
     for r in reqs[1:]:
         assert kv.get_block_ids(r.request_id)[:4] == first
-    shared = kv.req_blocks["r0"][:4]
+    shared = kv.req_blocks["r0"][0][:4]
     assert [b.ref_cnt for b in shared] == [4, 4, 4, 4]
     # Each request's own tail block is private.
     tails = {kv.get_block_ids(r.request_id)[4] for r in reqs}
@@ -112,7 +112,7 @@ def test_hit_on_free_cached_blocks_counts_against_free_space():
     assert n_hit == 64
     # 3 new blocks are needed, but taking the 4 hit blocks leaves only 6 - 4 = 2 free.
     assert kv.allocate_slots(b, b.num_tokens - n_hit, hit_blocks, n_hit) is None
-    assert kv.num_free_blocks == 6 and all(blk.ref_cnt == 0 for blk in hit_blocks)
+    assert kv.num_free_blocks == 6 and all(blk.ref_cnt == 0 for blk in hit_blocks[0])
     # With 2 new blocks (a 96-token chunk) it fits, and nothing is double-counted.
     assert len(kv.allocate_slots(b, 32, hit_blocks, n_hit)) == 2
     assert kv.num_free_blocks == 0
@@ -155,7 +155,7 @@ def test_caching_disabled_never_hits():
     kv = KVCacheManager(num_blocks=16, block_size=BS, enable_caching=False)
     admit(kv, req("a", PREFIX + [1]))
     assert admit(kv, req("b", PREFIX + [1])) == 0
-    assert kv.get_computed_blocks(req("c", PREFIX + [1])) == ([], 0)
+    assert kv.get_computed_blocks(req("c", PREFIX + [1])) == ([[]], 0)
 
 
 @pytest.mark.parametrize("n", [1, 15, 16, 17, 31, 32, 33])

@@ -45,13 +45,13 @@ def test_scheduler_output_roundtrips_and_sends_deltas():
     back = roundtrip(so, SchedulerOutput)
     assert back == so
     assert [nr.req_id for nr in back.scheduled_new_reqs] == ["a"]
-    assert back.scheduled_new_reqs[0].block_ids == sched.kv.get_block_ids("a")
+    assert back.scheduled_new_reqs[0].block_ids == sched.kv.get_group_block_ids("a")
     sched.update_from_output(so, ModelRunnerOutput(["a"], [[42]]))
     so = sched.schedule()   # 11 tokens in 3 blocks of 4: no new block, only deltas
     back = roundtrip(so, SchedulerOutput)
     assert not back.scheduled_new_reqs
     assert back.scheduled_cached_reqs.req_ids == ["a"]
-    assert back.scheduled_cached_reqs.new_block_ids == [[]]
+    assert back.scheduled_cached_reqs.new_block_ids == [[[]]]
     assert back.scheduled_cached_reqs.num_computed_tokens == [10]
     assert back.num_scheduled_tokens == {"a": 1}
 
@@ -102,7 +102,7 @@ def test_processor_owns_validation():
 
 
 def _state(rid, tokens, blocks, **sp):
-    return CachedRequestState(rid, tokens, SamplingParams(max_tokens=8, **sp), [2], blocks, 0, None)
+    return CachedRequestState(rid, tokens, SamplingParams(max_tokens=8, **sp), [2], [blocks], 0, None)
 
 
 def test_input_batch_rows_follow_deltas():
@@ -115,13 +115,13 @@ def test_input_batch_rows_follow_deltas():
     assert b.temperature[ra] == np.float32(0.5) and b.top_k[ra] == 3
     assert b.stop_ids[rc] == [2, 11] and ra not in b.stop_ids
     b.append_tokens(np.array([ra, rc]), np.array([70, 20]))
-    b.append_block_ids(ra, [3])
+    b.append_block_ids(ra, [[3]])
     assert b.token_ids[ra, :4].tolist() == [5, 6, 7, 70] and b.num_tokens[rc] == 3
     assert b.block_table[ra, : b.num_blocks[ra]].tolist() == [9, 3]
     # out of the batch (preempted or unscheduled): the state keeps what the row had
     b.remove("a", a)
-    assert a.token_ids == [5, 6, 7, 70] and a.block_ids == [9, 3] and len(b) == 1
-    a.block_ids = [8]   # resumed after preemption with a new block table
+    assert a.token_ids == [5, 6, 7, 70] and a.block_ids == [[9, 3]] and len(b) == 1
+    a.block_ids = [[8]]   # resumed after preemption with a new block table
     ra2 = b.add(a)
     assert b.token_ids[ra2, :4].tolist() == [5, 6, 7, 70]
     assert b.block_table[ra2, : b.num_blocks[ra2]].tolist() == [8]

@@ -45,12 +45,12 @@ class DeltaState:
         for nr in so.scheduled_new_reqs:
             assert nr.req_id not in self.reqs, "a known request was sent as new"
             self.reqs[nr.req_id] = {"tokens": list(nr.prompt_token_ids), "prompt": len(nr.prompt_token_ids),
-                                    "blocks": list(nr.block_ids), "computed": nr.num_computed_tokens}
+                                    "blocks": list(nr.block_ids[0]), "computed": nr.num_computed_tokens}
         c = so.scheduled_cached_reqs
         for rid, resumed, blocks, computed in zip(c.req_ids, c.resumed_from_preemption,
                                                   c.new_block_ids, c.num_computed_tokens):
             st = self.reqs[rid]
-            st["blocks"] = list(blocks) if resumed else st["blocks"] + list(blocks)
+            st["blocks"] = list(blocks[0]) if resumed else st["blocks"] + list(blocks[0])
             st["computed"] = computed
         views = []
         for rid, n in so.num_scheduled_tokens.items():
@@ -263,7 +263,7 @@ def test_preemption_picks_the_most_recently_admitted():
     # c comes back as a known request, resumed, with a whole new block table
     c_idx = so.scheduled_cached_reqs.req_ids.index("c")
     assert so.scheduled_cached_reqs.resumed_from_preemption[c_idx]
-    assert so.scheduled_cached_reqs.new_block_ids[c_idx] == sched.kv.get_block_ids("c")
+    assert so.scheduled_cached_reqs.new_block_ids[c_idx] == sched.kv.get_group_block_ids("c")
     runner.run()
     check_all_done(sched, [a, b, c, d], runner.outputs)
 

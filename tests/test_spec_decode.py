@@ -362,7 +362,7 @@ def test_scheduler_caps_drafts_and_frees_rejected_blocks():
     so = s.schedule()
     assert so.scheduled_spec_decode_tokens == {"a": [7, 8]}
     assert so.scheduled_cached_reqs.num_freed_blocks == [1]       # the runner drops it first
-    assert len(so.scheduled_cached_reqs.new_block_ids[0]) == 1     # 6 + 3 slots: a third block again
+    assert len(so.scheduled_cached_reqs.new_block_ids[0][0]) == 1     # 6 + 3 slots: a third block again
     s.update_from_output(so, ModelRunnerOutput(["a"], [[7, 8, 300]], [[]]))
     assert (req.num_computed_tokens, req.num_tokens) == (9, 10)
     assert (s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens) == (2, 6, 2)

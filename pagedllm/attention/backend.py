@@ -128,8 +128,11 @@ class AttentionBackend(ABC):
         """The per-layer view of the cache that ``forward`` receives."""
 
     @abstractmethod
-    def build_metadata(self, common: CommonAttentionMetadata) -> Any:
-        """Per-step precomputation (gather indices, masks), shared by all layers."""
+    def build_metadata(self, common: CommonAttentionMetadata, sliding_window: int | None = None) -> Any:
+        """Per-step precomputation (gather indices, masks), shared by all layers that
+        attend over ``sliding_window`` tokens (None: the whole context; else query
+        position p sees keys p - sliding_window + 1 .. p, and the keys before that are
+        never read, so their blocks may have been released)."""
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

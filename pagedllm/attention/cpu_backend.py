@@ -38,6 +38,7 @@ class CpuAttentionMetadata:
         query_start_loc: int32 [B+1].
         seq_lens: int32 [B], cached tokens after this step (context + queries).
         block_size: tokens per block.
+        sliding_window: keys a query sees (its own and the ones before it), 0 = all.
     """
 
     slot_mapping: torch.Tensor
@@ -45,6 +46,7 @@ class CpuAttentionMetadata:
     query_start_loc: torch.Tensor
     seq_lens: torch.Tensor
     block_size: int
+    sliding_window: int = 0
 
 
 @register_backend
@@ -82,16 +84,16 @@ class CpuKernelAttentionBackend(TorchAttentionBackend):
         start-up log)."""
         return f"{self.name} ({self._why})"
 
-    def build_metadata(self, c: CommonAttentionMetadata):
+    def build_metadata(self, c: CommonAttentionMetadata, sliding_window: int | None = None):
         if self.kernels is None:
-            return super().build_metadata(c)
+            return super().build_metadata(c, sliding_window)
         B = c.num_reqs
         return CpuAttentionMetadata(
             c.slot_mapping,
             torch.from_numpy(np.ascontiguousarray(c.block_table_np[:B], dtype=np.int32)),
             torch.from_numpy(np.ascontiguousarray(c.query_start_loc_np[:B + 1], dtype=np.int32)),
             torch.from_numpy(np.ascontiguousarray(c.seq_lens_np[:B], dtype=np.int32)),
-            c.block_size)
+            c.block_size, sliding_window or 0)
 
     def forward(self, q, k, v, layer_cache, md, scale, k_scale=1.0, v_scale=1.0):
         if not isinstance(md, CpuAttentionMetadata):
@@ -104,5 +106,5 @@ class CpuKernelAttentionBackend(TorchAttentionBackend):
         with trace("pagedllm::paged_attention"):
             self.kernels.paged_attention(out, q, key_cache, value_cache, md.block_table,
                                          md.query_start_loc, md.seq_lens, md.block_size, scale,
-                                         k_scale, v_scale)
+                                         k_scale, v_scale, md.sliding_window)
         return out.view(T, nh * hd)

@@ -7,7 +7,8 @@ of block ``s // block_size`` (PagedAttention, Kwon et al. 2023, SOSP).
 Decodes (one query each) run as one batched masked attention over their gathered context;
 each request with several queries (a prompt, a prompt chunk on top of cached context, or
 speculative tokens) runs ``scaled_dot_product_attention`` with a causal mask offset by its
-context length, so query ``i`` sees keys ``0 .. context_len + i``. This is the portable
+context length, so query ``i`` sees keys ``0 .. context_len + i`` (with a sliding window
+``w``, only the last ``w`` of those: ``build_metadata(common, w)``). This is the portable
 reference path (any device, any dtype); on the CPU, ``cpu_backend.py`` reads the blocks in
 place instead of gathering them.
 
@@ -74,7 +75,7 @@ class _PrefillItem:
     q_end: int
     context_len: int
     slots: torch.Tensor | None      # int64 [seq_len] when context_len > 0
-    mask: torch.Tensor | None       # bool [q_len, seq_len] when context_len > 0
+    mask: torch.Tensor | None       # bool [q_len, keys] when context_len > 0 or a window cuts the prompt
 
 
 @dataclass
@@ -120,22 +121,24 @@ class TorchAttentionBackend(AttentionBackend):
     def layer_cache(kv_cache, layer):
         return kv_cache[layer]
 
-    def build_metadata(self, c: CommonAttentionMetadata) -> TorchAttentionMetadata:
+    def build_metadata(self, c: CommonAttentionMetadata, sliding_window: int | None = None) -> TorchAttentionMetadata:
         device = c.slot_mapping.device
         bs = c.block_size
         nd = c.num_decodes
+        w = sliding_window
         decode_slots = decode_bias = None
         max_ctx = 0
         if nd:
-            lens = c.seq_lens_np[:nd]
-            max_ctx = int(lens.max())
-            pos = np.arange(max_ctx, dtype=np.int64)
-            bt = c.block_table_np[:nd, : (max_ctx + bs - 1) // bs].astype(np.int64)
-            slots = bt[:, pos // bs] * bs + (pos % bs)
-            valid = pos[None, :] < lens[:, None]
-            # Padding reads the request's own first slot (always written), never a
-            # slot that may hold uninitialised memory; the bias zeroes its weight.
-            slots = np.where(valid, slots, slots[:, :1])
+            lens = c.seq_lens_np[:nd].astype(np.int64)
+            start = np.maximum(lens - w, 0) if w else np.zeros_like(lens)   # first key each decode sees
+            max_ctx = int((lens - start).max())
+            pos = start[:, None] + np.arange(max_ctx, dtype=np.int64)[None, :]
+            valid = pos < lens[:, None]
+            # Padding reads the request's own last key (written by now), never a slot
+            # that may hold uninitialised memory or a released block; the bias zeroes it.
+            pos = np.where(valid, pos, (lens - 1)[:, None])
+            bt = c.block_table_np[:nd].astype(np.int64)
+            slots = np.take_along_axis(bt, pos // bs, axis=1) * bs + (pos % bs)
             decode_slots = torch.from_numpy(slots.reshape(-1)).to(device, non_blocking=True)
             bias = np.where(valid, 0.0, -np.inf).astype(np.float32)
             decode_bias = torch.from_numpy(bias).view(1, nd, 1, max_ctx).to(device, self.compute_dtype,
@@ -145,12 +148,19 @@ class TorchAttentionBackend(AttentionBackend):
         for i in range(nd, c.num_reqs):
             s, e, cl, L = int(qsl[i]), int(qsl[i + 1]), int(ctx[i]), int(sl[i])
             slots = mask = None
+            q_pos = cl + np.arange(e - s)
             if cl > 0:
-                pos = np.arange(L, dtype=np.int64)
+                lo = max(0, cl - w + 1) if w else 0          # the first query's first key
+                pos = np.arange(lo, L, dtype=np.int64)
                 row = c.block_table_np[i].astype(np.int64)
                 slots = torch.from_numpy(row[pos // bs] * bs + pos % bs).to(device, non_blocking=True)
-                q_pos = cl + np.arange(e - s)
-                mask = torch.from_numpy(pos[None, :] <= q_pos[:, None]).to(device, non_blocking=True)
+                keep = pos[None, :] <= q_pos[:, None]
+                if w:
+                    keep &= pos[None, :] > q_pos[:, None] - w
+                mask = torch.from_numpy(keep).to(device, non_blocking=True)
+            elif w and L > w:    # the prompt's own keys, causal within the window
+                keep = (q_pos[None, :] <= q_pos[:, None]) & (q_pos[None, :] > q_pos[:, None] - w)
+                mask = torch.from_numpy(keep).to(device, non_blocking=True)
             prefills.append(_PrefillItem(s, e, cl, slots, mask))
         return TorchAttentionMetadata(c.slot_mapping, nd, bs, decode_slots,
                                       max_ctx, decode_bias, prefills)
@@ -185,8 +195,12 @@ class TorchAttentionBackend(AttentionBackend):
             if p.context_len == 0:
                 ks = dequantize_kv(k[p.q_start:p.q_end], cd, k_scale).transpose(0, 1).unsqueeze(0)  # [1, nkv, L, hd]
                 vs = dequantize_kv(v[p.q_start:p.q_end], cd, v_scale).transpose(0, 1).unsqueeze(0)
-                o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale,
-                                                   enable_gqa=nkv != nh)
+                if p.mask is None:
+                    o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale,
+                                                       enable_gqa=nkv != nh)
+                else:
+                    o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=p.mask, scale=scale,
+                                                       enable_gqa=nkv != nh)
             else:
                 ks = dequantize_kv(key_cache.index_select(0, p.slots), cd, k_scale).transpose(0, 1).unsqueeze(0)
                 vs = dequantize_kv(value_cache.index_select(0, p.slots), cd, v_scale).transpose(0, 1).unsqueeze(0)

@@ -87,8 +87,12 @@ def prefill_logits(model: torch.nn.Module, arch, ids: list[int], dtype: torch.dt
         torch.tensor([T], dtype=torch.int32, device=device), torch.tensor([0], dtype=torch.int32, device=device),
         torch.from_numpy(bt).to(device), torch.from_numpy(slots).to(device), bs,
         np.array([0, T]), np.array([T]), np.array([0]), bt)
-    bind_kv_cache(model, kv, attn)
-    with torch.inference_mode(), set_forward_context(attn.build_metadata(meta)):
+    # one block table for every layer; a sliding-window layer reads its own metadata
+    windows = arch.layer_windows()
+    kinds = sorted(set(windows), key=lambda w: -1 if w is None else w)
+    bind_kv_cache(model, kv, attn, attn_group={i: kinds.index(w) for i, w in enumerate(windows)})
+    md = [attn.build_metadata(meta, w) for w in kinds]
+    with torch.inference_mode(), set_forward_context(md if len(md) > 1 else md[0]):
         hidden = model(torch.tensor(ids, device=device), torch.arange(T, device=device))
         return model.compute_logits(hidden).float()
 

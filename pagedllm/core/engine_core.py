@@ -40,18 +40,24 @@ class EngineCore:
         if num_blocks < 1:
             raise ValueError("no memory left for the KV cache: raise --kv-cache-memory "
                              "or --gpu-memory-utilization")
-        capacity = num_blocks * args.block_size
-        if config.max_model_len > capacity:
+        kvc = config.kv_cache_config
+        usable = num_blocks - kvc.needs_null_block
+        need = lambda n: kvc.blocks_per_request(n, args.block_size, args.max_num_batched_tokens)  # noqa: E731
+        if need(config.max_model_len) > usable:
             if args.max_model_len:
                 raise ValueError(
                     f"max_model_len ({config.max_model_len}) is larger than the KV cache can hold "
-                    f"({capacity} tokens in {num_blocks} blocks): raise --kv-cache-memory or lower "
-                    f"--max-model-len")
-            logger.warning("max_model_len lowered from %d to %d to fit the KV cache",
-                           config.max_model_len, capacity)
-            config.max_model_len = capacity
+                    f"({need(config.max_model_len)} blocks needed, {usable} in the cache): raise "
+                    f"--kv-cache-memory or lower --max-model-len")
+            lo, hi = 0, config.max_model_len          # the longest request that fits
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                lo, hi = (mid, hi) if need(mid) <= usable else (lo, mid - 1)
+            logger.warning("max_model_len lowered from %d to %d to fit the KV cache", config.max_model_len, lo)
+            config.max_model_len = lo
         self.executor.initialize_kv_cache(num_blocks)
-        self.kv = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching)
+        self.kv = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching,
+                                 [g.sliding_window for g in kvc.groups])
         spec = config.speculative_config
         # grammars for structured outputs (the tokenizer is loaded at the first one)
         self.structured_output = StructuredOutputManager(config.model_path, config.arch.vocab_size,
@@ -61,10 +67,13 @@ class EngineCore:
                                    spec.num_lookahead_slots if spec is not None else 0,
                                    self.structured_output)
         per_block = self.executor.kv_bytes_per_block()
-        logger.info("KV cache: %d blocks of %d tokens (%.2f GiB); max concurrency at "
+        groups = "" if kvc.num_groups == 1 else (
+            f", {kvc.num_groups} KV-cache groups of {kvc.layers_per_block} layers "
+            f"({sum(g.sliding_window is not None for g in kvc.groups)} sliding-window)")
+        logger.info("KV cache: %d blocks of %d tokens (%.2f GiB%s); max concurrency at "
                     "max_model_len %d: %.2fx", num_blocks, args.block_size,
-                    num_blocks * per_block / 2**30, config.max_model_len,
-                    capacity / config.max_model_len)
+                    num_blocks * per_block / 2**30, groups, config.max_model_len,
+                    usable / max(1, need(config.max_model_len)))
         self.info = EngineCoreInfo(config.max_model_len, num_blocks, args.block_size,
                                    self.executor.describe_compute_path())
         self.step_count = 0

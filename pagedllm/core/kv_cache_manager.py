@@ -20,20 +20,51 @@ class PrefixCacheStats:
 class KVCacheManager:
     """Allocates blocks for requests and finds their cached prefixes.
 
+    With KV-cache groups (``kv_cache_interface``: a model with sliding-window layers),
+    a request holds one block table per group, all drawn from one pool and all as long
+    as its tokens need (``cdiv(tokens, block_size)`` entries). A sliding-window group
+    releases the blocks that fall wholly out of its window (their entries become the
+    null block, block 0, which no request owns), as vLLM's ``SlidingWindowManager``;
+    prefix caching keys each group's blocks by (group, block hash), and a hit must hold,
+    in every sliding-window group, the blocks the first computed token's window reaches.
+
     Args:
         num_blocks: blocks in the pool; block_size: tokens per block.
         enable_caching: reuse full blocks across requests by hash.
+        sliding_windows: per KV-cache group, its window in tokens or None (full
+            attention); default one full-attention group.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 sliding_windows: list[int | None] | None = None):
         self.block_size = block_size
         self.enable_caching = enable_caching
+        self.windows = list(sliding_windows or [None])
         self.pool = BlockPool(num_blocks, enable_caching)
-        self.req_blocks: dict[str, list[KVCacheBlock]] = {}
+        # a group that releases blocks points its released entries at the null block
+        self.null_block = self.pool.get_new_blocks(1)[0] if any(w is not None for w in self.windows) else None
+        self.req_blocks: dict[str, list[list[KVCacheBlock]]] = {}
         # leading blocks of each request already registered in the prefix cache (a held
         # block keeps its hash), so each step registers only the newly full ones
         self.num_cached_blocks: dict[str, int] = {}
         self.stats = PrefixCacheStats()
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.windows)
+
+    def _key(self, group: int, block_hash: bytes):
+        """The prefix-cache key of a group's block: the hash itself for group 0."""
+        return block_hash if group == 0 else (group, block_hash)
+
+    def _first_useful_block(self, group: int, num_computed: int) -> int:
+        """Index of the first block a sliding-window group still needs when the next
+        token to compute is at position ``num_computed`` (0 for a full group): that
+        token sees positions from ``num_computed - window + 1`` on."""
+        w = self.windows[group]
+        if w is None:
+            return 0
+        return max(0, num_computed - w + 1) // self.block_size
 
     # -- hashing -------------------------------------------------------------------
     def update_block_hashes(self, req: Request) -> None:
@@ -52,101 +83,167 @@ class KVCacheManager:
                 parent, req.all_token_ids[i * bs:(i + 1) * bs], tuple(x for kv in extra for x in kv)))
 
     # -- admission -------------------------------------------------------------------
-    def get_computed_blocks(self, req: Request) -> tuple[list[KVCacheBlock], int]:
-        """Longest chain of cached blocks that prefixes the request's tokens.
+    def get_computed_blocks(self, req: Request) -> tuple[list[list[KVCacheBlock]], int]:
+        """Longest cached prefix of the request's tokens, in every group.
 
         At least the last token is always left to compute (its logits are needed), so a
-        fully cached prompt of exactly k blocks hits k-1 of them.
+        fully cached prompt of exactly k blocks hits k-1 of them. A full-attention group
+        needs the whole chain of blocks; a sliding-window group needs only those the
+        first computed token's window reaches (earlier entries are the null block), so
+        the hit is the longest prefix every group can serve (vLLM's
+        ``find_longest_cache_hit``).
 
         A request that asks for ``prompt_logprobs`` hits nothing (as in vLLM): the
         logprobs of its prompt tokens need their positions computed. Its blocks are still
         hashed, and cached for others.
 
         Returns:
-            (blocks, num_computed_tokens); ([], 0) when caching is off.
+            (per group its hit blocks, num_computed_tokens); ([[]] * groups, 0) when
+            caching is off.
         """
+        none = [[] for _ in self.windows]
         if not self.enable_caching:
-            return [], 0
+            return none, 0
         self.update_block_hashes(req)
         if req.sampling_params.prompt_logprobs is not None:
-            return [], 0
-        max_blocks = (req.num_tokens - 1) // self.block_size
-        hit: list[KVCacheBlock] = []
-        for h in req.block_hashes[:max_blocks]:
-            b = self.pool.get_cached_block(h)
-            if b is None:
+            return none, 0
+        hashes = req.block_hashes[: (req.num_tokens - 1) // self.block_size]
+        get = self.pool.get_cached_block
+        n = len(hashes)
+        for g, w in enumerate(self.windows):       # full groups: the cached chain from the start
+            if w is None:
+                m = 0
+                while m < n and get(self._key(g, hashes[m])) is not None:
+                    m += 1
+                n = m
+        sliding = [g for g, w in enumerate(self.windows) if w is not None]
+        while n > 0 and sliding:                   # sliding groups: the window before n
+            if all(get(self._key(g, hashes[i])) is not None
+                   for g in sliding for i in range(self._first_useful_block(g, n * self.block_size), n)):
                 break
-            hit.append(b)
-        n = len(hit) * self.block_size
+            n -= 1
+        hit = []
+        for g in range(self.num_groups):
+            first = self._first_useful_block(g, n * self.block_size)
+            hit.append([self.null_block] * first + [get(self._key(g, h)) for h in hashes[first:n]])
+        tokens = n * self.block_size
         self.stats.requests += 1
         self.stats.queries += req.num_tokens
-        self.stats.hits += n
-        return hit, n
+        self.stats.hits += tokens
+        return hit, tokens
+
+    def _release_skipped(self, req_id: str, num_computed: int) -> None:
+        """Free, in each sliding-window group, the blocks no token from position
+        ``num_computed`` on can see; their entries become the null block."""
+        for g, blocks in enumerate(self.req_blocks.get(req_id, ())):
+            if self.windows[g] is None:
+                continue
+            freed = []
+            for i in range(min(self._first_useful_block(g, num_computed), len(blocks))):
+                b = blocks[i]
+                if b is not self.null_block:
+                    freed.append(b)
+                    blocks[i] = self.null_block
+            if freed:
+                self.pool.free_blocks(reversed(freed))
 
     def allocate_slots(self, req: Request, num_new_tokens: int,
-                       new_computed_blocks: list[KVCacheBlock] | None = None,
+                       new_computed_blocks: list[list[KVCacheBlock]] | None = None,
                        num_new_computed_tokens: int = 0,
                        num_lookahead_tokens: int = 0) -> list[KVCacheBlock] | None:
-        """Make room for ``num_new_tokens`` more tokens of ``req``.
+        """Make room for ``num_new_tokens`` more tokens of ``req`` in every group, after
+        releasing the sliding-window blocks its next token cannot see.
 
         Args:
             num_new_tokens: tokens to compute this step (after any cache hit; with
                 speculative decoding, the next token and the drafts to verify).
             new_computed_blocks / num_new_computed_tokens: the prefix-cache hit returned by
-                ``get_computed_blocks`` at admission (else empty / 0).
+                ``get_computed_blocks`` at admission (else None / 0).
             num_lookahead_tokens: slots reserved past those (a draft model writes its
                 proposals' K/V there after the step); never hashed.
 
         Returns:
-            The newly allocated blocks, or None when not enough blocks are free (nothing
-            is changed then; the caller preempts or waits).
+            The newly allocated blocks of all groups, or None when not enough blocks are
+            free (nothing is allocated then; the caller preempts or waits).
         """
-        new_computed_blocks = new_computed_blocks or []
-        blocks = self.req_blocks.setdefault(req.request_id, [])
+        hits = new_computed_blocks or [[] for _ in self.windows]
+        self._release_skipped(req.request_id, req.num_computed_tokens)
+        tables = self.req_blocks.setdefault(req.request_id, [[] for _ in self.windows])
         total = req.num_computed_tokens + num_new_computed_tokens + num_new_tokens
-        need = cdiv(total + num_lookahead_tokens, self.block_size) - len(blocks) - len(new_computed_blocks)
+        want = cdiv(total + num_lookahead_tokens, self.block_size)
+        needs = [max(0, want - len(t) - len(h)) for t, h in zip(tables, hits)]
         # Hit blocks with ref 0 sit in the free queue: taking them shrinks what is free.
-        evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
-        if need > self.pool.num_free_blocks - evictable_hits:
-            if not blocks:
+        evictable_hits = sum(1 for h in hits for b in h if b.ref_cnt == 0 and b is not self.null_block)
+        if sum(needs) > self.pool.num_free_blocks - evictable_hits:
+            if not any(tables):
                 del self.req_blocks[req.request_id]
             return None
-        self.pool.touch(new_computed_blocks)
-        blocks.extend(new_computed_blocks)
-        new_blocks = self.pool.get_new_blocks(need) if need > 0 else []
-        blocks.extend(new_blocks)
+        new_blocks = []
+        for t, h, need in zip(tables, hits, needs):
+            self.pool.touch(b for b in h if b is not self.null_block)
+            t.extend(h)
+            got = self.pool.get_new_blocks(need) if need > 0 else []
+            t.extend(got)
+            new_blocks += got
         if self.enable_caching:
             self.update_block_hashes(req)
             n_full = min(total // self.block_size, len(req.block_hashes))
             for i in range(self.num_cached_blocks.get(req.request_id, 0), n_full):
-                self.pool.cache_block(blocks[i], req.block_hashes[i])
+                for g, t in enumerate(tables):
+                    if t[i] is not self.null_block:
+                        self.pool.cache_block(t[i], self._key(g, req.block_hashes[i]))
             self.num_cached_blocks[req.request_id] = n_full
         return new_blocks
 
     def free_tail(self, req: Request, num_tokens: int) -> int:
         """Release the request's blocks past the first ``cdiv(num_tokens, block_size)``
-        (slots of rejected draft tokens and unused lookahead); returns how many. Such
-        blocks hold no full block of known tokens, so none is in the prefix cache."""
-        blocks = self.req_blocks.get(req.request_id)
+        of each group (slots of rejected draft tokens and unused lookahead); returns how
+        many entries each table lost. Such blocks hold no full block of known tokens, so
+        none is in the prefix cache."""
+        tables = self.req_blocks.get(req.request_id)
         keep = cdiv(num_tokens, self.block_size)
-        if not blocks or len(blocks) <= keep:
+        if not tables or len(tables[0]) <= keep:
             return 0
-        tail = blocks[keep:]
-        del blocks[keep:]
         assert self.num_cached_blocks.get(req.request_id, 0) <= keep
-        self.pool.free_blocks(reversed(tail))
-        return len(tail)
+        n = len(tables[0]) - keep
+        for t in tables:
+            tail = [b for b in t[keep:] if b is not self.null_block]
+            del t[keep:]
+            self.pool.free_blocks(reversed(tail))
+        return n
 
     def free(self, req: Request) -> None:
         """Release the request's blocks, tail first, so that eviction takes a chain's
         deepest blocks before its shared parents."""
-        blocks = self.req_blocks.pop(req.request_id, None)
+        tables = self.req_blocks.pop(req.request_id, None)
         self.num_cached_blocks.pop(req.request_id, None)
-        if blocks:
-            self.pool.free_blocks(reversed(blocks))
+        for t in tables or ():
+            self.pool.free_blocks(reversed([b for b in t if b is not self.null_block]))
 
-    def get_block_ids(self, req_id: str) -> list[int]:
-        return [b.block_id for b in self.req_blocks.get(req_id, ())]
+    def get_block_ids(self, req_id: str, group: int = 0) -> list[int]:
+        """The block ids of one group's table of ``req_id`` ([] if it holds none)."""
+        tables = self.req_blocks.get(req_id)
+        return [b.block_id for b in tables[group]] if tables else []
+
+    def get_group_block_ids(self, req_id: str) -> list[list[int]]:
+        """Every group's block ids of ``req_id``, group 0 first (what the runner gets)."""
+        tables = self.req_blocks.get(req_id)
+        return [[b.block_id for b in t] for t in tables] if tables else [[] for _ in self.windows]
+
+    def group_block_ids_from(self, req_id: str, start: int) -> list[list[int]]:
+        """Every group's block ids of ``req_id`` from table entry ``start`` on (the
+        entries a step appended, for the runner's delta)."""
+        tables = self.req_blocks.get(req_id)
+        return [[b.block_id for b in t[start:]] for t in tables] if tables else [[] for _ in self.windows]
+
+    def num_table_entries(self, req_id: str) -> int:
+        """Length of ``req_id``'s block tables (the same in every group)."""
+        tables = self.req_blocks.get(req_id)
+        return len(tables[0]) if tables else 0
+
+    def num_held_blocks(self, req_id: str) -> int:
+        """Blocks ``req_id`` holds over all groups (null entries not counted)."""
+        return sum(1 for t in self.req_blocks.get(req_id, ()) for b in t if b is not self.null_block)
 
     @property
     def num_free_blocks(self) -> int:
@@ -154,10 +251,12 @@ class KVCacheManager:
 
     @property
     def num_blocks(self) -> int:
-        return self.pool.num_blocks
+        """Blocks requests can hold (the null block, when there is one, is not counted)."""
+        return self.pool.num_blocks - (self.null_block is not None)
 
     def usage(self) -> float:
-        return self.pool.usage()
+        """Fraction of the usable blocks held by requests, in [0, 1]."""
+        return 1.0 - self.num_free_blocks / self.num_blocks if self.num_blocks else 0.0
 
     def reset_prefix_cache(self) -> int:
         return self.pool.reset_prefix_cache()

@@ -164,6 +164,7 @@ class Scheduler:
             else:
                 spec = []
             lookahead = self.num_lookahead_slots if req.num_computed_tokens + n >= req.num_tokens else 0
+            n_before = self.kv.num_table_entries(req.request_id)
             while True:
                 new_blocks = self.kv.allocate_slots(req, n, num_lookahead_tokens=lookahead)
                 if new_blocks is not None:
@@ -177,7 +178,7 @@ class Scheduler:
                 break
             if spec:
                 spec_tokens[req.request_id] = spec
-            scheduled.append((req, n, [b.block_id for b in new_blocks], False))
+            scheduled.append((req, n, self.kv.group_block_ids_from(req.request_id, n_before), False))
             budget -= n
             i += 1
 
@@ -210,7 +211,7 @@ class Scheduler:
                     req.scheduled_time = time.time()
                 req.status = RequestStatus.RUNNING
                 self.running.append(req)
-                scheduled.append((req, n, self.kv.get_block_ids(req.request_id), True))
+                scheduled.append((req, n, self.kv.get_group_block_ids(req.request_id), True))
                 budget -= n
             self.waiting.extendleft(reversed(skipped))
 

@@ -1,4 +1,4 @@
-"""Gated activations of the MLP (SwiGLU, Shazeer 2020, arXiv:2002.05202)."""
+"""Gated activations of the MLP (SwiGLU and GeGLU, Shazeer 2020, arXiv:2002.05202)."""
 from __future__ import annotations
 
 import torch
@@ -28,3 +28,20 @@ class SiluAndMul(nn.Module):
                 self._kernels.silu_and_mul(out, x)
             return out
         return F.silu(x[:, :d]) * x[:, d:]
+
+
+class GeluAndMul(nn.Module):
+    """GELU(gate) * up (GeGLU) for the fused gate|up output: x [T, 2I] → new [T, I] in x's
+    dtype, in torch ops. ``approximate="tanh"`` is transformers' ``gelu_pytorch_tanh``
+    (Gemma), ``"none"`` the exact erf form."""
+
+    def __init__(self, approximate: str = "tanh"):
+        super().__init__()
+        if approximate not in ("tanh", "none"):
+            raise ValueError(f"approximate must be 'tanh' or 'none', got {approximate!r}")
+        self.approximate = approximate
+        self.compute_path = ("gelu_and_mul", "torch")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        d = x.shape[-1] // 2
+        return F.gelu(x[:, :d], approximate=self.approximate) * x[:, d:]

@@ -37,6 +37,8 @@ class Attention(nn.Module):
             head_dim ** -0.5); num_kv_heads: key/value heads.
         layer_idx: which layer of the KV cache this one reads and writes.
         dtype, device: of q, k and v.
+        sliding_window: a local layer's window in tokens (query at position p sees keys
+            p - sliding_window + 1 .. p), or None (the whole context).
 
     Attributes:
         k_scale, v_scale: the checkpoint's KV-cache scales (1.0 without;
@@ -44,10 +46,12 @@ class Attention(nn.Module):
     """
 
     def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int, layer_idx: int,
-                 dtype: torch.dtype, device: torch.device):
+                 dtype: torch.dtype, device: torch.device, sliding_window: int | None = None):
         super().__init__()
         self.num_heads, self.head_dim, self.scale = num_heads, head_dim, scale
         self.num_kv_heads, self.layer_idx = num_kv_heads, layer_idx
+        self.sliding_window = sliding_window
+        self.attn_group = 0   # which of the step's attention metadata this layer reads (bind_kv_cache)
         self.backend: AttentionBackend | None = None
         self.kv_cache: Any = None
         self.k_scale = self.v_scale = 1.0
@@ -73,6 +77,8 @@ class Attention(nn.Module):
         if self.backend is None:
             raise RuntimeError(f"attention layer {self.layer_idx} has no KV cache: call bind_kv_cache first")
         md = get_forward_context().attn_metadata
+        if isinstance(md, list):
+            md = md[self.attn_group]
         if self._contiguous_v:
             v = v.contiguous()
         return self.backend.forward(q, k, v, self.kv_cache, md, self.scale, *self._scales)
@@ -115,17 +121,23 @@ def kv_scale_target(name: str) -> tuple[str, tuple[str, ...]] | None:
     return head, which
 
 
-def bind_kv_cache(model: nn.Module, kv_cache: torch.Tensor, backend: AttentionBackend) -> None:
-    """Bind every ``Attention`` layer of ``model`` to ``backend`` and to its own layer's
-    view of ``kv_cache`` (the backend's whole cache tensor, ``backend.layer_cache(kv_cache,
-    layer_idx)``), with the layer's k/v scales when the cache is fp8 (1.0 otherwise: a
-    float32 or bfloat16 cache holds values as they are, as in vLLM). The runner calls it
-    once, after allocating the cache and loading the weights; binding again (a new cache)
-    replaces the previous binding."""
+def bind_kv_cache(model: nn.Module, kv_cache: torch.Tensor, backend: AttentionBackend,
+                  cache_slot: dict[int, int] | None = None, attn_group: dict[int, int] | None = None) -> None:
+    """Bind every ``Attention`` layer of ``model`` to ``backend`` and to its view of
+    ``kv_cache`` (the backend's whole cache tensor, ``backend.layer_cache(kv_cache, slot)``
+    with ``slot = cache_slot[layer_idx]``, default the layer index: with KV-cache groups
+    several layers share a slot, each at its own group's blocks), with the layer's k/v
+    scales when the cache is fp8 (1.0 otherwise: a float32 or bfloat16 cache holds values
+    as they are, as in vLLM). ``attn_group[layer_idx]`` (default 0) is the index of the
+    layer's metadata when the runner sets a list of them in the forward context (one per
+    KV-cache group and window). The runner calls it once, after allocating the cache and
+    loading the weights; binding again (a new cache) replaces the previous binding."""
     fp8 = kv_cache.dtype in FP8_DTYPES
     for m in model.modules():
         if isinstance(m, Attention):
-            m.backend, m.kv_cache = backend, backend.layer_cache(kv_cache, m.layer_idx)
+            slot = m.layer_idx if cache_slot is None else cache_slot[m.layer_idx]
+            m.backend, m.kv_cache = backend, backend.layer_cache(kv_cache, slot)
+            m.attn_group = 0 if attn_group is None else attn_group[m.layer_idx]
             m._scales = (m.k_scale, m.v_scale) if fp8 else (1.0, 1.0)
 
 

@@ -49,3 +49,19 @@ class RMSNorm(nn.Module):
             return x, residual
         residual = residual + x
         return rms_norm(residual, self.weight, self.eps), residual
+
+
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's RMSNorm, ``x / rms(x) * (1 + w)`` (transformers' ``Gemma3RMSNorm``): the
+    checkpoint's ``w`` is loaded as ``1 + w`` (computed in float32, then cast), so the
+    forward is ``RMSNorm``'s. Ones-plus-zero until loaded."""
+
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype, device: torch.device):
+        super().__init__(hidden_size, eps, dtype, device)
+        self.weight.weight_loader = self._load
+
+    @staticmethod
+    def _load(param: nn.Parameter, loaded: torch.Tensor, shard=None) -> None:
+        if loaded.shape != param.shape:
+            raise ValueError(f"norm weight of shape {tuple(loaded.shape)}, expected {tuple(param.shape)}")
+        param.data.copy_((loaded.float() + 1.0).to(param.dtype))

@@ -23,8 +23,19 @@ class ModelArchConfig:
         max_position_embeddings: the model's trained context length, in tokens.
         tie_word_embeddings: lm_head shares the embedding matrix.
         attention_bias: q/k/v projections carry a bias (Qwen2).
-        qk_norm: per-head RMSNorm on q and k before RoPE (Qwen3).
+        qk_norm: per-head RMSNorm on q and k before RoPE (Qwen3, Gemma 3).
         bos_token_id, eos_token_ids: special tokens from the config/metadata.
+        sliding_window: the window of the local layers, in tokens (a query at position p
+            sees keys p - sliding_window + 1 .. p), or None when no layer is local.
+        layer_types: per layer, ``"full_attention"`` or ``"sliding_attention"`` (HF's
+            names); None means every layer is full attention.
+        rope_local_theta: RoPE base of the sliding-window layers (Gemma 3: 10,000; the
+            global layers use ``rope_theta`` and ``rope_scaling``); None: ``rope_theta``.
+        query_pre_attn_scalar: the softmax scale is its -1/2 power (Gemma); None:
+            ``head_dim ** -0.5``.
+        hidden_activation: the gated MLP's activation (``"silu"``, or
+            ``"gelu_pytorch_tanh"`` for GeGLU).
+        final_logit_softcapping: logits become ``c * tanh(logits / c)`` (Gemma 2), or None.
     """
 
     architecture: str
@@ -44,11 +55,29 @@ class ModelArchConfig:
     qk_norm: bool = False
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
+    sliding_window: int | None = None
+    layer_types: list[str] | None = None
+    rope_local_theta: float | None = None
+    query_pre_attn_scalar: float | None = None
+    hidden_activation: str = "silu"
+    final_logit_softcapping: float | None = None
 
-    def kv_bytes_per_block(self, block_size: int, dtype) -> int:
-        """Bytes of K and V for one KV-cache block of ``block_size`` tokens across all
-        layers, with elements of ``dtype`` (a ``torch.dtype``; its ``itemsize`` bytes)."""
-        return 2 * self.num_hidden_layers * block_size * self.num_key_value_heads * self.head_dim * dtype.itemsize
+    def is_sliding(self, layer: int) -> bool:
+        """Whether ``layer`` attends over a sliding window of ``sliding_window`` tokens."""
+        return (self.sliding_window is not None and self.layer_types is not None
+                and self.layer_types[layer] == "sliding_attention")
+
+    def layer_windows(self) -> list[int | None]:
+        """Per layer, the sliding window it attends over (tokens), or None (full)."""
+        return [self.sliding_window if self.is_sliding(i) else None for i in range(self.num_hidden_layers)]
+
+    def kv_bytes_per_block(self, block_size: int, dtype, layers_per_block: int | None = None) -> int:
+        """Bytes of K and V for one KV-cache block of ``block_size`` tokens across
+        ``layers_per_block`` layers (default: all; a KV-cache group's size otherwise:
+        ``kv_cache_interface``), with elements of ``dtype`` (a ``torch.dtype``; its
+        ``itemsize`` bytes)."""
+        n = self.num_hidden_layers if layers_per_block is None else layers_per_block
+        return 2 * n * block_size * self.num_key_value_heads * self.head_dim * dtype.itemsize
 
 
 def _arch_flags(architecture: str) -> dict[str, bool]:
@@ -86,6 +115,11 @@ def config_from_hf_dir(path: str) -> ModelArchConfig:
         rope_scaling = {k: v for k, v in rope_params.items() if k != "rope_theta"}
     if "attention_bias" in c:
         flags["attention_bias"] = bool(c["attention_bias"]) or flags["attention_bias"]
+    extra = {}
+    if arch_info(arch).sliding_window:
+        extra = _hybrid_from_hf(c, c["num_hidden_layers"])
+        rope_theta = extra.pop("rope_theta", rope_theta)
+        rope_scaling = extra.pop("rope_scaling", None)
     return ModelArchConfig(
         architecture=arch,
         hidden_size=c["hidden_size"],
@@ -103,7 +137,71 @@ def config_from_hf_dir(path: str) -> ModelArchConfig:
         bos_token_id=c.get("bos_token_id"),
         eos_token_ids=eos_ids,
         **flags,
+        **extra,
     )
+
+
+def _layer_types(num_layers: int, pattern: int) -> list[str]:
+    """Gemma's layer pattern: every ``pattern``-th layer global, the others local
+    (transformers' ``Gemma3TextConfig`` and llama.cpp's ``set_swa_pattern``)."""
+    return ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
+
+
+# Gemma 3's architecture constants where a checkpoint does not state them (transformers'
+# Gemma3TextConfig defaults; llama.cpp's gemma3 loader uses the same): one global layer in
+# six, RoPE base 10,000 on the local layers.
+_GEMMA3_SWA_PATTERN = 6
+_GEMMA3_LOCAL_THETA = 10000.0
+
+
+def _hybrid_from_hf(c: dict, num_layers: int) -> dict:
+    """The sliding-window fields of a Gemma 3 ``config.json`` (old and new formats: a
+    ``sliding_window_pattern`` int or ``layer_types``; ``rope_local_base_freq`` or
+    ``rope_parameters`` per layer type), plus its global ``rope_theta``/``rope_scaling``."""
+    types = c.get("layer_types") or _layer_types(num_layers, int(c.get("sliding_window_pattern") or
+                                                               _GEMMA3_SWA_PATTERN))
+    rp = c.get("rope_parameters") or {}
+    full, local = rp.get("full_attention") or {}, rp.get("sliding_attention") or {}
+    theta = full.get("rope_theta", c.get("rope_theta", 1_000_000.0))
+    scaling = c.get("rope_scaling")
+    if scaling is None and full.get("rope_type", "default") != "default":
+        scaling = {k: v for k, v in full.items() if k != "rope_theta"}
+    if c.get("attn_logit_softcapping") is not None:
+        raise ValueError("attn_logit_softcapping is not supported (Gemma 2's attention soft-capping)")
+    return {
+        "sliding_window": c.get("sliding_window"),
+        "layer_types": list(types),
+        "rope_local_theta": float(local.get("rope_theta", c.get("rope_local_base_freq", _GEMMA3_LOCAL_THETA))),
+        "query_pre_attn_scalar": c.get("query_pre_attn_scalar"),
+        "hidden_activation": c.get("hidden_activation") or c.get("hidden_act") or "gelu_pytorch_tanh",
+        "final_logit_softcapping": c.get("final_logit_softcapping"),
+        "rope_theta": float(theta),
+        "rope_scaling": scaling,
+    }
+
+
+def _hybrid_from_gguf(get, p: str, num_layers: int, head_dim: int) -> dict:
+    """The sliding-window fields of a Gemma 3 GGUF: ``{arch}.attention.sliding_window``,
+    and where the file has them ``{arch}.attention.sliding_window_pattern`` (an int, or a
+    per-layer bool array: True = local), ``{arch}.rope.freq_base_swa`` and
+    ``{arch}.attention.scale``; else Gemma 3's constants (as llama.cpp, whose converter
+    writes neither pattern nor local base for gemma3)."""
+    pat = get(p + "attention.sliding_window_pattern")
+    if isinstance(pat, list):
+        types = ["sliding_attention" if x else "full_attention" for x in pat]
+    else:
+        types = _layer_types(num_layers, int(pat or _GEMMA3_SWA_PATTERN))
+    scale = get(p + "attention.scale")
+    sw = get(p + "attention.sliding_window")
+    return {
+        "sliding_window": None if sw is None else int(sw),
+        "layer_types": types,
+        "rope_local_theta": float(get(p + "rope.freq_base_swa", _GEMMA3_LOCAL_THETA)),
+        # llama.cpp scales by 1/sqrt(key_length) unless the file says otherwise
+        "query_pre_attn_scalar": float(head_dim) if scale is None else float(scale) ** -2,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "final_logit_softcapping": get(p + "final_logit_softcapping"),
+    }
 
 
 def config_from_gguf(reader) -> ModelArchConfig:
@@ -134,11 +232,13 @@ def config_from_gguf(reader) -> ModelArchConfig:
             rope_scaling["original_max_position_embeddings"] = int(
                 get(p + "rope.scaling.original_context_length"))
     eos = get("tokenizer.ggml.eos_token_id")
+    n_layers = int(get(p + "block_count"))
+    extra = _hybrid_from_gguf(get, p, n_layers, head_dim) if arch_info(arch).sliding_window else {}
     return ModelArchConfig(
         architecture=arch,
         hidden_size=hidden,
         intermediate_size=int(get(p + "feed_forward_length")),
-        num_hidden_layers=int(get(p + "block_count")),
+        num_hidden_layers=n_layers,
         num_attention_heads=heads,
         num_key_value_heads=int(get(p + "attention.head_count_kv", heads)),
         head_dim=head_dim,
@@ -151,4 +251,5 @@ def config_from_gguf(reader) -> ModelArchConfig:
         bos_token_id=get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=[] if eos is None else [int(eos)],
         **_arch_flags(arch),
+        **extra,
     )

@@ -31,6 +31,15 @@ _GGUF_LAYER_MAP = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+# Where an architecture's llama.cpp names mean other HF modules: Gemma's ``ffn_norm`` is
+# the norm before the MLP, and it has norms after attention and after the MLP too.
+_GGUF_LAYER_OVERRIDES = {
+    "Gemma3ForCausalLM": {
+        "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+        "post_attention_norm.weight": "post_attention_layernorm.weight",
+        "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+    },
+}
 _GGUF_GLOBAL_MAP = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -86,15 +95,17 @@ def _unpermute_rope(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *rest).swapaxes(1, 2).reshape(w.shape)
 
 
-def _hf_name(gguf_name: str) -> tuple[str | None, str]:
+def _hf_name(gguf_name: str, architecture: str | None = None) -> tuple[str | None, str]:
     """(HF name, the GGUF per-layer suffix such as ``attn_q.weight`` or "") of a GGUF
-    tensor name; (None, "") for tensors the models do not use."""
+    tensor name of a model of ``architecture`` (HF name; its ``_GGUF_LAYER_OVERRIDES``
+    first); (None, "") for tensors the models do not use."""
     m = _BLK_RE.match(gguf_name)
     if m:
         layer, rest = m.groups()
-        if rest not in _GGUF_LAYER_MAP:
+        hf = _GGUF_LAYER_OVERRIDES.get(architecture, {}).get(rest) or _GGUF_LAYER_MAP.get(rest)
+        if hf is None:
             return None, ""
-        return f"model.layers.{layer}.{_GGUF_LAYER_MAP[rest]}", rest
+        return f"model.layers.{layer}.{hf}", rest
     return _GGUF_GLOBAL_MAP.get(gguf_name), ""
 
 
@@ -102,8 +113,9 @@ def gguf_tensor_types(path: str) -> dict[str, str]:
     """HF name → GGML type name (``"Q4_1"``, ``"F32"``, ...) of every tensor of the GGUF
     file ``path`` that a model uses (from the header; no data read)."""
     out = {}
+    arch = load_arch_config(path).architecture
     for t in _gguf_reader(path).tensors:
-        name, _ = _hf_name(t.name)
+        name, _ = _hf_name(t.name, arch)
         if name is not None:
             out[name] = t.tensor_type.name
     return out
@@ -124,9 +136,10 @@ def iter_gguf_weights(path: str, cfg: ModelArchConfig,
 
     reader = _gguf_reader(path)
     _cached_gguf_reader.cache_clear()   # the weights are read once; free the mapping after
-    permute = arch_info(cfg.architecture).gguf_rope_permuted
+    info = arch_info(cfg.architecture)
+    permute, shift = info.gguf_rope_permuted, info.gguf_norm_shift
     for t in reader.tensors:
-        name, rest = _hf_name(t.name)
+        name, rest = _hf_name(t.name, cfg.architecture)
         if name is None:
             continue
         shape = tuple(reversed([int(x) for x in t.shape]))
@@ -138,6 +151,8 @@ def iter_gguf_weights(path: str, cfg: ModelArchConfig,
             arr = _unpermute_rope(arr, cfg.num_attention_heads)
         elif permute and rest in ("attn_k.weight", "attn_k.bias"):
             arr = _unpermute_rope(arr, cfg.num_key_value_heads)
+        if shift and name.endswith("norm.weight"):
+            arr = arr - np.float32(shift)
         if not arr.flags.writeable or not arr.flags.c_contiguous:
             arr = np.array(arr, order="C", copy=True)
         yield name, torch.from_numpy(arr)

@@ -26,6 +26,11 @@ class ArchInfo:
         gguf_rope_permuted: llama.cpp's converter permuted the q/k rows for its
             interleaved RoPE (``convert_hf_to_gguf.py: LlamaModel.permute``); the loader
             undoes it.
+        gguf_norm_shift: llama.cpp's converter stored RMSNorm weights plus this (Gemma:
+            1, for its ``x * (1 + w)`` norm); the loader takes it off, so both formats
+            yield HF's values.
+        sliding_window: some layers attend over a sliding window (local layers), whose
+            KV-cache blocks are released once they fall out of it.
     """
 
     model_class: str
@@ -33,6 +38,8 @@ class ArchInfo:
     attention_bias: bool = False
     qk_norm: bool = False
     gguf_rope_permuted: bool = False
+    gguf_norm_shift: float = 0.0
+    sliding_window: bool = False
 
 
 _LLAMA = "pagedllm.models.llama:LlamaForCausalLM"
@@ -43,6 +50,8 @@ ARCHITECTURES: dict[str, ArchInfo] = {
     "MistralForCausalLM": ArchInfo(_LLAMA, "mistral", gguf_rope_permuted=True),
     "Qwen2ForCausalLM": ArchInfo(_LLAMA, "qwen2", attention_bias=True),
     "Qwen3ForCausalLM": ArchInfo(_LLAMA, "qwen3", qk_norm=True),
+    "Gemma3ForCausalLM": ArchInfo("pagedllm.models.gemma3:Gemma3ForCausalLM", "gemma3", qk_norm=True,
+                                  gguf_norm_shift=1.0, sliding_window=True),
 }
 
 

@@ -29,14 +29,14 @@ class CachedRequestState:
                  "block_ids", "num_computed_tokens", "generator")
 
     def __init__(self, req_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
-                 eos_token_ids: list[int], block_ids: list[int], num_computed_tokens: int,
+                 eos_token_ids: list[int], block_ids: list[list[int]], num_computed_tokens: int,
                  generator: torch.Generator | None):
         self.req_id = req_id
         self.num_prompt_tokens = len(prompt_token_ids)
         self.token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.eos_token_ids = eos_token_ids
-        self.block_ids = list(block_ids)
+        self.block_ids = [list(g) for g in block_ids]   # one table per KV-cache group
         self.num_computed_tokens = num_computed_tokens
         self.generator = generator
 
@@ -48,10 +48,12 @@ class InputBatch:
         max_num_reqs: rows (``max_num_seqs``).
         max_model_len: token capacity of a row.
         max_num_blocks_per_req: block-table capacity of a row (ceil(max_model_len / block_size)).
+        num_kv_cache_groups: block tables per row (``kv_cache_interface``; 1 for most models).
 
     Arrays (row-indexed): ``token_ids`` int32 [R, max_model_len]; ``num_tokens``,
-    ``num_prompt_tokens``, ``num_computed_tokens`` int64 [R]; ``block_table`` int32
-    [R, max_num_blocks_per_req] with ``num_blocks`` int32 [R]; ``temperature``, ``top_p``,
+    ``num_prompt_tokens``, ``num_computed_tokens`` int64 [R]; ``block_tables`` int32
+    [G, R, max_num_blocks_per_req] (one table per KV-cache group, all as long as
+    ``num_blocks`` int32 [R]) and ``block_table``, group 0's [R, max_num_blocks_per_req]; ``temperature``, ``top_p``,
     ``min_p`` float32 [R]; ``top_k``, ``min_tokens`` int64 [R]; ``presence_penalty``,
     ``frequency_penalty``, ``repetition_penalty`` float32 [R]; ``num_logprobs``,
     ``num_prompt_logprobs`` int64 [R] (-1 = not requested). Per row, only when needed:
@@ -60,13 +62,15 @@ class InputBatch:
     (token-id lists).
     """
 
-    def __init__(self, max_num_reqs: int, max_model_len: int, max_num_blocks_per_req: int):
+    def __init__(self, max_num_reqs: int, max_model_len: int, max_num_blocks_per_req: int,
+                 num_kv_cache_groups: int = 1):
         R = max_num_reqs
         self.token_ids = np.zeros((R, max_model_len), dtype=np.int32)
         self.num_tokens = np.zeros(R, dtype=np.int64)
         self.num_prompt_tokens = np.zeros(R, dtype=np.int64)
         self.num_computed_tokens = np.zeros(R, dtype=np.int64)
-        self.block_table = np.zeros((R, max_num_blocks_per_req), dtype=np.int32)
+        self.block_tables = np.zeros((num_kv_cache_groups, R, max_num_blocks_per_req), dtype=np.int32)
+        self.block_table = self.block_tables[0]
         self.num_blocks = np.zeros(R, dtype=np.int32)
         self.temperature = np.zeros(R, dtype=np.float32)
         self.top_p = np.ones(R, dtype=np.float32)
@@ -138,7 +142,7 @@ class InputBatch:
         row = self.row_of.pop(req_id)
         if st is not None:
             st.token_ids = self.token_ids[row, : self.num_tokens[row]].tolist()
-            st.block_ids = self.block_table[row, : self.num_blocks[row]].tolist()
+            st.block_ids = self.block_tables[:, row, : self.num_blocks[row]].tolist()
         self.req_id_of[row] = None
         self.generators.pop(row, None)
         self.stop_ids.pop(row, None)
@@ -150,16 +154,21 @@ class InputBatch:
         self.num_logprobs[row] = self.num_prompt_logprobs[row] = -1
         self._free_rows.append(row)
 
-    def set_block_ids(self, row: int, block_ids: list[int]) -> None:
-        """Replace a row's block table (a request resumed after preemption)."""
-        self.block_table[row, : len(block_ids)] = block_ids
-        self.num_blocks[row] = len(block_ids)
+    def set_block_ids(self, row: int, block_ids: list[list[int]]) -> None:
+        """Replace a row's block tables (one list per group, all of one length: a
+        request resumed after preemption)."""
+        for g, ids in enumerate(block_ids):
+            self.block_tables[g, row, : len(ids)] = ids
+        self.num_blocks[row] = len(block_ids[0])
 
-    def append_block_ids(self, row: int, block_ids: list[int]) -> None:
-        if block_ids:
+    def append_block_ids(self, row: int, block_ids: list[list[int]]) -> None:
+        """Append to a row's block tables (one list per group, all of one length)."""
+        k = len(block_ids[0])
+        if k:
             n = self.num_blocks[row]
-            self.block_table[row, n: n + len(block_ids)] = block_ids
-            self.num_blocks[row] = n + len(block_ids)
+            for g, ids in enumerate(block_ids):
+                self.block_tables[g, row, n: n + k] = ids
+            self.num_blocks[row] = n + k
 
     def append_tokens(self, rows: np.ndarray, tokens: np.ndarray) -> None:
         """Append one token to each of ``rows`` (int64 [N]); ``tokens`` int [N]."""

@@ -17,6 +17,11 @@ without drafts sample with ``Sampler`` as before. At the end of the step the pro
 (n-gram, suffix or draft model) proposes each sampling request's next drafts, as many as
 ``AdaptiveDraftLength`` allows.
 
+KV-cache groups (``kv_cache_interface``: models with sliding-window layers): each group
+has its own block table per request and so its own slot mapping; the runner builds one
+attention metadata per (group, window) pair and each attention layer reads its own
+(``bind_kv_cache``'s ``attn_group``). A model with one group builds one, as before.
+
 Structured outputs: the scheduler's ``grammar_bitmask`` (one row per sampling position of
 each constrained request) sets disallowed tokens' logits to -inf right after
 ``compute_logits``, in both sampling paths (``_apply_grammar_bitmask``).
@@ -75,6 +80,19 @@ class ModelRunner:
             self.proposer = make_proposer(config)
             self.draft_length = AdaptiveDraftLength(self.spec.num_speculative_tokens,
                                                     enabled=self.spec.adaptive)
+        self.kv_cache_config = config.kv_cache_config
+        kvc = self.kv_cache_config
+        # one attention metadata per (KV-cache group, window) pair; every layer's index into them
+        self.attn_groups: list[tuple[int, int | None]] = []
+        self.layer_attn_group: dict[int, int] = {}
+        self.layer_cache_slot: dict[int, int] = {}
+        for layer in range(arch.num_hidden_layers):
+            g, slot = kvc.layer_location(layer)
+            key = (g, kvc.layer_windows[layer])
+            if key not in self.attn_groups:
+                self.attn_groups.append(key)
+            self.layer_attn_group[layer] = self.attn_groups.index(key)
+            self.layer_cache_slot[layer] = slot
         self.kv_cache: torch.Tensor | None = None
         self.requests: dict[str, CachedRequestState] = {}
         self._prompt_lp_sent: dict[str, int] = {}   # prompt positions whose logprobs were sent
@@ -88,19 +106,22 @@ class ModelRunner:
         return f"attention backend {self.attn.describe()}{scales}, {describe_compute_path(self.model)}{spec}"
 
     def kv_bytes_per_block(self) -> int:
-        """Bytes of K and V for one block across all layers, in the cache's dtype (with a
-        draft model, its own cache's block too: both use the same block ids)."""
-        own = self.config.arch.kv_bytes_per_block(self.block_size, self.kv_cache_dtype)
+        """Bytes of K and V for one block (``layers_per_block`` layers: all of them with
+        one KV-cache group), in the cache's dtype (with a draft model, its own cache's
+        block too: both use the same block ids)."""
+        own = self.config.arch.kv_bytes_per_block(self.block_size, self.kv_cache_dtype,
+                                                  self.kv_cache_config.layers_per_block)
         return own + (self.proposer.kv_bytes_per_block(self.block_size) if self.proposer is not None else 0)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate the KV cache and the input batch (after KV sizing has fixed
         ``config.max_model_len``)."""
         max_len = self.config.max_model_len
+        kvc = self.kv_cache_config
         self.input_batch = InputBatch(self.config.args.max_num_seqs, max_len,
-                                      cdiv(max_len, self.block_size))
+                                      cdiv(max_len, self.block_size), kvc.num_groups)
         a = self.config.arch
-        shape = self.attn.kv_cache_shape(a.num_hidden_layers, num_blocks, self.block_size,
+        shape = self.attn.kv_cache_shape(kvc.layers_per_block, num_blocks, self.block_size,
                                          a.num_key_value_heads, a.head_dim)
         # Uninitialised on purpose (a 4 GiB zero-fill costs seconds at start-up): the
         # attention backends only read slots that were written. On the CPU, in huge
@@ -109,7 +130,7 @@ class ModelRunner:
             self.kv_cache = empty_cpu_hugepages(shape, self.kv_cache_dtype)
         else:
             self.kv_cache = torch.empty(shape, dtype=self.kv_cache_dtype, device=self.device)
-        bind_kv_cache(self.model, self.kv_cache, self.attn)
+        bind_kv_cache(self.model, self.kv_cache, self.attn, self.layer_cache_slot, self.layer_attn_group)
         if self.proposer is not None:
             self.proposer.initialize_kv_cache(num_blocks, self.block_size)
 
@@ -149,8 +170,8 @@ class ModelRunner:
             row = batch.row_of.get(rid)
             if row is None:   # back after a preemption or an unscheduled step
                 st = self.requests[rid]
-                kept = st.block_ids[: len(st.block_ids) - n_freed]
-                st.block_ids = list(new_blocks) if resumed else kept + list(new_blocks)
+                st.block_ids = ([list(ids) for ids in new_blocks] if resumed else
+                                [old[: len(old) - n_freed] + list(ids) for old, ids in zip(st.block_ids, new_blocks)])
                 st.num_computed_tokens = n_computed
                 batch.add(st)
                 continue
@@ -270,14 +291,15 @@ class ModelRunner:
                     b.token_ids[r, nt: nt + len(d)] = d   # inputs past the known tokens
                     num_draft[i] = len(d)
         ctx = b.num_computed_tokens[rows]
-        block_table = b.block_table[rows, : int(b.num_blocks[rows].max())]
-        common, pos, req_of_tok = build_common_metadata(ctx, q_lens, block_table, self.block_size, self.device)
+        max_blocks = int(b.num_blocks[rows].max())
+        common, pos, req_of_tok = build_common_metadata(ctx, q_lens, b.block_tables[0, rows, :max_blocks],
+                                                        self.block_size, self.device)
         ids = b.token_ids[rows[req_of_tok], pos].astype(np.int64)
         dev = self.device
         to = (lambda a: torch.from_numpy(a)) if dev.type == "cpu" else (
             lambda a: torch.from_numpy(a).to(dev, non_blocking=True))
         t_start = time.perf_counter()
-        attn_md = self.attn.build_metadata(common)
+        attn_md = self._attention_metadata(common, ctx, q_lens, rows, max_blocks)
         with set_forward_context(attn_md):
             hidden = self.model(to(ids), to(pos))
 
@@ -297,6 +319,20 @@ class ModelRunner:
                 self.draft_length.cost_model.record(common.num_tokens, step_s)
             spec_out = self._propose(req_ids, rows, sample_idx)
         return ModelRunnerOutput(req_ids, sampled, spec_out, logprobs_out, prompt_lp)
+
+    def _attention_metadata(self, common, ctx, q_lens, rows, max_blocks):
+        """The backend's metadata for the step: one object with a single attention group,
+        else a list, one per (KV-cache group, window) pair (``self.attn_groups``)."""
+        if len(self.attn_groups) == 1:
+            return self.attn.build_metadata(common, self.attn_groups[0][1])
+        commons = {0: common}
+        out = []
+        for g, window in self.attn_groups:
+            if g not in commons:
+                commons[g] = build_common_metadata(ctx, q_lens, self.input_batch.block_tables[g, rows, :max_blocks],
+                                                   self.block_size, self.device)[0]
+            out.append(self.attn.build_metadata(commons[g], window))
+        return out
 
     def _sample(self, so, hidden, req_ids, rows, qsl, sample_idx, num_draft, spec, sampled, logprobs_out) -> None:
         """Sample the requests of ``sample_idx`` (indices into this step's order): one

@@ -12,7 +12,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "written into out",
         py::arg("out"), py::arg("q"), py::arg("key_cache"), py::arg("value_cache"), py::arg("block_table"),
         py::arg("query_start_loc"), py::arg("seq_lens"), py::arg("block_size"), py::arg("scale"),
-        py::arg("k_scale") = 1.0, py::arg("v_scale") = 1.0, py::call_guard<py::gil_scoped_release>());
+        py::arg("k_scale") = 1.0, py::arg("v_scale") = 1.0, py::arg("sliding_window") = 0,
+        py::call_guard<py::gil_scoped_release>());
   m.def("reshape_and_cache", &reshape_and_cache,
         "Write K/V rows [T, kv_heads, head_dim] into the paged cache at slot_mapping, as key / k_scale "
         "and value / v_scale in the caches' dtype",

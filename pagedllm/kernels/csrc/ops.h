@@ -10,7 +10,7 @@
 void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor key_cache,
                      torch::Tensor value_cache, torch::Tensor block_table,
                      torch::Tensor query_start_loc, torch::Tensor seq_lens, int64_t block_size,
-                     double scale, double k_scale, double v_scale);
+                     double scale, double k_scale, double v_scale, int64_t sliding_window);
 
 // cpu_ops.cpp
 void reshape_and_cache(torch::Tensor key, torch::Tensor value, torch::Tensor key_cache,

@@ -3,7 +3,12 @@
 // cached prefix, or several speculative tokens otherwise) attend causally over the
 // request's cached tokens, read in place through its block table: no gather into
 // contiguous copies, no per-request call from Python. Query j of a request with
-// context c (tokens cached before this step) sees keys 0 .. c + j.
+// context c (tokens cached before this step) sees keys 0 .. c + j, or with a sliding
+// window w (a local layer) keys c + j - w + 1 .. c + j only: the keys before the window
+// are never read (their blocks may have been released), and an item starts at the
+// window of its first query rounded down to a multiple of 8 keys, so that each key keeps
+// its lane of the 8-lane sums whatever the tiling (the keys of that rounding and of later
+// queries' windows get a zero weight, which adds exact zeros).
 //
 // q and out are float32 or bfloat16 (the model's dtype); the K/V cache is float32,
 // bfloat16, fp8 E4M3 or fp8 E5M2, independently of q (``--kv-cache-dtype``), with one
@@ -62,6 +67,7 @@ struct Args {
   const TQ* q; const TC* k; const TC* v; TQ* out;
   const int32_t* bt; const int32_t* qsl; const int32_t* sl;
   int64_t nh, nkv, g, hd, mb, bs, k_slot, k_head, v_slot, v_head, q_tok;
+  int64_t window;  // sliding window in keys, 0 = the whole context
   float scale;   // softmax scale * k_scale * kRawScale<TC>: applied to q . raw k
   float vscale;  // v_scale * kRawScale<TC>: applied with 1 / sum to sum p * raw v
 };
@@ -211,7 +217,13 @@ void attend(const Args<TQ, TC>& a, const Item& it, Scratch& sc) {
   const int64_t g = a.g, hd = a.hd, bs = a.bs;
   const int64_t nq = it.j1 - it.j0;
   const int64_t Lmax = ctx + it.j1;             // keys the last query of the item sees
-  const int64_t Lp = (Lmax + 7) / 8 * 8;        // score row stride: whole 8-key chunks
+  int64_t T0 = 0;                               // the item's first key (a multiple of 8)
+  if (a.window > 0) {
+    T0 = std::max<int64_t>(0, ctx + it.j0 + 1 - a.window);
+    T0 -= T0 % 8;
+  }
+  const int64_t Lw = Lmax - T0;                 // keys of the item, from T0
+  const int64_t Lp = (Lw + 7) / 8 * 8;          // score row stride: whole 8-key chunks
   const int64_t nkh = it.kh1 - it.kh0;
   const int64_t rows = nq * nkh * g;            // (query, head) rows of this item
 #ifdef PAGEDLLM_AVX2
@@ -220,23 +232,22 @@ void attend(const Args<TQ, TC>& a, const Item& it, Scratch& sc) {
   const bool avx = false;
 #endif
   sc.scores.resize(rows * Lp);
-  // key index -> cache slot, once per item; the padding repeats the last key
+  // key index (from T0) -> cache slot, once per item; the padding repeats the last key
   sc.slots.resize(Lp);
   const int32_t* brow = a.bt + n * a.mb;
-  for (int64_t t = 0, b = 0; t < Lmax; ++b)
-    for (int64_t i = 0; i < bs && t < Lmax; ++i, ++t) sc.slots[t] = static_cast<int64_t>(brow[b]) * bs + i;
-  for (int64_t t = Lmax; t < Lp; ++t) sc.slots[t] = sc.slots[Lmax - 1];
+  for (int64_t t = T0; t < Lmax; ++t) sc.slots[t - T0] = static_cast<int64_t>(brow[t / bs]) * bs + t % bs;
+  for (int64_t t = Lw; t < Lp; ++t) sc.slots[t] = sc.slots[Lw - 1];
   const int64_t* slots = sc.slots.data();
   // row r = ((j - j0) * nkh + (kh - kh0)) * g + hh
   auto qrow = [&](int64_t j, int64_t kh, int64_t hh) {
     return a.q + (q0 + j) * a.q_tok + (kh * g + hh) * hd;
   };
   // ---- 1. scores, 8 keys at a time: K rows read once per chunk for all rows ----
-  for (int64_t t0 = 0; t0 < Lmax; t0 += 8) {
+  for (int64_t t0 = 0; t0 < Lw; t0 += 8) {
     const TC* kr[8];
     for (int64_t u = 0; u < 8; ++u) kr[u] = a.k + slots[t0 + u] * a.k_slot;
     for (int64_t j = it.j0; j < it.j1; ++j) {
-      if (t0 >= ctx + j + 1) continue;        // past this query's causal limit
+      if (T0 + t0 >= ctx + j + 1) continue;   // past this query's causal limit
       for (int64_t kh = it.kh0; kh < it.kh1; ++kh) {
         const int64_t r0 = ((j - it.j0) * nkh + (kh - it.kh0)) * g;
 #ifdef PAGEDLLM_AVX2
@@ -266,7 +277,8 @@ void attend(const Args<TQ, TC>& a, const Item& it, Scratch& sc) {
   // ---- 2-3. softmax and the weighted sum of V, per row ----
   if (!avx) sc.acc.resize(hd);
   for (int64_t j = it.j0; j < it.j1; ++j) {
-    const int64_t L = ctx + j + 1;
+    const int64_t L = ctx + j + 1 - T0;          // this query's keys, from T0
+    const int64_t lo = a.window > 0 ? std::max<int64_t>(0, L - a.window) : 0;   // before its window
     for (int64_t kh = it.kh0; kh < it.kh1; ++kh) {
       const TC* vh = a.v + kh * a.v_head;
       const int64_t r0 = ((j - it.j0) * nkh + (kh - it.kh0)) * g;
@@ -277,6 +289,7 @@ void attend(const Args<TQ, TC>& a, const Item& it, Scratch& sc) {
         TQ* os[3];
         for (int64_t r = 0; r < G; ++r) {
           float* p = sc.scores.data() + (r0 + hh + r) * Lp;
+          for (int64_t t = 0; t < lo; ++t) p[t] = -INFINITY;
           inv[r] = softmax_numerators(p, L) * a.vscale;   // vscale 1 for float32/bf16 caches
           ps[r] = p;
           os[r] = a.out + ((q0 + j) * a.nh + kh * g + hh + r) * hd;
@@ -337,8 +350,10 @@ void run(const Args<TQ, TC>& a, int64_t num_reqs) {
 template <typename TQ, typename TC>
 void launch(torch::Tensor out, torch::Tensor q, torch::Tensor key_cache, torch::Tensor value_cache,
             torch::Tensor block_table, torch::Tensor query_start_loc, torch::Tensor seq_lens,
-            int64_t num_reqs, int64_t block_size, double scale, double k_scale, double v_scale) {
+            int64_t num_reqs, int64_t block_size, double scale, double k_scale, double v_scale,
+            int64_t window) {
   Args<TQ, TC> a;
+  a.window = window;
   a.nh = q.size(1); a.hd = q.size(2); a.nkv = key_cache.size(1);
   a.q_tok = q.stride(0);
   a.g = a.nh / a.nkv; a.mb = block_table.size(1); a.bs = block_size;
@@ -355,20 +370,21 @@ void launch(torch::Tensor out, torch::Tensor q, torch::Tensor key_cache, torch::
 template <typename TQ>
 void launch_for_cache(torch::Tensor out, torch::Tensor q, torch::Tensor key_cache, torch::Tensor value_cache,
                       torch::Tensor block_table, torch::Tensor query_start_loc, torch::Tensor seq_lens,
-                      int64_t num_reqs, int64_t block_size, double scale, double k_scale, double v_scale) {
+                      int64_t num_reqs, int64_t block_size, double scale, double k_scale, double v_scale,
+                      int64_t window) {
   switch (key_cache.scalar_type()) {
     case torch::kFloat32:
       return launch<TQ, float>(out, q, key_cache, value_cache, block_table, query_start_loc, seq_lens,
-                               num_reqs, block_size, scale, k_scale, v_scale);
+                               num_reqs, block_size, scale, k_scale, v_scale, window);
     case torch::kBFloat16:
       return launch<TQ, bf16>(out, q, key_cache, value_cache, block_table, query_start_loc, seq_lens,
-                              num_reqs, block_size, scale, k_scale, v_scale);
+                              num_reqs, block_size, scale, k_scale, v_scale, window);
     case torch::kFloat8_e4m3fn:
       return launch<TQ, fp8e4m3>(out, q, key_cache, value_cache, block_table, query_start_loc, seq_lens,
-                                 num_reqs, block_size, scale, k_scale, v_scale);
+                                 num_reqs, block_size, scale, k_scale, v_scale, window);
     case torch::kFloat8_e5m2:
       return launch<TQ, fp8e5m2>(out, q, key_cache, value_cache, block_table, query_start_loc, seq_lens,
-                                 num_reqs, block_size, scale, k_scale, v_scale);
+                                 num_reqs, block_size, scale, k_scale, v_scale, window);
     default:
       TORCH_CHECK(false, "the caches must be float32, bfloat16, float8_e4m3fn or float8_e5m2");
   }
@@ -379,8 +395,9 @@ void launch_for_cache(torch::Tensor out, torch::Tensor q, torch::Tensor key_cach
 void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor key_cache,
                      torch::Tensor value_cache, torch::Tensor block_table,
                      torch::Tensor query_start_loc, torch::Tensor seq_lens, int64_t block_size,
-                     double scale, double k_scale, double v_scale) {
+                     double scale, double k_scale, double v_scale, int64_t sliding_window) {
   const auto dt = q.scalar_type();
+  TORCH_CHECK(sliding_window >= 0, "sliding_window must be >= 0 (0 = none)");
   TORCH_CHECK(dt == torch::kFloat32 || dt == torch::kBFloat16, "q must be float32 or bfloat16");
   TORCH_CHECK(out.scalar_type() == dt, "q and out must have the same dtype");
   TORCH_CHECK(value_cache.scalar_type() == key_cache.scalar_type(), "the K and V caches must have the same dtype");
@@ -415,8 +432,8 @@ void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor key_cache
   }
   if (dt == torch::kFloat32)
     launch_for_cache<float>(out, q, key_cache, value_cache, block_table, query_start_loc, seq_lens, B,
-                            block_size, scale, k_scale, v_scale);
+                            block_size, scale, k_scale, v_scale, sliding_window);
   else
     launch_for_cache<bf16>(out, q, key_cache, value_cache, block_table, query_start_loc, seq_lens, B,
-                           block_size, scale, k_scale, v_scale);
+                           block_size, scale, k_scale, v_scale, sliding_window);
 }

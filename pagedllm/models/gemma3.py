@@ -1,0 +1,162 @@
+"""Gemma 3 text decoder (Gemma Team 2025, "Gemma 3 Technical Report", arXiv:2503.19786;
+transformers' ``Gemma3ForCausalLM``).
+
+What sets it apart from Llama, all read from the checkpoint (``ModelArchConfig``):
+- local and global layers interleaved (``layer_types``): a local layer attends over the
+  last ``sliding_window`` tokens only, with its own RoPE base (``rope_local_theta``); a
+  global layer over the whole context with ``rope_theta`` and ``rope_scaling``. The
+  runner puts the two kinds in different KV-cache groups, so the local layers' blocks
+  that fall out of the window are released (``kv_cache_interface``);
+- per-head RMSNorm on q and k before RoPE, softmax scale ``query_pre_attn_scalar ** -0.5``;
+- four norms a layer: before and after attention, before and after the MLP, each
+  ``x / rms(x) * (1 + w)`` (``GemmaRMSNorm``);
+- a GeGLU MLP (``gelu_pytorch_tanh``), embeddings scaled by ``sqrt(hidden_size)``
+  (rounded to the model dtype, as transformers does), tied LM head, optional final
+  logit soft-capping.
+
+Inputs are one flattened batch, as in ``llama.py``: ``input_ids`` and ``positions`` int64 [T].
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagedllm.layers.activation import GeluAndMul
+from pagedllm.layers.attention import Attention
+from pagedllm.layers.layernorm import GemmaRMSNorm
+from pagedllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from pagedllm.layers.rotary_embedding import RotaryEmbedding
+from pagedllm.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
+from pagedllm.models.arch_config import ModelArchConfig
+from pagedllm.models.llama import LlamaForCausalLM
+
+
+class Gemma3Attention(nn.Module):
+    def __init__(self, cfg: ModelArchConfig, layer_idx: int, rotary_emb: RotaryEmbedding,
+                 dtype: torch.dtype, device: torch.device, prefix: str, quant_config=None):
+        super().__init__()
+        h, self.nh, self.nkv, self.hd = (cfg.hidden_size, cfg.num_attention_heads,
+                                         cfg.num_key_value_heads, cfg.head_dim)
+        self.qkv_proj = QKVParallelLinear(h, self.hd, self.nh, self.nkv, cfg.attention_bias, dtype, device,
+                                          prefix=f"{prefix}.qkv_proj", quant_config=quant_config)
+        self.o_proj = RowParallelLinear(self.nh * self.hd, h, False, dtype, device, prefix=f"{prefix}.o_proj",
+                                        quant_config=quant_config)
+        self.q_norm = GemmaRMSNorm(self.hd, cfg.rms_norm_eps, dtype, device)
+        self.k_norm = GemmaRMSNorm(self.hd, cfg.rms_norm_eps, dtype, device)
+        self.rotary_emb = rotary_emb
+        scalar = cfg.query_pre_attn_scalar or self.hd
+        window = cfg.sliding_window if cfg.is_sliding(layer_idx) else None
+        self.attn = Attention(self.nh, self.hd, float(scalar) ** -0.5, self.nkv, layer_idx, dtype, device,
+                              sliding_window=window)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden] → [T, hidden]."""
+        qkv = self.qkv_proj(x)
+        T, q_size, kv_size = qkv.shape[0], self.qkv_proj.q_size, self.qkv_proj.kv_size
+        q = self.q_norm(qkv[:, :q_size].reshape(T, self.nh, self.hd))
+        k = self.k_norm(qkv[:, q_size: q_size + kv_size].reshape(T, self.nkv, self.hd))
+        v = qkv[:, q_size + kv_size:].view(T, self.nkv, self.hd)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v))
+
+
+class Gemma3MLP(nn.Module):
+    def __init__(self, cfg: ModelArchConfig, dtype: torch.dtype, device: torch.device, prefix: str,
+                 quant_config=None):
+        super().__init__()
+        if cfg.hidden_activation not in ("gelu_pytorch_tanh", "gelu"):
+            raise ValueError(f"Gemma 3: unsupported hidden_activation {cfg.hidden_activation!r}")
+        h, inter = cfg.hidden_size, cfg.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(h, [inter, inter], False, dtype, device,
+                                                       prefix=f"{prefix}.gate_up_proj", quant_config=quant_config)
+        self.down_proj = RowParallelLinear(inter, h, False, dtype, device, prefix=f"{prefix}.down_proj",
+                                           quant_config=quant_config)
+        self.act_fn = GeluAndMul("tanh" if cfg.hidden_activation == "gelu_pytorch_tanh" else "none")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden] → [T, hidden] (GeGLU)."""
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class Gemma3DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelArchConfig, layer_idx: int, rotary_emb: RotaryEmbedding,
+                 dtype: torch.dtype, device: torch.device, prefix: str, quant_config=None):
+        super().__init__()
+        h, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.input_layernorm = GemmaRMSNorm(h, eps, dtype, device)
+        self.self_attn = Gemma3Attention(cfg, layer_idx, rotary_emb, dtype, device, f"{prefix}.self_attn",
+                                         quant_config)
+        self.post_attention_layernorm = GemmaRMSNorm(h, eps, dtype, device)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(h, eps, dtype, device)
+        self.mlp = Gemma3MLP(cfg, dtype, device, f"{prefix}.mlp", quant_config)
+        self.post_feedforward_layernorm = GemmaRMSNorm(h, eps, dtype, device)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor,
+                residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [T, hidden], the previous layer's (normed) output; residual: [T, hidden],
+        the running sum before it (None for the first layer). Returns (output, residual)."""
+        if residual is None:
+            residual = x
+            h = self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.post_attention_layernorm(self.self_attn(positions, h))
+        h, residual = self.pre_feedforward_layernorm(h, residual)
+        return self.post_feedforward_layernorm(self.mlp(h)), residual
+
+
+class Gemma3Model(nn.Module):
+    def __init__(self, cfg: ModelArchConfig, dtype: torch.dtype, device: torch.device, max_positions: int,
+                 quant_config=None):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, device,
+                                                   quant_config, prefix="model.embed_tokens")
+        # transformers multiplies by the scale rounded to the weights' dtype
+        self.register_buffer("embed_scale", torch.tensor(cfg.hidden_size ** 0.5, dtype=dtype, device=device),
+                             persistent=False)
+        rope_global = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, dtype, device)
+        rope_local = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_local_theta or cfg.rope_theta, None,
+                                     dtype, device)
+        self.layers = nn.ModuleList(
+            Gemma3DecoderLayer(cfg, i, rope_local if cfg.is_sliding(i) else rope_global, dtype, device,
+                               f"model.layers.{i}", quant_config)
+            for i in range(cfg.num_hidden_layers))
+        self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(input_ids) * self.embed_scale
+        residual = None
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual)
+        return residual + x
+
+
+class Gemma3ForCausalLM(LlamaForCausalLM):
+    """Gemma 3 over the paged KV cache; weights, fused projections and ``load_weights``
+    as ``LlamaForCausalLM``'s (HF names, q/k/v and gate/up fused). Args as its.
+
+    Raises:
+        ValueError: an unsupported activation, or a config without ``layer_types``
+            matching its layers.
+    """
+
+    def __init__(self, cfg: ModelArchConfig, dtype: torch.dtype, device: torch.device,
+                 max_positions: int, quant_config=None):
+        nn.Module.__init__(self)
+        if cfg.layer_types is not None and len(cfg.layer_types) != cfg.num_hidden_layers:
+            raise ValueError(f"layer_types has {len(cfg.layer_types)} entries for {cfg.num_hidden_layers} layers")
+        self.cfg = cfg
+        self.model = Gemma3Model(cfg, dtype, device, max_positions, quant_config)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dtype, device,
+                                      self.model.embed_tokens if cfg.tie_word_embeddings else None,
+                                      quant_config=quant_config, prefix="lm_head")
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final norm, LM head and soft-capping (``c * tanh(logits / c)`` when the config
+        has ``final_logit_softcapping``): [N, hidden] → float32 [N, vocab]."""
+        logits = self.lm_head(self.model.norm(hidden))
+        c = self.cfg.final_logit_softcapping
+        if c:
+            logits = torch.tanh(logits / c) * c
+        return logits

