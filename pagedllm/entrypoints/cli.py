@@ -1,4 +1,4 @@
-"""The ``pagedllm`` command: serve, generate, bench, profile.
+"""The ``pagedllm`` command: serve, generate, models, bench, profile.
 
 Subcommands are registered one way. A *command module* has
 ``register(subparsers)``, which adds its parser(s) to an argparse sub-parsers
@@ -33,7 +33,7 @@ COMMANDS: dict[str, tuple[str, tuple[str, ...]]] = {
                              "pagedllm.benchmarks.host_overhead", "pagedllm.benchmarks.latency",
                              "pagedllm.benchmarks.accuracy", "pagedllm.benchmarks.attention",
                              "pagedllm.benchmarks.spec", "pagedllm.benchmarks.sampling",
-                             "pagedllm.benchmarks.server")),
+                             "pagedllm.benchmarks.server", "pagedllm.benchmarks.kv_blocks")),
     "profile": ("inspect --profile-dir output", ("pagedllm.benchmarks.profile_summary",)),
 }
 
@@ -41,6 +41,24 @@ COMMANDS: dict[str, tuple[str, tuple[str, ...]]] = {
 def _setup_logging(level: str = "INFO") -> None:
     logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO),
                         format="%(levelname)s %(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+
+
+def _models(args) -> int:
+    """``pagedllm models``: the supported architectures and what each supports."""
+    import json
+
+    from pagedllm.models.registry import describe_architectures
+
+    rows = describe_architectures()
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    cols = ["architecture", "gguf", "models", "sliding_window", "moe", "quantization", "dtypes"]
+    width = {c: max(len(c), *(len(r[c]) for r in rows)) for c in cols}
+    print("  ".join(c.ljust(width[c]) for c in cols))
+    for r in rows:
+        print("  ".join(r[c].ljust(width[c]) for c in cols))
+    return 0
 
 
 def _serve(args) -> int:
@@ -133,6 +151,10 @@ def register(subparsers: "argparse._SubParsersAction") -> None:
     p.add_argument("--chat", action="store_true", help="wrap PROMPT in the model's chat template")
     EngineArgs.add_cli_args(p)
     p.set_defaults(func=_generate)
+
+    p = subparsers.add_parser("models", help="list the supported model architectures and what each supports")
+    p.add_argument("--json", action="store_true", help="one JSON object per architecture")
+    p.set_defaults(func=_models)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -31,6 +31,7 @@ class ArchInfo:
             yield HF's values.
         sliding_window: some layers attend over a sliding window (local layers), whose
             KV-cache blocks are released once they fall out of it.
+        models: the model families it covers, for ``pagedllm models``.
     """
 
     model_class: str
@@ -40,19 +41,39 @@ class ArchInfo:
     gguf_rope_permuted: bool = False
     gguf_norm_shift: float = 0.0
     sliding_window: bool = False
+    models: str = ""
 
 
 _LLAMA = "pagedllm.models.llama:LlamaForCausalLM"
 
 # HF architecture name (config.json "architectures"[0]) → what it is.
 ARCHITECTURES: dict[str, ArchInfo] = {
-    "LlamaForCausalLM": ArchInfo(_LLAMA, "llama", gguf_rope_permuted=True),
-    "MistralForCausalLM": ArchInfo(_LLAMA, "mistral", gguf_rope_permuted=True),
-    "Qwen2ForCausalLM": ArchInfo(_LLAMA, "qwen2", attention_bias=True),
-    "Qwen3ForCausalLM": ArchInfo(_LLAMA, "qwen3", qk_norm=True),
+    "LlamaForCausalLM": ArchInfo(_LLAMA, "llama", gguf_rope_permuted=True,
+                                 models="Llama 2/3, SmolLM2, TinyLlama"),
+    "MistralForCausalLM": ArchInfo(_LLAMA, "mistral", gguf_rope_permuted=True, models="Mistral"),
+    "Qwen2ForCausalLM": ArchInfo(_LLAMA, "qwen2", attention_bias=True, models="Qwen2, Qwen2.5"),
+    "Qwen3ForCausalLM": ArchInfo(_LLAMA, "qwen3", qk_norm=True, models="Qwen3"),
     "Gemma3ForCausalLM": ArchInfo("pagedllm.models.gemma3:Gemma3ForCausalLM", "gemma3", qk_norm=True,
-                                  gguf_norm_shift=1.0, sliding_window=True),
+                                  gguf_norm_shift=1.0, sliding_window=True, models="Gemma 3 (text)"),
 }
+
+# What every architecture runs with (the layers are shared): dtypes, and the
+# --quantization methods (``layers/quantization``; "gguf" keeps a GGUF's Q8_0/Q4_0/Q4_1
+# blocks packed, so it needs a file of those types).
+DTYPES = ("float32", "bfloat16", "float16")
+QUANTIZATION = ("int8", "gguf", "q8_0", "q4_0", "q4_1")
+
+
+def describe_architectures() -> list[dict[str, str]]:
+    """One row per registered architecture, for ``pagedllm models``: its HF name, GGUF
+    ``general.architecture``, model families, dtypes, quantization methods, and whether
+    it has sliding-window layers (released from the KV cache as they leave the window)
+    and mixture-of-experts layers."""
+    return [{"architecture": name, "gguf": info.gguf_arch, "models": info.models,
+             "dtypes": ", ".join(DTYPES), "quantization": ", ".join(QUANTIZATION),
+             "sliding_window": "yes" if info.sliding_window else "no",
+             "moe": "yes" if getattr(info, "moe", False) else "no"}
+            for name, info in ARCHITECTURES.items()]
 
 
 def arch_info(architecture: str) -> ArchInfo:
