@@ -10,18 +10,20 @@ from pagedllm.sample.sampler import SamplingMetadata, compute_probs
 
 
 def _penalty_inputs(history, prompt_len, length, rep, freq, pres, V=4):
-    seen, counts = token_presence(torch.tensor(history), torch.tensor(prompt_len), torch.tensor(length), V)
+    seen = token_presence(torch.tensor(history), torch.tensor(prompt_len), torch.tensor(length), V)
     n = len(history)
     return LogitsProcessorInputs(
-        penalty_rows=torch.arange(n), prompt_seen=seen, output_counts=counts,
+        penalty_rows=torch.arange(n), seen=seen,
         repetition=torch.full((n,), rep), frequency=torch.full((n,), freq), presence=torch.full((n,), pres))
 
 
 def test_token_presence_counts_output_and_marks_prompt():
     # prompt [0, 3], output [1, 1, 2]; the last position is a draft not yet before us
-    seen, counts = token_presence(torch.tensor([[0, 3, 1, 1, 2, 2]]), torch.tensor([2]), torch.tensor([5]), 4)
-    assert seen.tolist() == [[True, False, False, True]]
-    assert counts.tolist() == [[0.0, 2.0, 1.0, 0.0]]
+    rows, toks, counts = token_presence(torch.tensor([[0, 3, 1, 1, 2, 2], [2, 2, 0, 0, 0, 0]]),
+                                        torch.tensor([2, 1]), torch.tensor([5, 3]), 4)
+    # row 0: prompt {0, 3}, output [1, 1, 2]; row 1: prompt [2], output [2, 0]
+    assert list(zip(rows.tolist(), toks.tolist(), counts.tolist())) == [
+        (0, 0, 0.0), (0, 1, 2.0), (0, 2, 1.0), (0, 3, 0.0), (1, 0, 1.0), (1, 2, 1.0)]
 
 
 def test_repetition_frequency_presence_formulas():

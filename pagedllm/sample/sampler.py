@@ -53,25 +53,53 @@ def _sort_filter(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor |
     return torch.empty_like(logits).scatter_(1, idx, sorted_logits)
 
 
-def _topk_filter(logits: torch.Tensor, k: torch.Tensor, p: torch.Tensor | None,
-                 width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``_sort_filter`` through ``topk(width)`` for rows with 0 < k <= width: the same
-    top-k set (ties at the k-th value kept), and top-p's rule written in descending order
-    (a token is dropped when the mass ranked above it reaches p; p = 1 drops nothing).
+def _topk_compact(logits: torch.Tensor, k: torch.Tensor, p: torch.Tensor | None, width: int,
+                  min_p: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The candidates ``_sort_filter`` keeps, for rows with 0 < k <= width, as the row's
+    ``width`` largest logits: min-p (if given: below the top logit plus log(min_p)
+    dropped, as ``_probs`` does before the filter; the top-``width`` hold every survivor
+    that top-k can keep), the top-k set (ties at the k-th value kept), and top-p's rule
+    written in descending order (a token is dropped when the mass ranked above it reaches
+    p; p = 1 drops nothing). Dropped candidates are -inf.
 
     Returns:
-        (filtered logits [n, V], ok bool [n]): ``ok`` is False for a row whose ties at
-        its k-th value reach past ``width`` (it must go through the sort).
+        (values [n, width] descending, their token ids int64 [n, width], ok bool [n]):
+        ``ok`` is False for a row whose ties at its k-th value reach past ``width`` (it
+        must go through the sort).
     """
     vals, idx = logits.topk(width, dim=-1)                 # descending
+    if min_p is not None:
+        vals = vals.masked_fill(vals < vals[:, :1] + torch.log(min_p).unsqueeze(1), float("-inf"))
     thresh = vals.gather(1, (k - 1).unsqueeze(1))
-    ok = (logits >= thresh).sum(dim=1) <= width
+    # fewer survivors of min-p than k (threshold -inf): all of them are among the top-width
+    ok = ((logits >= thresh).sum(dim=1) <= width) | torch.isneginf(thresh).squeeze(1)
     vals = vals.masked_fill(vals < thresh, float("-inf"))
     if p is not None:
         probs = vals.softmax(dim=-1)
         above = probs.cumsum(dim=-1) - probs
         vals = vals.masked_fill((above >= p.unsqueeze(1)) & (p < 1).unsqueeze(1), float("-inf"))
+    return vals, idx, ok
+
+
+def _topk_filter(logits: torch.Tensor, k: torch.Tensor, p: torch.Tensor | None,
+                 width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``_sort_filter`` through ``_topk_compact`` for rows with 0 < k <= width.
+
+    Returns:
+        (filtered logits [n, V], ok bool [n]): ``ok`` is False for a row whose ties at
+        its k-th value reach past ``width`` (it must go through the sort).
+    """
+    vals, idx, ok = _topk_compact(logits, k, p, width)
     return torch.full_like(logits, float("-inf")).scatter_(1, idx, vals), ok
+
+
+def _topk_width(k: int, vocab_size: int) -> int:
+    """The ``topk`` width of a row with top-k ``k``: the power of two >= k (at least 64),
+    or 0 (the row sorts) for k off, above ``_TOPK_WIDTH_MAX`` or the vocabulary."""
+    if not 0 < k <= _TOPK_WIDTH_MAX or k >= vocab_size:
+        return 0
+    w = max(64, 1 << (k - 1).bit_length())
+    return w if w < vocab_size else 0
 
 
 def _apply_top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor | None) -> torch.Tensor:
@@ -85,10 +113,7 @@ def _apply_top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Te
     if k is None:
         return _sort_filter(logits, None, p)
     V = logits.shape[-1]
-    kl = k.tolist()
-    widths = [0 if not 0 < kk <= _TOPK_WIDTH_MAX or kk >= V else max(64, 1 << (kk - 1).bit_length())
-              for kk in kl]
-    widths = [w if w < V else 0 for w in widths]
+    widths = [_topk_width(kk, V) for kk in k.tolist()]
     out = torch.empty_like(logits)
     sort_rows = [i for i, w in enumerate(widths) if w == 0]
     for w in sorted(set(widths) - {0}):
@@ -153,20 +178,49 @@ class Sampler:
     greedy: argmax, whose first-index rule also settles ties, which low-precision logits
     make common (sampling among tied top tokens would make top_k=1 random).
 
-    Random rows draw from ``compute_probs`` with the exponential-race trick:
-    argmax(p_i / E_i) with E_i ~ Exp(1) selects token i with probability p_i (a
-    Gumbel-max equivalent), so each row consumes exactly V draws from its own generator
-    per step (``fill_exponential_``): a seeded request's tokens do not depend on the
-    batch around it.
+    Random rows draw with the exponential-race trick: argmax(p_i / E_i) with E_i ~ Exp(1)
+    selects token i with probability p_i (a Gumbel-max equivalent). A row with top-k
+    races only its candidates: its ``width`` largest logits (the power of two >= k,
+    ``_topk_compact``), so it consumes ``width`` draws from its own generator per step
+    instead of V, and no [V]-wide softmax or draw is made for it; other rows race the
+    whole vocabulary of ``compute_probs`` (V draws, ``fill_exponential_``). Which way a
+    row goes depends on its own settings and logits only, so a seeded request's tokens
+    do not depend on the batch around it.
     """
 
     def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         greedy_ids = logits.argmax(dim=-1)
         if md.all_greedy:
             return greedy_ids
-        probs = _probs(logits, md, renormalize=False)
-        q = torch.empty_like(probs)
-        for i, g in enumerate(md.generators):
-            fill_exponential_(q[i], g)
-        sampled = (probs / q).argmax(dim=-1)
-        return torch.where((md.temperature > 0) & (md.top_k != 1), sampled, greedy_ids)
+        random = ((md.temperature > 0) & (md.top_k != 1)).tolist()
+        V = logits.shape[-1]
+        widths = [_topk_width(k, V) if r and md.need_top_k else 0 for k, r in zip(md.top_k.tolist(), random)]
+        out = greedy_ids.clone()
+        full = [i for i, (r, w) in enumerate(zip(random, widths)) if r and w == 0]
+        dev = logits.device
+        for w in sorted(set(widths) - {0}):
+            rows = [i for i, x in enumerate(widths) if x == w]
+            ri = torch.tensor(rows, device=dev)
+            x = logits.index_select(0, ri).float() / md.temperature[ri].unsqueeze(1)
+            vals, idx, ok = _topk_compact(x, md.top_k[ri], md.top_p[ri] if md.need_top_p else None, w,
+                                          md.min_p[ri] if md.need_min_p else None)
+            probs = vals.softmax(dim=-1)
+            q = torch.empty_like(probs)
+            for j, i in enumerate(rows):
+                fill_exponential_(q[j], md.generators[i])
+            pick = idx.gather(1, (probs / q).argmax(dim=-1, keepdim=True)).squeeze(1)
+            okl = ok.tolist()
+            out[ri] = torch.where(ok, pick, out[ri])
+            full += [i for i, good in zip(rows, okl) if not good]
+        if full:
+            full.sort()
+            ri = torch.tensor(full, device=dev)
+            sub = SamplingMetadata(md.temperature[ri], md.top_k[ri], md.top_p[ri], md.min_p[ri],
+                                   [md.generators[i] for i in full], False,
+                                   md.need_top_k, md.need_top_p, md.need_min_p)
+            probs = _probs(logits.index_select(0, ri), sub, renormalize=False)
+            q = torch.empty_like(probs)
+            for j, g in enumerate(sub.generators):
+                fill_exponential_(q[j], g)
+            out[ri] = (probs / q).argmax(dim=-1)
+        return out

@@ -238,7 +238,7 @@ class ModelRunner:
             prow, plen = lrows[need], lens[need]
             hist = torch.from_numpy(b.token_ids[prow, : int(plen.max())].astype(np.int64)).to(dev)
             to = lambda a: torch.from_numpy(a).to(dev)  # noqa: E731
-            inp.prompt_seen, inp.output_counts = token_presence(hist, to(b.num_prompt_tokens[prow]), to(plen), V)
+            inp.seen = token_presence(hist, to(b.num_prompt_tokens[prow]), to(plen), V)
             inp.penalty_rows = to(need.astype(np.int64))
             inp.repetition, inp.frequency, inp.presence = to(rep[need]), to(freq[need]), to(pres[need])
         return inp
