@@ -22,6 +22,7 @@ tokenizer (prompts are token ids below 512).
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import numpy as np
@@ -89,14 +90,11 @@ def _ids(n: int, seed: int, lo: int = 4, hi: int = 60) -> list[list[int]]:
     return [rng.integers(3, VOCAB, size=int(rng.integers(lo, hi))).tolist() for _ in range(n)]
 
 
-def _our_logits(path: str, ids: list[int], quantization: str | None = None) -> torch.Tensor:
+def _our_logits(path: str, ids: list[int]) -> torch.Tensor:
+    """Prefill logits [T, vocab] of the model at ``path`` (HF directory or GGUF), float32,
+    through the engine's model and paged attention."""
     cfg = load_arch_config(path)
-    qc = None
-    if quantization is not None:
-        from pagedllm.layers.quantization import get_quantization_config
-
-        qc = get_quantization_config(quantization, device=CPU, dtype=torch.float32, gguf_tensor_types=None)
-    model = build_model(path, cfg, torch.float32, CPU, 512, quant_config=qc)
+    model = build_model(path, cfg, torch.float32, CPU, 512)
     return prefill_logits(model, cfg, ids, torch.float32, CPU, attention_backend="torch")
 
 
@@ -184,10 +182,10 @@ def test_fused_moe_matches_naive_per_token_reference(E, k, T, H, inter, renormal
 
 
 def test_select_experts_normalisation():
-    logits = torch.tensor([[0.0, 1.0, 2.0, 3.0], [3.0, -1.0, 0.5, 0.5]])
+    logits = torch.tensor([[0.0, 1.0, 2.0, 3.0], [3.0, -1.0, 0.5, 0.7]])
     p = torch.softmax(logits, -1)
     w, ids = select_experts(logits, 2, renormalize=False)
-    assert ids.tolist() == [[3, 2], [0, 2]] or ids.tolist() == [[3, 2], [0, 3]]
+    assert ids.tolist() == [[3, 2], [0, 3]] and w.dtype == torch.float32
     torch.testing.assert_close(w, p.gather(1, ids))
     w_norm, ids_norm = select_experts(logits, 2, renormalize=True)
     assert torch.equal(ids_norm, ids)
@@ -342,7 +340,7 @@ def _write_gguf(model, path: str, stacked: bool = True, expert_type=None) -> Non
     """A GGUF of a transformers MoE model as llama.cpp's converter writes it: Mixtral as
     ``llama`` (q/k permuted), Qwen3-MoE as ``qwen3moe``; experts stacked
     (``ffn_*_exps``) or, with ``stacked=False``, one tensor per expert (older Mixtral
-    files). ``expert_type``: a GGML type to quantize the stacked experts to (else F32)."""
+    files). ``expert_type``: a GGML type to quantize the experts to (else F32)."""
     import gguf
 
     c = model.config
@@ -367,7 +365,7 @@ def _write_gguf(model, path: str, stacked: bool = True, expert_type=None) -> Non
     inter = c.intermediate_size if mixtral else c.moe_intermediate_size
 
     def add(name, t):
-        if expert_type is not None and name.endswith("_exps.weight"):
+        if expert_type is not None and re.match(r"blk\.\d+\.ffn_(gate|up|down)(_exps|\.\d+)\.weight$", name):
             w.add_tensor(name, gguf.quants.quantize(t, expert_type), raw_dtype=expert_type)
         else:
             w.add_tensor(name, np.ascontiguousarray(t, dtype=np.float32))
@@ -442,8 +440,9 @@ def test_experts_take_float_weight_quantization(tiny, method):
     cfg = load_arch_config(path)
     model = build_model(path, cfg, torch.float32, CPU, 512, quant_config=qc)
     block = model.model.layers[0].mlp
-    assert block.experts.expert(5).down_proj.linear_method.name == model.model.layers[0].self_attn.o_proj.linear_method.name
-    assert block.gate.linear_method.name != block.experts.expert(5).down_proj.linear_method.name
+    expert_method = block.experts.expert(5).down_proj.linear_method.name
+    assert expert_method == model.model.layers[0].self_attn.o_proj.linear_method.name
+    assert block.gate.linear_method.name != expert_method
     ids = _ids(1, seed=4, lo=40, hi=41)[0]
     ours = prefill_logits(model, cfg, ids, torch.float32, CPU, attention_backend="torch")
     # random weights amplify the rounding through two layers (and a flipped expert choice
@@ -469,8 +468,20 @@ def test_gguf_packed_experts_are_refused_naming_the_layer(tiny, tmp_path):
     assert err.value.param == "quantization"
     # without --quantization the Q8_0 experts are dequantized at load and the model runs
     ids = _ids(1, seed=6, lo=30, hi=31)[0]
-    logits = _our_logits(path, ids)
-    assert (logits.argmax(-1) == _hf_logits(ref_model, ids).argmax(-1)).float().mean().item() >= 0.8
+    dequantized = _our_logits(path, ids)
+    assert (dequantized.argmax(-1) == _hf_logits(ref_model, ids).argmax(-1)).float().mean().item() >= 0.8
+    # one tensor per expert (older Mixtral files): each expert is a linear layer like any
+    # other, so gguf keeps its Q8_0 blocks packed
+    per_expert = str(tmp_path / "q8-per-expert.gguf")
+    _write_gguf(ref_model, per_expert, stacked=False, expert_type=gguf.GGMLQuantizationType.Q8_0)
+    types = gguf_tensor_types(per_expert)
+    assert types["model.layers.1.mlp.experts.7.down_proj.weight"] == "Q8_0"
+    qc = get_quantization_config("gguf", device=CPU, dtype=torch.float32, gguf_tensor_types=types)
+    cfg = load_arch_config(per_expert)
+    model = build_model(per_expert, cfg, torch.float32, CPU, 256, quant_config=qc)
+    assert "Q8_0" in model.model.layers[1].mlp.experts.expert(7).down_proj.linear_method.name
+    packed = prefill_logits(model, cfg, ids, torch.float32, CPU, attention_backend="torch")
+    assert (packed.argmax(-1) == dequantized.argmax(-1)).float().mean().item() >= 0.8
 
 
 def test_moe_architectures_are_registered_and_unknown_ones_named(tmp_path):

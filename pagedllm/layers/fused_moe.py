@@ -48,7 +48,8 @@ from pagedllm.layers.quantization.base_config import unsupported
 SHARDS = ("gate", "up", "down", "gate_up")
 
 
-def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def select_experts(router_logits: torch.Tensor, top_k: int,
+                   renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """The router's choice for every token (module docstring: softmax, top-k, optional
     renormalisation).
 

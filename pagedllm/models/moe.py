@@ -75,7 +75,8 @@ class SparseMoeBlock(nn.Module):
     def __init__(self, cfg: ModelArchConfig, dtype: torch.dtype, device: torch.device, prefix: str,
                  quant_config=None):
         super().__init__()
-        self.gate = ReplicatedLinear(cfg.hidden_size, cfg.num_experts, False, dtype, device, prefix=f"{prefix}.gate")
+        self.gate = ReplicatedLinear(cfg.hidden_size, cfg.num_experts, False, dtype, device,
+                                     prefix=f"{prefix}.gate")
         self.experts = FusedMoE(cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size,
                                 cfg.moe_intermediate_size or cfg.intermediate_size, cfg.norm_topk_prob,
                                 dtype, device, prefix=f"{prefix}.experts", quant_config=quant_config)
