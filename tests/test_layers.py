@@ -245,16 +245,18 @@ def test_model_file_imports_only_layers():
 
 def test_registry_is_the_one_list_of_architectures():
     from pagedllm.models import arch_config, loader, registry
+    from pagedllm.models.llama import LlamaForCausalLM
 
     for name, info in registry.ARCHITECTURES.items():
-        assert registry.architecture_for_gguf(info.gguf_arch) == name
-        assert registry.get_model_class(_tiny_cfg(architecture=name)).__name__ == "LlamaForCausalLM"
+        # a GGUF arch shared by a dense and a MoE architecture (llama, Mixtral) resolves by expert_count
+        assert registry.architecture_for_gguf(info.gguf_arch, moe=info.moe) == name
+        assert issubclass(registry.get_model_class(_tiny_cfg(architecture=name)), LlamaForCausalLM)
     assert arch_config._arch_flags("Qwen2ForCausalLM") == {"attention_bias": True, "qk_norm": False}
     assert registry.arch_info("MistralForCausalLM").gguf_rope_permuted
     assert not hasattr(arch_config, "GGUF_ARCH_TO_HF") and not hasattr(loader, "_arch_flags")
-    with pytest.raises(ValueError, match=r"'GPT2LMHeadModel'; supported: \['LlamaForCausalLM', "):
+    with pytest.raises(ValueError, match=r"'GPT2LMHeadModel'; supported: \[.*'LlamaForCausalLM', .*'MixtralForCausalLM', "):
         registry.arch_info("GPT2LMHeadModel")
-    with pytest.raises(ValueError, match=r"unsupported GGUF architecture 'gpt2'; supported: \['llama', "):
+    with pytest.raises(ValueError, match=r"unsupported GGUF architecture 'gpt2'; supported: \['gemma3', 'llama', 'mistral'"):
         registry.architecture_for_gguf("gpt2")
     # Reading a config imports no model code.
     code = ("import sys, pagedllm.models.arch_config, pagedllm.models.loader; "

@@ -36,6 +36,14 @@ class ModelArchConfig:
         hidden_activation: the gated MLP's activation (``"silu"``, or
             ``"gelu_pytorch_tanh"`` for GeGLU).
         final_logit_softcapping: logits become ``c * tanh(logits / c)`` (Gemma 2), or None.
+        num_experts: experts of a mixture-of-experts layer (0: a dense model);
+            num_experts_per_tok: experts each token is routed to (top-k);
+            moe_intermediate_size: each expert's hidden width (Mixtral's is
+            ``intermediate_size``; Qwen3-MoE's dense layers use ``intermediate_size``).
+        norm_topk_prob: the top-k routing weights are renormalised to sum to one
+            (Mixtral always; Qwen3-MoE as its config says).
+        decoder_sparse_step, mlp_only_layers: which layers are MoE (``is_moe_layer``):
+            every ``decoder_sparse_step``-th, except those listed (Qwen3-MoE's names).
     """
 
     architecture: str
@@ -61,6 +69,19 @@ class ModelArchConfig:
     query_pre_attn_scalar: float | None = None
     hidden_activation: str = "silu"
     final_logit_softcapping: float | None = None
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1
+    mlp_only_layers: list[int] = field(default_factory=list)
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether ``layer``'s feed-forward block is a mixture of experts (transformers'
+        ``Qwen3MoeDecoderLayer`` rule: experts exist, the layer is not in
+        ``mlp_only_layers``, and ``(layer + 1) % decoder_sparse_step == 0``)."""
+        return (self.num_experts > 0 and layer not in self.mlp_only_layers
+                and (layer + 1) % max(1, self.decoder_sparse_step) == 0)
 
     def is_sliding(self, layer: int) -> bool:
         """Whether ``layer`` attends over a sliding window of ``sliding_window`` tokens."""
@@ -120,6 +141,8 @@ def config_from_hf_dir(path: str) -> ModelArchConfig:
         extra = _hybrid_from_hf(c, c["num_hidden_layers"])
         rope_theta = extra.pop("rope_theta", rope_theta)
         rope_scaling = extra.pop("rope_scaling", None)
+    if arch_info(arch).moe:
+        extra.update(_moe_from_hf(c))
     return ModelArchConfig(
         architecture=arch,
         hidden_size=c["hidden_size"],
@@ -204,6 +227,38 @@ def _hybrid_from_gguf(get, p: str, num_layers: int, head_dim: int) -> dict:
     }
 
 
+def _moe_from_hf(c: dict) -> dict:
+    """The mixture-of-experts fields of a ``config.json``: Mixtral's ``num_local_experts``
+    (transformers 5 writes that name for Qwen3-MoE too; older Qwen3-MoE configs say
+    ``num_experts``), ``num_experts_per_tok``, Qwen3-MoE's ``moe_intermediate_size`` (else
+    ``intermediate_size``, Mixtral's), ``norm_topk_prob`` (absent in Mixtral's configs:
+    it always renormalises), ``decoder_sparse_step`` and ``mlp_only_layers``."""
+    return {
+        "num_experts": int(c.get("num_local_experts") or c.get("num_experts") or 0),
+        "num_experts_per_tok": int(c.get("num_experts_per_tok") or 0),
+        "moe_intermediate_size": int(c.get("moe_intermediate_size") or c["intermediate_size"]),
+        "norm_topk_prob": bool(c.get("norm_topk_prob", True)),
+        "decoder_sparse_step": int(c.get("decoder_sparse_step") or 1),
+        "mlp_only_layers": [int(i) for i in c.get("mlp_only_layers") or []],
+    }
+
+
+def _moe_from_gguf(get, p: str, num_layers: int, tensor_names: set[str]) -> dict:
+    """The mixture-of-experts fields of a GGUF file (llama.cpp's keys): ``{arch}.expert_count``,
+    ``{arch}.expert_used_count``, ``{arch}.expert_feed_forward_length`` (Qwen3-MoE; Mixtral's
+    experts are ``feed_forward_length`` wide), ``{arch}.expert_weights_norm`` (absent:
+    renormalise, as llama.cpp's Mixtral and Qwen3-MoE graphs do). A layer without a router
+    tensor (``blk.N.ffn_gate_inp.weight``) is dense (``mlp_only_layers``)."""
+    ff = get(p + "feed_forward_length")
+    return {
+        "num_experts": int(get(p + "expert_count", 0) or 0),
+        "num_experts_per_tok": int(get(p + "expert_used_count", 0) or 0),
+        "moe_intermediate_size": int(get(p + "expert_feed_forward_length", ff) or 0),
+        "norm_topk_prob": bool(get(p + "expert_weights_norm", True)),
+        "mlp_only_layers": [i for i in range(num_layers) if f"blk.{i}.ffn_gate_inp.weight" not in tensor_names],
+    }
+
+
 def config_from_gguf(reader) -> ModelArchConfig:
     """Build the config from a ``gguf.GGUFReader``'s metadata (llama.cpp's key names).
 
@@ -215,8 +270,8 @@ def config_from_gguf(reader) -> ModelArchConfig:
         return default if f is None else f.contents()
 
     g_arch = get("general.architecture")
-    arch = architecture_for_gguf(g_arch)
     p = g_arch + "."
+    arch = architecture_for_gguf(g_arch, moe=int(get(p + "expert_count", 0) or 0) > 0)
     heads = int(get(p + "attention.head_count"))
     hidden = int(get(p + "embedding_length"))
     head_dim = int(get(p + "attention.key_length", get(p + "rope.dimension_count", hidden // heads)))
@@ -234,10 +289,12 @@ def config_from_gguf(reader) -> ModelArchConfig:
     eos = get("tokenizer.ggml.eos_token_id")
     n_layers = int(get(p + "block_count"))
     extra = _hybrid_from_gguf(get, p, n_layers, head_dim) if arch_info(arch).sliding_window else {}
+    if arch_info(arch).moe:
+        extra.update(_moe_from_gguf(get, p, n_layers, tensor_names))
     return ModelArchConfig(
         architecture=arch,
         hidden_size=hidden,
-        intermediate_size=int(get(p + "feed_forward_length")),
+        intermediate_size=int(get(p + "feed_forward_length", get(p + "expert_feed_forward_length"))),
         num_hidden_layers=n_layers,
         num_attention_heads=heads,
         num_key_value_heads=int(get(p + "attention.head_count_kv", heads)),

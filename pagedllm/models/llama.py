@@ -110,7 +110,14 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = LlamaAttention(cfg, layer_idx, rotary_emb, dtype, device, f"{prefix}.self_attn",
                                         quant_config)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, dtype, device)
-        self.mlp = LlamaMLP(cfg, dtype, device, f"{prefix}.mlp", quant_config)
+        self.mlp = self.make_mlp(cfg, layer_idx, dtype, device, f"{prefix}.mlp", quant_config)
+
+    def make_mlp(self, cfg: ModelArchConfig, layer_idx: int, dtype: torch.dtype, device: torch.device,
+                 prefix: str, quant_config=None) -> nn.Module:
+        """The feed-forward block of layer ``layer_idx`` (named ``prefix``), [T, hidden] →
+        [T, hidden]: the dense SwiGLU MLP here; a subclass returns another (a mixture of
+        experts: ``models/moe.py``)."""
+        return LlamaMLP(cfg, dtype, device, prefix, quant_config)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor,
                 residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -126,6 +133,9 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    # the class of each decoder layer (a subclass may change its feed-forward block)
+    decoder_layer_class: type[LlamaDecoderLayer] = LlamaDecoderLayer
+
     def __init__(self, cfg: ModelArchConfig, dtype: torch.dtype, device: torch.device, max_positions: int,
                  quant_config=None):
         super().__init__()
@@ -133,7 +143,7 @@ class LlamaModel(nn.Module):
                                                    quant_config, prefix="model.embed_tokens")
         rotary_emb = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, dtype, device)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, i, rotary_emb, dtype, device, f"model.layers.{i}", quant_config)
+            self.decoder_layer_class(cfg, i, rotary_emb, dtype, device, f"model.layers.{i}", quant_config)
             for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
 
@@ -159,6 +169,9 @@ class LlamaForCausalLM(nn.Module):
         quant_config: the ``--quantization`` method's config, or None (dense weights).
     """
 
+    # The decoder stack (a subclass may swap in one with other layers).
+    base_model_class: type[LlamaModel] = LlamaModel
+
     # Our fused layers and the checkpoint projections in each (for quantization configs).
     packed_modules_mapping = {fused: [p for p, (f, _) in STACKED_PARAMS.items() if f == fused]
                               for fused, _ in STACKED_PARAMS.values()}
@@ -167,7 +180,7 @@ class LlamaForCausalLM(nn.Module):
                  max_positions: int, quant_config=None):
         super().__init__()
         self.cfg = cfg
-        self.model = LlamaModel(cfg, dtype, device, max_positions, quant_config)
+        self.model = self.base_model_class(cfg, dtype, device, max_positions, quant_config)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dtype, device,
                                       self.model.embed_tokens if cfg.tie_word_embeddings else None,
                                       quant_config=quant_config, prefix="lm_head")

@@ -30,7 +30,16 @@ _GGUF_LAYER_MAP = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    # mixture of experts: the router [E, H], and every expert's projection stacked, experts
+    # first ([E, I, H] gate and up, [E, H, I] down; split by ``layers/fused_moe.split_stacked``)
+    "ffn_gate_inp.weight": "mlp.gate.weight",
+    "ffn_gate_exps.weight": "mlp.experts.gate_proj.weight",
+    "ffn_up_exps.weight": "mlp.experts.up_proj.weight",
+    "ffn_down_exps.weight": "mlp.experts.down_proj.weight",
 }
+# Older Mixtral GGUFs (before llama.cpp stacked the experts, 2024): one tensor per expert,
+# ``ffn_{gate,up,down}.{e}.weight``.
+_GGUF_EXPERT_RE = re.compile(r"^ffn_(gate|up|down)\.(\d+)\.weight$")
 # Where an architecture's llama.cpp names mean other HF modules: Gemma's ``ffn_norm`` is
 # the norm before the MLP, and it has norms after attention and after the MLP too.
 _GGUF_LAYER_OVERRIDES = {
@@ -103,6 +112,8 @@ def _hf_name(gguf_name: str, architecture: str | None = None) -> tuple[str | Non
     if m:
         layer, rest = m.groups()
         hf = _GGUF_LAYER_OVERRIDES.get(architecture, {}).get(rest) or _GGUF_LAYER_MAP.get(rest)
+        if hf is None and (e := _GGUF_EXPERT_RE.match(rest)):
+            hf = f"mlp.experts.{e.group(2)}.{e.group(1)}_proj.weight"
         if hf is None:
             return None, ""
         return f"model.layers.{layer}.{hf}", rest
@@ -129,7 +140,7 @@ def iter_gguf_weights(path: str, cfg: ModelArchConfig,
     raw blocks, uint8 [out, in / block elements * block bytes], copied straight from the
     file with no float detour; the others (Q4_0, Q4_1, Q8_0, K-quants, ...) are dequantized
     by ``gguf.quants.dequantize`` (numpy) to float32. Shapes are in torch order ([out, in]
-    for linears). q/k rows are put back in HF's order (``_unpermute_rope``), which for
+    for linears, [experts, out, in] for stacked MoE experts). q/k rows are put back in HF's order (``_unpermute_rope``), which for
     blocks along the input dimension moves whole rows of blocks.
     """
     from gguf.quants import dequantize

@@ -32,6 +32,9 @@ class ArchInfo:
         sliding_window: some layers attend over a sliding window (local layers), whose
             KV-cache blocks are released once they fall out of it.
         models: the model families it covers, for ``pagedllm models``.
+        moe: mixture-of-experts feed-forward layers (``layers/fused_moe.py``); a GGUF
+            ``general.architecture`` shared with a dense architecture (llama.cpp stores
+            Mixtral as ``llama``) means this one when ``{arch}.expert_count`` > 0.
     """
 
     model_class: str
@@ -42,6 +45,7 @@ class ArchInfo:
     gguf_norm_shift: float = 0.0
     sliding_window: bool = False
     models: str = ""
+    moe: bool = False
 
 
 _LLAMA = "pagedllm.models.llama:LlamaForCausalLM"
@@ -55,6 +59,10 @@ ARCHITECTURES: dict[str, ArchInfo] = {
     "Qwen3ForCausalLM": ArchInfo(_LLAMA, "qwen3", qk_norm=True, models="Qwen3"),
     "Gemma3ForCausalLM": ArchInfo("pagedllm.models.gemma3:Gemma3ForCausalLM", "gemma3", qk_norm=True,
                                   gguf_norm_shift=1.0, sliding_window=True, models="Gemma 3 (text)"),
+    "MixtralForCausalLM": ArchInfo("pagedllm.models.moe:MixtralForCausalLM", "llama", gguf_rope_permuted=True,
+                                   moe=True, models="Mixtral 8x7B, 8x22B"),
+    "Qwen3MoeForCausalLM": ArchInfo("pagedllm.models.moe:Qwen3MoeForCausalLM", "qwen3moe", qk_norm=True,
+                                    moe=True, models="Qwen3-MoE (30B-A3B, 235B-A22B)"),
 }
 
 # What every architecture runs with (the layers are shared): dtypes, and the
@@ -84,17 +92,19 @@ def arch_info(architecture: str) -> ArchInfo:
     return ARCHITECTURES[architecture]
 
 
-def architecture_for_gguf(gguf_arch: str) -> str:
-    """The HF architecture name of a GGUF file's ``general.architecture``.
+def architecture_for_gguf(gguf_arch: str, moe: bool = False) -> str:
+    """The HF architecture name of a GGUF file's ``general.architecture``; where several
+    share it (``llama``: Llama and Mixtral), the one whose ``moe`` flag is ``moe`` (the file
+    has ``{arch}.expert_count`` > 0), else the first registered.
 
     Raises:
         ValueError: no registered architecture has it (named, with the supported ones).
     """
-    for name, info in ARCHITECTURES.items():
-        if info.gguf_arch == gguf_arch:
-            return name
+    names = [name for name, info in ARCHITECTURES.items() if info.gguf_arch == gguf_arch]
+    if names:
+        return next((n for n in names if ARCHITECTURES[n].moe == moe), names[0])
     raise ValueError(f"unsupported GGUF architecture {gguf_arch!r}; "
-                     f"supported: {sorted(i.gguf_arch for i in ARCHITECTURES.values())}")
+                     f"supported: {sorted({i.gguf_arch for i in ARCHITECTURES.values()})}")
 
 
 def get_model_class(cfg: ModelArchConfig) -> type[torch.nn.Module]:
