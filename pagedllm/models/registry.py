@@ -78,9 +78,12 @@ def describe_architectures() -> list[dict[str, str]]:
     it has sliding-window layers (released from the KV cache as they leave the window)
     and mixture-of-experts layers."""
     return [{"architecture": name, "gguf": info.gguf_arch, "models": info.models,
-             "dtypes": ", ".join(DTYPES), "quantization": ", ".join(QUANTIZATION),
+             "dtypes": ", ".join(DTYPES),
+             # stacked 3-D expert tensors of a GGUF are dequantized, not kept packed
+             "quantization": ", ".join(q if not (info.moe and q == "gguf") else "gguf (per-expert tensors)"
+                                       for q in QUANTIZATION),
              "sliding_window": "yes" if info.sliding_window else "no",
-             "moe": "yes" if getattr(info, "moe", False) else "no"}
+             "moe": "yes" if info.moe else "no"}
             for name, info in ARCHITECTURES.items()]
 
 
