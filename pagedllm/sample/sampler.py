@@ -54,9 +54,12 @@ def _sort_filter(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor |
 
 
 def _topk_compact(logits: torch.Tensor, k: torch.Tensor, p: torch.Tensor | None, width: int,
-                  min_p: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  min_p: torch.Tensor | None = None,
+                  temperature: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The candidates ``_sort_filter`` keeps, for rows with 0 < k <= width, as the row's
-    ``width`` largest logits: min-p (if given: below the top logit plus log(min_p)
+    ``width`` largest logits, divided by ``temperature`` (float32 [n], > 0) if given
+    (after the ``topk``: dividing by a positive number keeps the order, so the
+    vocabulary-wide division is skipped): min-p (if given: below the top logit plus log(min_p)
     dropped, as ``_probs`` does before the filter; the top-``width`` hold every survivor
     that top-k can keep), the top-k set (ties at the k-th value kept), and top-p's rule
     written in descending order (a token is dropped when the mass ranked above it reaches
@@ -68,11 +71,15 @@ def _topk_compact(logits: torch.Tensor, k: torch.Tensor, p: torch.Tensor | None,
         must go through the sort).
     """
     vals, idx = logits.topk(width, dim=-1)                 # descending
+    if temperature is not None:
+        vals = vals / temperature.unsqueeze(1)
     if min_p is not None:
         vals = vals.masked_fill(vals < vals[:, :1] + torch.log(min_p).unsqueeze(1), float("-inf"))
     thresh = vals.gather(1, (k - 1).unsqueeze(1))
-    # fewer survivors of min-p than k (threshold -inf): all of them are among the top-width
-    ok = ((logits >= thresh).sum(dim=1) <= width) | torch.isneginf(thresh).squeeze(1)
+    # Ties at the k-th value may reach past the width only if the last candidate ties
+    # too (the values are sorted); fewer survivors of min-p than k (threshold -inf) are
+    # all among the candidates.
+    ok = ((vals[:, -1:] < thresh) | torch.isneginf(thresh)).squeeze(1)
     vals = vals.masked_fill(vals < thresh, float("-inf"))
     if p is not None:
         probs = vals.softmax(dim=-1)
@@ -189,28 +196,29 @@ class Sampler:
     """
 
     def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-        greedy_ids = logits.argmax(dim=-1)
         if md.all_greedy:
-            return greedy_ids
+            return logits.argmax(dim=-1)
         random = ((md.temperature > 0) & (md.top_k != 1)).tolist()
-        V = logits.shape[-1]
+        N, V = logits.shape
+        # the greedy rows' argmax (all rows' when some are greedy: one pass either way)
+        out = (logits.argmax(dim=-1) if not all(random) else
+               torch.zeros(N, dtype=torch.int64, device=logits.device))
         widths = [_topk_width(k, V) if r and md.need_top_k else 0 for k, r in zip(md.top_k.tolist(), random)]
-        out = greedy_ids.clone()
         full = [i for i, (r, w) in enumerate(zip(random, widths)) if r and w == 0]
         dev = logits.device
         for w in sorted(set(widths) - {0}):
             rows = [i for i, x in enumerate(widths) if x == w]
             ri = torch.tensor(rows, device=dev)
-            x = logits.index_select(0, ri).float() / md.temperature[ri].unsqueeze(1)
-            vals, idx, ok = _topk_compact(x, md.top_k[ri], md.top_p[ri] if md.need_top_p else None, w,
-                                          md.min_p[ri] if md.need_min_p else None)
+            x = logits if len(rows) == N else logits.index_select(0, ri)
+            vals, idx, ok = _topk_compact(x.float(), md.top_k[ri], md.top_p[ri] if md.need_top_p else None, w,
+                                          md.min_p[ri] if md.need_min_p else None, md.temperature[ri])
             probs = vals.softmax(dim=-1)
             q = torch.empty_like(probs)
             for j, i in enumerate(rows):
                 fill_exponential_(q[j], md.generators[i])
             pick = idx.gather(1, (probs / q).argmax(dim=-1, keepdim=True)).squeeze(1)
             okl = ok.tolist()
-            out[ri] = torch.where(ok, pick, out[ri])
+            out[ri] = pick
             full += [i for i, good in zip(rows, okl) if not good]
         if full:
             full.sort()

@@ -352,7 +352,10 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden.index_select(0, torch.from_numpy(idx).to(dev)))
         n_lp = b.num_logprobs[lrows]
         lp_rows = np.flatnonzero(n_lp >= 0)
-        raw = raw_logprobs(logits.index_select(0, torch.from_numpy(lp_rows).to(dev))) if len(lp_rows) else None
+        raw = None
+        if len(lp_rows):
+            raw = raw_logprobs(logits if len(lp_rows) == len(lrows)
+                               else logits.index_select(0, torch.from_numpy(lp_rows).to(dev)))
         grammar = None
         if so.grammar_bitmask is not None:
             row_req_ids = [req_ids[i] for i, c in zip(sample_idx.tolist(), counts.tolist()) for _ in range(c)]
