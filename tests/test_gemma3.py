@@ -360,3 +360,31 @@ def test_bench_kv_blocks_reports_fewer_bytes_with_the_hybrid_manager(tiny_gemma)
     assert (on["kv_cache_groups"], on["layers_per_block"]) == (3, 2) and off["kv_cache_groups"] == 1
     assert off["decode_blocks"] == -(-307 // 4) and on["peak_blocks"] >= on["decode_blocks"] > off["decode_blocks"]
     assert on["decode_mib"] < 0.5 * off["decode_mib"] and on["max_concurrency"] > 1.5 * off["max_concurrency"]
+
+
+def test_tiny_gemma3_speculative_ngram_equals_plain(tiny_gemma):
+    """Drafts verified over KV-cache groups: rejected slots rolled back in every group."""
+    path, _ = tiny_gemma
+    rng = np.random.default_rng(5)
+    motif = rng.integers(3, VOCAB, size=6).tolist()
+    prompts = [{"prompt_token_ids": motif * 8}] + _prompts(5, seed=6)     # copy-heavy and random
+    runs = {}
+    for spec in (None, {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}):
+        llm = _llm(path, speculative_config=spec, enable_prefix_caching=False)
+        try:
+            runs[spec is None] = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, greedy(24),
+                                                                                     use_tqdm=False)]
+            assert engine_leaks(llm) == []
+        finally:
+            llm.shutdown()
+    assert runs[False] == runs[True]
+
+
+def test_draft_model_with_a_hybrid_model_is_refused(tiny_gemma):
+    from pagedllm import LLM
+    from pagedllm.errors import InvalidParameterError
+
+    path, _ = tiny_gemma
+    with pytest.raises(InvalidParameterError, match="disable-hybrid-kv-cache-manager"):
+        LLM(model=path, dtype="float32", engine_process=False,
+            speculative_config={"method": "draft_model", "model": path, "num_speculative_tokens": 2})
