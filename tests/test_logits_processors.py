@@ -83,3 +83,17 @@ def test_gather_logprobs_ranks_and_top():
     assert out[0].token_ids == [2, 1, 2] and out[0].rank == 2
     assert torch.allclose(torch.tensor(out[0].logprobs), ref[0, [2, 1, 2]])
     assert out[1].token_ids == [3] and out[1].rank == 1
+
+
+def test_gather_logprobs_rank_matches_a_full_count():
+    """The rank read from the top k equals counting the vocabulary, for chosen tokens in
+    and out of the top k, with ties."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(64, 300, generator=g).round(decimals=1)       # many ties
+    lp = raw_logprobs(logits)
+    chosen = torch.randint(0, 300, (64,), generator=g)
+    chosen[:16] = lp.argmax(1)[:16]
+    for k in ([0] * 64, [5] * 64, [1, 3, 20, 0] * 16):
+        out = gather_logprobs(lp, chosen, k)
+        want = (lp > lp.gather(1, chosen.view(-1, 1))).sum(1) + 1
+        assert [e.rank for e in out] == want.tolist()

@@ -30,11 +30,18 @@ def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: li
     if N == 0:
         return []
     chosen = logprobs.gather(1, token_ids.view(-1, 1)).squeeze(1)
-    ranks = (logprobs > chosen.unsqueeze(1)).sum(dim=1) + 1
     k = max(num_top)
     if k > 0:
         top_v, top_i = logprobs.topk(k, dim=1)
+        # a chosen token at least as likely as the k-th has all the more likely ones in
+        # the top k: its rank is read there; only the others count the whole vocabulary
+        ranks = (top_v > chosen.unsqueeze(1)).sum(dim=1) + 1
+        far = (chosen < top_v[:, -1]).nonzero().flatten()
+        if far.numel():
+            ranks[far] = (logprobs[far] > chosen[far].unsqueeze(1)).sum(dim=1) + 1
         top_v, top_i = top_v.tolist(), top_i.tolist()
+    else:
+        ranks = (logprobs > chosen.unsqueeze(1)).sum(dim=1) + 1
     ids, vals, rk = token_ids.tolist(), chosen.tolist(), ranks.tolist()
     out = []
     for i in range(N):
