@@ -308,14 +308,18 @@ class MPClient(EngineCoreClient):
         return self._call("get_scheduler_stats", SchedulerStats)
 
     def shutdown(self) -> None:
+        import zmq
 
         if self._closed:
             return
         self._stopping.set()   # the process's exit from here on is expected, not a death
         if self._dead is None and self._alive():
             try:
+                # never block: an engine that failed while starting may have no socket
+                # connected to ours (a blocking PUSH send would wait forever); it is
+                # stopped by _cleanup below then
                 with self._send_lock:
-                    self._input.send_multipart([wire.SHUTDOWN, b""])
+                    self._input.send_multipart([wire.SHUTDOWN, b""], flags=zmq.NOBLOCK)
                 self._proc.wait(self.SHUTDOWN_WAIT_S)
             except Exception:  # noqa: BLE001  (a timeout: stopped by _cleanup below)
                 pass
