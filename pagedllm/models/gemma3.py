@@ -22,42 +22,22 @@ import torch
 from torch import nn
 
 from pagedllm.layers.activation import GeluAndMul
-from pagedllm.layers.attention import Attention
 from pagedllm.layers.layernorm import GemmaRMSNorm
-from pagedllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from pagedllm.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from pagedllm.layers.rotary_embedding import RotaryEmbedding
 from pagedllm.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedllm.models.arch_config import ModelArchConfig
-from pagedllm.models.llama import LlamaForCausalLM
+from pagedllm.models.llama import LlamaAttention, LlamaForCausalLM
 
 
-class Gemma3Attention(nn.Module):
-    def __init__(self, cfg: ModelArchConfig, layer_idx: int, rotary_emb: RotaryEmbedding,
-                 dtype: torch.dtype, device: torch.device, prefix: str, quant_config=None):
-        super().__init__()
-        h, self.nh, self.nkv, self.hd = (cfg.hidden_size, cfg.num_attention_heads,
-                                         cfg.num_key_value_heads, cfg.head_dim)
-        self.qkv_proj = QKVParallelLinear(h, self.hd, self.nh, self.nkv, cfg.attention_bias, dtype, device,
-                                          prefix=f"{prefix}.qkv_proj", quant_config=quant_config)
-        self.o_proj = RowParallelLinear(self.nh * self.hd, h, False, dtype, device, prefix=f"{prefix}.o_proj",
-                                        quant_config=quant_config)
-        self.q_norm = GemmaRMSNorm(self.hd, cfg.rms_norm_eps, dtype, device)
-        self.k_norm = GemmaRMSNorm(self.hd, cfg.rms_norm_eps, dtype, device)
-        self.rotary_emb = rotary_emb
-        scalar = cfg.query_pre_attn_scalar or self.hd
-        window = cfg.sliding_window if cfg.is_sliding(layer_idx) else None
-        self.attn = Attention(self.nh, self.hd, float(scalar) ** -0.5, self.nkv, layer_idx, dtype, device,
-                              sliding_window=window)
-
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """x [T, hidden] → [T, hidden]."""
-        qkv = self.qkv_proj(x)
-        T, q_size, kv_size = qkv.shape[0], self.qkv_proj.q_size, self.qkv_proj.kv_size
-        q = self.q_norm(qkv[:, :q_size].reshape(T, self.nh, self.hd))
-        k = self.k_norm(qkv[:, q_size: q_size + kv_size].reshape(T, self.nkv, self.hd))
-        v = qkv[:, q_size + kv_size:].view(T, self.nkv, self.hd)
-        q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v))
+def _gemma3_attention(cfg: ModelArchConfig, layer_idx: int, rotary_emb: RotaryEmbedding,
+                      dtype: torch.dtype, device: torch.device, prefix: str, quant_config=None) -> LlamaAttention:
+    """Llama's attention with Gemma's q/k norms, ``query_pre_attn_scalar ** -0.5`` as the
+    softmax scale and, on a local layer, the sliding window."""
+    scalar = cfg.query_pre_attn_scalar or cfg.head_dim
+    window = cfg.sliding_window if cfg.is_sliding(layer_idx) else None
+    return LlamaAttention(cfg, layer_idx, rotary_emb, dtype, device, prefix, quant_config,
+                          norm_class=GemmaRMSNorm, scale=float(scalar) ** -0.5, sliding_window=window)
 
 
 class Gemma3MLP(nn.Module):
@@ -84,8 +64,8 @@ class Gemma3DecoderLayer(nn.Module):
         super().__init__()
         h, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.input_layernorm = GemmaRMSNorm(h, eps, dtype, device)
-        self.self_attn = Gemma3Attention(cfg, layer_idx, rotary_emb, dtype, device, f"{prefix}.self_attn",
-                                         quant_config)
+        self.self_attn = _gemma3_attention(cfg, layer_idx, rotary_emb, dtype, device, f"{prefix}.self_attn",
+                                           quant_config)
         self.post_attention_layernorm = GemmaRMSNorm(h, eps, dtype, device)
         self.pre_feedforward_layernorm = GemmaRMSNorm(h, eps, dtype, device)
         self.mlp = Gemma3MLP(cfg, dtype, device, f"{prefix}.mlp", quant_config)

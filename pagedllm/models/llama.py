@@ -58,8 +58,14 @@ def _checkpoint_names(param_name: str) -> list[str]:
 
 
 class LlamaAttention(nn.Module):
+    """q|k|v projection, optional per-head q/k norms (``norm_class``), RoPE, paged
+    attention (softmax ``scale``, default head_dim ** -0.5; ``sliding_window`` tokens or
+    the whole context), output projection."""
+
     def __init__(self, cfg: ModelArchConfig, layer_idx: int, rotary_emb: RotaryEmbedding,
-                 dtype: torch.dtype, device: torch.device, prefix: str, quant_config=None):
+                 dtype: torch.dtype, device: torch.device, prefix: str, quant_config=None,
+                 norm_class: type[RMSNorm] = RMSNorm, scale: float | None = None,
+                 sliding_window: int | None = None):
         super().__init__()
         h, self.nh, self.nkv, self.hd = (cfg.hidden_size, cfg.num_attention_heads,
                                          cfg.num_key_value_heads, cfg.head_dim)
@@ -67,10 +73,11 @@ class LlamaAttention(nn.Module):
                                           prefix=f"{prefix}.qkv_proj", quant_config=quant_config)
         self.o_proj = RowParallelLinear(self.nh * self.hd, h, False, dtype, device, prefix=f"{prefix}.o_proj",
                                         quant_config=quant_config)
-        self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps, dtype, device) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps, dtype, device) if cfg.qk_norm else None
+        self.q_norm = norm_class(self.hd, cfg.rms_norm_eps, dtype, device) if cfg.qk_norm else None
+        self.k_norm = norm_class(self.hd, cfg.rms_norm_eps, dtype, device) if cfg.qk_norm else None
         self.rotary_emb = rotary_emb
-        self.attn = Attention(self.nh, self.hd, self.hd ** -0.5, self.nkv, layer_idx, dtype, device)
+        self.attn = Attention(self.nh, self.hd, self.hd ** -0.5 if scale is None else scale, self.nkv, layer_idx,
+                              dtype, device, sliding_window=sliding_window)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] → [T, hidden]."""
