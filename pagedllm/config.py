@@ -96,19 +96,37 @@ def resolve_dtype(dtype: str, device: torch.device, arch: ModelArchConfig | None
     """``auto`` → bfloat16 on CUDA with bf16 support (else float16); on CPU
     ``auto_cpu_dtype`` at ``arch``'s MLP shape (hidden_size → intermediate_size;
     ``AUTO_DTYPE_SHAPE`` without ``arch``): float32 without bf16 arithmetic, else the
-    faster by measurement.
+    faster by measurement. An ``auto`` choice the architecture does not run in (float16
+    for Gemma 3: the registry's ``ArchInfo.dtypes``) becomes float32.
 
     Raises:
-        ValueError: unknown dtype name.
+        ValueError: unknown dtype name, or one ``arch``'s architecture does not run in
+        (named, with the ones it does).
     """
     if dtype == "auto":
         if device.type == "cuda":
-            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        shape = (arch.hidden_size, arch.intermediate_size) if arch is not None else AUTO_DTYPE_SHAPE
-        return auto_cpu_dtype(*shape).dtype
+            chosen = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        else:
+            shape = (arch.hidden_size, arch.intermediate_size) if arch is not None else AUTO_DTYPE_SHAPE
+            chosen = auto_cpu_dtype(*shape).dtype
+        if arch is not None and str(chosen).replace("torch.", "") not in _arch_dtypes(arch):
+            return torch.float32
+        return chosen
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of auto, float32, bfloat16, float16; got {dtype!r}")
+    if arch is not None and dtype not in _arch_dtypes(arch):
+        raise ValueError(f"dtype {dtype!r} is not supported by {arch.architecture} (numerical "
+                         f"overflow); use one of: {', '.join(_arch_dtypes(arch))}")
     return _DTYPES[dtype]
+
+
+def _arch_dtypes(arch: ModelArchConfig) -> tuple[str, ...]:
+    """The dtype names ``arch``'s registered architecture runs in (all, if unregistered:
+    the model build names that error)."""
+    from pagedllm.models.registry import ARCHITECTURES
+
+    info = ARCHITECTURES.get(arch.architecture)
+    return info.dtypes if info is not None else ("float32", "bfloat16", "float16")
 
 
 # ``--kv-cache-dtype`` names (vLLM's, plus float32) -> the KV cache's torch dtype; None:

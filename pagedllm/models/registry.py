@@ -31,10 +31,15 @@ class ArchInfo:
             yield HF's values.
         sliding_window: some layers attend over a sliding window (local layers), whose
             KV-cache blocks are released once they fall out of it.
+        hf_sliding_window: its config.json's ``sliding_window`` (Qwen2: with
+            ``use_sliding_window``) makes layers local, as in transformers' implementation
+            (``arch_config._windows_from_hf``); Llama ignores that key.
         models: the model families it covers, for ``pagedllm models``.
         moe: mixture-of-experts feed-forward layers (``layers/fused_moe.py``); a GGUF
             ``general.architecture`` shared with a dense architecture (llama.cpp stores
             Mixtral as ``llama``) means this one when ``{arch}.expert_count`` > 0.
+        dtypes: the ``--dtype`` names it runs in (Gemma 3 overflows float16's range in
+            its activations, as vLLM and transformers warn, so float16 is refused).
     """
 
     model_class: str
@@ -44,8 +49,10 @@ class ArchInfo:
     gguf_rope_permuted: bool = False
     gguf_norm_shift: float = 0.0
     sliding_window: bool = False
+    hf_sliding_window: bool = False
     models: str = ""
     moe: bool = False
+    dtypes: tuple[str, ...] = ("float32", "bfloat16", "float16")
 
 
 _LLAMA = "pagedllm.models.llama:LlamaForCausalLM"
@@ -54,21 +61,23 @@ _LLAMA = "pagedllm.models.llama:LlamaForCausalLM"
 ARCHITECTURES: dict[str, ArchInfo] = {
     "LlamaForCausalLM": ArchInfo(_LLAMA, "llama", gguf_rope_permuted=True,
                                  models="Llama 2/3, SmolLM2, TinyLlama"),
-    "MistralForCausalLM": ArchInfo(_LLAMA, "mistral", gguf_rope_permuted=True, models="Mistral"),
-    "Qwen2ForCausalLM": ArchInfo(_LLAMA, "qwen2", attention_bias=True, models="Qwen2, Qwen2.5"),
+    "MistralForCausalLM": ArchInfo(_LLAMA, "mistral", gguf_rope_permuted=True, hf_sliding_window=True,
+                                   models="Mistral"),
+    "Qwen2ForCausalLM": ArchInfo(_LLAMA, "qwen2", attention_bias=True, hf_sliding_window=True,
+                                 models="Qwen2, Qwen2.5"),
     "Qwen3ForCausalLM": ArchInfo(_LLAMA, "qwen3", qk_norm=True, models="Qwen3"),
     "Gemma3ForCausalLM": ArchInfo("pagedllm.models.gemma3:Gemma3ForCausalLM", "gemma3", qk_norm=True,
-                                  gguf_norm_shift=1.0, sliding_window=True, models="Gemma 3 (text)"),
+                                  gguf_norm_shift=1.0, sliding_window=True, models="Gemma 3 (text)",
+                                  dtypes=("float32", "bfloat16")),
     "MixtralForCausalLM": ArchInfo("pagedllm.models.moe:MixtralForCausalLM", "llama", gguf_rope_permuted=True,
-                                   moe=True, models="Mixtral 8x7B, 8x22B"),
+                                   moe=True, hf_sliding_window=True, models="Mixtral 8x7B, 8x22B"),
     "Qwen3MoeForCausalLM": ArchInfo("pagedllm.models.moe:Qwen3MoeForCausalLM", "qwen3moe", qk_norm=True,
                                     moe=True, models="Qwen3-MoE (30B-A3B, 235B-A22B)"),
 }
 
-# What every architecture runs with (the layers are shared): dtypes, and the
-# --quantization methods (``layers/quantization``; "gguf" keeps a GGUF's Q8_0/Q4_0/Q4_1
-# blocks packed, so it needs a file of those types).
-DTYPES = ("float32", "bfloat16", "float16")
+# What every architecture runs with (the layers are shared): the --quantization methods
+# (``layers/quantization``; "gguf" keeps a GGUF's Q8_0/Q4_0/Q4_1 blocks packed, so it
+# needs a file of those types).
 QUANTIZATION = ("int8", "gguf", "q8_0", "q4_0", "q4_1")
 
 
@@ -78,11 +87,12 @@ def describe_architectures() -> list[dict[str, str]]:
     it has sliding-window layers (released from the KV cache as they leave the window)
     and mixture-of-experts layers."""
     return [{"architecture": name, "gguf": info.gguf_arch, "models": info.models,
-             "dtypes": ", ".join(DTYPES),
+             "dtypes": ", ".join(info.dtypes),
              # stacked 3-D expert tensors of a GGUF are dequantized, not kept packed
              "quantization": ", ".join(q if not (info.moe and q == "gguf") else "gguf (per-expert tensors)"
                                        for q in QUANTIZATION),
-             "sliding_window": "yes" if info.sliding_window else "no",
+             "sliding_window": ("yes" if info.sliding_window else
+                                "when config.json sets it" if info.hf_sliding_window else "no"),
              "moe": "yes" if info.moe else "no"}
             for name, info in ARCHITECTURES.items()]
 
