@@ -141,6 +141,8 @@ def config_from_hf_dir(path: str) -> ModelArchConfig:
         extra = _hybrid_from_hf(c, c["num_hidden_layers"])
         rope_theta = extra.pop("rope_theta", rope_theta)
         rope_scaling = extra.pop("rope_scaling", None)
+    else:
+        extra = _windows_from_hf(arch, c, c["num_hidden_layers"])
     if arch_info(arch).moe:
         extra.update(_moe_from_hf(c))
     return ModelArchConfig(
@@ -201,6 +203,35 @@ def _hybrid_from_hf(c: dict, num_layers: int) -> dict:
         "rope_theta": float(theta),
         "rope_scaling": scaling,
     }
+
+
+def _windows_from_hf(arch: str, c: dict, num_layers: int) -> dict:
+    """The sliding window of a Llama-family ``config.json`` (the registry's
+    ``hf_sliding_window`` architectures), as transformers applies it:
+    Mistral and Mixtral attend over ``sliding_window`` tokens in every layer when it is
+    set (Mistral 7B v0.1: 4096; later versions write null); Qwen2 only with
+    ``use_sliding_window``, in the layers listed as ``sliding_attention`` by
+    ``layer_types`` or else from ``max_window_layers`` on. Empty when no layer is local.
+
+    Raises:
+        ValueError: a ``sliding_window`` that is not a positive int.
+    """
+    sw = c.get("sliding_window")
+    if not arch_info(arch).hf_sliding_window or sw is None:
+        return {}
+    if arch == "Qwen2ForCausalLM":
+        if not c.get("use_sliding_window"):
+            return {}
+        start = int(c.get("max_window_layers", num_layers))
+        types = c.get("layer_types") or ["sliding_attention" if i >= start else "full_attention"
+                                         for i in range(num_layers)]
+    else:
+        types = ["sliding_attention"] * num_layers
+    if not isinstance(sw, int) or isinstance(sw, bool) or sw < 1:
+        raise ValueError(f"config.json: sliding_window must be a positive int or null, got {sw!r}")
+    if "sliding_attention" not in types:
+        return {}
+    return {"sliding_window": sw, "layer_types": list(types)}
 
 
 def _hybrid_from_gguf(get, p: str, num_layers: int, head_dim: int) -> dict:
