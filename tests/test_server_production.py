@@ -20,6 +20,7 @@ from test_dtype_invariance import tiny_dir  # noqa: F401 (fixture)
 from test_engine_process import _alive, _wait_gone
 from test_server import _free_port, _Server
 
+
 KEY = "test-key-123"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
@@ -155,6 +156,47 @@ def test_request_id_echoed_and_duplicates_never_cross(server):
     assert len(httpx.get(f"{server.url}/version", headers=AUTH).headers["x-request-id"]) == 32   # a uuid
 
 
+def test_access_log_line_per_request_with_its_tokens(server):
+    """One ``pagedllm.access`` line per request: id, route, status, prompt and output
+    tokens, TTFT and E2E; a stream the client leaves after two chunks logs what it sent."""
+    import logging
+
+    lines: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            lines.append(record.getMessage())
+
+    log = logging.getLogger("pagedllm.access")
+    handler, level = Keep(), log.level
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    try:
+        body = {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+        r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60, headers={**AUTH, "X-Request-Id": "whole"})
+        n_prompt = r.json()["usage"]["prompt_tokens"]
+        with httpx.stream("POST", f"{server.url}/v1/completions", json={**body, "max_tokens": 200, "stream": True},
+                          timeout=60, headers={**AUTH, "X-Request-Id": "left"}) as r:
+            it = (ln for ln in r.iter_lines() if ln.startswith("data: {"))
+            next(it), next(it)
+        deadline = time.time() + 10
+        while not any(ln.startswith("left ") for ln in lines) and time.time() < deadline:
+            time.sleep(0.05)
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
+    whole = [ln for ln in lines if ln.startswith("whole ")]
+    assert len(whole) == 1
+    assert re.fullmatch(rf"whole POST /v1/completions 200 prompt_tokens={n_prompt} output_tokens=8 "
+                        r"ttft=\d+\.\d{3}s e2e=\d+\.\d{3}s", whole[0]), whole[0]
+    left = [ln for ln in lines if ln.startswith("left ")]
+    assert len(left) == 1
+    m = re.fullmatch(rf"left POST /v1/completions 200 prompt_tokens={n_prompt} output_tokens=(\d+) "
+                     r"ttft=\d+\.\d{3}s e2e=\d+\.\d{3}s", left[0])
+    assert m and 2 <= int(m.group(1)) < 200, left[0]
+    assert server.idle_and_free(timeout=20)
+
+
 def test_256_streaming_clients_with_30_percent_disconnects(server):
     """Every client that stays gets the greedy text its prompt gets alone; the ones that go
     away (before the first token, or after 1-4 chunks) free everything they held."""
@@ -192,6 +234,12 @@ def test_256_streaming_clients_with_30_percent_disconnects(server):
                 return text
             return await asyncio.wait_for(asyncio.gather(*[one(p, k) for p, k in plan]), 240)
 
+    def aborted() -> float:
+        m = re.search(r'^vllm:request_success_total\{[^}]*finished_reason="abort"[^}]*\} (\S+)$',
+                      httpx.get(f"{server.url}/metrics", headers=AUTH).text, re.M)
+        return float(m.group(1)) if m else 0.0
+
+    aborted_before = aborted()
     results = asyncio.run(run())
     stayed = [(p, t) for (p, k), t in zip(plan, results) if k is None]
     assert len(stayed) > 150
@@ -207,6 +255,10 @@ def test_256_streaming_clients_with_30_percent_disconnects(server):
             break
         time.sleep(0.2)
     assert vals == [0, 0, 0], vals
+    # every client gone before its first token aborted its request, and the engine in its
+    # own process counts those (a client gone later may have been sent its last token)
+    n_left = sum(k is not None for _, k in plan)
+    assert sum(k == 0 for _, k in plan) <= aborted() - aborted_before <= n_left
 
 
 @pytest.fixture(scope="module")
@@ -216,6 +268,7 @@ def tiny_server(tiny_dir):  # noqa: F811 (fixture)
     s.stop()
 
 
+@pytest.mark.serial   # timing-sensitive: run alone, after the parallel part of `make test`
 def test_backpressure_503_with_retry_after(tiny_dir):  # noqa: F811 (fixture)
     """One request runs (max_num_seqs 1) and one waits: the next is refused at once."""
     s = _Server(engine_kw=dict(model=tiny_dir, engine_process=True, max_model_len=1024, max_num_seqs=1),
@@ -226,9 +279,9 @@ def test_backpressure_503_with_retry_after(tiny_dir):  # noqa: F811 (fixture)
         async def go():
             async with httpx.AsyncClient(timeout=120) as c:
                 first = asyncio.ensure_future(c.post(f"{s.url}/v1/completions", json=long))
-                for _ in range(200):   # until it runs (it is then not waiting)
-                    await asyncio.sleep(0.02)
-                    if s.engine.engine.get_scheduler_stats().num_running == 1:
+                for _ in range(500):   # until it runs and the server has seen a step since
+                    await asyncio.sleep(0.02)   # (its waiting count errs high until then)
+                    if s.engine.engine.get_scheduler_stats().num_running == 1 and s.engine.num_waiting() == 0:
                         break
                 second = asyncio.ensure_future(c.post(f"{s.url}/v1/completions", json=long))
                 await asyncio.sleep(0.3)
@@ -287,6 +340,7 @@ def test_schemathesis_no_5xx_and_openai_shaped_4xx(tiny_server):
     assert tiny_server.idle_and_free()
 
 
+@pytest.mark.serial   # timing-sensitive: run alone, after the parallel part of `make test`
 def test_sigterm_drains_a_long_stream_and_exits_0_without_orphans():
     port = _free_port()
     env = {**os.environ, "PAGEDLLM_LOG_LEVEL": "INFO"}

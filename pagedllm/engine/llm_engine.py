@@ -155,6 +155,7 @@ class LLMEngine:
         self.parents: dict[str, _ParentState] = {}
         self._token_text: dict[int, str] = {}
         self.stat_loggers = list(stat_loggers or [])
+        self._unrecorded_aborts = 0   # aborts not yet handed to the stat loggers (_record_stats)
         if log_stats:
             self.stat_loggers.append(LoggingStatLogger())
         self._counter = 0
@@ -315,7 +316,15 @@ class LLMEngine:
         return results
 
     def _record_stats(self, it: IterationStats, stats: SchedulerStats | None) -> None:
-        if not self.stat_loggers or stats is None:
+        """Hand ``it`` to the stat loggers with the scheduler's ``stats``. Without stats
+        (an abort sent to a core in its own process, whose news comes later) the aborts are
+        kept and counted with the next step's record, so none is lost."""
+        if stats is None:
+            self._unrecorded_aborts += it.num_aborted
+            return
+        it.num_aborted += self._unrecorded_aborts
+        self._unrecorded_aborts = 0
+        if not self.stat_loggers:
             return
         for sl in self.stat_loggers:
             sl.record(stats, it)

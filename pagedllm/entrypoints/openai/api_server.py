@@ -123,7 +123,8 @@ def build_app(engine: AsyncLLM, prometheus=None, trust_request_chat_template: bo
         return None
 
     def note_usage(raw_state, outs) -> None:
-        """What the access log reports: tokens and TTFT of the request's final outputs."""
+        """What the access log reports: tokens and TTFT of the request's latest outputs
+        (a stream notes each one, so a stream cut short logs what it had sent)."""
         outs = [o for o in outs if o is not None]
         if not outs:
             return
@@ -342,7 +343,7 @@ def build_app(engine: AsyncLLM, prometheus=None, trust_request_chat_template: bo
         sent_lp: dict[tuple[int, int], int] = {}
         sent_chars: dict[tuple[int, int], int] = {}
         echoed: set[tuple[int, int]] = set()
-        finals = [None] * len(streams)
+        latest = [None] * len(streams)
         try:
             async for i, out in _merged(streams):
                 if isinstance(out, BaseException):
@@ -372,12 +373,12 @@ def build_app(engine: AsyncLLM, prometheus=None, trust_request_chat_template: bo
                     if continuous:
                         chunk["usage"] = usage(len(out.prompt_token_ids), len(c.token_ids), out.num_cached_tokens)
                     yield _sse(chunk)
+                latest[i] = out
+                note_usage(raw_state, latest)
                 if out.finished:
                     pt += len(out.prompt_token_ids)
                     ct += sum(len(x.token_ids) for x in out.outputs)
                     cached += out.num_cached_tokens
-                    finals[i] = out
-                    note_usage(raw_state, finals)
             if include_usage:
                 yield _sse({"id": base, "object": "text_completion", "created": created,
                             "model": engine.model_name, "choices": [], "usage": usage(pt, ct, cached)})
@@ -484,8 +485,7 @@ def build_app(engine: AsyncLLM, prometheus=None, trust_request_chat_template: bo
                         yield chunk(c.index, {}, lp=lp)
                     if done:
                         yield chunk(c.index, {}, tools.finish_reason(c), c.stop_reason)
-                    if out.finished:
-                        note_usage(raw_state, [out])
+                    note_usage(raw_state, [out])
                     if out.finished and include_usage:
                         yield _sse({"id": rid, "object": "chat.completion.chunk", "created": created,
                                     "model": engine.model_name, "choices": [],
