@@ -19,6 +19,7 @@ from test_server import _Server
 from pagedllm import LLM, SamplingParams
 from pagedllm.errors import EngineDeadError
 
+
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
            "The history of the city goes back more than two thousand years, when a small settlement grew "
            "up around a river crossing used by traders who carried salt, wine and pottery between the "
@@ -78,6 +79,40 @@ def test_start_up_error_is_raised_in_the_front_end():
         LLM(**{**KW, "max_model_len": 2048, "kv_cache_memory": "1MiB"})
 
 
+def test_shutdown_returns_when_the_live_engine_has_no_socket_connected():
+    """An engine that failed while starting may still be alive (flushing its FAILED
+    message) with nothing connected to the front end's input socket: shutdown must not
+    block on sending it SHUTDOWN (a PUSH send with no peer waits forever), and it stops
+    the process. Here: a client whose process is a plain ``sleep``."""
+    import tempfile
+    import threading
+    import weakref
+
+    import zmq
+
+    from pagedllm.engine.core_client import MPClient
+
+    c = MPClient.__new__(MPClient)
+    c._dir = tempfile.mkdtemp(prefix="pagedllm-test-")
+    c._ctx = zmq.Context()
+    c._input = c._ctx.socket(zmq.PUSH)
+    c._input.setsockopt(zmq.LINGER, 0)
+    c._input.bind(f"ipc://{c._dir}/input")
+    c._send_lock, c._stopping = threading.Lock(), threading.Event()
+    c._dead, c._closed, c._thread = None, False, None
+    c.SHUTDOWN_WAIT_S = 0.5   # the sleep never answers SHUTDOWN: _cleanup terminates it
+    c._proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    c._finalizer = weakref.finalize(c, MPClient._cleanup, c._proc, c._ctx, c._dir, c._stopping)
+    done = threading.Event()
+    t = threading.Thread(target=lambda: (c.shutdown(), done.set()), daemon=True)
+    t0 = time.monotonic()
+    t.start()
+    assert done.wait(15), "shutdown blocked"
+    assert time.monotonic() - t0 < 10
+    assert c._proc.poll() is not None and not os.path.exists(c._dir)
+
+
+@pytest.mark.serial   # timing-sensitive: run alone, after the parallel part of `make test`
 def test_killed_engine_fails_open_streams_and_health_within_a_second():
     s = _Server(engine_kw=dict(engine_process=True))
     try:

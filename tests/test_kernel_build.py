@@ -18,6 +18,9 @@ import pytest
 
 from pagedllm.kernels.cpu import _build_lock, _compilers_in, build_wait_s
 
+# timing-sensitive: run alone, after the parallel part of `make test`
+pytestmark = pytest.mark.serial
+
 
 def _hold_flock(path: str) -> subprocess.Popen:
     """A child process that holds an exclusive flock on ``path`` until killed."""

@@ -75,12 +75,15 @@ def _extensions_root() -> str:
 def _module_name() -> str:
     """``pagedllm_cpu_<digest>``: the digest covers the sources, the CPU's flags (the build
     uses ``-march=native``), the torch version and the Python version, so any of them
-    changing builds afresh instead of loading a stale or ABI-incompatible binary."""
+    changing builds afresh instead of loading a stale or ABI-incompatible binary; and
+    the sources' directory, because torch's ``build.ninja`` names sources by absolute
+    path: two checkouts sharing one build directory would each find the other's paths
+    there and rebuild every time they alternate."""
     h = hashlib.sha1()
     for name in sorted(os.listdir(_CSRC)):
         with open(os.path.join(_CSRC, name), "rb") as f:
             h.update(name.encode() + f.read())
-    h.update(f"{torch.__version__}|{sys.version_info[:2]}".encode())
+    h.update(f"{torch.__version__}|{sys.version_info[:2]}|{os.path.realpath(_CSRC)}".encode())
     return f"pagedllm_cpu_{h.hexdigest()[:8]}_{_cpu_tag()}"
 
 
@@ -246,3 +249,13 @@ def load_cpu_kernels():
                            " ".join(str(e).split()))
             _module = None
         return _module
+
+
+if __name__ == "__main__":
+    # ``python -m pagedllm.kernels.cpu``: build (or load) the kernels now, e.g. during
+    # ``make install``; exit status 0 when they are usable, 1 when not (logged why).
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    t0 = time.monotonic()
+    ok = load_cpu_kernels() is not None
+    print(f"C++ CPU kernels {'ready' if ok else 'UNAVAILABLE (torch ops)'} after {time.monotonic() - t0:.1f} s")
+    sys.exit(0 if ok else 1)

@@ -16,6 +16,9 @@ from pagedllm.benchmarks.datasets import RandomDataset, TokenSource, TraceDatase
 from pagedllm.benchmarks.runner import arrival_intervals, iter_arrival_offsets, run_benchmark
 from pagedllm.benchmarks.serve_options import BenchConfig
 
+# timing-sensitive: run alone, after the parallel part of `make test`
+pytestmark = pytest.mark.serial
+
 MAX_LATE_S = 0.030
 MEAN_LATE_S = 0.010
 

@@ -14,6 +14,9 @@ from bench_helpers import check_png, run_cli
 
 from pagedllm.benchmarks.sweep import best_load, cost_at, evaluate_point, parse_loads
 
+# timing-sensitive: run alone, after the parallel part of `make test`
+pytestmark = pytest.mark.serial
+
 LAT = dict(prefill_s=0.05, itl_s=0.03)  # S = 0.05 + 4 * 0.03 = 0.17 s with --output-len 5
 COMMON = ["--input-len", "8", "--output-len", "5", "--slo", "ttft:110", "--quiet"]
 
