@@ -214,8 +214,9 @@ class Sampler:
                                           md.min_p[ri] if md.need_min_p else None, md.temperature[ri])
             probs = vals.softmax(dim=-1)
             q = torch.empty_like(probs)
-            for j, i in enumerate(rows):
-                fill_exponential_(q[j], md.generators[i])
+            for j, i in enumerate(rows):   # each row's uniforms from its own generator,
+                torch.rand(q[j].shape, generator=md.generators[i], out=q[j])
+            q.log_().neg_()                # then Exp(1) = -log(U) for all rows at once
             pick = idx.gather(1, (probs / q).argmax(dim=-1, keepdim=True)).squeeze(1)
             okl = ok.tolist()
             out[ri] = pick

@@ -367,8 +367,9 @@ class ModelRunner:
         if plain.any():
             pi = sample_idx[plain]
             prow = srows[plain]
-            tokens = self.sampler(logits.index_select(0, torch.from_numpy(first[plain]).to(dev)),
-                                  self._sampling_metadata(prow)).cpu().numpy()
+            # every row plain (no drafts): the logit rows are the requests' rows, no copy
+            x = logits if plain.all() else logits.index_select(0, torch.from_numpy(first[plain]).to(dev))
+            tokens = self.sampler(x, self._sampling_metadata(prow)).cpu().numpy()
             b.append_tokens(prow, tokens)
             chosen[first[plain]] = tokens
             for i, t in zip(pi.tolist(), tokens.tolist()):
