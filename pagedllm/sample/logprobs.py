@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from pagedllm.messages import TokenLogprobs
+from pagedllm.sample.topk import topk_rows
 
 
 def raw_logprobs(logits: torch.Tensor) -> torch.Tensor:
@@ -32,7 +33,7 @@ def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: li
     chosen = logprobs.gather(1, token_ids.view(-1, 1)).squeeze(1)
     k = max(num_top)
     if k > 0:
-        top_v, top_i = logprobs.topk(k, dim=1)
+        top_v, top_i = topk_rows(logprobs, k)
         # a chosen token at least as likely as the k-th has all the more likely ones in
         # the top k: its rank is read there; only the others count the whole vocabulary
         ranks = (top_v > chosen.unsqueeze(1)).sum(dim=1) + 1

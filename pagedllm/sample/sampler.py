@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedllm.sample.topk import topk_rows
+
 
 @dataclass
 class SamplingMetadata:
@@ -70,7 +72,7 @@ def _topk_compact(logits: torch.Tensor, k: torch.Tensor, p: torch.Tensor | None,
         ``ok`` is False for a row whose ties at its k-th value reach past ``width`` (it
         must go through the sort).
     """
-    vals, idx = logits.topk(width, dim=-1)                 # descending
+    vals, idx = topk_rows(logits, width)                   # descending
     if temperature is not None:
         vals = vals / temperature.unsqueeze(1)
     if min_p is not None:

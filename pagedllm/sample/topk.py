@@ -1,0 +1,46 @@
+"""Exact row-wise top-k of a wide row (logits over a vocabulary) in two stages, for the
+sampler's top-k candidates and the logprobs' top tokens.
+
+``torch.topk`` over [N, V] costs ~3 ms for 32 x 49,152 float32 on 2 CPU threads (more than
+the argmax of a greedy step); a chunk's maximum is ~15x cheaper to find than a top-k. The
+row is cut into chunks (``chunk_size(k)`` values): the k chunks with the largest maxima hold the
+row's k largest values (any value outside them is below k chunk maxima, so it ranks
+k + 1 or lower), and ``topk`` runs over those k chunks' values only (32 x 49,152 float32,
+2 threads: 0.4 against 2.9 ms for k = 5, 1.2 against 3.5 ms for k = 64). Exact: the same
+values as ``torch.topk`` (descending); among equal values the indices kept may differ,
+as ``torch.topk`` leaves that order unspecified. Row by row, so a row's result never
+depends on the other rows of the batch.
+"""
+from __future__ import annotations
+
+import torch
+
+def chunk_size(k: int) -> int:
+    """Values per chunk: large for a few top values (fewer chunk maxima to rank), small
+    for many (fewer candidates to rank); the fastest on this project's CPUs."""
+    return 128 if k <= 16 else 32
+
+
+def topk_rows(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``k`` largest values of each row of ``x`` [N, V] (float) and their column
+    indices: (values [N, k] descending, int64 [N, k]). Falls back to ``torch.topk`` where
+    the two stages would not save work (fewer than 4 * k chunks) and off the CPU.
+
+    Raises:
+        RuntimeError: k > V (as ``torch.topk``).
+    """
+    N, V = x.shape
+    CHUNK = chunk_size(k)
+    n_chunks = V // CHUNK
+    if x.device.type != "cpu" or k < 1 or n_chunks < 4 * k:
+        return x.topk(k, dim=1)
+    main = n_chunks * CHUNK
+    xc = x[:, :main].reshape(N, n_chunks, CHUNK)
+    _, ci = xc.amax(dim=2).topk(k, dim=1)                                  # [N, k] chunks
+    cand = xc.gather(1, ci.unsqueeze(2).expand(N, k, CHUNK)).reshape(N, k * CHUNK)
+    cols = (ci.unsqueeze(2) * CHUNK + torch.arange(CHUNK, device=x.device)).reshape(N, k * CHUNK)
+    if main < V:   # the last, partial chunk always takes part
+        cand = torch.cat([cand, x[:, main:]], dim=1)
+        cols = torch.cat([cols, torch.arange(main, V, device=x.device).expand(N, V - main)], dim=1)
+    vals, j = cand.topk(k, dim=1)
+    return vals, cols.gather(1, j)
