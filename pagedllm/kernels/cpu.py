@@ -236,7 +236,7 @@ def load_cpu_kernels():
                 if os.path.exists(os.path.join(build_dir, f"{name}.so")):
                     logger.debug("loading the C++ CPU kernels from %s", build_dir)
                 else:
-                    logger.info("building the C++ CPU kernels in %s (once per machine: ~1-3 min)",
+                    logger.info("building the C++ CPU kernels in %s (once per checkout on this machine: ~1-3 min)",
                                 build_dir)
                 _module = load(name=name,
                                sources=[os.path.join(_CSRC, s) for s in _SOURCES],
