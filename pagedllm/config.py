@@ -123,10 +123,10 @@ def resolve_dtype(dtype: str, device: torch.device, arch: ModelArchConfig | None
 def _arch_dtypes(arch: ModelArchConfig) -> tuple[str, ...]:
     """The dtype names ``arch``'s registered architecture runs in (all, if unregistered:
     the model build names that error)."""
-    from pagedllm.models.registry import ARCHITECTURES
+    from pagedllm.models.registry import ALL_DTYPES, ARCHITECTURES
 
     info = ARCHITECTURES.get(arch.architecture)
-    return info.dtypes if info is not None else ("float32", "bfloat16", "float16")
+    return info.dtypes if info is not None else ALL_DTYPES
 
 
 # ``--kv-cache-dtype`` names (vLLM's, plus float32) -> the KV cache's torch dtype; None:

@@ -88,9 +88,13 @@ class ModelArchConfig:
         return (self.sliding_window is not None and self.layer_types is not None
                 and self.layer_types[layer] == "sliding_attention")
 
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window ``layer`` attends over (tokens), or None (the whole context)."""
+        return self.sliding_window if self.is_sliding(layer) else None
+
     def layer_windows(self) -> list[int | None]:
         """Per layer, the sliding window it attends over (tokens), or None (full)."""
-        return [self.sliding_window if self.is_sliding(i) else None for i in range(self.num_hidden_layers)]
+        return [self.layer_window(i) for i in range(self.num_hidden_layers)]
 
     def kv_bytes_per_block(self, block_size: int, dtype, layers_per_block: int | None = None) -> int:
         """Bytes of K and V for one KV-cache block of ``block_size`` tokens across

@@ -35,9 +35,8 @@ def _gemma3_attention(cfg: ModelArchConfig, layer_idx: int, rotary_emb: RotaryEm
     """Llama's attention with Gemma's q/k norms, ``query_pre_attn_scalar ** -0.5`` as the
     softmax scale and, on a local layer, the sliding window."""
     scalar = cfg.query_pre_attn_scalar or cfg.head_dim
-    window = cfg.sliding_window if cfg.is_sliding(layer_idx) else None
-    return LlamaAttention(cfg, layer_idx, rotary_emb, dtype, device, prefix, quant_config,
-                          norm_class=GemmaRMSNorm, scale=float(scalar) ** -0.5, sliding_window=window)
+    return LlamaAttention(cfg, layer_idx, rotary_emb, dtype, device, prefix, quant_config, norm_class=GemmaRMSNorm,
+                          scale=float(scalar) ** -0.5, sliding_window=cfg.layer_window(layer_idx))
 
 
 class Gemma3MLP(nn.Module):

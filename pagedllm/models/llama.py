@@ -115,7 +115,7 @@ class LlamaDecoderLayer(nn.Module):
         eps = cfg.rms_norm_eps
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps, dtype, device)
         self.self_attn = LlamaAttention(cfg, layer_idx, rotary_emb, dtype, device, f"{prefix}.self_attn",
-                                        quant_config, sliding_window=cfg.layer_windows()[layer_idx])
+                                        quant_config, sliding_window=cfg.layer_window(layer_idx))
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, dtype, device)
         self.mlp = self.make_mlp(cfg, layer_idx, dtype, device, f"{prefix}.mlp", quant_config)
 

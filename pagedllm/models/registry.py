@@ -14,6 +14,10 @@ if TYPE_CHECKING:
     from pagedllm.models.arch_config import ModelArchConfig
 
 
+# The --dtype names the shared layers run in; an architecture may run in fewer (ArchInfo.dtypes).
+ALL_DTYPES = ("float32", "bfloat16", "float16")
+
+
 @dataclass(frozen=True)
 class ArchInfo:
     """One architecture.
@@ -52,7 +56,7 @@ class ArchInfo:
     hf_sliding_window: bool = False
     models: str = ""
     moe: bool = False
-    dtypes: tuple[str, ...] = ("float32", "bfloat16", "float16")
+    dtypes: tuple[str, ...] = ALL_DTYPES
 
 
 _LLAMA = "pagedllm.models.llama:LlamaForCausalLM"

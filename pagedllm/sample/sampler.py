@@ -145,6 +145,15 @@ def fill_exponential_(row: torch.Tensor, generator: torch.Generator | None) -> t
     return row.log_().neg_()
 
 
+def fill_exponential_rows_(q: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """``fill_exponential_`` for every row of ``q`` [n, W] (float32, contiguous), row j
+    from ``generators[j]``: each row's uniforms drawn from its own generator, then one
+    ``-log`` over all rows (the same values as row by row). Returns ``q``."""
+    for row, g in zip(q, generators):
+        torch.rand(row.shape, generator=g, out=row)
+    return q.log_().neg_()
+
+
 def _probs(logits: torch.Tensor, md: SamplingMetadata, renormalize: bool) -> torch.Tensor:
     """Temperature, min-p, top-k/top-p, softmax (vLLM V1's order: min-p before the
     top-k/top-p filter). Rows are summed back to 1 only if asked (the exponential race
@@ -215,10 +224,7 @@ class Sampler:
             vals, idx, ok = _topk_compact(x.float(), md.top_k[ri], md.top_p[ri] if md.need_top_p else None, w,
                                           md.min_p[ri] if md.need_min_p else None, md.temperature[ri])
             probs = vals.softmax(dim=-1)
-            q = torch.empty_like(probs)
-            for j, i in enumerate(rows):   # each row's uniforms from its own generator,
-                torch.rand(q[j].shape, generator=md.generators[i], out=q[j])
-            q.log_().neg_()                # then Exp(1) = -log(U) for all rows at once
+            q = fill_exponential_rows_(torch.empty_like(probs), [md.generators[i] for i in rows])
             pick = idx.gather(1, (probs / q).argmax(dim=-1, keepdim=True)).squeeze(1)
             okl = ok.tolist()
             out[ri] = pick
@@ -230,8 +236,6 @@ class Sampler:
                                    [md.generators[i] for i in full], False,
                                    md.need_top_k, md.need_top_p, md.need_min_p)
             probs = _probs(logits.index_select(0, ri), sub, renormalize=False)
-            q = torch.empty_like(probs)
-            for j, g in enumerate(sub.generators):
-                fill_exponential_(q[j], g)
+            q = fill_exponential_rows_(torch.empty_like(probs), sub.generators)
             out[ri] = (probs / q).argmax(dim=-1)
         return out

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+
 def chunk_size(k: int) -> int:
     """Values per chunk: large for a few top values (fewer chunk maxima to rank), small
     for many (fewer candidates to rank); the fastest on this project's CPUs."""
@@ -30,15 +31,15 @@ def topk_rows(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         RuntimeError: k > V (as ``torch.topk``).
     """
     N, V = x.shape
-    CHUNK = chunk_size(k)
-    n_chunks = V // CHUNK
+    chunk = chunk_size(k)
+    n_chunks = V // chunk
     if x.device.type != "cpu" or k < 1 or n_chunks < 4 * k:
         return x.topk(k, dim=1)
-    main = n_chunks * CHUNK
-    xc = x[:, :main].reshape(N, n_chunks, CHUNK)
+    main = n_chunks * chunk
+    xc = x[:, :main].reshape(N, n_chunks, chunk)
     _, ci = xc.amax(dim=2).topk(k, dim=1)                                  # [N, k] chunks
-    cand = xc.gather(1, ci.unsqueeze(2).expand(N, k, CHUNK)).reshape(N, k * CHUNK)
-    cols = (ci.unsqueeze(2) * CHUNK + torch.arange(CHUNK, device=x.device)).reshape(N, k * CHUNK)
+    cand = xc.gather(1, ci.unsqueeze(2).expand(N, k, chunk)).reshape(N, k * chunk)
+    cols = (ci.unsqueeze(2) * chunk + torch.arange(chunk, device=x.device)).reshape(N, k * chunk)
     if main < V:   # the last, partial chunk always takes part
         cand = torch.cat([cand, x[:, main:]], dim=1)
         cols = torch.cat([cols, torch.arange(main, V, device=x.device).expand(N, V - main)], dim=1)
