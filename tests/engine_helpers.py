@@ -49,3 +49,42 @@ def engine_leaks(llm) -> list[str]:
     if eng.states:
         problems.append(f"front end still tracks {sorted(eng.states)}")
     return problems
+
+
+def random_prompts(n: int, seed: int, vocab: int = 49152, min_len: int = 4, max_len: int = 60) -> list[dict]:
+    """``n`` prompts of random token ids in [3, vocab), each min_len..max_len - 1 long."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    return [{"prompt_token_ids": rng.integers(3, vocab, size=int(rng.integers(min_len, max_len))).tolist()}
+            for _ in range(n)]
+
+
+def assert_greedy_invariant(make_llm, prompts, params, settings: dict[str, dict]) -> list[list[int]]:
+    """Each prompt's greedy tokens with the engine built as ``make_llm(**settings[name])``
+    (prefix caching off unless a setting turns it on) equal those of the prompt run alone;
+    a setting named "cached" runs twice and must hit the cache, one named "preempted"
+    must preempt; every engine ends idle with every block free. Returns the alone tokens.
+
+    ``make_llm(**kw)``: a new in-process LLM with the test's model and ``kw`` over its defaults.
+    """
+    base = make_llm(enable_prefix_caching=False)
+    try:
+        alone = run_alone(base, prompts, params)
+    finally:
+        base.shutdown()
+    for name, kw in settings.items():
+        llm = make_llm(**{"enable_prefix_caching": False, **kw})
+        try:
+            core = engine_core(llm.llm_engine)
+            for _ in range(2 if name == "cached" else 1):   # the second run hits the cache
+                outs = llm.generate(prompts, params, use_tqdm=False)
+                assert [list(o.outputs[0].token_ids) for o in outs] == alone, name
+            if name == "cached":
+                assert core.kv.stats.hits > 0
+            if name == "preempted":
+                assert core.scheduler.num_preemptions_total > 0
+            assert engine_leaks(llm) == [], name
+        finally:
+            llm.shutdown()
+    return alone

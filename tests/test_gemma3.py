@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine_helpers import engine_core, engine_leaks, greedy, run_alone
+from engine_helpers import assert_greedy_invariant, engine_core, engine_leaks, greedy, random_prompts
 from pagedllm.attention.backend import build_common_metadata, get_attention_backend
 from pagedllm.kv_cache_interface import make_kv_cache_config
 from pagedllm.platform import has_native_bf16
@@ -135,9 +135,7 @@ def tiny_gemma(tmp_path_factory):
 
 
 def _prompts(n=12, seed=1):
-    rng = np.random.default_rng(seed)
-    return [{"prompt_token_ids": rng.integers(3, VOCAB, size=int(rng.integers(4, 60))).tolist()}
-            for _ in range(n)]
+    return random_prompts(n, seed, VOCAB)
 
 
 def _llm(path, **kw):
@@ -191,34 +189,13 @@ def test_tiny_gemma3_invariant_to_batching_chunking_caching_and_preemption(tiny_
     prompts = _prompts(12)
     shared = list(range(100, 140))              # a 40-token shared prefix: past the window
     prompts += [{"prompt_token_ids": shared + p["prompt_token_ids"][:8]} for p in _prompts(4, seed=2)]
-    params = greedy(20)
-    base = _llm(path, dtype=dtype, enable_prefix_caching=False)
-    try:
-        alone = run_alone(base, prompts, params)
-    finally:
-        base.shutdown()
-    settings = {
+    assert_greedy_invariant(lambda **kw: _llm(path, dtype=dtype, **kw), prompts, greedy(20), {
         "batched": {},
         "chunked": dict(max_num_batched_tokens=24),
         "cached": dict(enable_prefix_caching=True),
         "preempted": dict(num_gpu_blocks_override=80, max_model_len=96),
         "no-hybrid": dict(disable_hybrid_kv_cache_manager=True, max_num_batched_tokens=24),
-    }
-    for name, kw in settings.items():
-        llm = _llm(path, dtype=dtype, **{"enable_prefix_caching": False, **kw})
-        try:
-            core = engine_core(llm.llm_engine)
-            runs = 2 if name == "cached" else 1      # the second run hits the cache
-            for _ in range(runs):
-                outs = llm.generate(prompts, params, use_tqdm=False)
-                assert [list(o.outputs[0].token_ids) for o in outs] == alone, name
-            if name == "cached":
-                assert core.kv.stats.hits > 0
-            if name == "preempted":
-                assert core.scheduler.num_preemptions_total > 0
-            assert engine_leaks(llm) == [], name
-        finally:
-            llm.shutdown()
+    })
 
 
 def test_gemma3_refuses_float16_and_auto_never_picks_it(tiny_gemma, monkeypatch):

@@ -29,7 +29,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine_helpers import engine_core, engine_leaks, greedy, run_alone
+from engine_helpers import assert_greedy_invariant, engine_leaks, greedy
 from pagedllm.benchmarks.accuracy import prefill_logits
 from pagedllm.layers.fused_moe import FusedMoE, select_experts
 from pagedllm.layers.linear import ReplicatedLinear
@@ -292,34 +292,13 @@ def test_greedy_unchanged_by_batching_chunking_caching_and_preemption(tiny, kind
     shared = list(range(100, 140))                  # a 40-token prefix shared by four prompts
     prompts = [{"prompt_token_ids": p} for p in _ids(10, seed=1)]
     prompts += [{"prompt_token_ids": shared + p[:8]} for p in _ids(4, seed=2)]
-    params = greedy(12)
-    base = _llm(path, dtype=dtype, enable_prefix_caching=False)
-    try:
-        alone = run_alone(base, prompts, params)
-    finally:
-        base.shutdown()
-    assert all(len(t) == 12 for t in alone)
-    settings = {
+    alone = assert_greedy_invariant(lambda **kw: _llm(path, dtype=dtype, **kw), prompts, greedy(12), {
         "batched": {},
         "chunked": dict(max_num_batched_tokens=24),
         "cached": dict(enable_prefix_caching=True),
         "preempted": dict(num_gpu_blocks_override=12, max_model_len=96),
-    }
-    for name, kw in settings.items():
-        llm = _llm(path, dtype=dtype, **{"enable_prefix_caching": False, **kw})
-        try:
-            core = engine_core(llm.llm_engine)
-            for _ in range(2 if name == "cached" else 1):   # the second run hits the cache
-                outs = llm.generate(prompts, params, use_tqdm=False)
-                assert [list(o.outputs[0].token_ids) for o in outs] == alone, name
-            if name == "cached":
-                assert core.kv.stats.hits > 0
-            if name == "preempted":
-                assert core.scheduler.num_preemptions_total > 0
-            assert engine_leaks(llm) == [], name
-            assert core.kv.num_free_blocks == core.kv.num_blocks
-        finally:
-            llm.shutdown()
+    })
+    assert all(len(t) == 12 for t in alone)
 
 
 # -- GGUF -------------------------------------------------------------------------------

@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
 import torch
 
-from engine_helpers import engine_core, engine_leaks, greedy, run_alone
+from engine_helpers import assert_greedy_invariant, engine_leaks, greedy, random_prompts
 from pagedllm.models.arch_config import config_from_hf_dir
 
 WINDOW = 16
@@ -43,9 +42,7 @@ def tiny_mistral(tmp_path_factory):
 
 
 def _prompts(n, seed=1):
-    rng = np.random.default_rng(seed)
-    return [{"prompt_token_ids": rng.integers(3, VOCAB, size=int(rng.integers(4, 60))).tolist()}
-            for _ in range(n)]
+    return random_prompts(n, seed, VOCAB)
 
 
 def _llm(path, **kw):
@@ -88,29 +85,13 @@ def test_mistral_window_invariant_to_batching_chunking_caching_and_preemption(ti
     prompts = _prompts(8)
     shared = list(range(100, 140))              # a 40-token shared prefix: past the window
     prompts += [{"prompt_token_ids": shared + p["prompt_token_ids"][:8]} for p in _prompts(3, seed=2)]
-    params = greedy(16)
-    base = _llm(path, enable_prefix_caching=False)
-    try:
-        alone = run_alone(base, prompts, params)
-    finally:
-        base.shutdown()
-    for name, kw in {"batched": {}, "chunked": dict(max_num_batched_tokens=24),
-                     "cached": dict(enable_prefix_caching=True),
-                     "preempted": dict(num_gpu_blocks_override=25, max_model_len=96, max_num_batched_tokens=16),
-                     "no-hybrid": dict(disable_hybrid_kv_cache_manager=True)}.items():
-        llm = _llm(path, **{"enable_prefix_caching": False, **kw})
-        try:
-            core = engine_core(llm.llm_engine)
-            for _ in range(2 if name == "cached" else 1):      # the second run hits the cache
-                outs = llm.generate(prompts, params, use_tqdm=False)
-                assert [list(o.outputs[0].token_ids) for o in outs] == alone, name
-            if name == "cached":
-                assert core.kv.stats.hits > 0
-            if name == "preempted":
-                assert core.scheduler.num_preemptions_total > 0
-            assert engine_leaks(llm) == [], name
-        finally:
-            llm.shutdown()
+    assert_greedy_invariant(lambda **kw: _llm(path, **kw), prompts, greedy(16), {
+        "batched": {},
+        "chunked": dict(max_num_batched_tokens=24),
+        "cached": dict(enable_prefix_caching=True),
+        "preempted": dict(num_gpu_blocks_override=25, max_model_len=96, max_num_batched_tokens=16),
+        "no-hybrid": dict(disable_hybrid_kv_cache_manager=True),
+    })
 
 
 def _config(tmp_path, **c):
