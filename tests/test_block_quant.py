@@ -195,15 +195,29 @@ def test_kernel_on_bundled_model_weights(ops, fmt):
 @pytest.mark.parametrize("fmt", FMTS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
 def test_kernel_rows_are_batch_invariant(ops, fmt, dtype):
-    """Row r of an M-row call is bitwise the same row computed alone, or in another batch."""
+    """Row r of an M-row call is bitwise the same row computed alone, or in another batch
+    (fewer than 4 rows read the packed weights directly, more unpack tiles first)."""
     k, n = 352, 77
     packed = quantize_to_blocks(_rand((n, k), 7, 0.05), fmt)
     x = _rand((64, k), 8).to(dtype)
     full = _kernel(ops, x, packed, fmt)
     for r in (0, 5, 63):
         assert torch.equal(_kernel(ops, x[r:r + 1].clone(), packed, fmt), full[r:r + 1])
-    for lo, hi in ((3, 8), (10, 27), (40, 41)):
+    for lo, hi in ((3, 8), (10, 27), (40, 41), (20, 22), (30, 33)):   # 1-3 rows: the direct path
         assert torch.equal(_kernel(ops, x[lo:hi].clone(), packed, fmt), full[lo:hi])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+def test_kernel_allocates_out_when_none(ops, dtype):
+    """out=None: the kernel returns a new [M, N] tensor of x's dtype, equal to the product
+    written into a given out (which it returns as well)."""
+    k, n = 96, 19
+    packed = quantize_to_blocks(_rand((n, k), 12, 0.05), "Q8_0")
+    x, fid = _rand((2, k), 13).to(dtype), int(gb.block_format("Q8_0").ggml_type)
+    new = ops.block_quant_linear(None, x, packed, fid)
+    assert new.shape == (2, n) and new.dtype == dtype
+    out = torch.full((2, n), float("nan"), dtype=dtype)
+    assert ops.block_quant_linear(out, x, packed, fid) is not None and torch.equal(out, new)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])

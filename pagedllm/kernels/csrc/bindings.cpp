@@ -36,7 +36,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("block_quant_linear", &block_quant_linear,
         "out = x @ dequant(w).T (+ bias) with w in GGUF blocks (fmt: Q4_0 = 2, Q4_1 = 3, Q8_0 = 8), "
-        "x quantized per 32-block to int8; portable = the scalar path",
+        "x quantized per 32-block to int8; portable = the scalar path; out None: a new [M, N] tensor "
+        "in x's dtype; returns out",
         py::arg("out"), py::arg("x"), py::arg("w"), py::arg("fmt"), py::arg("bias") = py::none(),
         py::arg("portable") = false, py::call_guard<py::gil_scoped_release>());
   m.def("block_quant_quantize_act", &block_quant_quantize_act,

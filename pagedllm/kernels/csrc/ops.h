@@ -27,7 +27,7 @@ void int8_epilogue(torch::Tensor out, torch::Tensor acc, torch::Tensor compensat
                    torch::Tensor weight_scales, torch::Tensor row_scales,
                    c10::optional<torch::Tensor> bias);
 // block_quant.cpp
-void block_quant_linear(torch::Tensor out, torch::Tensor x, torch::Tensor w, int64_t fmt,
-                        std::optional<torch::Tensor> bias, bool portable);
+torch::Tensor block_quant_linear(std::optional<torch::Tensor> out, torch::Tensor x, torch::Tensor w, int64_t fmt,
+                                 std::optional<torch::Tensor> bias, bool portable);
 std::vector<torch::Tensor> block_quant_quantize_act(torch::Tensor x, bool portable);
 std::string block_quant_isa();

@@ -79,6 +79,15 @@ template <> constexpr bool kAvxCache<fp8e4m3> = false;
 template <> constexpr bool kAvxCache<fp8e5m2> = false;
 #endif
 
+constexpr int64_t kPrefetchKeys = 16;     // how far ahead the score loop fetches K rows
+constexpr int64_t kPrefetchValues = 64;   // and the first weighted sum the V rows
+
+// Prefetch the cache lines of [p, p + bytes) into L1.
+inline void prefetch_span(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(c + o, 0, 3);
+}
+
 struct Item {
   int32_t req, kh0, kh1, j0, j1;  // request, kv heads [kh0, kh1), queries [j0, j1)
 };
@@ -157,7 +166,8 @@ inline void scores8_rows_avx(const TQ* const* qs, const TC* const* kr, int64_t o
 
 template <int G, typename TC, typename TQ>
 inline void weighted_sum_rows_avx(const float* const* p, const int64_t* slots, int64_t L, const TC* vh,
-                                  int64_t v_slot, int64_t hd, const float* inv, TQ* const* o) {
+                                  int64_t v_slot, int64_t hd, const float* inv, TQ* const* o,
+                                  int64_t prefetch_bytes) {
   // 16 dims at a time: G*2 accumulators + 2 V vectors + 1 broadcast stay in registers
   // (32 dims spilled an accumulator to the stack on AVX2's 16 registers, which put a
   // store-to-load round trip into every iteration)
@@ -166,6 +176,8 @@ inline void weighted_sum_rows_avx(const float* const* p, const int64_t* slots, i
     for (int r = 0; r < G; ++r) c[r][0] = c[r][1] = _mm256_setzero_ps();
     for (int64_t t = 0; t < L; ++t) {
       const TC* vr = vh + slots[t] * v_slot + d0;
+      if (d0 == 0 && prefetch_bytes > 0 && t + kPrefetchValues < L)
+        prefetch_span(vh + slots[t + kPrefetchValues] * v_slot, prefetch_bytes);
       const __m256 x0 = load8_raw_avx(vr), x1 = load8_raw_avx(vr + 8);
       for (int r = 0; r < G; ++r) {
         const __m256 pt = _mm256_broadcast_ss(p[r] + t);
@@ -238,6 +250,9 @@ void attend(const Args<TQ, TC>& a, const Item& it, Scratch& sc) {
   for (int64_t t = T0; t < Lmax; ++t) sc.slots[t - T0] = static_cast<int64_t>(brow[t / bs]) * bs + t % bs;
   for (int64_t t = Lw; t < Lp; ++t) sc.slots[t] = sc.slots[Lw - 1];
   const int64_t* slots = sc.slots.data();
+  // bytes of one key's K (or V) slice for this item's kv heads
+  const int64_t k_span = ((it.kh1 - it.kh0 - 1) * a.k_head + hd) * static_cast<int64_t>(sizeof(TC));
+  const int64_t v_span = ((it.kh1 - it.kh0 - 1) * a.v_head + hd) * static_cast<int64_t>(sizeof(TC));
   // row r = ((j - j0) * nkh + (kh - kh0)) * g + hh
   auto qrow = [&](int64_t j, int64_t kh, int64_t hh) {
     return a.q + (q0 + j) * a.q_tok + (kh * g + hh) * hd;
@@ -246,6 +261,11 @@ void attend(const Args<TQ, TC>& a, const Item& it, Scratch& sc) {
   for (int64_t t0 = 0; t0 < Lw; t0 += 8) {
     const TC* kr[8];
     for (int64_t u = 0; u < 8; ++u) kr[u] = a.k + slots[t0 + u] * a.k_slot;
+    // the item's K rows of the chunk kPrefetchKeys ahead (a decode's keys come from memory:
+    // one row slice per key, strided by the slot, which the hardware prefetchers miss)
+    if (t0 + kPrefetchKeys < Lw)
+      for (int64_t u = 0; u < 8; ++u)
+        prefetch_span(a.k + slots[t0 + kPrefetchKeys + u] * a.k_slot + it.kh0 * a.k_head, k_span);
     for (int64_t j = it.j0; j < it.j1; ++j) {
       if (T0 + t0 >= ctx + j + 1) continue;   // past this query's causal limit
       for (int64_t kh = it.kh0; kh < it.kh1; ++kh) {
@@ -276,6 +296,11 @@ void attend(const Args<TQ, TC>& a, const Item& it, Scratch& sc) {
   }
   // ---- 2-3. softmax and the weighted sum of V, per row ----
   if (!avx) sc.acc.resize(hd);
+  // the first V rows the item reads, fetched while the softmax runs; the first weighted
+  // sum fetches the rest kPrefetchValues keys ahead (the sums walk the rows 16 dims at a
+  // time, so without this each pass over the keys waits on memory)
+  for (int64_t t = 0; t < std::min(Lw, kPrefetchValues); ++t)
+    prefetch_span(a.v + slots[t] * a.v_slot + it.kh0 * a.v_head, v_span);
   for (int64_t j = it.j0; j < it.j1; ++j) {
     const int64_t L = ctx + j + 1 - T0;          // this query's keys, from T0
     const int64_t lo = a.window > 0 ? std::max<int64_t>(0, L - a.window) : 0;   // before its window
@@ -284,6 +309,8 @@ void attend(const Args<TQ, TC>& a, const Item& it, Scratch& sc) {
       const int64_t r0 = ((j - it.j0) * nkh + (kh - it.kh0)) * g;
       for (int64_t hh = 0; hh < g; hh += 3) {
         const int64_t G = std::min<int64_t>(3, g - hh);
+        // the item's first weighted sum fetches the V rows of all its kv heads
+        const int64_t pf_v = j == it.j0 && kh == it.kh0 && hh == 0 ? v_span : 0;
         const float* ps[3];
         float inv[3];
         TQ* os[3];
@@ -296,9 +323,9 @@ void attend(const Args<TQ, TC>& a, const Item& it, Scratch& sc) {
         }
 #ifdef PAGEDLLM_AVX2
         if constexpr (kAvxCache<TC>) if (avx) {
-          if (G == 3) weighted_sum_rows_avx<3>(ps, slots, L, vh, a.v_slot, hd, inv, os);
-          else if (G == 2) weighted_sum_rows_avx<2>(ps, slots, L, vh, a.v_slot, hd, inv, os);
-          else weighted_sum_rows_avx<1>(ps, slots, L, vh, a.v_slot, hd, inv, os);
+          if (G == 3) weighted_sum_rows_avx<3>(ps, slots, L, vh, a.v_slot, hd, inv, os, pf_v);
+          else if (G == 2) weighted_sum_rows_avx<2>(ps, slots, L, vh, a.v_slot, hd, inv, os, pf_v);
+          else weighted_sum_rows_avx<1>(ps, slots, L, vh, a.v_slot, hd, inv, os, pf_v);
           continue;
         }
 #endif

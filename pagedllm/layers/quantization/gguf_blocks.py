@@ -310,6 +310,7 @@ class BlockQuantLinearMethod(LinearMethod):
 
     def __init__(self, fmt, from_float: bool = False):
         self.fmt = block_format(fmt)
+        self._fmt_id = int(self.fmt.ggml_type)   # the kernel's format argument
         self.from_float = from_float
         self._ops = None
         self._picked = False
@@ -363,11 +364,8 @@ class BlockQuantLinearMethod(LinearMethod):
             if unpacked is None:
                 return block_quant_linear_ref(x, layer.weight, self.fmt, layer.input_size, bias)
             return block_quant_linear_unpacked(x, *unpacked, bias)
-        x = x.contiguous()
-        out = torch.empty(x.shape[0], layer.weight.shape[0], dtype=x.dtype, device=x.device)
         with trace("block_quant_linear"):
-            self._ops.block_quant_linear(out, x, layer.weight, int(self.fmt.ggml_type), bias)
-        return out
+            return self._ops.block_quant_linear(None, x.contiguous(), layer.weight, self._fmt_id, bias)
 
 
 class BlockQuantEmbeddingMethod:
