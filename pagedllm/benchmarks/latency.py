@@ -37,7 +37,10 @@ def register(subparsers: "argparse._SubParsersAction") -> None:
     p.add_argument("--batch-size", type=positive_int, default=1, help="requests decoded together")
     p.add_argument("--input-len", type=positive_int, default=200)
     p.add_argument("--output-len", type=positive_int, default=128)
-    p.add_argument("--num-iters", type=positive_int, default=3, help="timed runs (the best is reported)")
+    p.add_argument("--num-iters", type=positive_int, default=3, help="timed runs a round (the best is reported)")
+    p.add_argument("--rounds", type=positive_int, default=1,
+                   help="rounds taking the backends in turn, all loaded at once (a machine whose speed "
+                        "drifts then treats them alike; the ratio of each round is printed)")
     p.add_argument("--output-json", default=None)
     EngineArgs.add_cli_args(p)
     p.set_defaults(func=latency_main)
@@ -90,9 +93,10 @@ def _summary(prefill_s: float, decode_s: float, batch: int, output_len: int) -> 
             "decode_tokens_per_s": round(batch * steps / decode_s, 1)}
 
 
-def run_pagedllm(args, prompts) -> dict:
-    """Best of ``num_iters`` runs: TTFT and decode time from the requests' own metrics
-    (first token to finish)."""
+def run_pagedllm(args, prompts):
+    """A generator: loads the engine, warms it up, then yields one timed run per ``next``
+    (TTFT and decode time from the requests' own metrics, first token to finish); the
+    engine shuts down when the generator is closed."""
     from pagedllm import LLM, SamplingParams
     from pagedllm.config import EngineArgs
 
@@ -102,49 +106,44 @@ def run_pagedllm(args, prompts) -> dict:
         sp = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
         inputs = [{"prompt_token_ids": p} for p in prompts]
         llm.generate(inputs, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
-        best = None
-        for _ in range(args.num_iters):
+        cfg = llm.llm_engine.config
+        while True:
             llm.reset_prefix_cache()
             outs = llm.generate(inputs, sp, use_tqdm=False)
             ttft = max(o.metrics.ttft for o in outs)
             first = max(o.metrics.first_token_time for o in outs)
             decode = max(o.metrics.finished_time for o in outs) - first
-            r = _summary(ttft, decode, len(prompts), args.output_len)
-            if best is None or r["decode_s"] < best["decode_s"]:
-                best = r
-        cfg = llm.llm_engine.config
-        return {"backend": "pagedllm", "dtype": str(cfg.dtype).removeprefix("torch."), **best,
-                "_arch": cfg.arch, "_dtype": cfg.dtype, "_device": cfg.device}
+            yield {"backend": "pagedllm", "dtype": str(cfg.dtype).removeprefix("torch."),
+                   **_summary(ttft, decode, len(prompts), args.output_len),
+                   "_arch": cfg.arch, "_dtype": cfg.dtype, "_device": cfg.device}
     finally:
         llm.shutdown()
 
 
-def run_hf(args, prompts) -> dict:
-    """Best of ``num_iters``: prefill = ``generate`` of one token; decode = a full
-    ``generate`` minus that."""
+def run_hf(args, prompts):
+    """A generator yielding one timed run per ``next``: prefill = ``generate`` of one
+    token; decode = a full ``generate`` minus that."""
     from .throughput import load_hf_model
 
     model, dtype, device = load_hf_model(args)
     batch = torch.tensor(prompts, device=device)
     kw = dict(do_sample=False, pad_token_id=0, attention_mask=torch.ones_like(batch))
-    best = None
     with torch.inference_mode():
         model.generate(batch, max_new_tokens=4, min_new_tokens=4, **kw)
-        for _ in range(args.num_iters):
+    while True:
+        with torch.inference_mode():
             t = time.perf_counter()
             model.generate(batch, max_new_tokens=1, min_new_tokens=1, **kw)
             prefill = time.perf_counter() - t
             t = time.perf_counter()
             model.generate(batch, max_new_tokens=args.output_len, min_new_tokens=args.output_len, **kw)
             full = time.perf_counter() - t
-            r = _summary(prefill, max(full - prefill, 1e-9), len(prompts), args.output_len)
-            if best is None or r["decode_s"] < best["decode_s"]:
-                best = r
-    return {"backend": "hf", "dtype": str(dtype).removeprefix("torch."), **best}
+        yield {"backend": "hf", "dtype": str(dtype).removeprefix("torch."),
+               **_summary(prefill, max(full - prefill, 1e-9), len(prompts), args.output_len)}
 
 
-def run_llama_cpp(args, prompts) -> dict:
-    """Best of ``num_iters`` through llama.cpp (``llama-cpp-python``, an optional package) on
+def run_llama_cpp(args, prompts):
+    """Load llama.cpp and return a generator yielding one timed run per ``next`` through it (``llama-cpp-python``, an optional package) on
     the same GGUF file, with the same thread count: prefill = ``eval`` of the prompt; decode
     = ``output_len - 1`` rounds of greedy ``sample`` + ``eval`` of one token.
 
@@ -167,18 +166,45 @@ def run_llama_cpp(args, prompts) -> dict:
     threads = args.num_threads or torch.get_num_threads()
     llm = llama_cpp.Llama(path, n_threads=threads, n_threads_batch=threads,
                           n_ctx=args.input_len + args.output_len + 8, verbose=False)
-    best = None
-    for _ in range(args.num_iters + 1):      # the first is a warm-up
-        llm.reset()
-        t = time.perf_counter()
-        llm.eval(prompts[0])
-        prefill = time.perf_counter() - t
-        t = time.perf_counter()
-        for _ in range(args.output_len - 1):
-            llm.eval([llm.sample(temp=0.0)])
-        r = _summary(prefill, time.perf_counter() - t, 1, args.output_len)
-        best = r if best is None or r["decode_s"] < best["decode_s"] else best
-    return {"backend": "llama.cpp", "dtype": f"gguf ({llama_cpp.__version__}, {threads} threads)", **best}
+
+    def timed():
+        warm = True                          # the first run is a warm-up
+        while True:
+            llm.reset()
+            t = time.perf_counter()
+            llm.eval(prompts[0])
+            prefill = time.perf_counter() - t
+            t = time.perf_counter()
+            for _ in range(args.output_len - 1):
+                llm.eval([llm.sample(temp=0.0)])
+            r = _summary(prefill, time.perf_counter() - t, 1, args.output_len)
+            if not warm:
+                yield {"backend": "llama.cpp", "dtype": f"gguf ({llama_cpp.__version__}, {threads} threads)", **r}
+            warm = False
+
+    return timed()
+
+
+def best_runs(runners, rounds: int, num_iters: int) -> tuple[list[dict], list[list[float]]]:
+    """Time every backend's generator in ``runners`` (all loaded at once) ``rounds`` times
+    in turn, ``num_iters`` runs a turn, so that on a machine whose speed drifts each
+    backend meets the same conditions. Returns each backend's best run (least decode
+    time) and, per round, each backend's best decode tokens/s; closes the generators."""
+    best: list[dict | None] = [None] * len(runners)
+    per_round = []
+    try:
+        for _ in range(rounds):
+            row = []
+            for i, g in enumerate(runners):
+                rb = min((next(g) for _ in range(num_iters)), key=lambda r: r["decode_s"])
+                row.append(rb["decode_tokens_per_s"])
+                if best[i] is None or rb["decode_s"] < best[i]["decode_s"]:
+                    best[i] = rb
+            per_round.append(row)
+    finally:
+        for g in runners:
+            g.close()
+    return best, per_round
 
 
 def latency_main(args) -> int:
@@ -195,7 +221,20 @@ def latency_main(args) -> int:
     prompts = random_prompts(args.batch_size, args.input_len, arch.vocab_size, args.seed)
     backends = [x for b in args.backend for x in (["hf", "pagedllm"] if b == "both" else [b])]
     runners = {"hf": run_hf, "llama.cpp": run_llama_cpp, "pagedllm": run_pagedllm}
-    results = [runners[b](args, prompts) for b in backends]
+    if args.rounds == 1:              # one backend loaded at a time
+        results = [best_runs([runners[b](args, prompts)], 1, args.num_iters)[0][0] for b in backends]
+        per_round = [[r["decode_tokens_per_s"] for r in results]]
+    else:
+        gens = []
+        try:
+            for b in backends:
+                g = runners[b](args, prompts)
+                gens.append(g)
+        except BaseException:
+            for g in gens:
+                g.close()
+            raise
+        results, per_round = best_runs(gens, args.rounds, args.num_iters)
     machine = machine_info()
     print(f"\n{machine['cpu']} ({' '.join(machine['isa'])}); torch threads {torch.get_num_threads()}; "
           f"batch {args.batch_size} x ({args.input_len} in, {args.output_len} out)")
@@ -219,12 +258,16 @@ def latency_main(args) -> int:
         print(f"[{r['backend']:>8}] {r['dtype']} | TTFT {r['ttft_s'] * 1e3:.0f} ms | decode "
               f"{r['decode_tokens_per_s']:.1f} tok/s | {r['decode_ms_per_step']:.1f} ms/step{extra}")
     report = {"machine": machine, "batch_size": args.batch_size, "input_len": args.input_len,
-              "output_len": args.output_len, "results": results}
+              "output_len": args.output_len, "rounds": args.rounds, "results": results,
+              "decode_tokens_per_s_by_round": per_round}
     last = results[-1]
-    for r in results[:-1]:
+    for i, r in enumerate(results[:-1]):
         ratio = last["decode_tokens_per_s"] / r["decode_tokens_per_s"]
         report[f"speedup_decode_tokens_vs_{r['backend']}"] = round(ratio, 2)
-        print(f"{last['backend']} / {r['backend']} decode tokens/s: {ratio:.2f}x")
+        line = f"{last['backend']} / {r['backend']} decode tokens/s: {ratio:.2f}x"
+        if args.rounds > 1:
+            line += " (by round: " + ", ".join(f"{row[-1] / row[i]:.2f}x" for row in per_round) + ")"
+        print(line)
     if args.output_json:
         save_json(report, args.output_json)
     return 0

@@ -96,3 +96,45 @@ def test_llama_cpp_baseline_refuses_clearly(monkeypatch):
     monkeypatch.setitem(sys.modules, "llama_cpp", object())
     with pytest.raises(ValueError, match="--batch-size 1"):
         run_llama_cpp(args, [[1, 2], [3, 4]])
+
+
+def test_rounds_take_the_backends_in_turn_and_keep_each_best():
+    """``best_runs``: round by round, each backend runs num_iters times before the next
+    (all loaded at once); each backend's best run is its least decode time over all
+    rounds; the per-round figures are each round's best; every generator is closed."""
+    from pagedllm.benchmarks.latency import best_runs
+
+    calls, closed = [], []
+
+    def fake(name, decode_times):
+        try:
+            for d in decode_times:
+                calls.append(name)
+                yield {"backend": name, "decode_s": d, "decode_tokens_per_s": round(10 / d, 1)}
+        finally:
+            closed.append(name)
+
+    best, per_round = best_runs([fake("a", [2.0, 1.0, 4.0, 5.0]), fake("b", [1.0, 3.0, 0.5, 2.5])], 2, 2)
+    assert calls == ["a", "a", "b", "b", "a", "a", "b", "b"]
+    assert [b["decode_s"] for b in best] == [1.0, 0.5]
+    assert per_round == [[10.0, 10.0], [2.5, 20.0]]
+    assert sorted(closed) == ["a", "b"]
+
+
+def test_latency_rounds_report(tmp_path, capsys):
+    """--rounds 2 with two pagedllm backends loaded at once: two rounds of figures and a
+    ratio per round in the report."""
+    out = tmp_path / "lat.json"
+    from pagedllm.entrypoints.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "latency", "--backend", "pagedllm", "pagedllm", "--rounds", "2",
+                                      "--input-len", "16", "--output-len", "4", "--num-iters", "1",
+                                      "--dtype", "float32", "--kv-cache-memory", "32MiB", "--max-model-len", "128",
+                                      "--output-json", str(out)])
+    assert args.func(args) == 0
+    rep = json.loads(out.read_text())
+    assert rep["rounds"] == 2 and len(rep["decode_tokens_per_s_by_round"]) == 2
+    assert all(len(row) == 2 and min(row) > 0 for row in rep["decode_tokens_per_s_by_round"])
+    for i, r in enumerate(rep["results"]):
+        assert r["decode_tokens_per_s"] == max(row[i] for row in rep["decode_tokens_per_s_by_round"])
+    assert "(by round: " in capsys.readouterr().out
