@@ -143,9 +143,10 @@ def run_hf(args, prompts):
 
 
 def run_llama_cpp(args, prompts):
-    """Load llama.cpp and return a generator yielding one timed run per ``next`` through it (``llama-cpp-python``, an optional package) on
-    the same GGUF file, with the same thread count: prefill = ``eval`` of the prompt; decode
-    = ``output_len - 1`` rounds of greedy ``sample`` + ``eval`` of one token.
+    """Load llama.cpp (``llama-cpp-python``, an optional package) on the same GGUF file,
+    with the same thread count, and return a generator yielding one timed run per
+    ``next``: prefill = ``eval`` of the prompt; decode = ``output_len - 1`` rounds of
+    greedy ``sample`` + ``eval`` of one token.
 
     Raises:
         ValueError: llama-cpp-python is not installed, the model is not a .gguf file, or
@@ -225,16 +226,10 @@ def latency_main(args) -> int:
         results = [best_runs([runners[b](args, prompts)], 1, args.num_iters)[0][0] for b in backends]
         per_round = [[r["decode_tokens_per_s"] for r in results]]
     else:
-        gens = []
-        try:
-            for b in backends:
-                g = runners[b](args, prompts)
-                gens.append(g)
-        except BaseException:
-            for g in gens:
-                g.close()
-            raise
-        results, per_round = best_runs(gens, args.rounds, args.num_iters)
+        # pagedllm's and HF's generators load their model on the first next(), inside
+        # best_runs (which closes them all); llama.cpp's loads here and is freed with it
+        results, per_round = best_runs([runners[b](args, prompts) for b in backends], args.rounds,
+                                       args.num_iters)
     machine = machine_info()
     print(f"\n{machine['cpu']} ({' '.join(machine['isa'])}); torch threads {torch.get_num_threads()}; "
           f"batch {args.batch_size} x ({args.input_len} in, {args.output_len} out)")

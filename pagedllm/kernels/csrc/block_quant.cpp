@@ -277,6 +277,30 @@ struct Tile {
       : w(nb * TILE * QK), dw(nb * TILE), mw(nb * TILE), head(nb * TILE) {}
 };
 
+// The 8 columns' fp16 scales of one block from each column's first 4 bytes (dm, lane j =
+// column j): d of the 8 columns in the low 128 bits, then (Q4_1) m, in column order.
+template <int FMT>
+inline __m256i block_scales(__m256i dm) {
+  const __m256i low16 = _mm256_set1_epi32(0xFFFF);
+  const __m256i mbits = FMT == kQ4_1 ? _mm256_srli_epi32(dm, 16) : _mm256_setzero_si256();
+  return _mm256_permute4x64_epi64(_mm256_packus_epi32(_mm256_and_si256(dm, low16), mbits), 0xd8);
+}
+
+// Column pair (c, c + 4) of one block as Tile lays it out, from the packed quants qa
+// (column c) and qc (column c + 4): lo = elements 0-15 of both, hi = elements 16-31.
+template <int FMT>
+inline void load_pair(const uint8_t* qa, const uint8_t* qc, __m256i& lo, __m256i& hi) {
+  if (FMT == kQ8_0) {
+    lo = _mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(qc), reinterpret_cast<const __m128i*>(qa));
+    hi = _mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(qc + 16), reinterpret_cast<const __m128i*>(qa + 16));
+  } else {
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    const __m256i q = _mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(qc), reinterpret_cast<const __m128i*>(qa));
+    lo = _mm256_and_si256(q, low4);
+    hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4);
+  }
+}
+
 // Unpack columns n0 .. n0+7 (those past N repeat column n0: computed, never stored).
 template <int FMT>
 void unpack_tile(Tile& t, const uint8_t* w, int64_t n0, int64_t N, int64_t nb) {
@@ -287,8 +311,6 @@ void unpack_tile(Tile& t, const uint8_t* w, int64_t n0, int64_t N, int64_t nb) {
   // the scales' bytes, column by column (a gather per block costs more on Zen 3)
   for (int64_t j = 0; j < TILE; ++j)
     for (int64_t b = 0; b < nb; ++b) std::memcpy(&t.head[b * TILE + j], col[j] + b * bpb, 4);
-  const __m256i low16 = _mm256_set1_epi32(0xFFFF);
-  const __m256i low4 = _mm256_set1_epi8(0x0F);
   // This tile reads its 8 rows block by block, 8 streams at once, which the hardware
   // prefetchers follow poorly (one-row decode ran at a third of the memory bandwidth):
   // fetch the tile kPrefetchTiles ahead (the next rows of w), a block's share at a time.
@@ -297,10 +319,7 @@ void unpack_tile(Tile& t, const uint8_t* w, int64_t n0, int64_t N, int64_t nb) {
     for (int64_t o = b * TILE * bpb; o < (b + 1) * TILE * bpb; o += 64)
       if (ahead + o < total) _mm_prefetch(reinterpret_cast<const char*>(w + ahead + o), _MM_HINT_T0);
     // the first 4 bytes of each column's block: fp16 d, then fp16 m (Q4_1) or data
-    const __m256i dm = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t.head.data() + b * TILE));
-    const __m256i mbits = FMT == kQ4_1 ? _mm256_srli_epi32(dm, 16) : _mm256_setzero_si256();
-    // 32 -> 16 bits (d of the 8 columns, then m), in column order
-    const __m256i h = _mm256_permute4x64_epi64(_mm256_packus_epi32(_mm256_and_si256(dm, low16), mbits), 0xd8);
+    const __m256i h = block_scales<FMT>(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t.head.data() + b * TILE)));
     _mm256_storeu_ps(t.dw.data() + b * TILE, _mm256_cvtph_ps(_mm256_castsi256_si128(h)));
     if (FMT == kQ4_1) _mm256_storeu_ps(t.mw.data() + b * TILE, _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1)));
     for (int64_t c = 0; c < TILE / 2; ++c) {
@@ -308,14 +327,7 @@ void unpack_tile(Tile& t, const uint8_t* w, int64_t n0, int64_t N, int64_t nb) {
       const uint8_t* qc = col[c + TILE / 2] + b * bpb + off;  // column c + 4
       uint8_t* dst = t.w.data() + (b * TILE / 2 + c) * 2 * QK;
       __m256i lo, hi;
-      if (FMT == kQ8_0) {
-        lo = _mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(qc), reinterpret_cast<const __m128i*>(qa));
-        hi = _mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(qc + 16), reinterpret_cast<const __m128i*>(qa + 16));
-      } else {
-        const __m256i q = _mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(qc), reinterpret_cast<const __m128i*>(qa));
-        lo = _mm256_and_si256(q, low4);
-        hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4);
-      }
+      load_pair<FMT>(qa, qc, lo, hi);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), lo);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + QK), hi);
     }
@@ -328,9 +340,7 @@ void unpack_tile(Tile& t, const uint8_t* w, int64_t n0, int64_t N, int64_t nb) {
 // are widened first). Q4_x: per 128-bit half, 8 int16 partial sums of 4 products each
 // (|pair| <= 2 * 15 * 127 = 3810, so a lane holds at most 7620).
 template <int FMT>
-inline __m256i pair_dot(const uint8_t* wp, __m256i xlo, __m256i xhi, __m256i ones) {
-  const __m256i wlo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp));
-  const __m256i whi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + QK));
+inline __m256i pair_dot_w(__m256i wlo, __m256i whi, __m256i xlo, __m256i xhi, __m256i ones) {
   if (FMT == kQ8_0) {
     // |w| read as unsigned (abs(-128) is 0x80 = 128), the sign moved onto x
     const __m256i alo = _mm256_abs_epi8(wlo), ahi = _mm256_abs_epi8(whi);
@@ -339,6 +349,13 @@ inline __m256i pair_dot(const uint8_t* wp, __m256i xlo, __m256i xhi, __m256i one
   }
   (void)ones;
   return _mm256_add_epi16(_mm256_maddubs_epi16(wlo, xlo), _mm256_maddubs_epi16(whi, xhi));
+}
+
+// pair_dot_w of an unpacked pair (wp: Tile's lo, hi).
+template <int FMT>
+inline __m256i pair_dot(const uint8_t* wp, __m256i xlo, __m256i xhi, __m256i ones) {
+  return pair_dot_w<FMT>(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp)),
+                         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + QK)), xlo, xhi, ones);
 }
 
 // The 8 columns' integer dots, lane j = column j, from the 4 pairs' pair_dot.
@@ -387,8 +404,6 @@ inline __m256 row_times_packed(const uint8_t* const* col, const int8_t* xq, cons
   const int64_t bpb = block_bytes(FMT);
   const int64_t off = FMT == kQ4_1 ? 4 : 2;
   const __m256i ones = _mm256_set1_epi16(1);
-  const __m256i low16 = _mm256_set1_epi32(0xFFFF);
-  const __m256i low4 = _mm256_set1_epi8(0x0F);
   __m256 acc = _mm256_setzero_ps(), accm = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const int64_t o = b * bpb;
@@ -397,29 +412,15 @@ inline __m256 row_times_packed(const uint8_t* const* col, const int8_t* xq, cons
       for (int64_t u = 0; u < TILE * bpb; u += 64) _mm_prefetch(reinterpret_cast<const char*>(pf + b * TILE * bpb + u), _MM_HINT_T0);
     uint32_t hw[TILE];
     for (int64_t j = 0; j < TILE; ++j) std::memcpy(&hw[j], col[j] + o, 4);
-    const __m256i dm = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(hw));
-    const __m256i mbits = FMT == kQ4_1 ? _mm256_srli_epi32(dm, 16) : _mm256_setzero_si256();
-    const __m256i h = _mm256_permute4x64_epi64(_mm256_packus_epi32(_mm256_and_si256(dm, low16), mbits), 0xd8);
+    const __m256i h = block_scales<FMT>(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(hw)));
     const __m256 dw = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
     const __m256i xlo = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xq + b * QK)));
     const __m256i xhi = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xq + b * QK + 16)));
     __m256i v[TILE / 2];
     for (int64_t c = 0; c < TILE / 2; ++c) {
-      const uint8_t* qa = col[c] + o + off;
-      const uint8_t* qc = col[c + TILE / 2] + o + off;
       __m256i wlo, whi;
-      if (FMT == kQ8_0) {
-        wlo = _mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(qc), reinterpret_cast<const __m128i*>(qa));
-        whi = _mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(qc + 16), reinterpret_cast<const __m128i*>(qa + 16));
-        const __m256i alo = _mm256_abs_epi8(wlo), ahi = _mm256_abs_epi8(whi);
-        v[c] = _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(alo, _mm256_sign_epi8(xlo, wlo)), ones),
-                                _mm256_madd_epi16(_mm256_maddubs_epi16(ahi, _mm256_sign_epi8(xhi, whi)), ones));
-      } else {
-        const __m256i q = _mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(qc), reinterpret_cast<const __m128i*>(qa));
-        wlo = _mm256_and_si256(q, low4);
-        whi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4);
-        v[c] = _mm256_add_epi16(_mm256_maddubs_epi16(wlo, xlo), _mm256_maddubs_epi16(whi, xhi));
-      }
+      load_pair<FMT>(col[c] + o + off, col[c + TILE / 2] + o + off, wlo, whi);
+      v[c] = pair_dot_w<FMT>(wlo, whi, xlo, xhi, ones);
     }
     __m256i isum = tile_sums<FMT>(v[0], v[1], v[2], v[3], ones);
     if (FMT == kQ4_0) isum = _mm256_sub_epi32(isum, _mm256_set1_epi32(8 * xs[b]));
@@ -449,8 +450,11 @@ void gemm_avx2(const QuantAct& a, const uint8_t* w, int64_t N, const float* bias
         const int64_t n0 = ti * TILE;
         const int64_t cols = std::min(TILE, N - n0);
         const uint8_t* col[TILE];
+        const uint8_t* pf = nullptr;   // direct: the tile kPrefetchTiles ahead (the next rows of w)
         if (direct) {
           for (int64_t j = 0; j < TILE; ++j) col[j] = w + (n0 + j < N ? n0 + j : n0) * row_bytes;
+          const int64_t ahead = (n0 + kPrefetchTiles * TILE) * row_bytes;
+          if (ahead + TILE * row_bytes <= N * row_bytes) pf = w + ahead;
         } else {
           unpack_tile<FMT>(tile, w, n0, N, nb);
         }
@@ -461,11 +465,10 @@ void gemm_avx2(const QuantAct& a, const uint8_t* w, int64_t N, const float* bias
           bv = _mm256_load_ps(bb);
         }
         for (int64_t r = r0; r < r1; ++r) {
-          // the first row fetches the tile kPrefetchTiles ahead (the next rows of w)
-          const int64_t ahead = (n0 + kPrefetchTiles * TILE) * row_bytes;
-          const uint8_t* pf = direct && r == r0 && ahead + TILE * row_bytes <= N * row_bytes ? w + ahead : nullptr;
+          // the first row fetches the tile ahead
           __m256 acc = direct ? row_times_packed<FMT>(col, a.q.data() + r * a.K, a.d.data() + r * nb,
-                                                      a.s.data() + r * nb, a.sum.data() + r * nb, nb, pf)
+                                                      a.s.data() + r * nb, a.sum.data() + r * nb, nb,
+                                                      r == r0 ? pf : nullptr)
                               : row_times_tile<FMT>(tile, a.q.data() + r * a.K, a.d.data() + r * nb,
                                                     a.s.data() + r * nb, a.sum.data() + r * nb, nb);
           if (bias) acc = _mm256_add_ps(acc, bv);
