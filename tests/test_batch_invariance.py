@@ -136,6 +136,64 @@ def test_row_chunks_compute_the_same_values(rows):
         RowChunkedLinearMethod(inner, 0)
 
 
+class OneRowOrderMethod(UnquantizedLinearMethod):
+    """A fake whose one-row calls add the same products in the reverse order, in float32,
+    then round to x's dtype: in bf16 random inputs hide it (a bf16 ulp is 2**16 float32
+    ones), as oneDNN's 1536 -> 576 bf16 kernel on an AVX512-BF16 AMD EPYC hid its own."""
+
+    name = "fake one-row order"
+
+    def apply(self, layer, x, bias=None):
+        xf, w = x.float(), layer.weight.float()
+        if x.shape[0] == 1:
+            y = _ordered_sum(xf[0].flip(0), w.flip(1)).unsqueeze(0)
+        else:
+            y = torch.stack([_ordered_sum(r, w) for r in xf])
+        y = y.to(x.dtype)
+        return y if bias is None else y + bias
+
+
+def _ordered_sum(r, w):
+    """r [K] times each row of w [N, K], the products added left to right in float32
+    (``cumsum`` would accumulate in float64)."""
+    acc = torch.zeros(w.shape[0])
+    for k in range(w.shape[1]):
+        acc = acc + r[k] * w[:, k]
+    return acc
+
+
+@pytest.mark.parametrize("fin", [96, 97])
+def test_cancellation_inputs_sum_to_zero_exactly(fin):
+    w, x = bi.cancellation_inputs(700, fin, 5, BF16, CPU)
+    assert w.shape == (700, fin) and x.shape == (5, fin) and w.dtype == x.dtype == BF16
+    assert torch.equal(x.double() @ w.double().t(), torch.zeros(5, 700, dtype=torch.float64))
+    # but summed in float32 in two orders, the rounding errors differ and show in bf16
+    fwd = torch.stack([_ordered_sum(r, w.float()) for r in x.float()]).bfloat16()
+    rev = torch.stack([_ordered_sum(r.flip(0), w.float().flip(1)) for r in x.float()]).bfloat16()
+    assert (fwd != rev).float().mean() > 0.5
+
+
+def test_summation_order_hidden_by_bf16_rounding_is_found_and_wrapped():
+    layer = _layer(256, 40, OneRowOrderMethod(), dtype=BF16, bias=True)
+    weight = layer.weight.detach().clone()
+    rows = [1, 2, 16, 17]
+    assert bi.cancellation_probe(layer, 256, 40, BF16, CPU, rows) == [1]
+    assert torch.equal(layer.weight, weight) and layer.bias is not None      # the stand-in was a copy
+    (res,) = bi.ensure_batch_invariant_linears(nn.ModuleList([layer]))
+    assert 1 in res.failed_at and res.chunk_rows == 16 and not res.still_failed_at
+    assert bi.cancellation_probe(layer, 256, 40, BF16, CPU, rows) == []
+
+
+def test_cancellation_probe_needs_a_float_weight_method():
+    class Packed(MDependentMethod):
+        float_weight = False
+
+    layer = _layer(32, 16, Packed())
+    assert bi.cancellation_probe(layer, 32, 16, F32, CPU, [1, 2]) is None
+    assert RowChunkedLinearMethod(Packed(), 16).float_weight is False
+    assert RowChunkedLinearMethod(OneDNNPackedLinearMethod(), 16).float_weight is True
+
+
 SMOL_SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576)]
 
 

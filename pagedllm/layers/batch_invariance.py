@@ -16,7 +16,13 @@ since the kernels' choices depend on it.
 So once per model load (``ensure_batch_invariant_linears``, called by
 ``models.registry.build_model`` unless ``PAGEDLLM_BATCH_INVARIANT_PROBE=0``) every distinct
 (method, dtype, in, out) shape is probed with its first layer's real weights
-(``probe_row_invariance``); where rows depend on M, the layers of that shape get
+(``probe_row_invariance``) and, for methods that take a dense float weight, with a stand-in
+layer of the same shape and method holding cancellation weights (``cancellation_probe``):
+with random inputs a bf16 output hides most changes of summation order (an output ulp is
+2**16 float32 ulps), and on an AMD EPYC of family 26 (AVX512-BF16, no AMX) oneDNN's packed
+1536 -> 576 bf16 inner product sums a one-row call in another order than a bigger one: the
+random probe passed there while greedy outputs of the bundled model changed with the
+batch. Where rows depend on M, the layers of that shape get
 ``RowChunkedLinearMethod`` (every call at one fixed row count), which is probed again; if
 that fails too the layers keep their method and a warning says that greedy outputs may
 depend on batching.
@@ -30,6 +36,7 @@ never picked by ``--dtype auto``) 0.74 s on one thread, nothing wrapped.
 """
 from __future__ import annotations
 
+import copy
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -76,7 +83,8 @@ def probe_rows(in_features: int, out_features: int, rows: Iterable[int] = PROBE_
 
 
 def probe_row_invariance(fn: Callable[[torch.Tensor], torch.Tensor], in_features: int, dtype: torch.dtype,
-                         device: torch.device | str, rows: list[int], seed: int = 0) -> list[int]:
+                         device: torch.device | str, rows: list[int], seed: int = 0,
+                         inputs: torch.Tensor | None = None) -> list[int]:
     """Whether each output row of ``fn`` is bitwise independent of the number of rows M.
 
     ``fn`` maps x [M, in_features] (``dtype``, ``device``) to [M, out]. A seeded random
@@ -87,6 +95,8 @@ def probe_row_invariance(fn: Callable[[torch.Tensor], torch.Tensor], in_features
 
     Args:
         rows: the row counts M (e.g. from ``probe_rows``); at least two.
+        inputs: the reference batch to use instead of the random one ([max(rows),
+            in_features]).
 
     Returns:
         the row counts M at which some row differed, ascending; empty: invariant at all.
@@ -98,8 +108,10 @@ def probe_row_invariance(fn: Callable[[torch.Tensor], torch.Tensor], in_features
     if len(ms) < 2:
         raise ValueError(f"probe_row_invariance needs two or more row counts, got {rows}")
     ref_m = ms[-1]
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(ref_m, in_features, generator=g).to(dtype=dtype, device=device)
+    if inputs is None:
+        g = torch.Generator().manual_seed(seed)
+        inputs = torch.randn(ref_m, in_features, generator=g).to(dtype=dtype, device=device)
+    x = inputs
     bad = []
     with torch.inference_mode():
         ref = fn(x)
@@ -108,6 +120,77 @@ def probe_row_invariance(fn: Callable[[torch.Tensor], torch.Tensor], in_features
             if not torch.equal(fn(x[off:off + m].clone()), ref[off:off + m]):
                 bad.append(m)
     return bad
+
+
+# Most weight elements a cancellation stand-in holds: larger layers (a big model's LM head)
+# get a stand-in with fewer output rows (``cancellation_probe``).
+STAND_IN_MAX_ELEMENTS = 1 << 27
+
+
+def cancellation_inputs(out_features: int, in_features: int, rows: int, dtype: torch.dtype,
+                        device: torch.device | str, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """A weight [out, in] and inputs [rows, in] (``dtype``) whose exact products sum to zero
+    in every output: the weight's row is (v, -v[perm]) and the input's (u, u[perm]) for a
+    random permutation ``perm`` (each product cancels one elsewhere, in no pattern an
+    ordered sum could undo step by step), with magnitudes spread over a few decades (log-normal), so the partial sums are large
+    and what a kernel returns is its own rounding error, whose bits change with the order of
+    the additions: a change of summation order shows even in a bf16 output. An odd
+    ``in_features`` gets a zero last column. The weight's rows repeat every 512 (what a
+    kernel does cannot depend on the values; drawing fewer is cheaper)."""
+    g = torch.Generator().manual_seed(seed)
+    half = in_features // 2
+
+    def spread(n: int) -> torch.Tensor:
+        return (torch.randn(n, half, generator=g) * torch.exp(2 * torch.randn(n, half, generator=g))).to(dtype)
+
+    v, u = spread(min(out_features, 512)), spread(rows)
+    v = v.repeat(-(-out_features // v.shape[0]), 1)[:out_features]
+    perm = torch.randperm(half, generator=g)
+    pad = [torch.zeros(out_features, in_features % 2, dtype=dtype)]
+    w = torch.cat([v, -v[:, perm]] + pad, 1)
+    x = torch.cat([u, u[:, perm]] + [torch.zeros(rows, in_features % 2, dtype=dtype)], 1)
+    return w.to(device), x.to(device)
+
+
+def _stand_in(layer: nn.Module, method, weight: torch.Tensor) -> nn.Module:
+    """A shallow copy of ``layer`` computing with ``method`` and ``weight`` (prepared by
+    ``method.process_weights_after_loading``) and no bias; ``layer`` is unchanged."""
+    stand = copy.copy(layer)
+    stand.__dict__ = dict(layer.__dict__)
+    stand._parameters = {k: v for k, v in layer._parameters.items() if k not in ("weight", "bias")}
+    stand._buffers = dict(layer._buffers)
+    stand.__dict__.pop("weight", None)          # a tied LM head's table is a plain attribute
+    stand.weight = nn.Parameter(weight, requires_grad=False)
+    if "bias" in layer._parameters:
+        stand._parameters["bias"] = None
+    stand.linear_method = method
+    method.process_weights_after_loading(stand)
+    return stand
+
+
+def cancellation_probe(layer: nn.Module, in_features: int, out_features: int, dtype: torch.dtype,
+                       device: torch.device | str, rows: list[int]) -> list[int] | None:
+    """``probe_row_invariance`` of a stand-in for ``layer`` (same class, same
+    ``linear_method``) holding the weight of ``cancellation_inputs``, fed its inputs; the
+    stand-in has at most ``STAND_IN_MAX_ELEMENTS`` weight elements (fewer output rows for
+    bigger layers). Returns the row counts at which rows differed, or None when the
+    layer's method does not take a dense float weight (``LinearMethod.float_weight``)."""
+    method = layer.linear_method
+    if not getattr(method, "float_weight", False):
+        return None
+    out = max(1, min(out_features, STAND_IN_MAX_ELEMENTS // in_features))
+    w, x = cancellation_inputs(out, in_features, max(rows), dtype, device)
+    stand = _stand_in(layer, method, w)
+    return probe_row_invariance(stand, in_features, dtype, device, rows, inputs=x)
+
+
+def _probe(layer: nn.Module, res: "ShapeProbe") -> list[int]:
+    """The row counts at which ``layer``'s rows depended on M, by the random probe of its
+    real weights and the cancellation probe, merged."""
+    bad = set(probe_row_invariance(layer, res.in_features, res.dtype, layer.weight.device, res.rows))
+    bad |= set(cancellation_probe(layer, res.in_features, res.out_features, res.dtype, layer.weight.device,
+                                  res.rows) or [])
+    return sorted(bad)
 
 
 @dataclass
@@ -167,7 +250,8 @@ def ensure_batch_invariant_linears(model: nn.Module, chunk_rows: Iterable[int] =
     Layers are modules with ``linear_method``, ``weight``, ``input_size`` and
     ``output_size`` (``LinearBase``, ``ParallelLMHead``); each shape is probed through its
     first layer's ``forward`` (so bias, the LM head's float32 cast and its own matmul
-    orientation count) with random seeded inputs.
+    orientation count) with random seeded inputs, and through a stand-in's ``forward``
+    with cancellation weights and inputs (``cancellation_probe``; float-weight methods).
 
     Returns:
         one ``ShapeProbe`` per shape, in model order.
@@ -184,13 +268,13 @@ def ensure_batch_invariant_linears(model: nn.Module, chunk_rows: Iterable[int] =
             short = layer.compute_path[2] if len(getattr(layer, "compute_path", ())) > 2 else "linear"
             if short not in res.names:
                 res.names.append(short)
-        res.failed_at = probe_row_invariance(first, fin, dtype, device, res.rows)
+        res.failed_at = _probe(first, res)
         if res.failed_at:
             originals = [layer.linear_method for layer in layers]
             for c in chunk_rows:
                 for layer, method in zip(layers, originals):
                     layer.linear_method = RowChunkedLinearMethod(method, c)
-                res.still_failed_at = probe_row_invariance(first, fin, dtype, device, res.rows)
+                res.still_failed_at = _probe(first, res)
                 if not res.still_failed_at:
                     res.chunk_rows = c
                     break

@@ -49,9 +49,15 @@ class LinearMethod(ABC):
 
     Attributes:
         name: how ``describe_compute_path`` names it.
+        float_weight: True when ``process_weights_after_loading`` prepares ``apply``'s
+            weights from nothing but a dense float ``layer.weight`` (of the layer's dtype),
+            so that a stand-in layer with another weight can be made (the batch-invariance
+            probe's cancellation weights); False for quantized methods, whose weights come
+            packed or are rounded to integers.
     """
 
     name: str
+    float_weight: bool = False
 
     def create_weights(self, layer: nn.Module, input_size: int, output_partition_sizes: list[int],
                        params_dtype: torch.dtype, device: torch.device) -> None:
@@ -73,6 +79,7 @@ class UnquantizedLinearMethod(LinearMethod):
     """The dense weight and ``F.linear``."""
 
     name = "F.linear"
+    float_weight = True
 
     def apply(self, layer, x, bias=None):
         return F.linear(x, layer.weight, bias)
@@ -121,6 +128,7 @@ class OneDNNPackedLinearMethod(LinearMethod):
     """
 
     name = "oneDNN-packed"
+    float_weight = True
 
     def process_weights_after_loading(self, layer):
         layer.packed_weight = torch.ops.mkldnn._reorder_linear_weight(layer.weight.data.contiguous(), None)
@@ -164,6 +172,7 @@ class RowChunkedLinearMethod(LinearMethod):
             raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
         self.inner, self.chunk_rows = inner, chunk_rows
         self.name = f"{inner.name} in {chunk_rows}-row chunks"
+        self.float_weight = inner.float_weight
 
     def create_weights(self, layer, input_size, output_partition_sizes, params_dtype, device):
         self.inner.create_weights(layer, input_size, output_partition_sizes, params_dtype, device)
