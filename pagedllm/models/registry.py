@@ -130,6 +130,40 @@ def get_model_class(cfg: ModelArchConfig) -> type[torch.nn.Module]:
     return getattr(importlib.import_module(module), cls)
 
 
+# Tokens per calibration prefill (the text is cut into sequences of this length; short, so
+# that engines with a small max_model_len calibrate the same: the weights must not depend on it).
+CALIBRATION_SEQ_LEN = 128
+
+
+def _calibrate(model: torch.nn.Module, layers: list, path: str, cfg: ModelArchConfig, dtype: torch.dtype,
+               device: torch.device, max_positions: int) -> None:
+    """Activation maxima for ``layers`` (``smoothquant.calibrate_input_amax``): prefills of
+    the shipped calibration text, cut into sequences of ``CALIBRATION_SEQ_LEN`` tokens (fewer
+    only if ``max_positions`` is smaller, so the statistics do not depend on
+    ``max_model_len``), with those layers in float, the others already prepared. Logs the
+    tokens and the time."""
+    import logging
+    import time
+
+    from pagedllm.layers.linear import UnquantizedLinearMethod
+    from pagedllm.layers.quantization.smoothquant import calibrate_input_amax, calibration_text
+    from pagedllm.models.prefill import prefill_logits
+    from pagedllm.tokenizer import get_tokenizer
+
+    t = time.perf_counter()
+    # (ids past the model's vocabulary, from a test model's small one, are dropped)
+    ids = [t for t in get_tokenizer(path).encode(calibration_text()) if t < cfg.vocab_size]
+    seq = min(CALIBRATION_SEQ_LEN, max_positions)
+
+    def run(ids):
+        for i in range(0, len(ids), seq):
+            prefill_logits(model, cfg, ids[i:i + seq], dtype, device, logits=False)
+
+    n = calibrate_input_amax(layers, run, ids, UnquantizedLinearMethod)
+    logging.getLogger("pagedllm").info("calibrated %d of %d layers on %d tokens in %.2f s (SmoothQuant)",
+                                       n, len(layers), len(ids), time.perf_counter() - t)
+
+
 def build_model(path: str, cfg: ModelArchConfig, dtype: torch.dtype, device: torch.device,
                 max_positions: int, quant_config=None) -> torch.nn.Module:
     """Instantiate the registered class, load weights from a GGUF file or HF dir, let
@@ -139,7 +173,9 @@ def build_model(path: str, cfg: ModelArchConfig, dtype: torch.dtype, device: tor
     ``PAGEDLLM_BATCH_INVARIANT_PROBE=0``.
 
     With a ``quant_config`` (``--quantization``) the model's layers take their methods from
-    it, and the GGUF tensors of the types it keeps packed arrive as raw blocks.
+    it, and the GGUF tensors of the types it keeps packed arrive as raw blocks. Layers whose
+    method ``needs_calibration`` (int8 with SmoothQuant) are prepared last, after one
+    prefill of the calibration text with them in float (``_calibrate``).
 
     Raises:
         ValueError: missing or mis-shaped weights; InvalidParameterError("quantization"):
@@ -157,11 +193,20 @@ def build_model(path: str, cfg: ModelArchConfig, dtype: torch.dtype, device: tor
         quant_config.packed_modules_mapping = getattr(model_class, "packed_modules_mapping", {})
         model = model_class(cfg, dtype, device, max_positions, quant_config=quant_config)
         model.load_weights(iter_weights(path, cfg, packed_types=quant_config.packed_gguf_types()))
+    calibrated = []      # layers whose method needs activation statistics first (SmoothQuant)
     for module in model.modules():
         for attr in ("embedding_method", "linear_method"):
             method = getattr(module, attr, None)
-            if method is not None:
+            if method is None:
+                continue
+            if attr == "linear_method" and getattr(method, "needs_calibration", False):
+                calibrated.append(module)
+            else:
                 method.process_weights_after_loading(module)
+    if calibrated:
+        _calibrate(model, calibrated, path, cfg, dtype, device, max_positions)
+        for module in calibrated:
+            module.linear_method.process_weights_after_loading(module)
     if envs.batch_invariant_probe_enabled():
         ensure_batch_invariant_linears(model)
     return model.eval()

@@ -65,6 +65,7 @@ from torch import nn
 from pagedllm import envs
 from pagedllm.kernels.cpu import kernels_for, trace
 from pagedllm.layers.linear import LinearMethod
+from pagedllm.layers.quantization.smoothquant import smoothing_factors
 
 logger = logging.getLogger("pagedllm")
 
@@ -302,9 +303,16 @@ class Int8W8A8LinearMethod(LinearMethod):
         weight_bits, act_bits: 8 or 7 each; None: the backend's most accurate exact
             choice (oneDNN: ``onednn_exact_bits()``; torch: 8 and 8).
         backend: "onednn" or "torch" to choose instead of by ``device``.
+        smooth_alpha: SmoothQuant's migration strength (``smoothquant.py``), or None for
+            none. With it the method ``needs_calibration``: ``models.registry.build_model``
+            sets ``layer.int8_act_amax`` (``calibrate_input_amax``) before
+            ``process_weights_after_loading``, which then multiplies the weight by the
+            smoothing factors s before quantizing it and keeps ``layer.int8_smooth``
+            (1 / s, [in], the layer's dtype), by which ``apply`` multiplies x. A layer
+            without maxima is not smoothed.
 
     Raises:
-        ValueError: bits not 7, 8 or None; ``backend`` unknown, or "onednn" where
+        ValueError: bits not 7, 8 or None; smooth_alpha outside [0, 1]; ``backend`` unknown, or "onednn" where
             ``onednn_int8_available(device)`` is false; widths at which oneDNN's sums
             are not exact on this CPU (e.g. 8 and 8 without VNNI or AMX).
 
@@ -316,7 +324,7 @@ class Int8W8A8LinearMethod(LinearMethod):
     """
 
     def __init__(self, device: torch.device | str = "cpu", weight_bits: int | None = None,
-                 act_bits: int | None = None, backend: str | None = None):
+                 act_bits: int | None = None, backend: str | None = None, smooth_alpha: float | None = None):
         for label, bits in (("weight_bits", weight_bits), ("act_bits", act_bits)):
             if bits not in (None, 7, 8):
                 raise ValueError(f"{label} must be 7, 8 or None, got {bits!r}")
@@ -342,10 +350,20 @@ class Int8W8A8LinearMethod(LinearMethod):
         kernel = "oneDNN u8s8" if self.backend == "onednn" else "torch reference"
         narrow = [f"{b}-bit {what}" for b, what in ((self.weight_bits, "weights"), (self.act_bits, "activations"))
                   if b != 8]
-        self.name = f"int8 W8A8 ({', '.join([kernel, *narrow])})"
+        if smooth_alpha is not None and not 0.0 <= smooth_alpha <= 1.0:
+            raise ValueError(f"smooth_alpha must be in [0, 1] or None, got {smooth_alpha!r}")
+        self.smooth_alpha = smooth_alpha
+        self.needs_calibration = smooth_alpha is not None
+        smooth = [] if smooth_alpha is None else [f"SmoothQuant alpha {smooth_alpha:g}"]
+        self.name = f"int8 W8A8 ({', '.join([kernel, *narrow, *smooth])})"
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         w = layer.weight.data
+        amax = getattr(layer, "int8_act_amax", None)
+        if self.smooth_alpha is not None and amax is not None:
+            s = smoothing_factors(amax, w, self.smooth_alpha)
+            layer.int8_smooth = (1.0 / s).to(w.dtype)
+            w = w.float() * s          # out of place: a tied LM head's table is the embedding's
         q, scale = quantize_weight_per_channel(w, self.weight_qmax)
         layer.int8_weight_scale = scale
         layer.int8_compensation = weight_compensation(q, self.zero_point)
@@ -356,7 +374,7 @@ class Int8W8A8LinearMethod(LinearMethod):
         else:
             layer.int8_weight = q
         if not getattr(layer, "keep_dense_weight", False):
-            layer.weight.data = w.new_empty(0)
+            layer.weight.data = layer.weight.data.new_empty(0)
 
     def apply(self, layer, x, bias=None):
         if x.dim() != 2:
@@ -364,7 +382,8 @@ class Int8W8A8LinearMethod(LinearMethod):
         scale = layer.int8_weight_scale
         if x.shape[0] == 0:
             return x.new_empty(0, scale.shape[0])
-        xq, row_scale = quantize_per_token(x, self.qmax, self.zero_point)
+        smooth = getattr(layer, "int8_smooth", None)
+        xq, row_scale = quantize_per_token(x if smooth is None else x * smooth, self.qmax, self.zero_point)
         if self.backend == "onednn":
             acc = _qlinear(xq, layer.int8_packed_weight, layer.int8_ones, layer.int8_zero_points)
         else:

@@ -1,0 +1,55 @@
+"""One prefill pass of a built model over a paged KV cache made for the call: the logits at
+every position (perplexity, reference checks) and the activations a calibration reads
+(``layers/quantization/smoothquant.py``), outside the engine's scheduler and runner."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+def prefill_logits(model: torch.nn.Module, arch, ids: list[int], dtype: torch.dtype,
+                   device: torch.device, attention_backend: str = "auto", block_size: int = 16,
+                   kv_cache_dtype: str = "auto", logits: bool = True) -> torch.Tensor:
+    """Logits at every position of ``ids`` from one prefill pass of ``model`` (built by
+    ``build_model``) over a paged KV cache made for this call.
+
+    Args:
+        model: the causal LM; arch: its ``ModelArchConfig``; ids: the token ids (T of them).
+        dtype, device: the model's; attention_backend: as ``--attention-backend``.
+        block_size: tokens per KV block; kv_cache_dtype: as ``--kv-cache-dtype`` where the
+            backend takes one.
+        logits: False: return the final hidden states instead (no LM head).
+
+    Returns:
+        float32 [T, vocab] (``logits``), else the hidden states [T, hidden] in ``dtype``.
+
+    Raises:
+        ValueError: ``ids`` is empty.
+    """
+    from pagedllm.attention.backend import CommonAttentionMetadata, get_attention_backend
+    from pagedllm.forward_context import set_forward_context
+    from pagedllm.layers import bind_kv_cache
+
+    if not ids:
+        raise ValueError("ids must not be empty")
+    attn = get_attention_backend(attention_backend, device, dtype)
+    T, bs = len(ids), block_size
+    nb = -(-T // bs)
+    kv = torch.zeros(attn.kv_cache_shape(arch.num_hidden_layers, nb + 1, bs, arch.num_key_value_heads,
+                                         arch.head_dim), dtype=dtype, device=device)
+    bt = np.arange(1, nb + 1, dtype=np.int32)[None]
+    pos = np.arange(T)
+    slots = bt[0, pos // bs].astype(np.int64) * bs + pos % bs
+    meta = CommonAttentionMetadata(
+        1, T, 0, torch.tensor([0, T], dtype=torch.int32, device=device),
+        torch.tensor([T], dtype=torch.int32, device=device), torch.tensor([0], dtype=torch.int32, device=device),
+        torch.from_numpy(bt).to(device), torch.from_numpy(slots).to(device), bs,
+        np.array([0, T]), np.array([T]), np.array([0]), bt)
+    # one block table for every layer; a sliding-window layer reads its own metadata
+    windows = arch.layer_windows()
+    kinds = sorted(set(windows), key=lambda w: -1 if w is None else w)
+    bind_kv_cache(model, kv, attn, attn_group={i: kinds.index(w) for i, w in enumerate(windows)})
+    md = [attn.build_metadata(meta, w) for w in kinds]
+    with torch.inference_mode(), set_forward_context(md if len(md) > 1 else md[0]):
+        hidden = model(torch.tensor(ids, device=device), torch.arange(T, device=device))
+        return model.compute_logits(hidden).float() if logits else hidden
