@@ -1,10 +1,11 @@
 """What the CPU can do: its model name, the ISA flags that decide pagedllm's compute paths,
 and torch's own dispatch level, read once per process (``cpu_features()``).
 
-The project's machines come with one of two CPUs (``shared/design.md``): an AMD EPYC with
-AVX2 only, where bf16 arithmetic is emulated and bf16 matmuls run 5-400x slower than fp32,
-and an Intel Xeon with AVX-512, AVX512-BF16 and AMX, where bf16 matmuls run 4-5x faster
-than fp32. Code that picks a dtype or a kernel asks here instead of reading /proc/cpuinfo
+The project's machines have come with one of three CPUs (``shared/design.md`` names the
+first two): an AMD EPYC with AVX2 only, where bf16 arithmetic is emulated and bf16 matmuls
+run 5-400x slower than fp32; an Intel Xeon with AVX-512, AVX512-BF16 and AMX, where bf16
+matmuls run 4-5x faster than fp32; and an AMD EPYC of family 26 with AVX-512,
+AVX512-BF16, AVX512-VNNI and AVX-VNNI but no AMX. Code that picks a dtype or a kernel asks here instead of reading /proc/cpuinfo
 itself. Sources: the flag names are the Linux kernel's (``arch/x86/include/asm/cpufeatures.h``,
 as /proc/cpuinfo and ``lscpu`` print them).
 """

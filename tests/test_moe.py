@@ -30,7 +30,7 @@ import pytest
 import torch
 
 from engine_helpers import assert_greedy_invariant, engine_leaks, greedy
-from pagedllm.benchmarks.accuracy import prefill_logits
+from pagedllm.worker.prefill import calibrate_smoothquant, prefill_logits
 from pagedllm.layers.fused_moe import FusedMoE, select_experts
 from pagedllm.layers.linear import ReplicatedLinear
 from pagedllm.models.loader import load_arch_config
@@ -417,7 +417,7 @@ def test_experts_take_float_weight_quantization(tiny, method):
 
     path, ref_model = tiny("mixtral")
     cfg = load_arch_config(path)
-    model = build_model(path, cfg, torch.float32, CPU, 512, quant_config=qc)
+    model = build_model(path, cfg, torch.float32, CPU, 512, quant_config=qc, calibrate=calibrate_smoothquant)
     block = model.model.layers[0].mlp
     expert_method = block.experts.expert(5).down_proj.linear_method.name
     assert expert_method == model.model.layers[0].self_attn.o_proj.linear_method.name

@@ -92,3 +92,36 @@ def test_smoothing_lowers_the_error_of_an_outlier_channel():
 def test_calibration_text_ships():
     text = sq.calibration_text()
     assert len(text) > 2000 and "def moving_average" in text
+
+
+@pytest.mark.skipif(not onednn_int8_available(CPU), reason="oneDNN int8 matmul unavailable")
+def test_build_model_runs_the_calibration_it_is_given(monkeypatch):
+    from pagedllm.errors import InvalidParameterError
+    from pagedllm.layers.quantization.int8_config import Int8Config
+    from pagedllm.models import loader, registry
+
+    class FakeModel(nn.Module):
+        def __init__(self, *a, quant_config=None):
+            super().__init__()
+            self.proj = ReplicatedLinear(16, 8, False, torch.float32, CPU, prefix="proj", quant_config=quant_config)
+
+        def load_weights(self, weights):
+            self.proj.weight.data.normal_()
+
+    monkeypatch.setattr(registry, "get_model_class", lambda cfg: FakeModel)
+    monkeypatch.setattr(loader, "iter_weights", lambda path, cfg, **kw: [])
+    with pytest.raises(InvalidParameterError, match="calibration"):
+        registry.build_model("unused", None, torch.float32, CPU, 16, quant_config=Int8Config(CPU))
+    seen = []
+
+    def calibrate(model, layers, *rest):
+        seen.append(layers)
+        for layer in layers:
+            layer.int8_act_amax = torch.full((16,), 4.0)
+
+    model = registry.build_model("unused", None, torch.float32, CPU, 16, quant_config=Int8Config(CPU),
+                                 calibrate=calibrate)
+    assert seen == [[model.proj]] and model.proj.int8_smooth.shape == (16,)
+    model = registry.build_model("unused", None, torch.float32, CPU, 16,
+                                 quant_config=Int8Config(CPU, smooth_alpha=None))   # no smoothing: none needed
+    assert not hasattr(model.proj, "int8_smooth")

@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from pagedllm.models.prefill import prefill_logits  # noqa: F401 (used here; tests import it from here)
+from pagedllm.worker.prefill import calibrate_smoothquant, prefill_logits
 
 from .report import save_json
 from .serve_options import positive_int
@@ -85,7 +85,7 @@ def model_perplexity(model_path: str | None, quantization: str | None, dtype: st
                                             device="cpu"))
     ids = get_tokenizer(cfg.model_path).encode(text if text is not None else eval_text())
     model = build_model(cfg.model_path, cfg.arch, cfg.dtype, cfg.device, max(len(ids), 16),
-                        quant_config=cfg.quant_config)
+                        quant_config=cfg.quant_config, calibrate=calibrate_smoothquant)
     try:
         return perplexity(prefill_logits(model, cfg.arch, ids, cfg.dtype, cfg.device), ids), len(ids)
     finally:

@@ -130,42 +130,8 @@ def get_model_class(cfg: ModelArchConfig) -> type[torch.nn.Module]:
     return getattr(importlib.import_module(module), cls)
 
 
-# Tokens per calibration prefill (the text is cut into sequences of this length; short, so
-# that engines with a small max_model_len calibrate the same: the weights must not depend on it).
-CALIBRATION_SEQ_LEN = 128
-
-
-def _calibrate(model: torch.nn.Module, layers: list, path: str, cfg: ModelArchConfig, dtype: torch.dtype,
-               device: torch.device, max_positions: int) -> None:
-    """Activation maxima for ``layers`` (``smoothquant.calibrate_input_amax``): prefills of
-    the shipped calibration text, cut into sequences of ``CALIBRATION_SEQ_LEN`` tokens (fewer
-    only if ``max_positions`` is smaller, so the statistics do not depend on
-    ``max_model_len``), with those layers in float, the others already prepared. Logs the
-    tokens and the time."""
-    import logging
-    import time
-
-    from pagedllm.layers.linear import UnquantizedLinearMethod
-    from pagedllm.layers.quantization.smoothquant import calibrate_input_amax, calibration_text
-    from pagedllm.models.prefill import prefill_logits
-    from pagedllm.tokenizer import get_tokenizer
-
-    t = time.perf_counter()
-    # (ids past the model's vocabulary, from a test model's small one, are dropped)
-    ids = [t for t in get_tokenizer(path).encode(calibration_text()) if t < cfg.vocab_size]
-    seq = min(CALIBRATION_SEQ_LEN, max_positions)
-
-    def run(ids):
-        for i in range(0, len(ids), seq):
-            prefill_logits(model, cfg, ids[i:i + seq], dtype, device, logits=False)
-
-    n = calibrate_input_amax(layers, run, ids, UnquantizedLinearMethod)
-    logging.getLogger("pagedllm").info("calibrated %d of %d layers on %d tokens in %.2f s (SmoothQuant)",
-                                       n, len(layers), len(ids), time.perf_counter() - t)
-
-
 def build_model(path: str, cfg: ModelArchConfig, dtype: torch.dtype, device: torch.device,
-                max_positions: int, quant_config=None) -> torch.nn.Module:
+                max_positions: int, quant_config=None, calibrate=None) -> torch.nn.Module:
     """Instantiate the registered class, load weights from a GGUF file or HF dir, let
     every linear method prepare its layer's loaded weights (e.g. oneDNN packing), then
     make sure each linear layer's output rows do not depend on the batch size (probe and,
@@ -174,12 +140,15 @@ def build_model(path: str, cfg: ModelArchConfig, dtype: torch.dtype, device: tor
 
     With a ``quant_config`` (``--quantization``) the model's layers take their methods from
     it, and the GGUF tensors of the types it keeps packed arrive as raw blocks. Layers whose
-    method ``needs_calibration`` (int8 with SmoothQuant) are prepared last, after one
-    prefill of the calibration text with them in float (``_calibrate``).
+    method ``needs_calibration`` (int8 with SmoothQuant) are prepared last, after
+    ``calibrate(model, layers, path, cfg, dtype, device, max_positions)`` has run the model
+    with them in float and set their statistics (``worker.prefill.calibrate_smoothquant``:
+    a model here is built, not run, so the caller hands in what runs it).
 
     Raises:
         ValueError: missing or mis-shaped weights; InvalidParameterError("quantization"):
-        a layer the method cannot compute.
+        a layer the method cannot compute, or a method that needs calibration and no
+        ``calibrate``.
     """
     from pagedllm import envs
     from pagedllm.layers.batch_invariance import ensure_batch_invariant_linears
@@ -204,7 +173,13 @@ def build_model(path: str, cfg: ModelArchConfig, dtype: torch.dtype, device: tor
             else:
                 method.process_weights_after_loading(module)
     if calibrated:
-        _calibrate(model, calibrated, path, cfg, dtype, device, max_positions)
+        if calibrate is None:
+            from pagedllm.errors import InvalidParameterError
+
+            raise InvalidParameterError(
+                "quantization", f"{calibrated[0].linear_method.name} needs a calibration pass at load, "
+                                "and build_model was given no calibrate function")
+        calibrate(model, calibrated, path, cfg, dtype, device, max_positions)
         for module in calibrated:
             module.linear_method.process_weights_after_loading(module)
     if envs.batch_invariant_probe_enabled():

@@ -47,6 +47,7 @@ from pagedllm.spec_decode.adaptive import AdaptiveDraftLength
 from pagedllm.structured_output import apply_token_bitmask, unpack_bitmask
 from pagedllm.utils import cdiv, empty_cpu_hugepages
 from pagedllm.worker.input_batch import CachedRequestState, InputBatch
+from pagedllm.worker.prefill import calibrate_smoothquant
 
 logger = logging.getLogger("pagedllm")
 
@@ -68,7 +69,7 @@ class ModelRunner:
                                           self.kv_cache_dtype)
         self.model = build_model(config.model_path, arch, self.dtype, self.device,
                                  max_positions=max(config.max_model_len, 1),
-                                 quant_config=config.quant_config)
+                                 quant_config=config.quant_config, calibrate=calibrate_smoothquant)
         self.sampler = Sampler()
         self.rejection_sampler = RejectionSampler()
         self.spec = config.speculative_config

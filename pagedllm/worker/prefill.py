@@ -1,6 +1,7 @@
-"""One prefill pass of a built model over a paged KV cache made for the call: the logits at
-every position (perplexity, reference checks) and the activations a calibration reads
-(``layers/quantization/smoothquant.py``), outside the engine's scheduler and runner."""
+"""One prefill pass of a built model over a paged KV cache made for the call, outside the
+engine's scheduler and runner: the logits at every position (perplexity, reference checks),
+and the calibration pass of SmoothQuant (``layers/quantization/smoothquant.py``), which
+``models.registry.build_model`` runs through ``calibrate_smoothquant``."""
 from __future__ import annotations
 
 import numpy as np
@@ -53,3 +54,37 @@ def prefill_logits(model: torch.nn.Module, arch, ids: list[int], dtype: torch.dt
     with torch.inference_mode(), set_forward_context(md if len(md) > 1 else md[0]):
         hidden = model(torch.tensor(ids, device=device), torch.arange(T, device=device))
         return model.compute_logits(hidden).float() if logits else hidden
+
+
+# Tokens per calibration prefill (the text is cut into sequences of this length; short, so
+# that engines with a small max_model_len calibrate the same: the weights must not depend on it).
+CALIBRATION_SEQ_LEN = 128
+
+
+def calibrate_smoothquant(model: torch.nn.Module, layers: list, path: str, cfg, dtype: torch.dtype,
+                          device: torch.device, max_positions: int) -> None:
+    """``build_model``'s ``calibrate`` for SmoothQuant: activation maxima for ``layers``
+    (``smoothquant.calibrate_input_amax``) from prefills of the shipped calibration text,
+    cut into sequences of ``CALIBRATION_SEQ_LEN`` tokens (fewer only if ``max_positions`` is
+    smaller, so the statistics do not depend on ``max_model_len``), with those layers in
+    float, the others already prepared (``cfg``: the model's ``ModelArchConfig``). Logs the
+    tokens and the time."""
+    import logging
+    import time
+
+    from pagedllm.layers.linear import UnquantizedLinearMethod
+    from pagedllm.layers.quantization.smoothquant import calibrate_input_amax, calibration_text
+    from pagedllm.tokenizer import get_tokenizer
+
+    t = time.perf_counter()
+    # (ids past the model's vocabulary, from a test model's small one, are dropped)
+    ids = [t for t in get_tokenizer(path).encode(calibration_text()) if t < cfg.vocab_size]
+    seq = min(CALIBRATION_SEQ_LEN, max_positions)
+
+    def run(ids):
+        for i in range(0, len(ids), seq):
+            prefill_logits(model, cfg, ids[i:i + seq], dtype, device, logits=False)
+
+    n = calibrate_input_amax(layers, run, ids, UnquantizedLinearMethod)
+    logging.getLogger("pagedllm").info("calibrated %d of %d layers on %d tokens in %.2f s (SmoothQuant)",
+                                       n, len(layers), len(ids), time.perf_counter() - t)
