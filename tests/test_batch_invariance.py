@@ -12,8 +12,8 @@ from torch import nn
 from pagedllm import platform
 from pagedllm.layers import batch_invariance as bi
 from pagedllm.layers import describe_compute_path
-from pagedllm.layers.linear import (OneDNNPackedLinearMethod, ReplicatedLinear, RowChunkedLinearMethod,
-                                    UnquantizedLinearMethod, onednn_packing_available)
+from pagedllm.layers.linear import (OneDNNPackedLinearMethod, PaddedRowsLinearMethod, ReplicatedLinear,
+                                    RowChunkedLinearMethod, UnquantizedLinearMethod, onednn_packing_available)
 from pagedllm.layers.vocab_embedding import ParallelLMHead
 
 CPU, F32, BF16 = torch.device("cpu"), torch.float32, torch.bfloat16
@@ -180,8 +180,27 @@ def test_summation_order_hidden_by_bf16_rounding_is_found_and_wrapped():
     assert bi.cancellation_probe(layer, 256, 40, BF16, CPU, rows) == [1]
     assert torch.equal(layer.weight, weight) and layer.bias is not None      # the stand-in was a copy
     (res,) = bi.ensure_batch_invariant_linears(nn.ModuleList([layer]))
-    assert 1 in res.failed_at and res.chunk_rows == 16 and not res.still_failed_at
+    # rows differed at one row only: one-row calls are padded to two, bigger calls stay whole
+    assert res.failed_at == [1] and res.min_rows == 2 and res.chunk_rows is None and not res.still_failed_at
+    assert isinstance(layer.linear_method, PaddedRowsLinearMethod) and layer.linear_method.min_rows == 2
     assert bi.cancellation_probe(layer, 256, 40, BF16, CPU, rows) == []
+    assert "calls under 2 rows padded" in describe_compute_path(nn.ModuleList([layer]))
+
+
+@pytest.mark.parametrize("rows", [0, 1, 2, 5])
+def test_padded_rows_compute_the_same_values(rows):
+    inner = MDependentMethod()
+    layer = _layer(24, 20, inner, bias=True)
+    padded = PaddedRowsLinearMethod(inner, 3)
+    calls = []
+    inner_apply = inner.apply
+    inner.apply = lambda layer, x, bias=None: calls.append(x.shape[0]) or inner_apply(layer, x, bias)
+    x = torch.randn(rows, 24)
+    y = padded.apply(layer, x, layer.bias)
+    assert y.shape == (rows, 20) and calls == [max(rows, 3)]
+    torch.testing.assert_close(y, _exact(x, layer.weight) + layer.bias, rtol=0, atol=0)
+    with pytest.raises(ValueError):
+        PaddedRowsLinearMethod(inner, 1)
 
 
 def test_cancellation_probe_needs_a_float_weight_method():

@@ -22,9 +22,10 @@ with random inputs a bf16 output hides most changes of summation order (an outpu
 2**16 float32 ulps), and on an AMD EPYC of family 26 (AVX512-BF16, no AMX) oneDNN's packed
 1536 -> 576 bf16 inner product sums a one-row call in another order than a bigger one: the
 random probe passed there while greedy outputs of the bundled model changed with the
-batch. Where rows depend on M, the layers of that shape get
-``RowChunkedLinearMethod`` (every call at one fixed row count), which is probed again; if
-that fails too the layers keep their method and a warning says that greedy outputs may
+batch. Where rows depend on M at a few small row counts only, the layers of that shape get
+``PaddedRowsLinearMethod`` (calls below those counts padded with zero rows); otherwise, or
+if that does not make them invariant, ``RowChunkedLinearMethod`` (every call at one fixed
+row count); the wrapped layers are probed again; if that fails too the layers keep their method and a warning says that greedy outputs may
 depend on batching.
 
 Cost: one call per probed row count, capped at about ``PROBE_MAX_MACS`` multiply-adds per
@@ -45,7 +46,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from pagedllm.layers.linear import RowChunkedLinearMethod
+from pagedllm.layers.linear import PaddedRowsLinearMethod, RowChunkedLinearMethod
 
 logger = logging.getLogger("pagedllm")
 
@@ -62,6 +63,9 @@ PROBE_CALL_ROWS = 16
 PROBE_MAX_MACS = 3_000_000_000
 # Chunk sizes tried, in order, for a shape whose rows depend on M (16: an AMX tile's rows).
 CHUNK_ROWS = (16, 32)
+# A shape whose rows depend on M only below this many rows is first tried with small calls
+# padded (``PaddedRowsLinearMethod``), which leaves big calls whole.
+PAD_ROWS_MAX = 16
 
 
 def probe_rows(in_features: int, out_features: int, rows: Iterable[int] = PROBE_ROWS,
@@ -203,6 +207,7 @@ class ShapeProbe:
         rows: the row counts probed.
         failed_at: the row counts at which rows differed (empty: invariant as it was).
         chunk_rows: the chunk size the layers now compute in, or None (not wrapped).
+        min_rows: the fewest rows the layers' calls are padded to, or None (not padded).
         still_failed_at: for a shape that no chunk size fixed, the last try's failing
             row counts (the layers then keep their method).
         seconds: wall time of this shape's probes.
@@ -216,6 +221,7 @@ class ShapeProbe:
     rows: list[int] = field(default_factory=list)
     failed_at: list[int] = field(default_factory=list)
     chunk_rows: int | None = None
+    min_rows: int | None = None
     still_failed_at: list[int] = field(default_factory=list)
     seconds: float = 0.0
 
@@ -243,8 +249,10 @@ def _linear_layers(model: nn.Module) -> dict[tuple, list[nn.Module]]:
 def ensure_batch_invariant_linears(model: nn.Module, chunk_rows: Iterable[int] = CHUNK_ROWS,
                                    max_macs: int = PROBE_MAX_MACS) -> list[ShapeProbe]:
     """Probe every linear shape of a loaded ``model`` (after ``process_weights_after_loading``)
-    and wrap the layers of shapes whose rows depend on M in ``RowChunkedLinearMethod``
-    (the first of ``chunk_rows`` that makes them invariant). Logs one info line (shapes,
+    and wrap the layers of shapes whose rows depend on M: in ``PaddedRowsLinearMethod``
+    where rows differed below ``PAD_ROWS_MAX`` rows only and padding those calls makes
+    them invariant, else in ``RowChunkedLinearMethod`` (the first of ``chunk_rows`` that
+    does). Logs one info line (shapes,
     time, which were wrapped) and a warning for shapes no chunk size fixed.
 
     Layers are modules with ``linear_method``, ``weight``, ``input_size`` and
@@ -271,12 +279,19 @@ def ensure_batch_invariant_linears(model: nn.Module, chunk_rows: Iterable[int] =
         res.failed_at = _probe(first, res)
         if res.failed_at:
             originals = [layer.linear_method for layer in layers]
-            for c in chunk_rows:
+            pad = max(res.failed_at) + 1
+            # the wrappings to try, in order: small calls padded, then fixed row chunks
+            tries = ([("pad", pad)] if pad <= PAD_ROWS_MAX else []) + [("chunk", c) for c in chunk_rows]
+            for kind, n in tries:
+                wrap = PaddedRowsLinearMethod if kind == "pad" else RowChunkedLinearMethod
                 for layer, method in zip(layers, originals):
-                    layer.linear_method = RowChunkedLinearMethod(method, c)
+                    layer.linear_method = wrap(method, n)
                 res.still_failed_at = _probe(first, res)
                 if not res.still_failed_at:
-                    res.chunk_rows = c
+                    if kind == "pad":
+                        res.min_rows = n
+                    else:
+                        res.chunk_rows = n
                     break
             else:
                 for layer, method in zip(layers, originals):
@@ -288,13 +303,14 @@ def ensure_batch_invariant_linears(model: nn.Module, chunk_rows: Iterable[int] =
 
 
 def _log(results: list[ShapeProbe], seconds: float, chunk_rows: list[int]) -> None:
-    wrapped = [r for r in results if r.chunk_rows]
-    unfixed = [r for r in results if r.failed_at and not r.chunk_rows]
+    wrapped = [r for r in results if r.chunk_rows or r.min_rows]
+    unfixed = [r for r in results if r.failed_at and not (r.chunk_rows or r.min_rows)]
     if not wrapped:
         what = "every row independent of the batch size" if not unfixed else "none wrapped"
     else:
-        what = "wrapped in row chunks: " + "; ".join(f"{r.label()} -> {r.chunk_rows}-row chunks"
-                                                     for r in wrapped)
+        what = "wrapped: " + "; ".join(
+            f"{r.label()} -> " + (f"{r.chunk_rows}-row chunks" if r.chunk_rows else
+                                  f"calls under {r.min_rows} rows padded") for r in wrapped)
     logger.info("batch-invariance probe: %d linear shapes in %.2f s; %s", len(results), seconds, what)
     for r in unfixed:
         hint = " (--dtype float32 avoids it)" if r.dtype != torch.float32 else ""

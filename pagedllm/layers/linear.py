@@ -28,7 +28,9 @@ plain ``F.linear`` runs.
 
 Batch invariance. Where a method's per-row result does depend on the number of rows
 (``pagedllm/layers/batch_invariance.py`` probes each shape at load),
-``RowChunkedLinearMethod`` wraps it so that every call it makes has the same row count.
+``RowChunkedLinearMethod`` wraps it so that every call it makes has the same row count, or,
+where rows depend on M at a few small row counts only, ``PaddedRowsLinearMethod`` pads those
+calls.
 """
 from __future__ import annotations
 
@@ -189,6 +191,41 @@ class RowChunkedLinearMethod(LinearMethod):
             x = torch.cat([x, x.new_zeros(pad or c, x.shape[1])])
         outs = [self.inner.apply(layer, x[i:i + c], bias) for i in range(0, x.shape[0], c)]
         return torch.cat(outs)[:rows]
+
+
+class PaddedRowsLinearMethod(LinearMethod):
+    """``inner`` with every call of fewer than ``min_rows`` rows padded with zero rows up to
+    ``min_rows`` (the result cut back), for kernels whose rows depend on M only at a few
+    small row counts: on an AVX512-BF16 AMD EPYC (family 26) oneDNN's packed bf16
+    1536 -> 576 inner product sums a one-row call in another order than any bigger one
+    (``batch_invariance.py``). Calls of ``min_rows`` rows or more go to ``inner`` as they
+    are, so unlike ``RowChunkedLinearMethod`` a prefill of thousands of rows stays one call.
+
+    Args:
+        inner: the method that computes (its weights are the layer's, prepared by
+            ``inner.process_weights_after_loading``, which this delegates to).
+        min_rows: the fewest rows a call to ``inner`` has, >= 2.
+    """
+
+    def __init__(self, inner: LinearMethod, min_rows: int):
+        if min_rows < 2:
+            raise ValueError(f"min_rows must be >= 2, got {min_rows}")
+        self.inner, self.min_rows = inner, min_rows
+        self.name = f"{inner.name}, calls under {min_rows} rows padded"
+        self.float_weight = inner.float_weight
+
+    def create_weights(self, layer, input_size, output_partition_sizes, params_dtype, device):
+        self.inner.create_weights(layer, input_size, output_partition_sizes, params_dtype, device)
+
+    def process_weights_after_loading(self, layer):
+        self.inner.process_weights_after_loading(layer)
+
+    def apply(self, layer, x, bias=None):
+        rows = x.shape[0]
+        if rows >= self.min_rows:
+            return self.inner.apply(layer, x, bias)
+        x = torch.cat([x, x.new_zeros(self.min_rows - rows, x.shape[1])])
+        return self.inner.apply(layer, x, bias)[:rows]
 
 
 def measure_linear_gflops(in_features: int, out_features: int, rows: int, dtype: torch.dtype,
