@@ -27,7 +27,7 @@ KERNELS = load_cpu_kernels() is not None
 # weights dequantized, so gguf and q4_1 (which re-derives the same blocks) cost only the
 # activations' 8-bit blocks. Measured on the AMD AVX2 machine (bench accuracy, 32 tokens):
 # int8 before SmoothQuant +6.7 % (LM head int8) / about +4 % (head dense), agreement 12.2,
-# with it +1.1 % (7-bit weights; +1.4 % with 8-bit ones on an AVX512-VNNI EPYC); gguf and q4_1
+# with it +1.1 % (7-bit weights; +1.0 % with 8-bit ones on an AVX512-VNNI EPYC); gguf and q4_1
 # +0.18 %, 19.9; q8_0 +0.7 %, 14.9; q4_0 +22.7 %, 2.0 (Q4_1 weights re-quantized to the
 # coarser symmetric Q4_0: two roundings). The issue's targets (int8 within 2 %, 4-bit
 # within 8 %) hold for int8, q8_0, gguf and q4_1.
@@ -35,7 +35,7 @@ MARGINS = {
     "q8_0": (0.02, 10),
     "gguf": (0.08, 14),
     "q4_1": (0.08, 14),
-    "int8": (0.02, 8),   # SmoothQuant: +1.4 %, agreement 15.0 (8-bit weights, VNNI); +1.1 %, 20.5 (7-bit)
+    "int8": (0.02, 8),   # SmoothQuant: +1.0 %, agreement 17.8 (8-bit weights, VNNI); +1.1 %, 20.5 (7-bit)
     "q4_0": (0.30, 1),
 }
 AGREE_TOKENS = 32

@@ -125,3 +125,21 @@ def test_build_model_runs_the_calibration_it_is_given(monkeypatch):
     model = registry.build_model("unused", None, torch.float32, CPU, 16,
                                  quant_config=Int8Config(CPU, smooth_alpha=None))   # no smoothing: none needed
     assert not hasattr(model.proj, "int8_smooth")
+
+
+def test_a_channel_silent_in_calibration_is_not_smoothed():
+    """A channel never active on the calibration text (max 0) keeps s = 1, so an input that
+    turns up there later is not scaled up by a large 1 / s."""
+    w = torch.full((4, 3), 0.05)
+    s = sq.smoothing_factors(torch.tensor([0.0, 2.0, 3.0]), w, 0.5)
+    assert s[0] == 1.0 and s[1] != 1.0
+    w[:, 2] = 0
+    assert sq.smoothing_factors(torch.tensor([0.0, 2.0, 3.0]), w, 0.5)[2] == 1.0
+
+
+@pytest.mark.skipif(not onednn_int8_available(CPU), reason="oneDNN int8 matmul unavailable")
+def test_an_uncalibrated_layer_says_it_is_not_smoothed():
+    layer = ReplicatedLinear(16, 8, False, torch.float32, CPU, Int8W8A8LinearMethod(CPU, smooth_alpha=0.5))
+    layer.weight.data.normal_()
+    layer.linear_method.process_weights_after_loading(layer)
+    assert not hasattr(layer, "int8_smooth") and "not smoothed" in layer.linear_method.name

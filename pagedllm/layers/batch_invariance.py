@@ -158,9 +158,13 @@ def cancellation_inputs(out_features: int, in_features: int, rows: int, dtype: t
 
 def _stand_in(layer: nn.Module, method, weight: torch.Tensor) -> nn.Module:
     """A shallow copy of ``layer`` computing with ``method`` and ``weight`` (prepared by
-    ``method.process_weights_after_loading``) and no bias; ``layer`` is unchanged."""
+    ``method.process_weights_after_loading``), no bias and no hooks; ``layer`` is unchanged
+    (its parameters, buffers, hooks and attributes)."""
     stand = copy.copy(layer)
     stand.__dict__ = dict(layer.__dict__)
+    for name, value in layer.__dict__.items():    # own hook and submodule tables, not the layer's
+        if name.endswith(("_hooks", "_hooks_with_kwargs", "_hooks_always_called")) or name == "_modules":
+            stand.__dict__[name] = type(value)(value) if name == "_modules" else type(value)()
     stand._parameters = {k: v for k, v in layer._parameters.items() if k not in ("weight", "bias")}
     stand._buffers = dict(layer._buffers)
     stand.__dict__.pop("weight", None)          # a tied LM head's table is a plain attribute

@@ -57,7 +57,7 @@ def prefill_logits(model: torch.nn.Module, arch, ids: list[int], dtype: torch.dt
 
 
 # Tokens per calibration prefill (the text is cut into sequences of this length; short, so
-# that engines with a small max_model_len calibrate the same: the weights must not depend on it).
+# that engines with any max_model_len >= 128 calibrate the same, and get the same weights).
 CALIBRATION_SEQ_LEN = 128
 
 
@@ -65,8 +65,9 @@ def calibrate_smoothquant(model: torch.nn.Module, layers: list, path: str, cfg, 
                           device: torch.device, max_positions: int) -> None:
     """``build_model``'s ``calibrate`` for SmoothQuant: activation maxima for ``layers``
     (``smoothquant.calibrate_input_amax``) from prefills of the shipped calibration text,
-    cut into sequences of ``CALIBRATION_SEQ_LEN`` tokens (fewer only if ``max_positions`` is
-    smaller, so the statistics do not depend on ``max_model_len``), with those layers in
+    cut into sequences of ``CALIBRATION_SEQ_LEN`` tokens (so the statistics, and the int8
+    weights, are the same for every ``max_model_len`` >= 128; below that, sequences of
+    ``max_positions`` tokens), with those layers in
     float, the others already prepared (``cfg``: the model's ``ModelArchConfig``). Logs the
     tokens and the time."""
     import logging
@@ -82,9 +83,13 @@ def calibrate_smoothquant(model: torch.nn.Module, layers: list, path: str, cfg, 
     seq = min(CALIBRATION_SEQ_LEN, max_positions)
 
     def run(ids):
-        for i in range(0, len(ids), seq):
-            prefill_logits(model, cfg, ids[i:i + seq], dtype, device, logits=False)
+        for i in range(0, len(ids), seq):       # with the logits: an int8 LM head is calibrated too
+            prefill_logits(model, cfg, ids[i:i + seq], dtype, device)
 
-    n = calibrate_input_amax(layers, run, ids, UnquantizedLinearMethod)
-    logging.getLogger("pagedllm").info("calibrated %d of %d layers on %d tokens in %.2f s (SmoothQuant)",
-                                       n, len(layers), len(ids), time.perf_counter() - t)
+    n = calibrate_input_amax(layers, run, ids, UnquantizedLinearMethod) if ids else 0
+    log = logging.getLogger("pagedllm")
+    log.info("calibrated %d of %d layers on %d tokens in %.2f s (SmoothQuant)",
+             n, len(layers), len(ids), time.perf_counter() - t)
+    if n < len(layers):
+        log.warning("SmoothQuant: %d of %d int8 layers saw no calibration token and are not smoothed "
+                    "(their method names say so)", len(layers) - n, len(layers))

@@ -1,10 +1,12 @@
 """Arrival process and replay timing.
 
-Stated tolerance: each request is sent within 30 ms of its scheduled time and
-the median lateness is under 10 ms (the suite runs on 2 shared CPU cores), except that
-one pause of the whole process (a VM's stolen time, a collection) may make the one or two
-requests due during it late; the ones after must be back on schedule, which a limiter
-that lets lateness accumulate would not be.
+Stated tolerance: each request is sent within 30 ms of its scheduled time and the median
+lateness is under 10 ms (the suite runs on 2 shared CPU cores), except that one or two
+neighbouring requests may start late on their own: a full serial run once had one
+request 0.31 s late and every other one on time, a stall of that request's own start
+(its task or connection), not of the limiter, since a stalled limiter would have made
+every request due during those 0.31 s (about 12 at 40 req/s) late. A limiter that lets
+lateness accumulate makes all later requests late, and still fails.
 """
 
 import asyncio
@@ -23,7 +25,7 @@ from pagedllm.benchmarks.serve_options import BenchConfig
 pytestmark = pytest.mark.serial
 
 MAX_LATE_S = 0.030
-MEAN_LATE_S = 0.010
+MEDIAN_LATE_S = 0.010
 
 
 def test_gamma_intervals_statistics():
@@ -63,17 +65,18 @@ def test_rate_limiter_keeps_schedule(fake_server):
     got = [r["scheduled_s"] for r in res["requests"]]
     assert got == pytest.approx(expected, abs=1e-5)
     late = np.array(lateness(res))
-    assert late.min() >= 0 and np.median(late) < MEAN_LATE_S
-    _at_most_one_pause(late > MAX_LATE_S)
+    assert late.min() >= 0 and np.median(late) < MEDIAN_LATE_S
+    _at_most_one_stall(late > MAX_LATE_S)
     assert res["summary"]["completed"] == 20 and len(srv.stats.requests) == 20
     # The server saw them with the same gaps (within the tolerance).
-    arr = np.array([r["arrival"] for r in srv.stats.requests])
-    _at_most_one_pause(np.abs((arr - arr[0]) - (np.array(expected) - expected[0])) > MAX_LATE_S)
+    # (against the median offset, so that a late first request does not shift them all)
+    dev = np.array([r["arrival"] for r in srv.stats.requests]) - np.array(expected)
+    _at_most_one_stall(np.abs(dev - np.median(dev)) > MAX_LATE_S)
 
 
-def _at_most_one_pause(late: np.ndarray) -> None:
+def _at_most_one_stall(late: np.ndarray) -> None:
     """``late`` (bool per request, in schedule order) is True for at most 2 requests, and
-    they are neighbours: a single pause, after which the schedule held (lateness that
+    they are neighbours: one stall, the schedule kept around it (lateness that
     accumulates makes every later request late)."""
     idx = np.flatnonzero(late)
     assert len(idx) <= 2 and (len(idx) < 2 or idx[1] == idx[0] + 1), f"late requests: {idx.tolist()}"

@@ -361,9 +361,14 @@ class Int8W8A8LinearMethod(LinearMethod):
         w = layer.weight.data
         amax = getattr(layer, "int8_act_amax", None)
         if self.smooth_alpha is not None and amax is not None:
-            s = smoothing_factors(amax, w, self.smooth_alpha)
-            layer.int8_smooth = (1.0 / s).to(w.dtype)
-            w = w.float() * s          # out of place: a tied LM head's table is the embedding's
+            # 1 / s in the activations' dtype, and the weight divided by that same value, so
+            # x * inv times W / inv is the identity up to float rounding in every dtype
+            inv = (1.0 / smoothing_factors(amax, w, self.smooth_alpha)).to(w.dtype)
+            layer.int8_smooth = inv
+            w = w.float() / inv.float()          # out of place: a tied LM head's table is the embedding's
+        elif self.smooth_alpha is not None:
+            self.name = self.name.replace(f"SmoothQuant alpha {self.smooth_alpha:g}",
+                                          "SmoothQuant: not calibrated, not smoothed")
         q, scale = quantize_weight_per_channel(w, self.weight_qmax)
         layer.int8_weight_scale = scale
         layer.int8_compensation = weight_compensation(q, self.zero_point)

@@ -8,10 +8,12 @@ Accuracy: per-token activation scales are set by a few outlier channels (15-35x 
 |x| in SmolLM2-135M), so activation steps are coarse; without smoothing, perplexity rose
 +4 to +7 % over float32 on the bundled model (``pagedllm bench accuracy``), against +0.7 %
 for ``q8_0``, whose 32-element blocks isolate outliers. So every layer is smoothed by
-SmoothQuant (``smoothquant.py``, alpha ``SMOOTH_ALPHA``), calibrated at load by one float
-prefill of the shipped calibration text: +1.0 % on the bundled model. The calibration costs
-one prefill of ``min(645, max positions)`` tokens at load (0.3 s for SmolLM2-135M on the
-2-core CPU; a bigger model's prefill of that length scales with its weights).
+SmoothQuant (``smoothquant.py``, alpha ``SMOOTH_ALPHA``), calibrated at load by float
+prefills of the shipped calibration text (645 tokens, 128 a prefill): +1.0 % on the bundled
+model. The calibration costs those prefills at load (1.3-1.8 s for SmolLM2-135M on the
+2-core CPU; a bigger model's scale with its weights). A layer that saw no calibration
+token (an expert no token was routed to) is quantized without smoothing, and says so in its
+method name; the load logs how many layers were calibrated.
 
 Where oneDNN's int8 matmul cannot run exactly (a torch without mkldnn, ``PAGEDLLM_ONEDNN=0``,
 CUDA) the method is refused with a clear error rather than run through its torch reference
