@@ -119,14 +119,20 @@ def test_unfixable_method_keeps_its_method_and_warns(caplog):
     assert "--dtype float32" in warn[0] and "16/32-row chunks" in warn[0]
 
 
+def _count_rows(method):
+    """The list that records the row count of every later ``method.apply`` call."""
+    calls = []
+    apply = method.apply
+    method.apply = lambda layer, x, bias=None: calls.append(x.shape[0]) or apply(layer, x, bias)
+    return calls
+
+
 @pytest.mark.parametrize("rows", [0, 1, 15, 16, 17, 40])
 def test_row_chunks_compute_the_same_values(rows):
     inner = MDependentMethod()
     layer = _layer(24, 20, inner, bias=True)
     wrapped = RowChunkedLinearMethod(inner, 16)
-    calls = []
-    inner_apply = inner.apply
-    inner.apply = lambda layer, x, bias=None: calls.append(x.shape[0]) or inner_apply(layer, x, bias)
+    calls = _count_rows(inner)
     x = torch.randn(rows, 24)
     y = wrapped.apply(layer, x, layer.bias)
     assert y.shape == (rows, 20)
@@ -192,9 +198,7 @@ def test_padded_rows_compute_the_same_values(rows):
     inner = MDependentMethod()
     layer = _layer(24, 20, inner, bias=True)
     padded = PaddedRowsLinearMethod(inner, 3)
-    calls = []
-    inner_apply = inner.apply
-    inner.apply = lambda layer, x, bias=None: calls.append(x.shape[0]) or inner_apply(layer, x, bias)
+    calls = _count_rows(inner)
     x = torch.randn(rows, 24)
     y = padded.apply(layer, x, layer.bias)
     assert y.shape == (rows, 20) and calls == [max(rows, 3)]

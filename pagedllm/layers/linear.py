@@ -149,7 +149,22 @@ def get_linear_method(device: torch.device | str, dtype: torch.dtype) -> LinearM
     return UnquantizedLinearMethod()
 
 
-class RowChunkedLinearMethod(LinearMethod):
+class _WrappingLinearMethod(LinearMethod):
+    """A method that computes through ``inner`` (the batch-invariance wrappers below): the
+    weights are ``inner``'s, created and prepared by it."""
+
+    def __init__(self, inner: LinearMethod):
+        self.inner = inner
+        self.float_weight = inner.float_weight
+
+    def create_weights(self, layer, input_size, output_partition_sizes, params_dtype, device):
+        self.inner.create_weights(layer, input_size, output_partition_sizes, params_dtype, device)
+
+    def process_weights_after_loading(self, layer):
+        self.inner.process_weights_after_loading(layer)
+
+
+class RowChunkedLinearMethod(_WrappingLinearMethod):
     """``inner`` computed in fixed-size row chunks, so that each output row is bitwise
     independent of how many rows the batch has (Thinking Machines, "Defeating
     Nondeterminism in LLM Inference", 2025; vLLM's batch-invariant mode): x [T, in] is cut
@@ -172,15 +187,9 @@ class RowChunkedLinearMethod(LinearMethod):
     def __init__(self, inner: LinearMethod, chunk_rows: int):
         if chunk_rows < 1:
             raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
-        self.inner, self.chunk_rows = inner, chunk_rows
+        super().__init__(inner)
+        self.chunk_rows = chunk_rows
         self.name = f"{inner.name} in {chunk_rows}-row chunks"
-        self.float_weight = inner.float_weight
-
-    def create_weights(self, layer, input_size, output_partition_sizes, params_dtype, device):
-        self.inner.create_weights(layer, input_size, output_partition_sizes, params_dtype, device)
-
-    def process_weights_after_loading(self, layer):
-        self.inner.process_weights_after_loading(layer)
 
     def apply(self, layer, x, bias=None):
         rows, c = x.shape[0], self.chunk_rows
@@ -193,7 +202,7 @@ class RowChunkedLinearMethod(LinearMethod):
         return torch.cat(outs)[:rows]
 
 
-class PaddedRowsLinearMethod(LinearMethod):
+class PaddedRowsLinearMethod(_WrappingLinearMethod):
     """``inner`` with every call of fewer than ``min_rows`` rows padded with zero rows up to
     ``min_rows`` (the result cut back), for kernels whose rows depend on M only at a few
     small row counts: on an AVX512-BF16 AMD EPYC (family 26) oneDNN's packed bf16
@@ -210,15 +219,9 @@ class PaddedRowsLinearMethod(LinearMethod):
     def __init__(self, inner: LinearMethod, min_rows: int):
         if min_rows < 2:
             raise ValueError(f"min_rows must be >= 2, got {min_rows}")
-        self.inner, self.min_rows = inner, min_rows
+        super().__init__(inner)
+        self.min_rows = min_rows
         self.name = f"{inner.name}, calls under {min_rows} rows padded"
-        self.float_weight = inner.float_weight
-
-    def create_weights(self, layer, input_size, output_partition_sizes, params_dtype, device):
-        self.inner.create_weights(layer, input_size, output_partition_sizes, params_dtype, device)
-
-    def process_weights_after_loading(self, layer):
-        self.inner.process_weights_after_loading(layer)
 
     def apply(self, layer, x, bias=None):
         rows = x.shape[0]

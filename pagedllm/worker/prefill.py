@@ -10,7 +10,7 @@ import torch
 
 def prefill_logits(model: torch.nn.Module, arch, ids: list[int], dtype: torch.dtype,
                    device: torch.device, attention_backend: str = "auto", block_size: int = 16,
-                   kv_cache_dtype: str = "auto", logits: bool = True) -> torch.Tensor:
+                   kv_cache_dtype: str = "auto") -> torch.Tensor:
     """Logits at every position of ``ids`` from one prefill pass of ``model`` (built by
     ``build_model``) over a paged KV cache made for this call.
 
@@ -19,10 +19,9 @@ def prefill_logits(model: torch.nn.Module, arch, ids: list[int], dtype: torch.dt
         dtype, device: the model's; attention_backend: as ``--attention-backend``.
         block_size: tokens per KV block; kv_cache_dtype: as ``--kv-cache-dtype`` where the
             backend takes one.
-        logits: False: return the final hidden states instead (no LM head).
 
     Returns:
-        float32 [T, vocab] (``logits``), else the hidden states [T, hidden] in ``dtype``.
+        float32 [T, vocab].
 
     Raises:
         ValueError: ``ids`` is empty.
@@ -53,7 +52,7 @@ def prefill_logits(model: torch.nn.Module, arch, ids: list[int], dtype: torch.dt
     md = [attn.build_metadata(meta, w) for w in kinds]
     with torch.inference_mode(), set_forward_context(md if len(md) > 1 else md[0]):
         hidden = model(torch.tensor(ids, device=device), torch.arange(T, device=device))
-        return model.compute_logits(hidden).float() if logits else hidden
+        return model.compute_logits(hidden).float()
 
 
 # Tokens per calibration prefill (the text is cut into sequences of this length; short, so
