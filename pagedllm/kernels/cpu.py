@@ -43,7 +43,8 @@ _TOOLCHAIN = ("ninja", "c++", "g++", "gcc", "cc", "cc1plus", "cc1", "as", "ld", 
               "clang", "clang++", "lto-wrapper")
 
 _CSRC = os.path.join(os.path.dirname(__file__), "csrc")
-_SOURCES = ("bindings.cpp", "paged_attention_cpu.cpp", "cpu_ops.cpp", "quant_act.cpp", "block_quant.cpp")
+_SOURCES = ("bindings.cpp", "paged_attention_cpu.cpp", "cpu_ops.cpp", "quant_act.cpp", "block_quant.cpp",
+            "amx_linear.cpp")
 
 
 _NO_TRACE = contextlib.nullcontext()

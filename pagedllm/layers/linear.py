@@ -26,6 +26,13 @@ packed vs ~830 with ``F.linear``; on its AVX2 AMD EPYC the reorder raises and
 ``F.linear`` runs. Elsewhere (CUDA, float16, no oneDNN, or ``PAGEDLLM_ONEDNN=0``) the
 plain ``F.linear`` runs.
 
+AMX. In bfloat16 on a CPU with AMX-BF16 (the Intel Xeon), ``AMXBF16LinearMethod`` runs
+the project's own tile kernel instead of oneDNN: oneDNN's bf16 rows there depend on the row
+count (<= 32 rows one way, 33-384 another), and the 16-row chunks that made them
+invariant cost 2-5x at 64-512 rows; the kernel's rows are invariant by construction and it
+runs level with unwrapped oneDNN (64 x (200 in, 128 out): 631.5 output tok/s against
+431.1 with oneDNN in chunks, docs/benchmarks.md).
+
 Batch invariance. Where a method's per-row result does depend on the number of rows
 (``pagedllm/layers/batch_invariance.py`` probes each shape at load),
 ``RowChunkedLinearMethod`` wraps it so that every call it makes has the same row count, or,
@@ -43,7 +50,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm import envs
-from pagedllm.layers.utils import check_shape, default_weight_loader
+from pagedllm.layers.utils import check_shape, cpu_kernels_for, default_weight_loader
 
 
 class LinearMethod(ABC):
@@ -141,9 +148,82 @@ class OneDNNPackedLinearMethod(LinearMethod):
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), layer.packed_weight, bias, "none", [], "")
 
 
+def amx_bf16_available(device: torch.device | str, dtype: torch.dtype) -> bool:
+    """Whether ``AMXBF16LinearMethod`` runs for ``device``/``dtype``: the CPU in bfloat16,
+    the C++ kernels built with AMX-TILE/AMX-BF16 (``-march=native`` on a CPU that has
+    them) and the process granted AMX state by Linux, unless ``PAGEDLLM_AMX=0``. Never
+    raises."""
+    if dtype != torch.bfloat16 or torch.device(device).type != "cpu" or not envs.amx_enabled():
+        return False
+    ops = cpu_kernels_for(device, dtype)
+    return ops is not None and hasattr(ops, "amx_bf16_available") and bool(ops.amx_bf16_available())
+
+
+def pack_amx_bf16(weight: torch.Tensor) -> torch.Tensor:
+    """A weight [N, K] (bfloat16, N % 16 == 0, K % 32 == 0) in AMX's B-tile ("VNNI")
+    layout, [N/16, K/32, 16, 32] bfloat16: tile (nb, kb) row r holds, for the 16 outputs
+    n of block nb, the input pair (2r, 2r + 1) of block kb, i.e. element [nb, kb, r, 2n + j]
+    = weight[16 nb + n, 32 kb + 2 r + j] (Intel's AMX programming reference, TDPBF16PS).
+
+    Raises:
+        ValueError: a shape the layout cannot hold.
+    """
+    n, k = weight.shape
+    if n % 16 or k % 32:
+        raise ValueError(f"pack_amx_bf16 needs N % 16 == 0 and K % 32 == 0, got a [{n}, {k}] weight")
+    w = weight.to(torch.bfloat16).reshape(n // 16, 16, k // 32, 16, 2)
+    return w.permute(0, 2, 3, 1, 4).contiguous().view(n // 16, k // 32, 16, 32)
+
+
+class AMXBF16LinearMethod(LinearMethod):
+    """bfloat16 ``x @ W.T + b`` on Intel AMX tiles through the C++ kernel
+    ``amx_bf16_linear`` (``kernels/csrc/amx_linear.cpp``), weights packed once at load by
+    ``pack_amx_bf16``. Each output element is one float32 chain of TDPBF16PS over K in a
+    fixed order, rounded to bfloat16 once, so rows are batch-invariant by construction:
+    oneDNN's bf16 inner product on the project's Intel Xeon gives other bits at <= 32 rows
+    than at 33-384 and needs 16-row chunks to be invariant (2-5x slower at 64-512 rows);
+    this kernel runs level with unwrapped oneDNN (docs/benchmarks.md).
+
+    Layers whose shape the tile layout cannot hold (out % 16 or in % 32 not 0) compute
+    with ``OneDNNPackedLinearMethod`` (or ``F.linear`` where oneDNN cannot pack bf16)
+    instead (``layer.amx_weight`` is then None), which the batch-invariance probe checks as
+    it checks every layer.
+
+    x: [T, in] bfloat16 (made contiguous); returns [T, out] bfloat16.
+    """
+
+    name = "AMX bf16 (C++)"
+    float_weight = True
+
+    def __init__(self):
+        self._ops = cpu_kernels_for("cpu", torch.bfloat16)
+        self._fallback = (OneDNNPackedLinearMethod() if onednn_packing_available("cpu", torch.bfloat16)
+                          else UnquantizedLinearMethod())
+
+    def process_weights_after_loading(self, layer):
+        n, k = layer.weight.shape
+        if n % 16 or k % 32:
+            layer.amx_weight = None
+            self._fallback.process_weights_after_loading(layer)
+            return
+        layer.amx_weight = pack_amx_bf16(layer.weight.data)
+        if not getattr(layer, "keep_dense_weight", False):
+            layer.weight.data = layer.weight.data.new_empty(0)
+
+    def apply(self, layer, x, bias=None):
+        if layer.amx_weight is None:
+            return self._fallback.apply(layer, x, bias)
+        lead = x.shape[:-1]
+        y = self._ops.amx_bf16_linear(x.reshape(-1, x.shape[-1]).contiguous(), layer.amx_weight, bias, False)
+        return y.view(*lead, y.shape[-1])
+
+
 def get_linear_method(device: torch.device | str, dtype: torch.dtype) -> LinearMethod:
-    """The method every linear layer of a model on ``device`` in ``dtype`` uses: oneDNN-
-    packed where ``onednn_packing_available``, else dense ``F.linear``."""
+    """The method every linear layer of a model on ``device`` in ``dtype`` uses: the AMX
+    kernel where ``amx_bf16_available``, else oneDNN-packed where
+    ``onednn_packing_available``, else dense ``F.linear``."""
+    if amx_bf16_available(device, dtype):
+        return AMXBF16LinearMethod()
     if onednn_packing_available(device, dtype):
         return OneDNNPackedLinearMethod()
     return UnquantizedLinearMethod()

@@ -44,4 +44,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x [M, K] -> (q int8 [M, K], d float32 [M, K/32], sum int32 [M, K/32]) as block_quant_linear quantizes it",
         py::arg("x"), py::arg("portable") = false, py::call_guard<py::gil_scoped_release>());
   m.def("block_quant_isa", &block_quant_isa, "\"AVX2\" or \"scalar\": the path block_quant_linear runs");
+  m.def("amx_bf16_available", &amx_bf16_available,
+        "Whether amx_bf16_linear runs here: built with AMX-TILE/AMX-BF16 and the process granted AMX state");
+  m.def("amx_bf16_linear", &amx_bf16_linear,
+        "out = x @ w.T (+ bias) on AMX, x bfloat16 [M, K], w packed [N/16, K/32, 16, 32] "
+        "(K % 32 == 0, N % 16 == 0); out bfloat16, or float32 with out_float32; batch-invariant rows",
+        py::arg("x"), py::arg("w_packed"), py::arg("bias") = py::none(), py::arg("out_float32") = false,
+        py::call_guard<py::gil_scoped_release>());
 }

@@ -31,3 +31,7 @@ torch::Tensor block_quant_linear(std::optional<torch::Tensor> out, torch::Tensor
                                  std::optional<torch::Tensor> bias, bool portable);
 std::vector<torch::Tensor> block_quant_quantize_act(torch::Tensor x, bool portable);
 std::string block_quant_isa();
+// amx_linear.cpp
+bool amx_bf16_available();
+torch::Tensor amx_bf16_linear(torch::Tensor x, torch::Tensor w_packed, std::optional<torch::Tensor> bias,
+                              bool out_float32);

@@ -1,0 +1,223 @@
+// bfloat16 linear layers on Intel AMX (AMX-TILE + AMX-BF16), batch-invariant by
+// construction.
+//
+// Why: oneDNN's bf16 inner product picks its blocking by the row count M, and on the
+// project's Intel Xeon a row's bits differ between calls of <= 32 rows and calls of 33-384
+// rows (and again at other counts): the batch-invariance probe then wraps every layer in
+// 16-row chunks, which costs 2-5x at 64-512 rows. Here every output element is one chain
+// of TDPBF16PS over K in a fixed order from zero, whatever M, the thread count or the
+// element's place in the batch: rows are batch-invariant without chunking.
+//
+// Arithmetic (Intel Architecture Instruction Set Extensions Programming Reference, "Intel
+// AMX", TDPBF16PS): C[m][n] += sum over the 16 bf16 pairs of a 64-byte row of A and the
+// matching pairs of B, the products and their sum in float32. For out = x @ w.T:
+//   acc[m][n] = 0; for kb = 0 .. K/32 - 1 in order: acc += TDPBF16PS(x[m, 32kb:32kb+32],
+//   w[n, 32kb:32kb+32]); out = round_bf16(acc + bias[n]) (vec.h's from_f32, nearest-even),
+//   or acc + bias[n] as float32.
+//
+// Layout: the weight w [N, K] (K % 32 == 0, N % 16 == 0) is packed once at load into
+// AMX's "VNNI" B-tile layout, [N/16, K/32, 16, 32] bf16 (amx_bf16_pack in Python,
+// layers/linear.py): tile (nb, kb) row r holds, for the 16 columns n of block nb, the
+// pair (w[16nb + n, 32kb + 2r], w[16nb + n, 32kb + 2r + 1]). Each call takes 32 columns
+// (two B tiles) by up to 32 rows (two A tiles, x read in place at stride K) into four
+// 16 x 16 float32 accumulator tiles. Threads (at::parallel_for) split the column pairs;
+// each thread takes the rows in chunks of about 256 KiB of x (kept in L2) and runs every
+// one of its column pairs over a chunk before the next. Rows past M in the last block come from a zero-padded
+// copy of the tail (rows of a tile never mix: padding changes no real row).
+#include "ops.h"
+#include "vec.h"
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstring>
+#include <mutex>
+#include <type_traits>
+#include <vector>
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__)
+#define PAGEDLLM_AMX 1
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+using pagedllm::bf16;
+using pagedllm::from_f32;
+
+#ifdef PAGEDLLM_AMX
+namespace {
+
+// Linux gives a process AMX tile state only after it asks (arch_prctl, Documentation/
+// arch/x86/xstate.rst); the grant covers all its threads.
+constexpr int kArchReqXcompPerm = 0x1023;
+constexpr int kXfeatureXtiledata = 18;
+
+bool request_amx() {
+  static std::once_flag once;
+  static bool granted = false;
+  std::call_once(once, [] { granted = syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0; });
+  return granted;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette_id = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles 0-3: accumulators C[ma][nb] (tile 2 * ma + nb); 4, 5: A (rows 16ma..16ma+15);
+// 6, 7: B (column blocks 2p, 2p + 1). All 16 rows x 64 bytes.
+void load_config() {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.colsb[t] = 64;
+    cfg.rows[t] = 16;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// One block: MA A tiles (16 rows each) x NB B tiles (16 columns each), K/32 steps.
+// a: the block's first row (row stride lda elements); b0, b1: tile (nb, 0) of the two
+// column blocks in the packed weight (tile (nb, kb) is 512 elements after (nb, kb - 1));
+// c: a float32 [32, 32] buffer (row stride 32) that receives the accumulators.
+template <int MA, int NB>
+inline void block(const bf16* a, int64_t lda, const bf16* b0, const bf16* b1, int64_t kblocks, float* c) {
+  _tile_zero(0);
+  if constexpr (NB == 2) _tile_zero(1);
+  if constexpr (MA == 2) _tile_zero(2);
+  if constexpr (MA == 2 && NB == 2) _tile_zero(3);
+  const int64_t a_stride = lda * sizeof(bf16);
+  for (int64_t kb = 0; kb < kblocks; ++kb) {
+    _tile_loadd(4, a + kb * 32, a_stride);
+    _tile_loadd(6, b0 + kb * 512, 64);
+    if constexpr (NB == 2) _tile_loadd(7, b1 + kb * 512, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (NB == 2) _tile_dpbf16ps(1, 4, 7);
+    if constexpr (MA == 2) {
+      _tile_loadd(5, a + 16 * lda + kb * 32, a_stride);
+      _tile_dpbf16ps(2, 5, 6);
+      if constexpr (NB == 2) _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, c, 128);
+  if constexpr (NB == 2) _tile_stored(1, c + 16, 128);
+  if constexpr (MA == 2) _tile_stored(2, c + 16 * 32, 128);
+  if constexpr (MA == 2 && NB == 2) _tile_stored(3, c + 16 * 32 + 16, 128);
+}
+
+// 16 float32 -> 16 bf16, rounded as vec.h's from_f32 (nearest-even; NaN -> 0x7fc0).
+inline __m256i round_bf16x16(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7fff)), lsb), 16);
+  const __mmask16 nan = _mm512_cmp_epi32_mask(_mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff)),
+                                              _mm512_set1_epi32(0x7f800000), _MM_CMPINT_NLE);
+  r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7fc0));
+  return _mm512_cvtepi32_epi16(r);
+}
+
+// Rows 0 .. rows-1 of the accumulators c (row stride 32), columns n0 .. n0+cols-1 of out
+// (cols 16 or 32), plus bias.
+template <typename OutT>
+void store_block(const float* c, int rows, int cols, int64_t n0, const float* bias, OutT* out, int64_t ldo) {
+  for (int r = 0; r < rows; ++r) {
+    for (int j = 0; j < cols; j += 16) {
+      __m512 v = _mm512_loadu_ps(c + r * 32 + j);
+      if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + n0 + j));
+      OutT* o = out + r * ldo + n0 + j;
+      if constexpr (std::is_same_v<OutT, float>) _mm512_storeu_ps(o, v);
+      else _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), round_bf16x16(v));
+    }
+  }
+}
+
+template <typename OutT>
+void run(const bf16* x, int64_t M, int64_t K, const bf16* w, int64_t N, const float* bias, OutT* out) {
+  const int64_t kblocks = K / 32, nblocks = N / 16, pairs = (nblocks + 1) / 2;
+  const int64_t full = M / 32 * 32, tail = M - full;
+  // Rows are taken in chunks of about 256 KiB of x (a multiple of 32 rows), each chunk
+  // against all of a thread's column pairs, so that a big M re-reads x from L2 rather
+  // than from memory once per pair.
+  const int64_t mchunk = std::max<int64_t>(32, (256 * 1024 / (2 * K)) / 32 * 32);
+  // grain: about 128 K multiply-adds of work per task (decode's M = 1 still splits)
+  const int64_t grain = std::max<int64_t>(1, (1 << 17) / std::max<int64_t>(M * K * 32, 1));
+  at::parallel_for(0, pairs, grain, [&](int64_t p0, int64_t p1) {
+    load_config();
+    alignas(64) float c[32 * 32];
+    std::vector<bf16> pad;
+    if (tail) {   // the last rows, zero-padded to a whole tile (or two)
+      pad.assign((tail > 16 ? 32 : 16) * K, bf16(0.0f));
+      std::memcpy(pad.data(), x + full * K, tail * K * sizeof(bf16));
+    }
+    for (int64_t m0 = 0; m0 < M; m0 += mchunk) {
+      const int64_t m1 = std::min(full, m0 + mchunk);
+      const bool last = m0 + mchunk >= M;
+      for (int64_t p = p0; p < p1; ++p) {
+        const int64_t nb = 2 * p;
+        const bool two = nb + 1 < nblocks;
+        const bf16* b0 = w + nb * kblocks * 512;
+        const bf16* b1 = b0 + kblocks * 512;
+        const int cols = two ? 32 : 16;
+        for (int64_t m = m0; m < m1; m += 32) {
+          if (two) block<2, 2>(x + m * K, K, b0, b1, kblocks, c);
+          else block<2, 1>(x + m * K, K, b0, b1, kblocks, c);
+          store_block(c, 32, cols, nb * 16, bias, out + m * N, N);
+        }
+        if (!last || !tail) continue;
+        if (tail > 16) {
+          if (two) block<2, 2>(pad.data(), K, b0, b1, kblocks, c);
+          else block<2, 1>(pad.data(), K, b0, b1, kblocks, c);
+        } else {
+          if (two) block<1, 2>(pad.data(), K, b0, b1, kblocks, c);
+          else block<1, 1>(pad.data(), K, b0, b1, kblocks, c);
+        }
+        store_block(c, static_cast<int>(tail), cols, nb * 16, bias, out + full * N, N);
+      }
+    }
+    _tile_release();
+  });
+}
+
+}  // namespace
+#endif
+
+bool amx_bf16_available() {
+#ifdef PAGEDLLM_AMX
+  return request_amx();
+#else
+  return false;
+#endif
+}
+
+torch::Tensor amx_bf16_linear(torch::Tensor x, torch::Tensor w_packed, std::optional<torch::Tensor> bias,
+                              bool out_float32) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
+              "amx_bf16_linear: x must be a contiguous bfloat16 [M, K] tensor");
+  TORCH_CHECK(w_packed.dim() == 4 && w_packed.scalar_type() == at::kBFloat16 && w_packed.is_contiguous() &&
+                  w_packed.size(2) == 16 && w_packed.size(3) == 32,
+              "amx_bf16_linear: w_packed must be a contiguous bfloat16 [N/16, K/32, 16, 32] tensor");
+  const int64_t M = x.size(0), K = x.size(1), N = w_packed.size(0) * 16;
+  TORCH_CHECK(w_packed.size(1) * 32 == K, "amx_bf16_linear: x has ", K, " columns, the weight ",
+              w_packed.size(1) * 32);
+  torch::Tensor b;
+  if (bias.has_value()) {
+    b = bias->to(at::kFloat).contiguous();
+    TORCH_CHECK(b.numel() == N, "amx_bf16_linear: bias has ", b.numel(), " elements, expected ", N);
+  }
+  auto out = torch::empty({M, N}, x.options().dtype(out_float32 ? at::kFloat : at::kBFloat16));
+  if (M == 0 || N == 0) return out;
+#ifdef PAGEDLLM_AMX
+  TORCH_CHECK(request_amx(), "amx_bf16_linear: the kernel has no AMX tile state (arch_prctl refused)");
+  const float* bp = bias.has_value() ? b.data_ptr<float>() : nullptr;
+  const bf16* xp = reinterpret_cast<const bf16*>(x.data_ptr<at::BFloat16>());
+  const bf16* wp = reinterpret_cast<const bf16*>(w_packed.data_ptr<at::BFloat16>());
+  if (out_float32) run<float>(xp, M, K, wp, N, bp, out.data_ptr<float>());
+  else run<bf16>(xp, M, K, wp, N, bp, reinterpret_cast<bf16*>(out.data_ptr<at::BFloat16>()));
+  return out;
+#else
+  TORCH_CHECK(false, "amx_bf16_linear: the kernels were built without AMX-BF16 (not this CPU)");
+#endif
+}
