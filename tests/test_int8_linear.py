@@ -14,8 +14,8 @@ from pagedllm.kernels.cpu import load_cpu_kernels
 from pagedllm.layers.batch_invariance import probe_row_invariance
 from pagedllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, ReplicatedLinear
 from pagedllm.layers.quantization import int8
-from pagedllm.layers.quantization.int8 import (ACT_RANGES, Int8W8A8LinearMethod, epilogue_ref,
-                                               int8_matmul_ref, onednn_exact, onednn_exact_bits,
+from pagedllm.layers.quantization.int8 import (ACT_RANGES, Int8W8A8LinearMethod, amx_int8_available,
+                                               epilogue_ref, int8_matmul_ref, pack_amx_int8, onednn_exact, onednn_exact_bits,
                                                onednn_int8_available, quantize_per_token,
                                                quantize_per_token_ref, quantize_weight_per_channel,
                                                weight_compensation)
@@ -23,6 +23,8 @@ from pagedllm.platform import cpu_features
 
 ROWS = (1, 3, 17, 64, 300)
 needs_onednn = pytest.mark.skipif(not onednn_int8_available("cpu"), reason="oneDNN int8 matmul unavailable")
+needs_amx = pytest.mark.skipif(not amx_int8_available("cpu"),
+                               reason="no AMX-INT8 on this CPU (or PAGEDLLM_AMX=0, or no C++ kernels)")
 
 
 @pytest.fixture(scope="module")
@@ -329,14 +331,15 @@ def test_exactness_probe_agrees_with_the_isa():
     f = cpu_features()
     int32_dot = f.avx512_vnni or f.avx_vnni or f.amx_int8
     assert onednn_exact_bits() == ((8, 8) if int32_dot else (7, 8))
-    assert Int8W8A8LinearMethod("cpu").name == (
+    assert Int8W8A8LinearMethod("cpu", backend="onednn").name == (
         "int8 W8A8 (oneDNN u8s8)" if int32_dot else "int8 W8A8 (oneDNN u8s8, 7-bit weights)")
     assert onednn_exact(8, 7) and onednn_exact(7, 8)
     assert onednn_exact(8, 8) == int32_dot    # int16 pair sums saturate without VNNI/AMX
     if not int32_dot:
         with pytest.raises(ValueError, match="not exact"):
             Int8W8A8LinearMethod("cpu", weight_bits=8, act_bits=8)
-        assert Int8W8A8LinearMethod("cpu", act_bits=7).name == "int8 W8A8 (oneDNN u8s8, 7-bit activations)"
+        assert (Int8W8A8LinearMethod("cpu", act_bits=7, backend="onednn").name
+                == "int8 W8A8 (oneDNN u8s8, 7-bit activations)")
 
 
 @needs_onednn
@@ -401,3 +404,67 @@ def test_tied_lm_head_keeps_the_embedding_table():
     x = _acts(4, 64, torch.float32, seed=2)
     want, tol = _reference(emb.weight.data, None, x, head.linear_method)
     assert ((head(x).double() - want).abs() <= tol).all()
+
+
+# ------------------------------------------------------------------------ AMX-INT8
+
+
+def test_amx_int8_pack_layout():
+    q = (torch.arange(32 * 128) % 255 - 127).to(torch.int8).reshape(32, 128)
+    p = pack_amx_int8(q)
+    assert p.shape == (2, 2, 16, 64) and p.dtype == torch.int8
+    for nb, kb, r, n, j in [(0, 0, 0, 0, 0), (0, 0, 0, 0, 3), (1, 0, 5, 7, 2), (1, 1, 15, 15, 3)]:
+        assert p[nb, kb, r, 4 * n + j] == q[16 * nb + n, 64 * kb + 4 * r + j]
+    with pytest.raises(ValueError, match="K % 64"):
+        pack_amx_int8(torch.zeros(32, 96, dtype=torch.int8))
+
+
+@needs_amx
+@pytest.mark.parametrize("m", ROWS)
+def test_amx_u8s8_sums_are_the_exact_integer_sums(ops, m):
+    """Random values and the extremes (255 x -128 and 255 x 127 all along a row: sums far
+    past 2**24, where float32 rounds once), 48 columns (an odd number of 16-column blocks)."""
+    g = torch.Generator().manual_seed(m)
+    for k, n in ((64, 48), (576, 960), (1536, 576)):
+        q = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+        q[0], q[1] = -128, 127
+        x = torch.randint(0, 256, (m, k), generator=g, dtype=torch.uint8)
+        x[0] = 255
+        got = ops.amx_u8s8_matmul(x, pack_amx_int8(q))
+        assert torch.equal(got, (x.long() @ q.long().t()).double().float())
+        assert torch.equal(got, int8_matmul_ref(x, q))
+
+
+@needs_amx
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m", ROWS)
+def test_amx_backend_gives_the_torch_backends_bits(dtype, m):
+    """The AMX backend's layer output equals the torch backend's (the integer reference's
+    sums through the same epilogue) bit for bit, and its rows are batch-invariant."""
+    k, n = 576, 208
+    amx = _layer(k, n, bias=True, dtype=dtype, seed=m, backend="amx")
+    ref = _layer(k, n, bias=True, dtype=dtype, seed=m, backend="torch")
+    for layer in (amx, ref):
+        layer.linear_method.process_weights_after_loading(layer)
+    assert amx.int8_backend == "amx" and amx.linear_method.name == "int8 W8A8 (AMX u8s8)"
+    x = _acts(m, k, dtype, seed=m)
+    assert torch.equal(amx(x), ref(x))
+    assert probe_row_invariance(amx, k, dtype, "cpu", [1, 2, 3, 16, 17, 33, 64, 300]) == []
+
+
+@needs_amx
+def test_amx_backend_falls_back_for_shapes_its_tiles_cannot_hold():
+    method = Int8W8A8LinearMethod("cpu")
+    assert method.backend == "amx"
+    layer = _layer(320, 203, bias=True, seed=1)
+    layer.linear_method.process_weights_after_loading(layer)
+    assert layer.int8_backend == layer.linear_method.fallback_backend != "amx"
+    assert layer(_acts(5, 320, torch.float32, seed=2)).shape == (5, 203)
+
+
+def test_amx_backend_refused_where_it_cannot_run(monkeypatch):
+    monkeypatch.setenv("PAGEDLLM_AMX", "0")
+    assert not amx_int8_available("cpu")
+    with pytest.raises(ValueError, match="backend='amx'"):
+        Int8W8A8LinearMethod("cpu", backend="amx")
+    assert Int8W8A8LinearMethod("cpu").backend != "amx"

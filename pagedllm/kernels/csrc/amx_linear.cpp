@@ -1,5 +1,5 @@
 // bfloat16 linear layers on Intel AMX (AMX-TILE + AMX-BF16), batch-invariant by
-// construction.
+// construction; and the integer matmul of the int8 W8A8 method on AMX-INT8 (at the end).
 //
 // Why: oneDNN's bf16 inner product picks its blocking by the row count M, and on the
 // project's Intel Xeon a row's bits differ between calls of <= 32 rows and calls of 33-384
@@ -37,6 +37,9 @@
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__)
 #define PAGEDLLM_AMX 1
+#if defined(__AMX_INT8__)
+#define PAGEDLLM_AMX_INT8 1
+#endif
 #include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -181,8 +184,98 @@ void run(const bf16* x, int64_t M, int64_t K, const bf16* w, int64_t N, const fl
   });
 }
 
+#ifdef PAGEDLLM_AMX_INT8
+// int8: the same walk with TDPBUSD (u8 x s8 -> int32; A's 64-byte rows are 64 uint8
+// activations, B's the VNNI4 layout [N/16, K/64, 16, 64] int8: tile (nb, kb) row r holds,
+// for the 16 columns n, the 4 weights w[16nb + n, 64kb + 4r .. 64kb + 4r + 3]). The int32
+// sums are exact, whatever the order: rows are batch-invariant whatever the blocking.
+// a, b0, b1 as in block(); c receives int32.
+template <int MA, int NB>
+inline void block_u8s8(const uint8_t* a, int64_t lda, const int8_t* b0, const int8_t* b1, int64_t kblocks,
+                       int32_t* c) {
+  _tile_zero(0);
+  if constexpr (NB == 2) _tile_zero(1);
+  if constexpr (MA == 2) _tile_zero(2);
+  if constexpr (MA == 2 && NB == 2) _tile_zero(3);
+  for (int64_t kb = 0; kb < kblocks; ++kb) {
+    _tile_loadd(4, a + kb * 64, lda);
+    _tile_loadd(6, b0 + kb * 1024, 64);
+    if constexpr (NB == 2) _tile_loadd(7, b1 + kb * 1024, 64);
+    _tile_dpbusd(0, 4, 6);
+    if constexpr (NB == 2) _tile_dpbusd(1, 4, 7);
+    if constexpr (MA == 2) {
+      _tile_loadd(5, a + 16 * lda + kb * 64, lda);
+      _tile_dpbusd(2, 5, 6);
+      if constexpr (NB == 2) _tile_dpbusd(3, 5, 7);
+    }
+  }
+  _tile_stored(0, c, 128);
+  if constexpr (NB == 2) _tile_stored(1, c + 16, 128);
+  if constexpr (MA == 2) _tile_stored(2, c + 16 * 32, 128);
+  if constexpr (MA == 2 && NB == 2) _tile_stored(3, c + 16 * 32 + 16, 128);
+}
+
+// int32 accumulators -> float32 (rounded to nearest even where |acc| >= 2**24).
+void store_acc(const int32_t* c, int rows, int cols, int64_t n0, float* out, int64_t ldo) {
+  for (int r = 0; r < rows; ++r)
+    for (int j = 0; j < cols; j += 16)
+      _mm512_storeu_ps(out + r * ldo + n0 + j, _mm512_cvtepi32_ps(_mm512_loadu_si512(c + r * 32 + j)));
+}
+
+void run_u8s8(const uint8_t* x, int64_t M, int64_t K, const int8_t* w, int64_t N, float* out) {
+  const int64_t kblocks = K / 64, nblocks = N / 16, pairs = (nblocks + 1) / 2;
+  const int64_t full = M / 32 * 32, tail = M - full;
+  const int64_t mchunk = std::max<int64_t>(32, (256 * 1024 / K) / 32 * 32);
+  const int64_t grain = std::max<int64_t>(1, (1 << 18) / std::max<int64_t>(M * K * 32, 1));
+  at::parallel_for(0, pairs, grain, [&](int64_t p0, int64_t p1) {
+    load_config();
+    alignas(64) int32_t c[32 * 32];
+    std::vector<uint8_t> pad;
+    if (tail) {   // padding rows of 0: their sums are discarded, never mixed with real rows
+      pad.assign((tail > 16 ? 32 : 16) * K, 0);
+      std::memcpy(pad.data(), x + full * K, tail * K);
+    }
+    for (int64_t m0 = 0; m0 < M; m0 += mchunk) {
+      const int64_t m1 = std::min(full, m0 + mchunk);
+      const bool last = m0 + mchunk >= M;
+      for (int64_t p = p0; p < p1; ++p) {
+        const int64_t nb = 2 * p;
+        const bool two = nb + 1 < nblocks;
+        const int8_t* b0 = w + nb * kblocks * 1024;
+        const int8_t* b1 = b0 + kblocks * 1024;
+        const int cols = two ? 32 : 16;
+        for (int64_t m = m0; m < m1; m += 32) {
+          if (two) block_u8s8<2, 2>(x + m * K, K, b0, b1, kblocks, c);
+          else block_u8s8<2, 1>(x + m * K, K, b0, b1, kblocks, c);
+          store_acc(c, 32, cols, nb * 16, out + m * N, N);
+        }
+        if (!last || !tail) continue;
+        if (tail > 16) {
+          if (two) block_u8s8<2, 2>(pad.data(), K, b0, b1, kblocks, c);
+          else block_u8s8<2, 1>(pad.data(), K, b0, b1, kblocks, c);
+        } else {
+          if (two) block_u8s8<1, 2>(pad.data(), K, b0, b1, kblocks, c);
+          else block_u8s8<1, 1>(pad.data(), K, b0, b1, kblocks, c);
+        }
+        store_acc(c, static_cast<int>(tail), cols, nb * 16, out + full * N, N);
+      }
+    }
+    _tile_release();
+  });
+}
+
+#endif  // PAGEDLLM_AMX_INT8
+
 }  // namespace
 #endif
+
+bool amx_int8_available() {
+#ifdef PAGEDLLM_AMX_INT8
+  return request_amx();
+#else
+  return false;
+#endif
+}
 
 bool amx_bf16_available() {
 #ifdef PAGEDLLM_AMX
@@ -219,5 +312,25 @@ torch::Tensor amx_bf16_linear(torch::Tensor x, torch::Tensor w_packed, std::opti
   return out;
 #else
   TORCH_CHECK(false, "amx_bf16_linear: the kernels were built without AMX-BF16 (not this CPU)");
+#endif
+}
+
+torch::Tensor amx_u8s8_matmul(torch::Tensor x, torch::Tensor w_packed) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kByte && x.is_contiguous(),
+              "amx_u8s8_matmul: x must be a contiguous uint8 [M, K] tensor");
+  TORCH_CHECK(w_packed.dim() == 4 && w_packed.scalar_type() == at::kChar && w_packed.is_contiguous() &&
+                  w_packed.size(2) == 16 && w_packed.size(3) == 64,
+              "amx_u8s8_matmul: w_packed must be a contiguous int8 [N/16, K/64, 16, 64] tensor");
+  const int64_t M = x.size(0), K = x.size(1), N = w_packed.size(0) * 16;
+  TORCH_CHECK(w_packed.size(1) * 64 == K, "amx_u8s8_matmul: x has ", K, " columns, the weight ",
+              w_packed.size(1) * 64);
+  auto out = torch::empty({M, N}, x.options().dtype(at::kFloat));
+  if (M == 0 || N == 0) return out;
+#ifdef PAGEDLLM_AMX_INT8
+  TORCH_CHECK(amx_int8_available(), "amx_u8s8_matmul: no AMX tile state (arch_prctl refused)");
+  run_u8s8(x.data_ptr<uint8_t>(), M, K, w_packed.data_ptr<int8_t>(), N, out.data_ptr<float>());
+  return out;
+#else
+  TORCH_CHECK(false, "amx_u8s8_matmul: the kernels were built without AMX-INT8 (not this CPU)");
 #endif
 }

@@ -51,4 +51,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(K % 32 == 0, N % 16 == 0); out bfloat16, or float32 with out_float32; batch-invariant rows",
         py::arg("x"), py::arg("w_packed"), py::arg("bias") = py::none(), py::arg("out_float32") = false,
         py::call_guard<py::gil_scoped_release>());
+  m.def("amx_int8_available", &amx_int8_available,
+        "Whether amx_u8s8_matmul runs here: built with AMX-INT8 and the process granted AMX state");
+  m.def("amx_u8s8_matmul", &amx_u8s8_matmul,
+        "float32 [M, N] exact integer sums x @ w.T of uint8 x [M, K] and int8 w packed [N/16, K/64, 16, 64] "
+        "(K % 64 == 0, N % 16 == 0) on AMX (float(int32), rounded once)",
+        py::arg("x"), py::arg("w_packed"), py::call_guard<py::gil_scoped_release>());
 }

@@ -35,3 +35,5 @@ std::string block_quant_isa();
 bool amx_bf16_available();
 torch::Tensor amx_bf16_linear(torch::Tensor x, torch::Tensor w_packed, std::optional<torch::Tensor> bias,
                               bool out_float32);
+bool amx_int8_available();
+torch::Tensor amx_u8s8_matmul(torch::Tensor x, torch::Tensor w_packed);

@@ -45,6 +45,11 @@ steps are coarse already; weights are smoother). Which widths this CPU computes 
 is found by a probe at first use (``onednn_exact_bits``), not from a list of CPU flags:
 8 and 8 where VNNI's ``vpdpbusd`` or AMX accumulate in int32, else 7-bit weights.
 
+AMX. On a CPU with AMX-INT8 (the Intel Xeon) the project's own kernel computes
+``float(acc)`` instead (``amx_u8s8_matmul``, ``kernels/csrc/amx_linear.cpp``: TDPBUSD
+tiles, int32 sums, exact at 8 and 8 bits): the same values as oneDNN's, without the
+oneDNN primitive torch builds on every ``qlinear_pointwise`` call.
+
 Elsewhere (CUDA, a torch without oneDNN, ``PAGEDLLM_ONEDNN=0``, or a CPU where no width is
 exact) ``int8_matmul_ref`` computes the same ``float(acc)`` with float32 matmuls of
 integer-valued tensors in K-chunks small enough to be exact, at 8 and 8 bits.
@@ -276,6 +281,32 @@ def onednn_int8_available(device: torch.device | str) -> bool:
             and envs.onednn_enabled() and onednn_exact_bits() is not None)
 
 
+def amx_int8_available(device: torch.device | str) -> bool:
+    """Whether ``Int8W8A8LinearMethod`` on ``device`` multiplies through the project's AMX-INT8
+    kernel (``amx_u8s8_matmul``, ``kernels/csrc/amx_linear.cpp``): the CPU, the C++ kernels
+    built with AMX-INT8 (``-march=native`` on a CPU with it) and the process granted AMX
+    state, unless ``PAGEDLLM_AMX=0``. Never raises."""
+    if torch.device(device).type != "cpu" or not envs.amx_enabled():
+        return False
+    ops = kernels_for(device, torch.float32)
+    return ops is not None and hasattr(ops, "amx_int8_available") and bool(ops.amx_int8_available())
+
+
+def pack_amx_int8(qweight: torch.Tensor) -> torch.Tensor:
+    """int8 weights [N, K] (N % 16 == 0, K % 64 == 0) in AMX's B-tile layout for TDPBUSD,
+    [N/16, K/64, 16, 64] int8: element [nb, kb, r, 4 n + j] = qweight[16 nb + n, 64 kb + 4 r + j]
+    (Intel's AMX programming reference).
+
+    Raises:
+        ValueError: a shape the layout cannot hold.
+    """
+    n, k = qweight.shape
+    if n % 16 or k % 64:
+        raise ValueError(f"pack_amx_int8 needs N % 16 == 0 and K % 64 == 0, got a [{n}, {k}] weight")
+    w = qweight.to(torch.int8).reshape(n // 16, 16, k // 64, 16, 4)
+    return w.permute(0, 2, 3, 1, 4).contiguous().view(n // 16, k // 64, 16, 64)
+
+
 class Int8W8A8LinearMethod(LinearMethod):
     """int8 weights (per-output-channel scales, quantized at load from the float checkpoint
     weights) times dynamically quantized per-token int8 activations; see the module
@@ -290,6 +321,9 @@ class Int8W8A8LinearMethod(LinearMethod):
 
     - ``int8_weight_scale``: float32 [N]; ``int8_compensation``: float32 [N]
       (``weight_compensation``);
+    - ``int8_backend``: "amx", "onednn" or "torch", the layer's own (``backend``, or
+      ``fallback_backend`` for a shape AMX's tiles cannot hold);
+    - AMX: ``int8_amx_weight`` (``pack_amx_int8``);
     - oneDNN: ``int8_packed_weight`` (``qlinear_prepack``'s opaque tensor),
       ``int8_ones`` float32 [N] and ``int8_zero_points`` int64 [N] (what qlinear takes);
     - otherwise: ``int8_weight``, int8 [N, K].
@@ -298,11 +332,12 @@ class Int8W8A8LinearMethod(LinearMethod):
     returns [T, out] in x's dtype.
 
     Args:
-        device: where the layers' weights live; picks the backend (oneDNN on the CPU where
-            ``onednn_int8_available``, else the torch ops), once.
+        device: where the layers' weights live; picks the backend once: the AMX-INT8 kernel
+            where ``amx_int8_available``, else oneDNN on the CPU where
+            ``onednn_int8_available``, else the torch ops.
         weight_bits, act_bits: 8 or 7 each; None: the backend's most accurate exact
             choice (oneDNN: ``onednn_exact_bits()``; torch: 8 and 8).
-        backend: "onednn" or "torch" to choose instead of by ``device``.
+        backend: "amx", "onednn" or "torch" to choose instead of by ``device``.
         smooth_alpha: SmoothQuant's migration strength (``smoothquant.py``), or None for
             none. With it the method ``needs_calibration``: ``models.registry.build_model``
             sets ``layer.int8_act_amax`` (``calibrate_input_amax``) before
@@ -312,12 +347,13 @@ class Int8W8A8LinearMethod(LinearMethod):
             without maxima is not smoothed.
 
     Raises:
-        ValueError: bits not 7, 8 or None; smooth_alpha outside [0, 1]; ``backend`` unknown, or "onednn" where
-            ``onednn_int8_available(device)`` is false; widths at which oneDNN's sums
+        ValueError: bits not 7, 8 or None; smooth_alpha outside [0, 1]; ``backend`` unknown, "onednn" where
+            ``onednn_int8_available(device)`` is false, or "amx" where ``amx_int8_available``; widths at which oneDNN's sums
             are not exact on this CPU (e.g. 8 and 8 without VNNI or AMX).
 
     Attributes:
-        backend: "onednn" or "torch".
+        backend: "amx", "onednn" or "torch"; fallback_backend: "onednn" or "torch", for
+            layers AMX cannot hold.
         weight_bits, act_bits: the widths; weight_qmax: largest |Wq|; qmax, zero_point:
             the activations' range (``ACT_RANGES``).
         name: e.g. "int8 W8A8 (oneDNN u8s8, 7-bit weights)".
@@ -328,14 +364,24 @@ class Int8W8A8LinearMethod(LinearMethod):
         for label, bits in (("weight_bits", weight_bits), ("act_bits", act_bits)):
             if bits not in (None, 7, 8):
                 raise ValueError(f"{label} must be 7, 8 or None, got {bits!r}")
-        if backend not in (None, "onednn", "torch"):
-            raise ValueError(f"backend must be 'onednn', 'torch' or None, got {backend!r}")
+        if backend not in (None, "onednn", "torch", "amx"):
+            raise ValueError(f"backend must be 'amx', 'onednn', 'torch' or None, got {backend!r}")
         available = onednn_int8_available(device)
         if backend == "onednn" and not available:
             raise ValueError(f"backend='onednn': oneDNN's int8 matmul does not serve {device} here "
                              "(not the CPU, no mkldnn, PAGEDLLM_ONEDNN=0, or not exact)")
-        self.backend = backend or ("onednn" if available else "torch")
-        if self.backend == "onednn":
+        if backend == "amx" and not amx_int8_available(device):
+            raise ValueError(f"backend='amx': the AMX-INT8 kernel does not run on {device} here "
+                             "(no AMX-INT8, PAGEDLLM_AMX=0, or no C++ kernels)")
+        amx = backend == "amx" or (backend is None and amx_int8_available(device))
+        # where AMX's tiles cannot hold a layer's shape (N % 16, K % 64), it computes thus
+        self.fallback_backend = "onednn" if available else "torch"
+        self.backend = "amx" if amx else (backend or self.fallback_backend)
+        if self.backend == "amx":          # int32 sums: exact at 8 and 8
+            weight_bits, act_bits = weight_bits or 8, act_bits or 8
+            if available and not onednn_exact(weight_bits, act_bits):
+                self.fallback_backend = "torch"
+        elif self.backend == "onednn":
             if weight_bits is None and act_bits is None:
                 weight_bits, act_bits = onednn_exact_bits()
             else:
@@ -347,7 +393,7 @@ class Int8W8A8LinearMethod(LinearMethod):
         self.weight_bits, self.act_bits = weight_bits or 8, act_bits or 8
         self.weight_qmax = WEIGHT_QMAX[self.weight_bits]
         self.qmax, self.zero_point = ACT_RANGES[self.act_bits]
-        kernel = "oneDNN u8s8" if self.backend == "onednn" else "torch reference"
+        kernel = {"amx": "AMX u8s8", "onednn": "oneDNN u8s8", "torch": "torch reference"}[self.backend]
         narrow = [f"{b}-bit {what}" for b, what in ((self.weight_bits, "weights"), (self.act_bits, "activations"))
                   if b != 8]
         if smooth_alpha is not None and not 0.0 <= smooth_alpha <= 1.0:
@@ -372,7 +418,13 @@ class Int8W8A8LinearMethod(LinearMethod):
         q, scale = quantize_weight_per_channel(w, self.weight_qmax)
         layer.int8_weight_scale = scale
         layer.int8_compensation = weight_compensation(q, self.zero_point)
-        if self.backend == "onednn":
+        backend = self.backend
+        if backend == "amx" and (q.shape[0] % 16 or q.shape[1] % 64):
+            backend = self.fallback_backend
+        layer.int8_backend = backend
+        if backend == "amx":
+            layer.int8_amx_weight = pack_amx_int8(q)
+        elif backend == "onednn":
             layer.int8_packed_weight = torch.ops.onednn.qlinear_prepack(q.contiguous(), None)
             layer.int8_ones = torch.ones_like(scale)
             layer.int8_zero_points = torch.zeros(scale.shape, dtype=torch.int64)
@@ -389,12 +441,16 @@ class Int8W8A8LinearMethod(LinearMethod):
             return x.new_empty(0, scale.shape[0])
         smooth = getattr(layer, "int8_smooth", None)
         xq, row_scale = quantize_per_token(x if smooth is None else x * smooth, self.qmax, self.zero_point)
-        if self.backend == "onednn":
+        ops = kernels_for(x.device, x.dtype)
+        backend = layer.int8_backend
+        if backend == "amx":
+            with trace("pagedllm::amx_u8s8_matmul"):
+                acc = kernels_for(x.device, torch.float32).amx_u8s8_matmul(xq, layer.int8_amx_weight)
+        elif backend == "onednn":
             acc = _qlinear(xq, layer.int8_packed_weight, layer.int8_ones, layer.int8_zero_points)
         else:
             acc = int8_matmul_ref(xq, layer.int8_weight)
         comp = layer.int8_compensation
-        ops = kernels_for(x.device, x.dtype)
         if ops is None:
             return epilogue_ref(acc, comp, scale, row_scale, bias, x.dtype)
         out = acc if x.dtype == torch.float32 else torch.empty(acc.shape, dtype=x.dtype)
