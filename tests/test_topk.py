@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedllm.sample.topk import chunk_size, topk_rows
+from pagedllm.sample.topk import argmax_rows, chunk_size, topk_rows
 
 
 @pytest.mark.parametrize("V", [49152, 49153, 32000, 151936, 300, 1])
@@ -36,3 +36,24 @@ def test_each_row_alone_equals_the_batch():
         v, j = topk_rows(x[i: i + 1], 64)
         assert torch.equal(v[0], vals[i]) and torch.equal(j[0], idx[i])
     assert chunk_size(5) == 128 and chunk_size(64) == 32
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("V", [49152, 49153, 1000, 600, 300])
+def test_argmax_rows_is_torch_argmax(V, dtype):
+    """The same indices as torch.argmax, its tie rule (first index) and NaN rule (first
+    NaN) included: all-equal rows, all -inf rows, a maximum in the partial last chunk, a
+    tie across chunks, many ties within a chunk, a NaN row; narrow rows (fallback)."""
+    g = torch.Generator().manual_seed(V)
+    x = torch.randn(12, V, generator=g).to(dtype)
+    x[3] = 1.0
+    x[4] = -float("inf")
+    x[6, -1] = 100.0
+    x[7, 200] = x[7, 5000 % V] = 50.0
+    x[8] = torch.round(x[8])
+    x[9, 130] = x[9, 129] = 60.0
+    assert torch.equal(argmax_rows(x), x.argmax(dim=1))
+    x[5, 7] = float("nan")
+    x[5, 9] = float("nan")
+    assert torch.equal(argmax_rows(x), x.argmax(dim=1))
+    assert argmax_rows(x[:0]).shape == (0,)

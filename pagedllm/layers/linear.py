@@ -50,6 +50,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm import envs
+from pagedllm.kernels.cpu import trace
 from pagedllm.layers.utils import check_shape, cpu_kernels_for, default_weight_loader
 
 
@@ -214,7 +215,8 @@ class AMXBF16LinearMethod(LinearMethod):
         if layer.amx_weight is None:
             return self._fallback.apply(layer, x, bias)
         lead = x.shape[:-1]
-        y = self._ops.amx_bf16_linear(x.reshape(-1, x.shape[-1]).contiguous(), layer.amx_weight, bias, False)
+        with trace("pagedllm::amx_bf16_linear"):
+            y = self._ops.amx_bf16_linear(x.reshape(-1, x.shape[-1]).contiguous(), layer.amx_weight, bias, False)
         return y.view(*lead, y.shape[-1])
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from pagedllm.sample.sampler import SamplingMetadata, _probs, fill_exponential_
+from pagedllm.sample.topk import argmax_rows
 
 
 def _per_position(md: SamplingMetadata, req_of_pos: torch.Tensor) -> SamplingMetadata:
@@ -98,7 +99,7 @@ class RejectionSampler:
         draft_rows = (pos_in_req < k_t[req_of_pos]).nonzero().squeeze(1)          # [K]
         req_of_draft, j_of_draft = req_of_pos[draft_rows], pos_in_req[draft_rows]
         drafts = torch.tensor(flat, dtype=torch.int64, device=dev)
-        greedy_ids = target_logits.argmax(dim=-1)                                 # [T]
+        greedy_ids = argmax_rows(target_logits)                                   # [T]
         accepted = greedy_ids[draft_rows] == drafts                               # [K]
 
         if md.all_greedy:
@@ -138,7 +139,7 @@ class RejectionSampler:
                     resid = (p_rej - draft_probs[qi].float()).clamp_min(0.0)
                 empty = (resid.sum(dim=-1, keepdim=True) <= 0)
                 dist[rej] = torch.where(empty, p_rej, resid)
-            sampled = (dist / E).argmax(dim=-1)
+            sampled = argmax_rows(dist / E)
             tokens = torch.where(random, sampled, greedy_ids[final_rows])
 
         n_list, t_list = n_acc.tolist(), tokens.tolist()

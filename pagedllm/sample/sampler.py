@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedllm.sample.topk import topk_rows
+from pagedllm.sample.topk import argmax_rows, topk_rows
 
 
 @dataclass
@@ -208,11 +208,11 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         if md.all_greedy:
-            return logits.argmax(dim=-1)
+            return argmax_rows(logits)
         random = ((md.temperature > 0) & (md.top_k != 1)).tolist()
         N, V = logits.shape
         # the greedy rows' argmax (all rows' when some are greedy: one pass either way)
-        out = (logits.argmax(dim=-1) if not all(random) else
+        out = (argmax_rows(logits) if not all(random) else
                torch.zeros(N, dtype=torch.int64, device=logits.device))
         widths = [_topk_width(k, V) if r and md.need_top_k else 0 for k, r in zip(md.top_k.tolist(), random)]
         full = [i for i, (r, w) in enumerate(zip(random, widths)) if r and w == 0]
@@ -237,5 +237,5 @@ class Sampler:
                                    md.need_top_k, md.need_top_p, md.need_min_p)
             probs = _probs(logits.index_select(0, ri), sub, renormalize=False)
             q = fill_exponential_rows_(torch.empty_like(probs), sub.generators)
-            out[ri] = (probs / q).argmax(dim=-1)
+            out[ri] = argmax_rows(probs / q)
         return out

@@ -1,5 +1,6 @@
 """Exact row-wise top-k of a wide row (logits over a vocabulary) in two stages, for the
-sampler's top-k candidates and the logprobs' top tokens.
+sampler's top-k candidates and the logprobs' top tokens; and the row-wise argmax (k = 1,
+``argmax_rows``) the same way.
 
 ``torch.topk`` over [N, V] costs ~3 ms for 32 x 49,152 float32 on 2 CPU threads (more than
 the argmax of a greedy step); a chunk's maximum is ~15x cheaper to find than a top-k. The
@@ -45,3 +46,37 @@ def topk_rows(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         cols = torch.cat([cols, torch.arange(main, V, device=x.device).expand(N, V - main)], dim=1)
     vals, j = cand.topk(k, dim=1)
     return vals, cols.gather(1, j)
+
+
+# Values per chunk of ``argmax_rows``.
+ARGMAX_CHUNK = 128
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(dim=1)`` of x [N, V] (float; int64 [N]) with its rule for ties (the first
+    index of the maximum) and NaN (the first NaN), on the CPU in two stages: the row's chunk
+    maxima (``ARGMAX_CHUNK`` values each, plus the partial last chunk), the first chunk
+    whose maximum is the row's, then the first index of that value in that chunk. On the
+    CPU ``torch.argmax`` is ~10x slower than ``amax`` over the same values (64 x 49,152
+    float32, 2 threads: 2.2 ms against 0.24): a greedy decode step of 64 requests spent
+    ~4 ms in it. Exact: the same indices as ``torch.argmax``; a row's result depends on
+    that row only. Rows holding a NaN, rows narrower than 4 chunks, and other devices go to
+    ``torch.argmax``."""
+    N, V = x.shape
+    n_chunks = V // ARGMAX_CHUNK
+    if x.device.type != "cpu" or n_chunks < 4 or N == 0:
+        return x.argmax(dim=1)
+    main = n_chunks * ARGMAX_CHUNK
+    xc = x[:, :main].reshape(N, n_chunks, ARGMAX_CHUNK)
+    cmax = xc.amax(dim=2)                                             # [N, C]
+    if main < V:
+        cmax = torch.cat([cmax, x[:, main:].amax(dim=1, keepdim=True)], dim=1)
+    rmax = cmax.amax(dim=1, keepdim=True)                             # [N, 1]
+    if torch.isnan(rmax).any():                                       # amax propagates NaN
+        return x.argmax(dim=1)
+    c = (cmax == rmax).to(torch.uint8).argmax(dim=1)                  # first chunk holding it
+    cols = c.unsqueeze(1) * ARGMAX_CHUNK + torch.arange(ARGMAX_CHUNK, device=x.device)   # [N, chunk]
+    cols = cols.clamp_max_(V - 1)             # the partial last chunk: repeat its last column
+    vals = x.gather(1, cols)
+    j = (vals == rmax).to(torch.uint8).argmax(dim=1)
+    return cols.gather(1, j.unsqueeze(1)).squeeze(1)
