@@ -392,7 +392,8 @@ class ModelRunner:
         if raw is not None:
             keep = chosen[lp_rows] >= 0
             if keep.any():
-                ent = gather_logprobs(raw[torch.from_numpy(np.flatnonzero(keep)).to(dev)],
+                # every row kept (no rejected drafts): the rows as they are, no [N, V] copy
+                ent = gather_logprobs(raw if keep.all() else raw[torch.from_numpy(np.flatnonzero(keep)).to(dev)],
                                       torch.from_numpy(chosen[lp_rows][keep]).to(dev),
                                       n_lp[lp_rows][keep].tolist())
                 owner = np.repeat(sample_idx, counts)[lp_rows][keep]
