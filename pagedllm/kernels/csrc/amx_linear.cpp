@@ -215,14 +215,56 @@ inline void block_u8s8(const uint8_t* a, int64_t lda, const int8_t* b0, const in
   if constexpr (MA == 2 && NB == 2) _tile_stored(3, c + 16 * 32 + 16, 128);
 }
 
-// int32 accumulators -> float32 (rounded to nearest even where |acc| >= 2**24).
-void store_acc(const int32_t* c, int rows, int cols, int64_t n0, float* out, int64_t ldo) {
-  for (int r = 0; r < rows; ++r)
-    for (int j = 0; j < cols; j += 16)
-      _mm512_storeu_ps(out + r * ldo + n0 + j, _mm512_cvtepi32_ps(_mm512_loadu_si512(c + r * 32 + j)));
-}
+// Keeps the compiler (-ffast-math) from fusing the operations before and after it (e.g.
+// a multiply and an add into an FMA), so that each rounds as quant_act.cpp's epilogue does.
+inline void opaque512(__m512& v) { asm volatile("" : "+v"(v)); }
 
-void run_u8s8(const uint8_t* x, int64_t M, int64_t K, const int8_t* w, int64_t N, float* out) {
+// int32 accumulators -> float32 (rounded to nearest even where |acc| >= 2**24), into out
+// [M, ldo] at (m, n0).
+struct StoreAcc {
+  float* out;
+  int64_t ldo;
+  void operator()(const int32_t* c, int rows, int cols, int64_t m, int64_t n0) const {
+    for (int r = 0; r < rows; ++r)
+      for (int j = 0; j < cols; j += 16)
+        _mm512_storeu_ps(out + (m + r) * ldo + n0 + j, _mm512_cvtepi32_ps(_mm512_loadu_si512(c + r * 32 + j)));
+  }
+};
+
+// The W8A8 epilogue fused into the store: out[m, n] = (((float(acc) - comp[n]) * ws[n]) *
+// rs[m]) (+ bias[n]), one IEEE operation at a time, rounded to OutT: the bits of
+// quant_act.cpp's int8_epilogue over the float32 sums.
+template <typename OutT>
+struct StoreEpilogue {
+  OutT* out;
+  int64_t ldo;
+  const float *comp, *ws, *rs, *bias;
+  void operator()(const int32_t* c, int rows, int cols, int64_t m, int64_t n0) const {
+    for (int r = 0; r < rows; ++r) {
+      const __m512 s = _mm512_set1_ps(rs[m + r]);
+      for (int j = 0; j < cols; j += 16) {
+        __m512 v = _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(c + r * 32 + j)),
+                                 _mm512_loadu_ps(comp + n0 + j));
+        opaque512(v);
+        v = _mm512_mul_ps(v, _mm512_loadu_ps(ws + n0 + j));
+        opaque512(v);
+        v = _mm512_mul_ps(v, s);
+        if (bias) {
+          opaque512(v);
+          v = _mm512_add_ps(v, _mm512_loadu_ps(bias + n0 + j));
+        }
+        OutT* o = out + (m + r) * ldo + n0 + j;
+        if constexpr (std::is_same_v<OutT, float>) _mm512_storeu_ps(o, v);
+        else _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), round_bf16x16(v));
+      }
+    }
+  }
+};
+
+// store(c, rows, cols, m, n0): rows m .. m+rows-1 and columns n0 .. n0+cols-1 of the result
+// from the int32 accumulators c (row stride 32).
+template <typename Store>
+void run_u8s8(const uint8_t* x, int64_t M, int64_t K, const int8_t* w, int64_t N, const Store& store) {
   const int64_t kblocks = K / 64, nblocks = N / 16, pairs = (nblocks + 1) / 2;
   const int64_t full = M / 32 * 32, tail = M - full;
   const int64_t mchunk = std::max<int64_t>(32, (256 * 1024 / K) / 32 * 32);
@@ -247,7 +289,7 @@ void run_u8s8(const uint8_t* x, int64_t M, int64_t K, const int8_t* w, int64_t N
         for (int64_t m = m0; m < m1; m += 32) {
           if (two) block_u8s8<2, 2>(x + m * K, K, b0, b1, kblocks, c);
           else block_u8s8<2, 1>(x + m * K, K, b0, b1, kblocks, c);
-          store_acc(c, 32, cols, nb * 16, out + m * N, N);
+          store(c, 32, cols, m, nb * 16);
         }
         if (!last || !tail) continue;
         if (tail > 16) {
@@ -257,7 +299,7 @@ void run_u8s8(const uint8_t* x, int64_t M, int64_t K, const int8_t* w, int64_t N
           if (two) block_u8s8<1, 2>(pad.data(), K, b0, b1, kblocks, c);
           else block_u8s8<1, 1>(pad.data(), K, b0, b1, kblocks, c);
         }
-        store_acc(c, static_cast<int>(tail), cols, nb * 16, out + full * N, N);
+        store(c, static_cast<int>(tail), cols, full, nb * 16);
       }
     }
     _tile_release();
@@ -328,9 +370,49 @@ torch::Tensor amx_u8s8_matmul(torch::Tensor x, torch::Tensor w_packed) {
   if (M == 0 || N == 0) return out;
 #ifdef PAGEDLLM_AMX_INT8
   TORCH_CHECK(amx_int8_available(), "amx_u8s8_matmul: no AMX tile state (arch_prctl refused)");
-  run_u8s8(x.data_ptr<uint8_t>(), M, K, w_packed.data_ptr<int8_t>(), N, out.data_ptr<float>());
+  run_u8s8(x.data_ptr<uint8_t>(), M, K, w_packed.data_ptr<int8_t>(), N, StoreAcc{out.data_ptr<float>(), N});
   return out;
 #else
   TORCH_CHECK(false, "amx_u8s8_matmul: the kernels were built without AMX-INT8 (not this CPU)");
+#endif
+}
+
+torch::Tensor amx_int8_linear(torch::Tensor x, torch::Tensor w_packed, torch::Tensor compensation,
+                              torch::Tensor weight_scales, torch::Tensor row_scales,
+                              std::optional<torch::Tensor> bias, bool out_bfloat16) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kByte && x.is_contiguous(),
+              "amx_int8_linear: x must be a contiguous uint8 [M, K] tensor");
+  TORCH_CHECK(w_packed.dim() == 4 && w_packed.scalar_type() == at::kChar && w_packed.is_contiguous() &&
+                  w_packed.size(2) == 16 && w_packed.size(3) == 64,
+              "amx_int8_linear: w_packed must be a contiguous int8 [N/16, K/64, 16, 64] tensor");
+  const int64_t M = x.size(0), K = x.size(1), N = w_packed.size(0) * 16;
+  TORCH_CHECK(w_packed.size(1) * 64 == K, "amx_int8_linear: x has ", K, " columns, the weight ",
+              w_packed.size(1) * 64);
+  for (const auto* t : {&compensation, &weight_scales})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->numel() == N,
+                "amx_int8_linear: compensation and weight_scales must be contiguous float32 [N]");
+  TORCH_CHECK(row_scales.scalar_type() == at::kFloat && row_scales.is_contiguous() && row_scales.numel() == M,
+              "amx_int8_linear: row_scales must be contiguous float32 [M]");
+  const float* bp = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N,
+                "amx_int8_linear: bias must be contiguous float32 [N]");
+    bp = bias->data_ptr<float>();
+  }
+  auto out = torch::empty({M, N}, x.options().dtype(out_bfloat16 ? at::kBFloat16 : at::kFloat));
+  if (M == 0 || N == 0) return out;
+#ifdef PAGEDLLM_AMX_INT8
+  TORCH_CHECK(amx_int8_available(), "amx_int8_linear: no AMX tile state (arch_prctl refused)");
+  const float *c = compensation.data_ptr<float>(), *ws = weight_scales.data_ptr<float>(),
+              *rs = row_scales.data_ptr<float>();
+  if (out_bfloat16)
+    run_u8s8(x.data_ptr<uint8_t>(), M, K, w_packed.data_ptr<int8_t>(), N,
+             StoreEpilogue<bf16>{reinterpret_cast<bf16*>(out.data_ptr<at::BFloat16>()), N, c, ws, rs, bp});
+  else
+    run_u8s8(x.data_ptr<uint8_t>(), M, K, w_packed.data_ptr<int8_t>(), N,
+             StoreEpilogue<float>{out.data_ptr<float>(), N, c, ws, rs, bp});
+  return out;
+#else
+  TORCH_CHECK(false, "amx_int8_linear: the kernels were built without AMX-INT8 (not this CPU)");
 #endif
 }

@@ -28,9 +28,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Rotate-half RoPE in place on x [T, heads, head_dim] with cos/sin [T, head_dim/2]",
         py::call_guard<py::gil_scoped_release>());
   m.def("quantize_per_token", &quantize_per_token,
-        "Per-row symmetric int8 quantization of x [M, K] into uint8 out (q + zero_point) "
-        "and float32 scales [M]",
-        py::call_guard<py::gil_scoped_release>());
+        "Per-row symmetric int8 quantization of x [M, K] (times smooth [K] rounded to x's dtype, if given) "
+        "into uint8 out (q + zero_point) and float32 scales [M]",
+        py::arg("out"), py::arg("scales"), py::arg("x"), py::arg("qmax"), py::arg("zero_point"),
+        py::arg("smooth") = py::none(), py::call_guard<py::gil_scoped_release>());
   m.def("int8_epilogue", &int8_epilogue,
         "out = (acc - compensation[n]) * weight_scales[n] * row_scales[m] (+ bias[n]) in out's dtype",
         py::call_guard<py::gil_scoped_release>());
@@ -57,4 +58,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "float32 [M, N] exact integer sums x @ w.T of uint8 x [M, K] and int8 w packed [N/16, K/64, 16, 64] "
         "(K % 64 == 0, N % 16 == 0) on AMX (float(int32), rounded once)",
         py::arg("x"), py::arg("w_packed"), py::call_guard<py::gil_scoped_release>());
+  m.def("amx_int8_linear", &amx_int8_linear,
+        "amx_u8s8_matmul with int8_epilogue fused: out = (((float(acc) - compensation[n]) * weight_scales[n]) * "
+        "row_scales[m]) (+ bias[n]), bfloat16 or float32, the same bits as the two calls",
+        py::arg("x"), py::arg("w_packed"), py::arg("compensation"), py::arg("weight_scales"),
+        py::arg("row_scales"), py::arg("bias") = py::none(), py::arg("out_bfloat16") = false,
+        py::call_guard<py::gil_scoped_release>());
 }

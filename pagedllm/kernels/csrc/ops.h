@@ -22,7 +22,7 @@ void rotary_embedding(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
 
 // quant_act.cpp
 void quantize_per_token(torch::Tensor out, torch::Tensor scales, torch::Tensor x, int64_t qmax,
-                        int64_t zero_point);
+                        int64_t zero_point, c10::optional<torch::Tensor> smooth);
 void int8_epilogue(torch::Tensor out, torch::Tensor acc, torch::Tensor compensation,
                    torch::Tensor weight_scales, torch::Tensor row_scales,
                    c10::optional<torch::Tensor> bias);
@@ -37,3 +37,6 @@ torch::Tensor amx_bf16_linear(torch::Tensor x, torch::Tensor w_packed, std::opti
                               bool out_float32);
 bool amx_int8_available();
 torch::Tensor amx_u8s8_matmul(torch::Tensor x, torch::Tensor w_packed);
+torch::Tensor amx_int8_linear(torch::Tensor x, torch::Tensor w_packed, torch::Tensor compensation,
+                              torch::Tensor weight_scales, torch::Tensor row_scales,
+                              std::optional<torch::Tensor> bias, bool out_bfloat16);

@@ -1,7 +1,8 @@
 // Dynamic per-token int8 activation quantization and the dequantizing epilogue of the
 // W8A8 linear method (pagedllm/layers/quantization/int8.py), for float32 and bfloat16
 // activations:
-//  * quantize_per_token: each row x[m, :] gets its own symmetric scale
+//  * quantize_per_token: each row x[m, :] (first multiplied by SmoothQuant's smoothing
+//    row and rounded to x's dtype, where one is given) gets its own symmetric scale
 //      s_m = amax_m / qmax,   inv_m = qmax / amax_m (0 when that is not finite),
 //      q = clamp(round_half_even(x * inv_m), -qmax, qmax),   stored as uint8 q + zero_point,
 //    the input oneDNN's u8 x s8 matmul takes (a fixed offset, activation scale 1);
@@ -24,6 +25,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <vector>
 
 using pagedllm::bf16;
 using pagedllm::from_f32;
@@ -85,46 +87,64 @@ float row_absmax(const T* x, int64_t k) {
   return float_of(m);
 }
 
+// One row: amax, scale and the quantized values of xr[0, k).
+template <typename T>
+void quantize_row(uint8_t* o, float* scale, const T* xr, int64_t k, float qmax, float zp) {
+  float amax = row_absmax(xr, k);
+  // qm hidden from the optimizer so that -ffast-math cannot replace the divisions by
+  // multiplications with a hoisted reciprocal (torch divides)
+  float qm = qmax;
+  opaque(qm);
+  opaque(amax);
+  float inv = qm / amax;   // inf for a zero row, 0 or NaN for a non-finite one
+  opaque(inv);
+  if (!finite_bits(inv)) inv = 0.f;
+  *scale = amax / qm;
+  int64_t i = 0;
+#ifdef PAGEDLLM_AVX2
+  const __m256 vinv = _mm256_set1_ps(inv), hi = _mm256_set1_ps(qmax), lo = _mm256_set1_ps(-qmax);
+  const __m256 vzp = _mm256_set1_ps(zp);
+  for (; i + 8 <= k; i += 8) {
+    __m256 p = _mm256_mul_ps(pagedllm::load8_avx(xr + i), vinv);
+    opaque(p);
+    p = _mm256_round_ps(p, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    p = _mm256_add_ps(_mm256_min_ps(_mm256_max_ps(p, lo), hi), vzp);   // exact: small integers
+    const __m256i q32 = _mm256_cvttps_epi32(p);
+    const __m128i q16 = _mm_packus_epi32(_mm256_castsi256_si128(q32), _mm256_extracti128_si256(q32, 1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(o + i), _mm_packus_epi16(q16, q16));
+  }
+#endif
+  for (; i < k; ++i) {
+    float p = to_f32(xr[i]) * inv;
+    opaque(p);
+    p = std::nearbyint(p);   // the default rounding mode: to nearest, ties to even
+    p = p > -qmax ? p : -qmax;   // as max_ps/min_ps above (a NaN becomes -qmax)
+    p = (p < qmax ? p : qmax) + zp;
+    o[i] = static_cast<uint8_t>(static_cast<int>(p));
+  }
+}
+
+// smooth (or nullptr): each row is first multiplied by smooth[0, k) elementwise and rounded
+// to T, as torch's x * smooth in T does (one float32 product, rounded once), into a
+// float32 scratch row that is then quantized.
 template <typename T>
 void quantize_rows(uint8_t* out, float* scales, const T* x, int64_t rows, int64_t k, int64_t xs,
-                   float qmax, float zp) {
+                   float qmax, float zp, const T* smooth) {
   const int64_t grain = std::max<int64_t>(1, kGrainElements / std::max<int64_t>(k, 1));
   at::parallel_for(0, rows, grain, [&](int64_t b, int64_t e) {
+    std::vector<float> buf(smooth ? k : 0);
     for (int64_t m = b; m < e; ++m) {
       const T* xr = x + m * xs;
-      uint8_t* o = out + m * k;
-      float amax = row_absmax(xr, k);
-      // qm hidden from the optimizer so that -ffast-math cannot replace the divisions by
-      // multiplications with a hoisted reciprocal (torch divides)
-      float qm = qmax;
-      opaque(qm);
-      opaque(amax);
-      float inv = qm / amax;   // inf for a zero row, 0 or NaN for a non-finite one
-      opaque(inv);
-      if (!finite_bits(inv)) inv = 0.f;
-      scales[m] = amax / qm;
-      int64_t i = 0;
-#ifdef PAGEDLLM_AVX2
-      const __m256 vinv = _mm256_set1_ps(inv), hi = _mm256_set1_ps(qmax), lo = _mm256_set1_ps(-qmax);
-      const __m256 vzp = _mm256_set1_ps(zp);
-      for (; i + 8 <= k; i += 8) {
-        __m256 p = _mm256_mul_ps(pagedllm::load8_avx(xr + i), vinv);
-        opaque(p);
-        p = _mm256_round_ps(p, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        p = _mm256_add_ps(_mm256_min_ps(_mm256_max_ps(p, lo), hi), vzp);   // exact: small integers
-        const __m256i q32 = _mm256_cvttps_epi32(p);
-        const __m128i q16 = _mm_packus_epi32(_mm256_castsi256_si128(q32), _mm256_extracti128_si256(q32, 1));
-        _mm_storel_epi64(reinterpret_cast<__m128i*>(o + i), _mm_packus_epi16(q16, q16));
+      if (!smooth) {
+        quantize_row(out + m * k, scales + m, xr, k, qmax, zp);
+        continue;
       }
-#endif
-      for (; i < k; ++i) {
-        float p = to_f32(xr[i]) * inv;
+      for (int64_t i = 0; i < k; ++i) {
+        float p = to_f32(xr[i]) * to_f32(smooth[i]);
         opaque(p);
-        p = std::nearbyint(p);   // the default rounding mode: to nearest, ties to even
-        p = p > -qmax ? p : -qmax;   // as max_ps/min_ps above (a NaN becomes -qmax)
-        p = (p < qmax ? p : qmax) + zp;
-        o[i] = static_cast<uint8_t>(static_cast<int>(p));
+        buf[i] = to_f32(from_f32<T>(p));
       }
+      quantize_row(out + m * k, scales + m, buf.data(), k, qmax, zp);
     }
   });
 }
@@ -173,7 +193,7 @@ void epilogue_rows(T* out, const float* acc, const float* comp, const float* ws,
 }  // namespace
 
 void quantize_per_token(torch::Tensor out, torch::Tensor scales, torch::Tensor x, int64_t qmax,
-                        int64_t zero_point) {
+                        int64_t zero_point, c10::optional<torch::Tensor> smooth) {
   TORCH_CHECK(x.device().is_cpu() && (x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16),
               "x must be a float32 or bfloat16 CPU tensor");
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be [M, K] with contiguous rows");
@@ -184,11 +204,16 @@ void quantize_per_token(torch::Tensor out, torch::Tensor scales, torch::Tensor x
                   scales.size(0) == M, "scales must be contiguous float32 [M]");
   TORCH_CHECK(qmax >= 1 && qmax <= 127 && zero_point - qmax >= 0 && zero_point + qmax <= 255,
               "need 1 <= qmax <= 127 and qmax <= zero_point <= 255 - qmax");
+  if (smooth.has_value())
+    TORCH_CHECK(smooth->scalar_type() == x.scalar_type() && smooth->is_contiguous() && smooth->numel() == K,
+                "smooth must be contiguous [K] in x's dtype");
   const float q = static_cast<float>(qmax), zp = static_cast<float>(zero_point);
   if (x.scalar_type() == torch::kFloat32)
-    quantize_rows(out.data_ptr<uint8_t>(), scales.data_ptr<float>(), x.data_ptr<float>(), M, K, x.stride(0), q, zp);
+    quantize_rows(out.data_ptr<uint8_t>(), scales.data_ptr<float>(), x.data_ptr<float>(), M, K, x.stride(0), q, zp,
+                  smooth.has_value() ? smooth->data_ptr<float>() : nullptr);
   else
-    quantize_rows(out.data_ptr<uint8_t>(), scales.data_ptr<float>(), x.data_ptr<bf16>(), M, K, x.stride(0), q, zp);
+    quantize_rows(out.data_ptr<uint8_t>(), scales.data_ptr<float>(), x.data_ptr<bf16>(), M, K, x.stride(0), q, zp,
+                  smooth.has_value() ? smooth->data_ptr<bf16>() : nullptr);
 }
 
 void int8_epilogue(torch::Tensor out, torch::Tensor acc, torch::Tensor compensation,

@@ -153,17 +153,22 @@ def quantize_per_token_ref(x: torch.Tensor, qmax: int, zero_point: int) -> tuple
     return q.nan_to_num_(0.0).to(torch.uint8), scale
 
 
-def quantize_per_token(x: torch.Tensor, qmax: int, zero_point: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``quantize_per_token_ref``'s result, by the C++ kernel where it serves x (CPU float32
-    or bfloat16, kernels built), else by the torch ops. Same arguments, returns and errors."""
+def quantize_per_token(x: torch.Tensor, qmax: int, zero_point: int,
+                       smooth: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_per_token_ref(x if smooth is None else x * smooth, ...)``'s result, by the
+    C++ kernel where it serves x (CPU float32 or bfloat16, kernels built; the product
+    rounded to x's dtype in the kernel, as torch's ``x * smooth`` rounds it, without the
+    [M, K] tensor), else by the torch ops. ``smooth``: [K] in x's dtype. Same returns and
+    errors as ``quantize_per_token_ref``."""
     ops = kernels_for(x.device, x.dtype)
-    if ops is None or x.dim() != 2 or x.stride(-1) != 1:
-        return quantize_per_token_ref(x, qmax, zero_point)
+    if (ops is None or x.dim() != 2 or x.stride(-1) != 1
+            or (smooth is not None and (smooth.dtype != x.dtype or not smooth.is_contiguous()))):
+        return quantize_per_token_ref(x if smooth is None else x * smooth, qmax, zero_point)
     _check_act_range(qmax, zero_point)
     out = torch.empty(x.shape, dtype=torch.uint8)
     scales = torch.empty(x.shape[0], dtype=torch.float32)
     with trace("pagedllm::quantize_per_token"):
-        ops.quantize_per_token(out, scales, x, qmax, zero_point)
+        ops.quantize_per_token(out, scales, x, qmax, zero_point, smooth)
     return out, scales
 
 
@@ -440,9 +445,14 @@ class Int8W8A8LinearMethod(LinearMethod):
         if x.shape[0] == 0:
             return x.new_empty(0, scale.shape[0])
         smooth = getattr(layer, "int8_smooth", None)
-        xq, row_scale = quantize_per_token(x if smooth is None else x * smooth, self.qmax, self.zero_point)
+        xq, row_scale = quantize_per_token(x, self.qmax, self.zero_point, smooth)
         ops = kernels_for(x.device, x.dtype)
         backend = layer.int8_backend
+        comp = layer.int8_compensation
+        if backend == "amx" and ops is not None:     # the matmul and the epilogue in one kernel
+            with trace("pagedllm::amx_int8_linear"):
+                return ops.amx_int8_linear(xq, layer.int8_amx_weight, comp, scale, row_scale,
+                                           None if bias is None else bias.float(), x.dtype == torch.bfloat16)
         if backend == "amx":
             with trace("pagedllm::amx_u8s8_matmul"):
                 acc = kernels_for(x.device, torch.float32).amx_u8s8_matmul(xq, layer.int8_amx_weight)
@@ -450,7 +460,6 @@ class Int8W8A8LinearMethod(LinearMethod):
             acc = _qlinear(xq, layer.int8_packed_weight, layer.int8_ones, layer.int8_zero_points)
         else:
             acc = int8_matmul_ref(xq, layer.int8_weight)
-        comp = layer.int8_compensation
         if ops is None:
             return epilogue_ref(acc, comp, scale, row_scale, bias, x.dtype)
         out = acc if x.dtype == torch.float32 else torch.empty(acc.shape, dtype=x.dtype)
