@@ -11,7 +11,7 @@ from pagedllm import platform
 from pagedllm.layers import batch_invariance as bi
 from pagedllm.layers.linear import (AMXBF16LinearMethod, OneDNNPackedLinearMethod, ReplicatedLinear,
                                     UnquantizedLinearMethod, amx_bf16_available, get_linear_method,
-                                    pack_amx_bf16)
+                                    pack_amx_tiles)
 from pagedllm.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 
 CPU, BF16 = torch.device("cpu"), torch.bfloat16
@@ -26,14 +26,14 @@ def _ops():
 
 def test_pack_layout_is_amx_vnni():
     w = (torch.arange(48 * 64) % 251).reshape(48, 64).to(BF16)     # distinct enough, exact in bf16
-    p = pack_amx_bf16(w)
+    p = pack_amx_tiles(w, BF16)
     assert p.shape == (3, 2, 16, 32) and p.dtype == BF16 and p.is_contiguous()
     for nb, kb, r, n, j in [(0, 0, 0, 0, 0), (0, 0, 0, 0, 1), (1, 0, 3, 5, 1), (2, 1, 15, 15, 0), (2, 1, 7, 2, 1)]:
         assert p[nb, kb, r, 2 * n + j] == w[16 * nb + n, 32 * kb + 2 * r + j]
     with pytest.raises(ValueError, match="N % 16"):
-        pack_amx_bf16(torch.zeros(40, 64, dtype=BF16))
+        pack_amx_tiles(torch.zeros(40, 64, dtype=BF16), BF16)
     with pytest.raises(ValueError, match="K % 32"):
-        pack_amx_bf16(torch.zeros(48, 48, dtype=BF16))
+        pack_amx_tiles(torch.zeros(48, 48, dtype=BF16), BF16)
 
 
 @needs_amx
@@ -48,7 +48,7 @@ def test_kernel_matches_float64_reference(rows, fin, fout):
     x = torch.randn(rows, fin, generator=g).to(BF16)
     w = torch.randn(fout, fin, generator=g).to(BF16)
     b = torch.randn(fout, generator=g).to(BF16)
-    p = pack_amx_bf16(w)
+    p = pack_amx_tiles(w, BF16)
     exact = x.double() @ w.double().T
     y32 = _ops().amx_bf16_linear(x, p, None, True)
     assert y32.dtype == torch.float32 and y32.shape == (rows, fout)
@@ -67,7 +67,7 @@ def test_rows_are_bitwise_invariant_at_every_row_count(fin, fout, threads):
     count from 1 to 70 and a few larger ones give each row the bits it has in a 512-row
     call, at any place in the call."""
     w, x = bi.cancellation_inputs(fout, fin, 512, BF16, CPU)
-    p = pack_amx_bf16(w)
+    p = pack_amx_tiles(w, BF16)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:

@@ -12,10 +12,10 @@ import torch.nn.functional as F
 
 from pagedllm.kernels.cpu import load_cpu_kernels
 from pagedllm.layers.batch_invariance import probe_row_invariance
-from pagedllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, ReplicatedLinear
+from pagedllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, ReplicatedLinear, pack_amx_tiles
 from pagedllm.layers.quantization import int8
 from pagedllm.layers.quantization.int8 import (ACT_RANGES, Int8W8A8LinearMethod, amx_int8_available,
-                                               epilogue_ref, int8_matmul_ref, pack_amx_int8, onednn_exact, onednn_exact_bits,
+                                               epilogue_ref, int8_matmul_ref, onednn_exact, onednn_exact_bits,
                                                onednn_int8_available, quantize_per_token,
                                                quantize_per_token_ref, quantize_weight_per_channel,
                                                weight_compensation)
@@ -411,12 +411,12 @@ def test_tied_lm_head_keeps_the_embedding_table():
 
 def test_amx_int8_pack_layout():
     q = (torch.arange(32 * 128) % 255 - 127).to(torch.int8).reshape(32, 128)
-    p = pack_amx_int8(q)
+    p = pack_amx_tiles(q, torch.int8)
     assert p.shape == (2, 2, 16, 64) and p.dtype == torch.int8
     for nb, kb, r, n, j in [(0, 0, 0, 0, 0), (0, 0, 0, 0, 3), (1, 0, 5, 7, 2), (1, 1, 15, 15, 3)]:
         assert p[nb, kb, r, 4 * n + j] == q[16 * nb + n, 64 * kb + 4 * r + j]
     with pytest.raises(ValueError, match="K % 64"):
-        pack_amx_int8(torch.zeros(32, 96, dtype=torch.int8))
+        pack_amx_tiles(torch.zeros(32, 96, dtype=torch.int8), torch.int8)
 
 
 @needs_amx
@@ -430,7 +430,7 @@ def test_amx_u8s8_sums_are_the_exact_integer_sums(ops, m):
         q[0], q[1] = -128, 127
         x = torch.randint(0, 256, (m, k), generator=g, dtype=torch.uint8)
         x[0] = 255
-        got = ops.amx_u8s8_matmul(x, pack_amx_int8(q))
+        got = ops.amx_u8s8_matmul(x, pack_amx_tiles(q, torch.int8))
         assert torch.equal(got, (x.long() @ q.long().t()).double().float())
         assert torch.equal(got, int8_matmul_ref(x, q))
 

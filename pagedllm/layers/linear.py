@@ -149,37 +149,54 @@ class OneDNNPackedLinearMethod(LinearMethod):
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), layer.packed_weight, bias, "none", [], "")
 
 
+def amx_ops(device: torch.device | str, query: str):
+    """The compiled kernel module where its AMX query ``query`` ("amx_bf16_available" or
+    "amx_int8_available") holds for ``device``: the CPU, the C++ kernels built with those
+    AMX extensions (``-march=native`` on a CPU that has them) and the process granted AMX
+    state by Linux, unless ``PAGEDLLM_AMX=0``; else None. Never raises."""
+    if torch.device(device).type != "cpu" or not envs.amx_enabled():
+        return None
+    ops = cpu_kernels_for(device, torch.float32)     # one module for every dtype
+    return ops if ops is not None and hasattr(ops, query) and getattr(ops, query)() else None
+
+
 def amx_bf16_available(device: torch.device | str, dtype: torch.dtype) -> bool:
-    """Whether ``AMXBF16LinearMethod`` runs for ``device``/``dtype``: the CPU in bfloat16,
-    the C++ kernels built with AMX-TILE/AMX-BF16 (``-march=native`` on a CPU that has
-    them) and the process granted AMX state by Linux, unless ``PAGEDLLM_AMX=0``. Never
-    raises."""
-    if dtype != torch.bfloat16 or torch.device(device).type != "cpu" or not envs.amx_enabled():
-        return False
-    ops = cpu_kernels_for(device, dtype)
-    return ops is not None and hasattr(ops, "amx_bf16_available") and bool(ops.amx_bf16_available())
+    """Whether ``AMXBF16LinearMethod`` runs for ``device``/``dtype``: bfloat16 and
+    ``amx_ops(device, "amx_bf16_available")``. Never raises."""
+    return dtype == torch.bfloat16 and amx_ops(device, "amx_bf16_available") is not None
 
 
-def pack_amx_bf16(weight: torch.Tensor) -> torch.Tensor:
-    """A weight [N, K] (bfloat16, N % 16 == 0, K % 32 == 0) in AMX's B-tile ("VNNI")
-    layout, [N/16, K/32, 16, 32] bfloat16: tile (nb, kb) row r holds, for the 16 outputs
-    n of block nb, the input pair (2r, 2r + 1) of block kb, i.e. element [nb, kb, r, 2n + j]
-    = weight[16 nb + n, 32 kb + 2 r + j] (Intel's AMX programming reference, TDPBF16PS).
+def amx_tiles_fit(out_features: int, in_features: int, dtype: torch.dtype) -> bool:
+    """Whether an [out, in] weight of ``dtype`` (bfloat16 or int8) fits AMX's B tiles: out
+    a multiple of 16 and in a multiple of one 64-byte tile row (32 bf16, 64 int8)."""
+    return out_features % 16 == 0 and in_features % (64 // dtype.itemsize) == 0
+
+
+def pack_amx_tiles(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A weight [N, K] as ``dtype`` (bfloat16 for TDPBF16PS, int8 for TDPBUSD;
+    ``amx_tiles_fit``) in AMX's B-tile ("VNNI") layout, [N/16, K/g, 16, g] with g = 64 /
+    element size (32 bf16, 64 int8) and p = 4 / element size (2 or 4) inputs per group:
+    tile (nb, kb) row r holds, for the 16 outputs n of block nb, the inputs pr .. pr + p - 1
+    of block kb, i.e. element [nb, kb, r, p n + j] = weight[16 nb + n, g kb + p r + j]
+    (Intel's AMX programming reference, TDPBF16PS / TDPBUSD).
 
     Raises:
         ValueError: a shape the layout cannot hold.
     """
     n, k = weight.shape
-    if n % 16 or k % 32:
-        raise ValueError(f"pack_amx_bf16 needs N % 16 == 0 and K % 32 == 0, got a [{n}, {k}] weight")
-    w = weight.to(torch.bfloat16).reshape(n // 16, 16, k // 32, 16, 2)
-    return w.permute(0, 2, 3, 1, 4).contiguous().view(n // 16, k // 32, 16, 32)
+    g = 64 // dtype.itemsize
+    if not amx_tiles_fit(n, k, dtype):
+        raise ValueError(f"pack_amx_tiles needs N % 16 == 0 and K % {g} == 0 for {dtype}, "
+                         f"got a [{n}, {k}] weight")
+    p = 4 // dtype.itemsize
+    w = weight.to(dtype).reshape(n // 16, 16, k // g, 16, p)
+    return w.permute(0, 2, 3, 1, 4).contiguous().view(n // 16, k // g, 16, g)
 
 
 class AMXBF16LinearMethod(LinearMethod):
     """bfloat16 ``x @ W.T + b`` on Intel AMX tiles through the C++ kernel
     ``amx_bf16_linear`` (``kernels/csrc/amx_linear.cpp``), weights packed once at load by
-    ``pack_amx_bf16``. Each output element is one float32 chain of TDPBF16PS over K in a
+    ``pack_amx_tiles``. Each output element is one float32 chain of TDPBF16PS over K in a
     fixed order, rounded to bfloat16 once, so rows are batch-invariant by construction:
     oneDNN's bf16 inner product on the project's Intel Xeon gives other bits at <= 32 rows
     than at 33-384 and needs 16-row chunks to be invariant (2-5x slower at 64-512 rows);
@@ -198,16 +215,14 @@ class AMXBF16LinearMethod(LinearMethod):
 
     def __init__(self):
         self._ops = cpu_kernels_for("cpu", torch.bfloat16)
-        self._fallback = (OneDNNPackedLinearMethod() if onednn_packing_available("cpu", torch.bfloat16)
-                          else UnquantizedLinearMethod())
+        self._fallback = _dense_linear_method("cpu", torch.bfloat16)
 
     def process_weights_after_loading(self, layer):
-        n, k = layer.weight.shape
-        if n % 16 or k % 32:
+        if not amx_tiles_fit(*layer.weight.shape, torch.bfloat16):
             layer.amx_weight = None
             self._fallback.process_weights_after_loading(layer)
             return
-        layer.amx_weight = pack_amx_bf16(layer.weight.data)
+        layer.amx_weight = pack_amx_tiles(layer.weight.data, torch.bfloat16)
         if not getattr(layer, "keep_dense_weight", False):
             layer.weight.data = layer.weight.data.new_empty(0)
 
@@ -226,6 +241,12 @@ def get_linear_method(device: torch.device | str, dtype: torch.dtype) -> LinearM
     ``onednn_packing_available``, else dense ``F.linear``."""
     if amx_bf16_available(device, dtype):
         return AMXBF16LinearMethod()
+    return _dense_linear_method(device, dtype)
+
+
+def _dense_linear_method(device: torch.device | str, dtype: torch.dtype) -> LinearMethod:
+    """``get_linear_method`` without the AMX kernel: oneDNN-packed where
+    ``onednn_packing_available``, else dense ``F.linear``."""
     if onednn_packing_available(device, dtype):
         return OneDNNPackedLinearMethod()
     return UnquantizedLinearMethod()

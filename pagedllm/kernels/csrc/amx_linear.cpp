@@ -1,5 +1,8 @@
 // bfloat16 linear layers on Intel AMX (AMX-TILE + AMX-BF16), batch-invariant by
-// construction; and the integer matmul of the int8 W8A8 method on AMX-INT8 (at the end).
+// construction; and the integer matmul of the int8 W8A8 method on AMX-INT8 (TDPBUSD,
+// exact int32 sums, weights [N/16, K/64, 16, 64] int8), through the same walk: both read
+// 64-byte tile rows, so the kernel works in bytes and a store functor decides what the
+// accumulators become.
 //
 // Why: oneDNN's bf16 inner product picks its blocking by the row count M, and on the
 // project's Intel Xeon a row's bits differ between calls of <= 32 rows and calls of 33-384
@@ -16,7 +19,7 @@
 //   or acc + bias[n] as float32.
 //
 // Layout: the weight w [N, K] (K % 32 == 0, N % 16 == 0) is packed once at load into
-// AMX's "VNNI" B-tile layout, [N/16, K/32, 16, 32] bf16 (amx_bf16_pack in Python,
+// AMX's "VNNI" B-tile layout, [N/16, K/32, 16, 32] bf16 (pack_amx_tiles in Python,
 // layers/linear.py): tile (nb, kb) row r holds, for the 16 columns n of block nb, the
 // pair (w[16nb + n, 32kb + 2r], w[16nb + n, 32kb + 2r + 1]). Each call takes 32 columns
 // (two B tiles) by up to 32 rows (two A tiles, x read in place at stride K) into four
@@ -82,27 +85,39 @@ void load_config() {
   _tile_loadconfig(&cfg);
 }
 
-// One block: MA A tiles (16 rows each) x NB B tiles (16 columns each), K/32 steps.
-// a: the block's first row (row stride lda elements); b0, b1: tile (nb, 0) of the two
-// column blocks in the packed weight (tile (nb, kb) is 512 elements after (nb, kb - 1));
-// c: a float32 [32, 32] buffer (row stride 32) that receives the accumulators.
-template <int MA, int NB>
-inline void block(const bf16* a, int64_t lda, const bf16* b0, const bf16* b1, int64_t kblocks, float* c) {
+// The tile dot product for an accumulator type: float32 <- bf16 pairs (TDPBF16PS), int32
+// <- u8 x s8 quads (TDPBUSD). Both read 64-byte tile rows, so one walk serves both.
+#ifdef PAGEDLLM_AMX_INT8
+#define PAGEDLLM_TILE_DOT(Acc, C, A, B)                          \
+  do {                                                           \
+    if constexpr (std::is_same_v<Acc, int32_t>) _tile_dpbusd(C, A, B); \
+    else _tile_dpbf16ps(C, A, B);                                \
+  } while (0)
+#else
+#define PAGEDLLM_TILE_DOT(Acc, C, A, B) _tile_dpbf16ps(C, A, B)
+#endif
+
+// One block: MA A tiles (16 rows each) x NB B tiles (16 columns each), over K in 64-byte
+// steps (32 bf16 or 64 int8 elements). a: the block's first row (row stride lda bytes);
+// b0, b1: tile (nb, 0) of the two column blocks in the packed weight (tile (nb, kb) is
+// 1 KiB after (nb, kb - 1)); c: an Acc [32, 32] buffer (row stride 32) that receives the
+// accumulators (float32 for bf16, int32 for u8 x s8).
+template <int MA, int NB, typename Acc>
+inline void block(const char* a, int64_t lda, const char* b0, const char* b1, int64_t kblocks, Acc* c) {
   _tile_zero(0);
   if constexpr (NB == 2) _tile_zero(1);
   if constexpr (MA == 2) _tile_zero(2);
   if constexpr (MA == 2 && NB == 2) _tile_zero(3);
-  const int64_t a_stride = lda * sizeof(bf16);
   for (int64_t kb = 0; kb < kblocks; ++kb) {
-    _tile_loadd(4, a + kb * 32, a_stride);
-    _tile_loadd(6, b0 + kb * 512, 64);
-    if constexpr (NB == 2) _tile_loadd(7, b1 + kb * 512, 64);
-    _tile_dpbf16ps(0, 4, 6);
-    if constexpr (NB == 2) _tile_dpbf16ps(1, 4, 7);
+    _tile_loadd(4, a + kb * 64, lda);
+    _tile_loadd(6, b0 + kb * 1024, 64);
+    if constexpr (NB == 2) _tile_loadd(7, b1 + kb * 1024, 64);
+    PAGEDLLM_TILE_DOT(Acc, 0, 4, 6);
+    if constexpr (NB == 2) PAGEDLLM_TILE_DOT(Acc, 1, 4, 7);
     if constexpr (MA == 2) {
-      _tile_loadd(5, a + 16 * lda + kb * 32, a_stride);
-      _tile_dpbf16ps(2, 5, 6);
-      if constexpr (NB == 2) _tile_dpbf16ps(3, 5, 7);
+      _tile_loadd(5, a + 16 * lda + kb * 64, lda);
+      PAGEDLLM_TILE_DOT(Acc, 2, 5, 6);
+      if constexpr (NB == 2) PAGEDLLM_TILE_DOT(Acc, 3, 5, 7);
     }
   }
   _tile_stored(0, c, 128);
@@ -122,106 +137,41 @@ inline __m256i round_bf16x16(__m512 v) {
   return _mm512_cvtepi32_epi16(r);
 }
 
-// Rows 0 .. rows-1 of the accumulators c (row stride 32), columns n0 .. n0+cols-1 of out
-// (cols 16 or 32), plus bias.
+// 16 float32 into out[0, 16) as OutT (float32, or bf16 rounded by round_bf16x16).
 template <typename OutT>
-void store_block(const float* c, int rows, int cols, int64_t n0, const float* bias, OutT* out, int64_t ldo) {
-  for (int r = 0; r < rows; ++r) {
-    for (int j = 0; j < cols; j += 16) {
-      __m512 v = _mm512_loadu_ps(c + r * 32 + j);
-      if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + n0 + j));
-      OutT* o = out + r * ldo + n0 + j;
-      if constexpr (std::is_same_v<OutT, float>) _mm512_storeu_ps(o, v);
-      else _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), round_bf16x16(v));
-    }
-  }
+inline void store16(OutT* o, __m512 v) {
+  if constexpr (std::is_same_v<OutT, float>) _mm512_storeu_ps(o, v);
+  else _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), round_bf16x16(v));
 }
 
+// The stores run() calls: store(c, rows, cols, m, n0) writes rows m .. m+rows-1 and
+// columns n0 .. n0+cols-1 (cols 16 or 32) of the result from the accumulators c (row
+// stride 32); Acc says which accumulators (and so which tile dot product) they take.
+
+// bf16: float32 accumulators plus bias, as OutT.
 template <typename OutT>
-void run(const bf16* x, int64_t M, int64_t K, const bf16* w, int64_t N, const float* bias, OutT* out) {
-  const int64_t kblocks = K / 32, nblocks = N / 16, pairs = (nblocks + 1) / 2;
-  const int64_t full = M / 32 * 32, tail = M - full;
-  // Rows are taken in chunks of about 256 KiB of x (a multiple of 32 rows), each chunk
-  // against all of a thread's column pairs, so that a big M re-reads x from L2 rather
-  // than from memory once per pair.
-  const int64_t mchunk = std::max<int64_t>(32, (256 * 1024 / (2 * K)) / 32 * 32);
-  // grain: about 128 K multiply-adds of work per task (decode's M = 1 still splits)
-  const int64_t grain = std::max<int64_t>(1, (1 << 17) / std::max<int64_t>(M * K * 32, 1));
-  at::parallel_for(0, pairs, grain, [&](int64_t p0, int64_t p1) {
-    load_config();
-    alignas(64) float c[32 * 32];
-    std::vector<bf16> pad;
-    if (tail) {   // the last rows, zero-padded to a whole tile (or two)
-      pad.assign((tail > 16 ? 32 : 16) * K, bf16(0.0f));
-      std::memcpy(pad.data(), x + full * K, tail * K * sizeof(bf16));
-    }
-    for (int64_t m0 = 0; m0 < M; m0 += mchunk) {
-      const int64_t m1 = std::min(full, m0 + mchunk);
-      const bool last = m0 + mchunk >= M;
-      for (int64_t p = p0; p < p1; ++p) {
-        const int64_t nb = 2 * p;
-        const bool two = nb + 1 < nblocks;
-        const bf16* b0 = w + nb * kblocks * 512;
-        const bf16* b1 = b0 + kblocks * 512;
-        const int cols = two ? 32 : 16;
-        for (int64_t m = m0; m < m1; m += 32) {
-          if (two) block<2, 2>(x + m * K, K, b0, b1, kblocks, c);
-          else block<2, 1>(x + m * K, K, b0, b1, kblocks, c);
-          store_block(c, 32, cols, nb * 16, bias, out + m * N, N);
-        }
-        if (!last || !tail) continue;
-        if (tail > 16) {
-          if (two) block<2, 2>(pad.data(), K, b0, b1, kblocks, c);
-          else block<2, 1>(pad.data(), K, b0, b1, kblocks, c);
-        } else {
-          if (two) block<1, 2>(pad.data(), K, b0, b1, kblocks, c);
-          else block<1, 1>(pad.data(), K, b0, b1, kblocks, c);
-        }
-        store_block(c, static_cast<int>(tail), cols, nb * 16, bias, out + full * N, N);
+struct StoreBias {
+  using Acc = float;
+  OutT* out;
+  int64_t ldo;
+  const float* bias;
+  void operator()(const float* c, int rows, int cols, int64_t m, int64_t n0) const {
+    for (int r = 0; r < rows; ++r)
+      for (int j = 0; j < cols; j += 16) {
+        __m512 v = _mm512_loadu_ps(c + r * 32 + j);
+        if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + n0 + j));
+        store16(out + (m + r) * ldo + n0 + j, v);
       }
-    }
-    _tile_release();
-  });
-}
-
-#ifdef PAGEDLLM_AMX_INT8
-// int8: the same walk with TDPBUSD (u8 x s8 -> int32; A's 64-byte rows are 64 uint8
-// activations, B's the VNNI4 layout [N/16, K/64, 16, 64] int8: tile (nb, kb) row r holds,
-// for the 16 columns n, the 4 weights w[16nb + n, 64kb + 4r .. 64kb + 4r + 3]). The int32
-// sums are exact, whatever the order: rows are batch-invariant whatever the blocking.
-// a, b0, b1 as in block(); c receives int32.
-template <int MA, int NB>
-inline void block_u8s8(const uint8_t* a, int64_t lda, const int8_t* b0, const int8_t* b1, int64_t kblocks,
-                       int32_t* c) {
-  _tile_zero(0);
-  if constexpr (NB == 2) _tile_zero(1);
-  if constexpr (MA == 2) _tile_zero(2);
-  if constexpr (MA == 2 && NB == 2) _tile_zero(3);
-  for (int64_t kb = 0; kb < kblocks; ++kb) {
-    _tile_loadd(4, a + kb * 64, lda);
-    _tile_loadd(6, b0 + kb * 1024, 64);
-    if constexpr (NB == 2) _tile_loadd(7, b1 + kb * 1024, 64);
-    _tile_dpbusd(0, 4, 6);
-    if constexpr (NB == 2) _tile_dpbusd(1, 4, 7);
-    if constexpr (MA == 2) {
-      _tile_loadd(5, a + 16 * lda + kb * 64, lda);
-      _tile_dpbusd(2, 5, 6);
-      if constexpr (NB == 2) _tile_dpbusd(3, 5, 7);
-    }
   }
-  _tile_stored(0, c, 128);
-  if constexpr (NB == 2) _tile_stored(1, c + 16, 128);
-  if constexpr (MA == 2) _tile_stored(2, c + 16 * 32, 128);
-  if constexpr (MA == 2 && NB == 2) _tile_stored(3, c + 16 * 32 + 16, 128);
-}
+};
 
 // Keeps the compiler (-ffast-math) from fusing the operations before and after it (e.g.
 // a multiply and an add into an FMA), so that each rounds as quant_act.cpp's epilogue does.
 inline void opaque512(__m512& v) { asm volatile("" : "+v"(v)); }
 
-// int32 accumulators -> float32 (rounded to nearest even where |acc| >= 2**24), into out
-// [M, ldo] at (m, n0).
+// u8 x s8: int32 accumulators -> float32 (rounded to nearest even where |acc| >= 2**24).
 struct StoreAcc {
+  using Acc = int32_t;
   float* out;
   int64_t ldo;
   void operator()(const int32_t* c, int rows, int cols, int64_t m, int64_t n0) const {
@@ -231,11 +181,12 @@ struct StoreAcc {
   }
 };
 
-// The W8A8 epilogue fused into the store: out[m, n] = (((float(acc) - comp[n]) * ws[n]) *
+// u8 x s8 with the W8A8 epilogue fused: out[m, n] = (((float(acc) - comp[n]) * ws[n]) *
 // rs[m]) (+ bias[n]), one IEEE operation at a time, rounded to OutT: the bits of
 // quant_act.cpp's int8_epilogue over the float32 sums.
 template <typename OutT>
 struct StoreEpilogue {
+  using Acc = int32_t;
   OutT* out;
   int64_t ldo;
   const float *comp, *ws, *rs, *bias;
@@ -253,29 +204,33 @@ struct StoreEpilogue {
           opaque512(v);
           v = _mm512_add_ps(v, _mm512_loadu_ps(bias + n0 + j));
         }
-        OutT* o = out + (m + r) * ldo + n0 + j;
-        if constexpr (std::is_same_v<OutT, float>) _mm512_storeu_ps(o, v);
-        else _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), round_bf16x16(v));
+        store16(out + (m + r) * ldo + n0 + j, v);
       }
     }
   }
 };
 
-// store(c, rows, cols, m, n0): rows m .. m+rows-1 and columns n0 .. n0+cols-1 of the result
-// from the int32 accumulators c (row stride 32).
+// out = x @ w.T for x [M, row_bytes] (bf16 or uint8 elements, row_bytes a multiple of 64)
+// and w packed [N/16, row_bytes/64, 16, 64 bytes], through store.
 template <typename Store>
-void run_u8s8(const uint8_t* x, int64_t M, int64_t K, const int8_t* w, int64_t N, const Store& store) {
-  const int64_t kblocks = K / 64, nblocks = N / 16, pairs = (nblocks + 1) / 2;
+void run(const char* x, int64_t M, int64_t row_bytes, const char* w, int64_t N, const Store& store) {
+  using Acc = typename Store::Acc;
+  const int64_t kblocks = row_bytes / 64, nblocks = N / 16, pairs = (nblocks + 1) / 2;
   const int64_t full = M / 32 * 32, tail = M - full;
-  const int64_t mchunk = std::max<int64_t>(32, (256 * 1024 / K) / 32 * 32);
-  const int64_t grain = std::max<int64_t>(1, (1 << 18) / std::max<int64_t>(M * K * 32, 1));
+  // Rows are taken in chunks of about 256 KiB of x (a multiple of 32 rows), each chunk
+  // against all of a thread's column pairs, so that a big M re-reads x from L2 rather
+  // than from memory once per pair.
+  const int64_t mchunk = std::max<int64_t>(32, (256 * 1024 / row_bytes) / 32 * 32);
+  // grain: about 128 K multiply-adds of bf16 (256 K of int8) per task; decode's M = 1
+  // still splits
+  const int64_t grain = std::max<int64_t>(1, (1 << 18) / std::max<int64_t>(M * row_bytes * 32, 1));
   at::parallel_for(0, pairs, grain, [&](int64_t p0, int64_t p1) {
     load_config();
-    alignas(64) int32_t c[32 * 32];
-    std::vector<uint8_t> pad;
-    if (tail) {   // padding rows of 0: their sums are discarded, never mixed with real rows
-      pad.assign((tail > 16 ? 32 : 16) * K, 0);
-      std::memcpy(pad.data(), x + full * K, tail * K);
+    alignas(64) Acc c[32 * 32];
+    std::vector<char> pad;
+    if (tail) {   // the last rows, zero-padded to a whole tile (or two): rows of a tile never mix
+      pad.assign((tail > 16 ? 32 : 16) * row_bytes, 0);
+      std::memcpy(pad.data(), x + full * row_bytes, tail * row_bytes);
     }
     for (int64_t m0 = 0; m0 < M; m0 += mchunk) {
       const int64_t m1 = std::min(full, m0 + mchunk);
@@ -283,21 +238,21 @@ void run_u8s8(const uint8_t* x, int64_t M, int64_t K, const int8_t* w, int64_t N
       for (int64_t p = p0; p < p1; ++p) {
         const int64_t nb = 2 * p;
         const bool two = nb + 1 < nblocks;
-        const int8_t* b0 = w + nb * kblocks * 1024;
-        const int8_t* b1 = b0 + kblocks * 1024;
+        const char* b0 = w + nb * kblocks * 1024;
+        const char* b1 = b0 + kblocks * 1024;
         const int cols = two ? 32 : 16;
         for (int64_t m = m0; m < m1; m += 32) {
-          if (two) block_u8s8<2, 2>(x + m * K, K, b0, b1, kblocks, c);
-          else block_u8s8<2, 1>(x + m * K, K, b0, b1, kblocks, c);
+          if (two) block<2, 2>(x + m * row_bytes, row_bytes, b0, b1, kblocks, c);
+          else block<2, 1>(x + m * row_bytes, row_bytes, b0, b1, kblocks, c);
           store(c, 32, cols, m, nb * 16);
         }
         if (!last || !tail) continue;
         if (tail > 16) {
-          if (two) block_u8s8<2, 2>(pad.data(), K, b0, b1, kblocks, c);
-          else block_u8s8<2, 1>(pad.data(), K, b0, b1, kblocks, c);
+          if (two) block<2, 2>(pad.data(), row_bytes, b0, b1, kblocks, c);
+          else block<2, 1>(pad.data(), row_bytes, b0, b1, kblocks, c);
         } else {
-          if (two) block_u8s8<1, 2>(pad.data(), K, b0, b1, kblocks, c);
-          else block_u8s8<1, 1>(pad.data(), K, b0, b1, kblocks, c);
+          if (two) block<1, 2>(pad.data(), row_bytes, b0, b1, kblocks, c);
+          else block<1, 1>(pad.data(), row_bytes, b0, b1, kblocks, c);
         }
         store(c, static_cast<int>(tail), cols, full, nb * 16);
       }
@@ -305,8 +260,6 @@ void run_u8s8(const uint8_t* x, int64_t M, int64_t K, const int8_t* w, int64_t N
     _tile_release();
   });
 }
-
-#endif  // PAGEDLLM_AMX_INT8
 
 }  // namespace
 #endif
@@ -347,10 +300,10 @@ torch::Tensor amx_bf16_linear(torch::Tensor x, torch::Tensor w_packed, std::opti
 #ifdef PAGEDLLM_AMX
   TORCH_CHECK(request_amx(), "amx_bf16_linear: the kernel has no AMX tile state (arch_prctl refused)");
   const float* bp = bias.has_value() ? b.data_ptr<float>() : nullptr;
-  const bf16* xp = reinterpret_cast<const bf16*>(x.data_ptr<at::BFloat16>());
-  const bf16* wp = reinterpret_cast<const bf16*>(w_packed.data_ptr<at::BFloat16>());
-  if (out_float32) run<float>(xp, M, K, wp, N, bp, out.data_ptr<float>());
-  else run<bf16>(xp, M, K, wp, N, bp, reinterpret_cast<bf16*>(out.data_ptr<at::BFloat16>()));
+  const char* xp = static_cast<const char*>(x.data_ptr());
+  const char* wp = static_cast<const char*>(w_packed.data_ptr());
+  if (out_float32) run(xp, M, 2 * K, wp, N, StoreBias<float>{out.data_ptr<float>(), N, bp});
+  else run(xp, M, 2 * K, wp, N, StoreBias<bf16>{reinterpret_cast<bf16*>(out.data_ptr<at::BFloat16>()), N, bp});
   return out;
 #else
   TORCH_CHECK(false, "amx_bf16_linear: the kernels were built without AMX-BF16 (not this CPU)");
@@ -370,7 +323,8 @@ torch::Tensor amx_u8s8_matmul(torch::Tensor x, torch::Tensor w_packed) {
   if (M == 0 || N == 0) return out;
 #ifdef PAGEDLLM_AMX_INT8
   TORCH_CHECK(amx_int8_available(), "amx_u8s8_matmul: no AMX tile state (arch_prctl refused)");
-  run_u8s8(x.data_ptr<uint8_t>(), M, K, w_packed.data_ptr<int8_t>(), N, StoreAcc{out.data_ptr<float>(), N});
+  run(static_cast<const char*>(x.data_ptr()), M, K, static_cast<const char*>(w_packed.data_ptr()), N,
+      StoreAcc{out.data_ptr<float>(), N});
   return out;
 #else
   TORCH_CHECK(false, "amx_u8s8_matmul: the kernels were built without AMX-INT8 (not this CPU)");
@@ -405,12 +359,12 @@ torch::Tensor amx_int8_linear(torch::Tensor x, torch::Tensor w_packed, torch::Te
   TORCH_CHECK(amx_int8_available(), "amx_int8_linear: no AMX tile state (arch_prctl refused)");
   const float *c = compensation.data_ptr<float>(), *ws = weight_scales.data_ptr<float>(),
               *rs = row_scales.data_ptr<float>();
+  const char* xp = static_cast<const char*>(x.data_ptr());
+  const char* wp = static_cast<const char*>(w_packed.data_ptr());
   if (out_bfloat16)
-    run_u8s8(x.data_ptr<uint8_t>(), M, K, w_packed.data_ptr<int8_t>(), N,
-             StoreEpilogue<bf16>{reinterpret_cast<bf16*>(out.data_ptr<at::BFloat16>()), N, c, ws, rs, bp});
+    run(xp, M, K, wp, N, StoreEpilogue<bf16>{reinterpret_cast<bf16*>(out.data_ptr<at::BFloat16>()), N, c, ws, rs, bp});
   else
-    run_u8s8(x.data_ptr<uint8_t>(), M, K, w_packed.data_ptr<int8_t>(), N,
-             StoreEpilogue<float>{out.data_ptr<float>(), N, c, ws, rs, bp});
+    run(xp, M, K, wp, N, StoreEpilogue<float>{out.data_ptr<float>(), N, c, ws, rs, bp});
   return out;
 #else
   TORCH_CHECK(false, "amx_int8_linear: the kernels were built without AMX-INT8 (not this CPU)");

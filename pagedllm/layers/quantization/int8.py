@@ -69,7 +69,7 @@ from torch import nn
 
 from pagedllm import envs
 from pagedllm.kernels.cpu import kernels_for, trace
-from pagedllm.layers.linear import LinearMethod
+from pagedllm.layers.linear import LinearMethod, amx_ops, amx_tiles_fit, pack_amx_tiles
 from pagedllm.layers.quantization.smoothquant import smoothing_factors
 
 logger = logging.getLogger("pagedllm")
@@ -288,28 +288,9 @@ def onednn_int8_available(device: torch.device | str) -> bool:
 
 def amx_int8_available(device: torch.device | str) -> bool:
     """Whether ``Int8W8A8LinearMethod`` on ``device`` multiplies through the project's AMX-INT8
-    kernel (``amx_u8s8_matmul``, ``kernels/csrc/amx_linear.cpp``): the CPU, the C++ kernels
-    built with AMX-INT8 (``-march=native`` on a CPU with it) and the process granted AMX
-    state, unless ``PAGEDLLM_AMX=0``. Never raises."""
-    if torch.device(device).type != "cpu" or not envs.amx_enabled():
-        return False
-    ops = kernels_for(device, torch.float32)
-    return ops is not None and hasattr(ops, "amx_int8_available") and bool(ops.amx_int8_available())
-
-
-def pack_amx_int8(qweight: torch.Tensor) -> torch.Tensor:
-    """int8 weights [N, K] (N % 16 == 0, K % 64 == 0) in AMX's B-tile layout for TDPBUSD,
-    [N/16, K/64, 16, 64] int8: element [nb, kb, r, 4 n + j] = qweight[16 nb + n, 64 kb + 4 r + j]
-    (Intel's AMX programming reference).
-
-    Raises:
-        ValueError: a shape the layout cannot hold.
-    """
-    n, k = qweight.shape
-    if n % 16 or k % 64:
-        raise ValueError(f"pack_amx_int8 needs N % 16 == 0 and K % 64 == 0, got a [{n}, {k}] weight")
-    w = qweight.to(torch.int8).reshape(n // 16, 16, k // 64, 16, 4)
-    return w.permute(0, 2, 3, 1, 4).contiguous().view(n // 16, k // 64, 16, 64)
+    kernels (``amx_int8_linear``, ``kernels/csrc/amx_linear.cpp``):
+    ``linear.amx_ops(device, "amx_int8_available")``. Never raises."""
+    return amx_ops(device, "amx_int8_available") is not None
 
 
 class Int8W8A8LinearMethod(LinearMethod):
@@ -328,7 +309,7 @@ class Int8W8A8LinearMethod(LinearMethod):
       (``weight_compensation``);
     - ``int8_backend``: "amx", "onednn" or "torch", the layer's own (``backend``, or
       ``fallback_backend`` for a shape AMX's tiles cannot hold);
-    - AMX: ``int8_amx_weight`` (``pack_amx_int8``);
+    - AMX: ``int8_amx_weight`` (``linear.pack_amx_tiles`` in int8);
     - oneDNN: ``int8_packed_weight`` (``qlinear_prepack``'s opaque tensor),
       ``int8_ones`` float32 [N] and ``int8_zero_points`` int64 [N] (what qlinear takes);
     - otherwise: ``int8_weight``, int8 [N, K].
@@ -424,11 +405,11 @@ class Int8W8A8LinearMethod(LinearMethod):
         layer.int8_weight_scale = scale
         layer.int8_compensation = weight_compensation(q, self.zero_point)
         backend = self.backend
-        if backend == "amx" and (q.shape[0] % 16 or q.shape[1] % 64):
+        if backend == "amx" and not amx_tiles_fit(*q.shape, torch.int8):
             backend = self.fallback_backend
         layer.int8_backend = backend
         if backend == "amx":
-            layer.int8_amx_weight = pack_amx_int8(q)
+            layer.int8_amx_weight = pack_amx_tiles(q, torch.int8)
         elif backend == "onednn":
             layer.int8_packed_weight = torch.ops.onednn.qlinear_prepack(q.contiguous(), None)
             layer.int8_ones = torch.ones_like(scale)
