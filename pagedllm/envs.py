@@ -11,7 +11,7 @@ it before the engine starts. Names, defaults and meanings:
 | ``PAGEDLLM_KERNEL_BUILD_WAIT_S`` | ``1200`` | seconds to wait for another process's kernel build |
 | ``TORCH_EXTENSIONS_DIR`` | ``~/.cache/torch_extensions`` | where the kernels are built (torch's own variable) |
 | ``PAGEDLLM_ONEDNN`` | ``1`` | ``0``: CPU float32 linear layers use ``F.linear`` instead of oneDNN-packed weights |
-| ``PAGEDLLM_AMX`` | ``1`` | ``0``: CPU bfloat16 linear layers do not use the AMX kernel (oneDNN computes them) |
+| ``PAGEDLLM_AMX`` | ``1`` | ``0``: the AMX kernels are not used: CPU bfloat16 linear layers and ``--quantization int8``'s matmuls go to oneDNN |
 | ``PAGEDLLM_BATCH_INVARIANT_PROBE`` | ``1`` | ``0``: skip the load-time check that each linear layer's rows are independent of the batch size (and the row-chunk wrapping of layers whose are not; ``layers/batch_invariance.py``) |
 | ``PAGEDLLM_ALLOW_LONG_MAX_MODEL_LEN`` | ``0`` | ``1``: allow ``max_model_len`` past the model's context |
 | ``PAGEDLLM_PROFILE_STEPS`` | ``5,20`` | ``START,NUM``: engine steps the torch.profiler trace covers |
@@ -55,7 +55,7 @@ def onednn_enabled() -> bool:
 
 
 def amx_enabled() -> bool:
-    """``PAGEDLLM_AMX=0`` turns the AMX bf16 linear kernel off (oneDNN computes instead)."""
+    """``PAGEDLLM_AMX=0`` turns the AMX kernels off (bf16 linears and int8 W8A8: oneDNN computes instead)."""
     return _get("PAGEDLLM_AMX", "1") != "0"
 
 

@@ -138,3 +138,16 @@ def test_get_linear_method_picks_amx_where_it_runs(monkeypatch):
     assert not amx_bf16_available(CPU, BF16)
     assert not isinstance(get_linear_method(CPU, BF16), AMXBF16LinearMethod)
     assert not amx_bf16_available(CPU, torch.float32)
+
+
+@needs_amx
+def test_zero_inputs_give_the_bias():
+    """K = 0 (an empty sum): every output is the bias (or 0), never a crash."""
+    b = torch.arange(48, dtype=torch.float32).to(BF16)
+    y = _ops().amx_bf16_linear(torch.empty(3, 0, dtype=BF16), torch.empty(3, 0, 16, 32, dtype=BF16), b, False)
+    assert torch.equal(y, b.expand(3, 48))
+    y = _ops().amx_int8_linear(torch.empty(3, 0, dtype=torch.uint8), torch.empty(3, 0, 16, 64, dtype=torch.int8),
+                               torch.zeros(48), torch.ones(48), torch.ones(3), None, False)
+    assert torch.equal(y, torch.zeros(3, 48))
+    assert _ops().amx_u8s8_matmul(torch.empty(2, 0, dtype=torch.uint8),
+                                  torch.empty(3, 0, 16, 64, dtype=torch.int8)).abs().sum() == 0

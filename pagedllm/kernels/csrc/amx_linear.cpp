@@ -220,7 +220,7 @@ void run(const char* x, int64_t M, int64_t row_bytes, const char* w, int64_t N, 
   // Rows are taken in chunks of about 256 KiB of x (a multiple of 32 rows), each chunk
   // against all of a thread's column pairs, so that a big M re-reads x from L2 rather
   // than from memory once per pair.
-  const int64_t mchunk = std::max<int64_t>(32, (256 * 1024 / row_bytes) / 32 * 32);
+  const int64_t mchunk = std::max<int64_t>(32, (256 * 1024 / std::max<int64_t>(row_bytes, 1)) / 32 * 32);
   // grain: about 128 K multiply-adds of bf16 (256 K of int8) per task; decode's M = 1
   // still splits
   const int64_t grain = std::max<int64_t>(1, (1 << 18) / std::max<int64_t>(M * row_bytes * 32, 1));
