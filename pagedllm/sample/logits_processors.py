@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedllm.kernels.cpu import load_cpu_kernels
+
 
 @dataclass
 class LogitsProcessorInputs:
@@ -102,7 +104,23 @@ def token_presence(history: torch.Tensor, prompt_len: torch.Tensor, length: torc
         (row int64 [M], token int64 [M], output count float32 [M]): each (row, token)
         seen in the row's prompt or output once, sorted by row then token; the count is
         its occurrences in the output (0 for a prompt-only token).
+
+    On the CPU with the C++ kernels built, their ``token_presence`` computes the same
+    three tensors row by row (a table of the vocabulary's counts per thread instead of a
+    ``torch.unique`` sort over every row's tokens: ~0.05 against 0.5 ms for 32 x 330).
     """
+    if history.device.type == "cpu":
+        ops = load_cpu_kernels()
+        if ops is not None:
+            rows, toks, counts = ops.token_presence(history.to(torch.int64), prompt_len, length, vocab_size)
+            return rows, toks, counts
+    return token_presence_torch(history, prompt_len, length, vocab_size)
+
+
+def token_presence_torch(history: torch.Tensor, prompt_len: torch.Tensor, length: torch.Tensor,
+                         vocab_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``token_presence`` in torch ops (a ``torch.unique`` over row * V + token): the path
+    off the CPU or without the C++ kernels, and the reference of the kernel's tests."""
     pos = torch.arange(history.shape[1], device=history.device).unsqueeze(0)
     valid = pos < length.unsqueeze(1)
     in_output = (pos >= prompt_len.unsqueeze(1)) & valid

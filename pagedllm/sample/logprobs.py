@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from pagedllm.messages import TokenLogprobs
-from pagedllm.sample.topk import topk_rows
+from pagedllm.sample.topk import topk_with_rank
 
 
 def raw_logprobs(logits: torch.Tensor) -> torch.Tensor:
@@ -32,17 +32,8 @@ def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: li
         return []
     chosen = logprobs.gather(1, token_ids.view(-1, 1)).squeeze(1)
     k = max(num_top)
-    if k > 0:
-        top_v, top_i = topk_rows(logprobs, k)
-        # a chosen token at least as likely as the k-th has all the more likely ones in
-        # the top k: its rank is read there; only the others count the whole vocabulary
-        ranks = (top_v > chosen.unsqueeze(1)).sum(dim=1) + 1
-        far = (chosen < top_v[:, -1]).nonzero().flatten()
-        if far.numel():
-            ranks[far] = (logprobs[far] > chosen[far].unsqueeze(1)).sum(dim=1) + 1
-        top_v, top_i = top_v.tolist(), top_i.tolist()
-    else:
-        ranks = (logprobs > chosen.unsqueeze(1)).sum(dim=1) + 1
+    top_v, top_i, ranks = topk_with_rank(logprobs, k, token_ids)
+    top_v, top_i = top_v.tolist(), top_i.tolist()
     ids, vals, rk = token_ids.tolist(), chosen.tolist(), ranks.tolist()
     out = []
     for i in range(N):

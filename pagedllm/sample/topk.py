@@ -11,10 +11,19 @@ k + 1 or lower), and ``topk`` runs over those k chunks' values only (32 x 49,152
 values as ``torch.topk`` (descending); among equal values the indices kept may differ,
 as ``torch.topk`` leaves that order unspecified. Row by row, so a row's result never
 depends on the other rows of the batch.
+
+Where the C++ CPU kernels are built (``pagedllm.kernels.cpu``), float32 rows on the CPU go
+to their ``topk_rows`` instead: one pass over the row, a vector compare against the
+current k-th value discarding nearly every element before a heap of the k best sees it
+(32 x 49,152 float32, 2 threads: ~0.1 against 0.26 ms for k = 5, 0.73 ms for k = 64), the
+rank of a given token counted in the same pass (``topk_with_rank``). Its order is fully
+defined: values descending, equal values by ascending index, NaN above +inf.
 """
 from __future__ import annotations
 
 import torch
+
+from pagedllm.kernels.cpu import load_cpu_kernels
 
 
 def chunk_size(k: int) -> int:
@@ -31,6 +40,18 @@ def topk_rows(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     Raises:
         RuntimeError: k > V (as ``torch.topk``).
     """
+    ops = _kernel_for(x)
+    if ops is not None:
+        if k > x.shape[1]:
+            raise RuntimeError(f"selected index k = {k} out of range for rows of {x.shape[1]}")
+        vals, idx = ops.topk_rows(x, k)
+        return vals, idx
+    return two_stage_topk(x, k)
+
+
+def two_stage_topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``topk_rows`` in torch ops (the chunk maxima, then ``topk`` over the k best chunks):
+    the path for other dtypes and devices, and the reference of the C++ kernel's tests."""
     N, V = x.shape
     chunk = chunk_size(k)
     n_chunks = V // chunk
@@ -46,6 +67,38 @@ def topk_rows(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         cols = torch.cat([cols, torch.arange(main, V, device=x.device).expand(N, V - main)], dim=1)
     vals, j = cand.topk(k, dim=1)
     return vals, cols.gather(1, j)
+
+
+def _kernel_for(x: torch.Tensor):
+    """The C++ kernels' module when it can take ``x`` (contiguous float32 on the CPU), else
+    None."""
+    if x.device.type != "cpu" or x.dtype != torch.float32 or not x.is_contiguous():
+        return None
+    return load_cpu_kernels()
+
+
+def topk_with_rank(x: torch.Tensor, k: int,
+                   chosen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``topk_rows(x, k)`` and each row's rank of ``x[i, chosen[i]]``: 1 + the number of
+    values of row i strictly greater than it (ordered comparison: a NaN never counts, and
+    a NaN chosen value ranks 1), as ``(x > x[i, chosen[i]]).sum() + 1``.
+
+    Args:
+        x: float [N, V]; k: 0..V; chosen: int64 [N], column indices in [0, V).
+
+    Returns:
+        (values [N, k] descending, indices int64 [N, k], ranks int64 [N]).
+
+    Raises:
+        RuntimeError: k > V, or a chosen index outside the row.
+    """
+    ops = _kernel_for(x)
+    if ops is not None:
+        vals, idx, ranks = ops.topk_rows(x, k, chosen.to(torch.int64).contiguous())
+        return vals, idx, ranks
+    c = x.gather(1, chosen.view(-1, 1))
+    vals, idx = topk_rows(x, k) if k > 0 else (x[:, :0], chosen.new_zeros(x.shape[0], 0))
+    return vals, idx, (x > c).sum(dim=1) + 1
 
 
 # Values per chunk of ``argmax_rows``.

@@ -64,4 +64,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("w_packed"), py::arg("compensation"), py::arg("weight_scales"),
         py::arg("row_scales"), py::arg("bias") = py::none(), py::arg("out_bfloat16") = false,
         py::call_guard<py::gil_scoped_release>());
+  m.def("topk_rows", &topk_rows,
+        "The k largest values of each row of float32 x [N, V] (descending; ties by ascending index; NaN "
+        "above +inf) and their indices int64 [N, k]; with chosen (int64 [N]) also each row's rank of "
+        "x[row, chosen[row]]: 1 + the count of larger values (int64 [N])",
+        py::arg("x"), py::arg("k"), py::arg("chosen") = py::none(), py::call_guard<py::gil_scoped_release>());
+  m.def("token_presence", &token_presence,
+        "The (row, token) pairs seen in history[i, :length[i]] (int64 [P, L]), sorted by row then token, "
+        "with each one's count at positions >= prompt_len[i] (float32): three tensors [M]",
+        py::arg("history"), py::arg("prompt_len"), py::arg("length"), py::arg("vocab_size"),
+        py::call_guard<py::gil_scoped_release>());
 }
