@@ -3,9 +3,11 @@ from __future__ import annotations
 
 import torch
 
-from pagedllm.sample.logits_processors import (LogitsProcessorInputs, process_logits,
+import pytest
+
+from pagedllm.sample.logits_processors import (LogitsProcessorInputs, RawLogitsSave, process_logits,
                                                token_presence)
-from pagedllm.sample.logprobs import gather_logprobs, raw_logprobs
+from pagedllm.sample.logprobs import gather_logprobs
 from pagedllm.sample.sampler import SamplingMetadata, compute_probs
 
 
@@ -77,8 +79,7 @@ def test_min_p_before_top_p():
 
 def test_gather_logprobs_ranks_and_top():
     logits = torch.tensor([[1.0, 3.0, 2.0, 0.0], [0.0, 0.0, 0.0, 5.0]])
-    lp = raw_logprobs(logits)
-    out = gather_logprobs(lp, torch.tensor([2, 3]), [2, 0])
+    out = gather_logprobs(logits, torch.tensor([2, 3]), [2, 0])
     ref = torch.log_softmax(logits, -1)
     assert out[0].token_ids == [2, 1, 2] and out[0].rank == 2
     assert torch.allclose(torch.tensor(out[0].logprobs), ref[0, [2, 1, 2]])
@@ -90,10 +91,66 @@ def test_gather_logprobs_rank_matches_a_full_count():
     and out of the top k, with ties."""
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(64, 300, generator=g).round(decimals=1)       # many ties
-    lp = raw_logprobs(logits)
+    lp = torch.log_softmax(logits, -1)
     chosen = torch.randint(0, 300, (64,), generator=g)
     chosen[:16] = lp.argmax(1)[:16]
     for k in ([0] * 64, [5] * 64, [1, 3, 20, 0] * 16):
-        out = gather_logprobs(lp, chosen, k)
+        out = gather_logprobs(logits, chosen, k)
         want = (lp > lp.gather(1, chosen.view(-1, 1))).sum(1) + 1
         assert [e.rank for e in out] == want.tolist()
+
+
+@pytest.mark.parametrize("V", [49152, 1000, 37])
+def test_gather_logprobs_values_equal_log_softmax(V):
+    """The logprobs read without a [N, V] log_softmax equal torch's log_softmax, chosen and
+    top tokens, on wide logits of a real vocabulary's size and on odd widths; a row's values
+    do not depend on the rows around it."""
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(9, V, generator=g) * 4
+    logits[3, 5] = 40.0                                   # a peaked row
+    chosen = torch.randint(0, V, (9,), generator=g)
+    out = gather_logprobs(logits, chosen, [5] * 9)
+    ref = torch.log_softmax(logits.double(), -1)
+    for i, e in enumerate(out):
+        want = ref[i, e.token_ids]
+        assert torch.allclose(torch.tensor(e.logprobs, dtype=torch.float64), want, atol=2e-5, rtol=1e-6)
+        assert e.token_ids[1:] == ref[i].topk(5).indices.tolist()
+        alone = gather_logprobs(logits[i: i + 1].clone(), chosen[i: i + 1], [5])[0]
+        assert alone.logprobs == e.logprobs and alone.token_ids == e.token_ids
+
+
+def test_gather_logprobs_nan_row_is_nan():
+    logits = torch.randn(2, 300)
+    logits[1, 7] = float("nan")
+    out = gather_logprobs(logits, torch.tensor([0, 0]), [1, 1])
+    assert all(v == v for v in out[0].logprobs)
+    assert all(v != v for v in out[1].logprobs)
+
+
+def test_raw_logits_save_gives_back_every_edited_value():
+    """Every kind of edit (allowed mask, grammar, banned pair, bias, penalties) is undone
+    in the rows asked for, and only processed values stay in the others."""
+    g = torch.Generator().manual_seed(2)
+    N, V = 5, 50
+    raw = torch.randn(N, V, generator=g)
+    mask = torch.zeros(1, V, dtype=torch.bool)
+    mask[0, :3] = True
+    seen = token_presence(torch.tensor([[4, 5, 6, 4]] * N), torch.full((N,), 1), torch.full((N,), 4), V)
+    inp = LogitsProcessorInputs(
+        allowed=(torch.tensor([1]), mask),
+        banned=(torch.tensor([0, 2]), torch.tensor([9, 10])),
+        bias=(torch.tensor([0, 3, 4]), torch.tensor([11, 12, 13]), torch.tensor([5.0, -3.0, 2.0])),
+        penalty_rows=torch.arange(N), seen=seen,
+        repetition=torch.full((N,), 1.3), frequency=torch.full((N,), 0.5), presence=torch.full((N,), 0.2))
+    for grammar in (False, True):
+        x = raw.clone()
+        keep = torch.tensor([0, 1, 3])
+        save = RawLogitsSave(x, inp, keep, grammar)
+        gm = (lambda t: t[:, 20:].fill_(float("-inf"))) if grammar else None
+        process_logits(x, inp, gm)
+        processed = x.clone()
+        assert not torch.equal(processed[keep], raw[keep])
+        save.restore(x)
+        assert torch.equal(x[keep], raw[keep])
+        others = torch.tensor([2, 4])
+        assert torch.equal(x[others], processed[others])

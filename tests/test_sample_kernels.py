@@ -6,7 +6,7 @@ import torch
 
 from pagedllm.kernels.cpu import load_cpu_kernels
 from pagedllm.sample.logits_processors import token_presence, token_presence_torch
-from pagedllm.sample.topk import topk_rows, topk_with_rank, two_stage_topk
+from pagedllm.sample.topk import topk_rank_lse, topk_rows, topk_with_rank, two_stage_topk
 
 ops = load_cpu_kernels()
 pytestmark = pytest.mark.skipif(ops is None, reason="C++ CPU kernels not built")
@@ -67,6 +67,30 @@ def test_rank_counts_strictly_greater_values(V, k, kind):
     assert torch.equal(ranks, (x > c).sum(dim=1) + 1)
     rv, ri = _reference(x, k)
     assert torch.equal(idx, ri)
+
+
+@pytest.mark.parametrize("V", [1, 7, 513, 1000, 49152])
+@pytest.mark.parametrize("k", [0, 5])
+@pytest.mark.parametrize("kind", ["randn", "ties", "special"])
+def test_log_softmax_normaliser_equals_torch(V, k, kind):
+    """shift and log_sum give torch's log_softmax as (x - shift) - log_sum; NaN rows NaN."""
+    if k > V:
+        pytest.skip("k > V")
+    x = _rows(kind, V, torch.Generator().manual_seed(V + k))
+    c = torch.zeros(9, dtype=torch.int64)
+    vals, idx, ranks, shift, log_sum = ops.topk_rows(x, k, c, True)
+    rv, ri, rr = topk_with_rank(x.t().contiguous().t(), k, c)          # the torch path
+    assert torch.equal(ranks, rr)
+    got = (x - shift.unsqueeze(1)) - log_sum.unsqueeze(1)
+    want = torch.log_softmax(x.double(), dim=1).float()
+    finite = torch.isfinite(want)
+    assert torch.allclose(got[finite], want[finite], atol=2e-5, rtol=1e-6)
+    assert torch.equal(torch.isnan(got), torch.isnan(want))
+    # the torch fallback of topk_rank_lse agrees
+    fb = topk_rank_lse(x.t().contiguous().t(), k, c)
+    assert torch.equal(torch.isnan(fb[3]), torch.isnan(shift))
+    ok = torch.isfinite(log_sum) & torch.isfinite(fb[4])
+    assert torch.allclose(fb[4][ok], log_sum[ok], atol=1e-5)
 
 
 def test_each_row_alone_equals_the_batch():

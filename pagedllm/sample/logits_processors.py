@@ -131,6 +131,60 @@ def token_presence_torch(history: torch.Tensor, prompt_len: torch.Tensor, length
     return uniq // vocab_size, uniq % vocab_size, counts
 
 
+class RawLogitsSave:
+    """The values ``process_logits`` will overwrite in some rows of the logits, taken
+    before it runs, so that ``restore`` gives those rows back their raw values after
+    sampling (the logprobs read the raw distribution). Sparse edits (banned pairs, logit
+    biases, penalised seen tokens) save just their (row, token) values; a row with a dense
+    mask (``allowed_token_ids``, or any row when a grammar bitmask will apply) saves the
+    whole row.
+
+    Args:
+        logits: float [N, V], not yet processed.
+        inp: the step's ``LogitsProcessorInputs``.
+        rows: int64 [R], the logit rows to give back.
+        grammar: whether a grammar bitmask will apply to ``logits``.
+    """
+
+    def __init__(self, logits: torch.Tensor, inp: LogitsProcessorInputs, rows: torch.Tensor,
+                 grammar: bool) -> None:
+        want = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
+        want[rows] = True
+        dense = torch.zeros_like(want)
+        if grammar:
+            dense = want.clone()
+        elif inp.allowed is not None:
+            dense[inp.allowed[0]] = True
+            dense &= want
+        self.dense_rows = torch.nonzero(dense).squeeze(1)
+        self.dense_vals = logits.index_select(0, self.dense_rows) if len(self.dense_rows) else None
+        pairs_r, pairs_t = [], []
+        if inp.banned is not None:
+            pairs_r.append(inp.banned[0])
+            pairs_t.append(inp.banned[1])
+        if inp.bias is not None:
+            pairs_r.append(inp.bias[0])
+            pairs_t.append(inp.bias[1])
+        if inp.penalty_rows is not None and inp.seen is not None:
+            pairs_r.append(inp.penalty_rows[inp.seen[0]])
+            pairs_t.append(inp.seen[1])
+        self.sparse = None
+        if pairs_r:
+            r, t = torch.cat(pairs_r), torch.cat(pairs_t)
+            keep = want[r] & ~dense[r]
+            r, t = r[keep], t[keep]
+            if r.numel():
+                self.sparse = (r, t, logits[r, t])
+
+    def restore(self, logits: torch.Tensor) -> None:
+        """Write the saved raw values back into ``logits``, in place."""
+        if self.sparse is not None:
+            r, t, v = self.sparse
+            logits[r, t] = v
+        if self.dense_vals is not None:
+            logits.index_copy_(0, self.dense_rows, self.dense_vals)
+
+
 def process_logits(logits: torch.Tensor, inp: LogitsProcessorInputs, grammar=None) -> None:
     """Steps 1-3 in order, in place on float logits [N, V]; ``grammar``: a callable that
     masks ``logits`` in place with the structured-output bitmask (or None)."""

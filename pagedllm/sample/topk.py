@@ -101,6 +101,34 @@ def topk_with_rank(x: torch.Tensor, k: int,
     return vals, idx, (x > c).sum(dim=1) + 1
 
 
+def topk_rank_lse(x: torch.Tensor, k: int, chosen: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``topk_with_rank(x, k, chosen)`` and each row's log-softmax normaliser, so that
+    ``log_softmax(x) = (x - shift) - log_sum`` row by row (torch's formula): ``shift`` the
+    row's maximum, ``log_sum`` = log sum_j exp(x[j] - shift). A row holding a NaN has a
+    NaN normaliser (as ``torch.log_softmax``'s row).
+
+    Args:
+        x: float32 [N, V] (other dtypes and devices through torch ops); k: 0..V;
+        chosen: int64 [N], column indices in [0, V).
+
+    Returns:
+        (values [N, k] descending, indices int64 [N, k], ranks int64 [N],
+        shift float32 [N], log_sum float32 [N]).
+
+    Raises:
+        RuntimeError: k > V, or a chosen index outside the row.
+    """
+    ops = _kernel_for(x)
+    if ops is not None:
+        return tuple(ops.topk_rows(x, k, chosen.to(torch.int64).contiguous(), True))
+    vals, idx, ranks = topk_with_rank(x, k, chosen)
+    xf = x.float()
+    shift = xf.amax(dim=1)
+    log_sum = (xf - shift.unsqueeze(1)).exp().sum(dim=1).log()
+    return vals, idx, ranks, shift, log_sum
+
+
 # Values per chunk of ``argmax_rows``.
 ARGMAX_CHUNK = 128
 

@@ -39,8 +39,8 @@ from pagedllm.config import EngineConfig
 from pagedllm.forward_context import set_forward_context
 from pagedllm.layers import bind_kv_cache, describe_compute_path, describe_kv_scales
 from pagedllm.messages import ModelRunnerOutput, SchedulerOutput
-from pagedllm.sample.logits_processors import LogitsProcessorInputs, process_logits, token_presence
-from pagedllm.sample.logprobs import gather_logprobs, raw_logprobs
+from pagedllm.sample.logits_processors import LogitsProcessorInputs, RawLogitsSave, process_logits, token_presence
+from pagedllm.sample.logprobs import gather_logprobs
 from pagedllm.sample.rejection_sampler import RejectionSampler
 from pagedllm.sample.sampler import Sampler, SamplingMetadata
 from pagedllm.spec_decode.adaptive import AdaptiveDraftLength
@@ -337,8 +337,10 @@ class ModelRunner:
 
     def _sample(self, so, hidden, req_ids, rows, qsl, sample_idx, num_draft, spec, sampled, logprobs_out) -> None:
         """Sample the requests of ``sample_idx`` (indices into this step's order): one
-        logit row per plain request, k + 1 per request verifying k drafts. Raw logprobs
-        first, then ``process_logits``, then ``Sampler`` / ``RejectionSampler``; fills
+        logit row per plain request, k + 1 per request verifying k drafts. What
+        ``process_logits`` will overwrite in the logprob rows is saved first, then the
+        processing, ``Sampler`` / ``RejectionSampler``, the raw values written back and the
+        logprobs read from them; fills
         ``sampled`` and ``logprobs_out`` and appends the tokens to the batch."""
         b = self.input_batch
         dev = self.device
@@ -353,15 +355,16 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden.index_select(0, torch.from_numpy(idx).to(dev)))
         n_lp = b.num_logprobs[lrows]
         lp_rows = np.flatnonzero(n_lp >= 0)
-        raw = None
-        if len(lp_rows):
-            raw = raw_logprobs(logits if len(lp_rows) == len(lrows)
-                               else logits.index_select(0, torch.from_numpy(lp_rows).to(dev)))
         grammar = None
         if so.grammar_bitmask is not None:
             row_req_ids = [req_ids[i] for i, c in zip(sample_idx.tolist(), counts.tolist()) for _ in range(c)]
             grammar = lambda x: self._apply_grammar_bitmask(x, row_req_ids, so)  # noqa: E731
-        process_logits(logits, self._processor_inputs(lrows, lens), grammar)
+        proc_inp = self._processor_inputs(lrows, lens)
+        # logprobs read the raw logits: what processing overwrites in their rows is kept
+        # and written back after sampling (the samplers only read ``logits``)
+        raw_save = (RawLogitsSave(logits, proc_inp, torch.from_numpy(lp_rows).to(dev), grammar is not None)
+                    if len(lp_rows) else None)
+        process_logits(logits, proc_inp, grammar)
         chosen = np.zeros(len(lrows), dtype=np.int64)   # token chosen at each logit row (-1: none)
         chosen[:] = -1
         plain = nd == 0
@@ -389,11 +392,14 @@ class ModelRunner:
                 chosen[f: f + len(toks)] = toks
                 sampled[i] = toks
                 self.draft_length.record(req_ids[i], len(d), len(toks) - 1)
-        if raw is not None:
+        if raw_save is not None:
+            raw_save.restore(logits)
             keep = chosen[lp_rows] >= 0
             if keep.any():
-                # every row kept (no rejected drafts): the rows as they are, no [N, V] copy
-                ent = gather_logprobs(raw if keep.all() else raw[torch.from_numpy(np.flatnonzero(keep)).to(dev)],
+                # every logit row wanted and kept (no rejected drafts): no [N, V] copy
+                sel = lp_rows[keep]
+                ent = gather_logprobs(logits if len(sel) == len(lrows) else
+                                      logits.index_select(0, torch.from_numpy(sel).to(dev)),
                                       torch.from_numpy(chosen[lp_rows][keep]).to(dev),
                                       n_lp[lp_rows][keep].tolist())
                 owner = np.repeat(sample_idx, counts)[lp_rows][keep]
@@ -416,9 +422,8 @@ class ModelRunner:
             if hi <= lo:
                 continue
             h = hidden[int(qsl[i]) + lo - int(ctx[i]): int(qsl[i]) + hi - int(ctx[i])]
-            lp = raw_logprobs(self.model.compute_logits(h))
             nxt = torch.from_numpy(b.token_ids[r, lo + 1: hi + 1].astype(np.int64)).to(self.device)
-            out[rid] = gather_logprobs(lp, nxt, [int(b.num_prompt_logprobs[r])] * (hi - lo))
+            out[rid] = gather_logprobs(self.model.compute_logits(h), nxt, [int(b.num_prompt_logprobs[r])] * (hi - lo))
             self._prompt_lp_sent[rid] = hi
         return out
 

@@ -67,8 +67,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("topk_rows", &topk_rows,
         "The k largest values of each row of float32 x [N, V] (descending; ties by ascending index; NaN "
         "above +inf) and their indices int64 [N, k]; with chosen (int64 [N]) also each row's rank of "
-        "x[row, chosen[row]]: 1 + the count of larger values (int64 [N])",
-        py::arg("x"), py::arg("k"), py::arg("chosen") = py::none(), py::call_guard<py::gil_scoped_release>());
+        "x[row, chosen[row]]: 1 + the count of larger values (int64 [N]); with lse also each row's maximum m "
+        "and log sum exp(x - m) (float32 [N] each; log_softmax = (x - m) - log_sum). Returned in that order",
+        py::arg("x"), py::arg("k"), py::arg("chosen") = py::none(), py::arg("lse") = false, py::call_guard<py::gil_scoped_release>());
   m.def("token_presence", &token_presence,
         "The (row, token) pairs seen in history[i, :length[i]] (int64 [P, L]), sorted by row then token, "
         "with each one's count at positions >= prompt_len[i] (float32): three tensors [M]",

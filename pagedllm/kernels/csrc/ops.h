@@ -41,6 +41,6 @@ torch::Tensor amx_int8_linear(torch::Tensor x, torch::Tensor w_packed, torch::Te
                               torch::Tensor weight_scales, torch::Tensor row_scales,
                               std::optional<torch::Tensor> bias, bool out_bfloat16);
 // sample_ops.cpp
-std::vector<torch::Tensor> topk_rows(torch::Tensor x, int64_t k, std::optional<torch::Tensor> chosen);
+std::vector<torch::Tensor> topk_rows(torch::Tensor x, int64_t k, std::optional<torch::Tensor> chosen, bool lse);
 std::vector<torch::Tensor> token_presence(torch::Tensor history, torch::Tensor prompt_len, torch::Tensor length,
                                           int64_t vocab_size);

@@ -1,7 +1,8 @@
 // Row-wise selection kernels of the sampler and the logprobs (sample/topk.py,
 // sample/logprobs.py, sample/logits_processors.py): the k largest values of each row of
 // float32 logits [N, V] with their indices, optionally the rank of a given token in the
-// same pass; and the tokens a sequence has seen with their output counts (the inputs of
+// same pass and the row's log-softmax normaliser (its maximum and log sum exp(x - max))
+// while the row is still in cache; and the tokens a sequence has seen with their output counts (the inputs of
 // the repetition / frequency / presence penalties).
 //
 // Why: each full pass over 32 x 49,152 float32 logits through torch ops costs 0.2-0.9 ms
@@ -19,6 +20,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -142,9 +144,41 @@ void topk_row(const float* x, int64_t V, int64_t k, int64_t chosen, std::vector<
   if (rank) *rank = 1 + greater;
 }
 
+// The log-softmax normaliser of row x[0:V) whose largest value is m:
+// log sum_j exp(x[j] - m), so that log_softmax(x)[j] = (x[j] - m) - result (torch's
+// formula). The differences go through a fixed scratch chunk (the same alignment and
+// lengths for every row of a given V) and are summed by sum_f32's fixed tree, so the
+// value depends on the row alone.
+constexpr int64_t kExpChunk = 512;
+float log_sum_exp_shifted(const float* x, int64_t V, float m, float* scratch) {
+  float total = 0.f;
+  for (int64_t j0 = 0; j0 < V; j0 += kExpChunk) {
+    const int64_t n = std::min<int64_t>(kExpChunk, V - j0);
+    for (int64_t i = 0; i < n; ++i) scratch[i] = expf(x[j0 + i] - m);
+    total += pagedllm::sum_f32(scratch, n);
+  }
+  return logf(total);
+}
+
+// NaN test on the bits (-ffast-math lets the compiler assume x == x)
+inline bool is_nan(float x) {
+  uint32_t b;
+  std::memcpy(&b, &x, 4);
+  return (b & 0x7fffffffu) > 0x7f800000u;
+}
+
+float row_max(const float* x, int64_t V) {
+  float m = -INFINITY;
+  for (int64_t j = 0; j < V; ++j) {
+    if (is_nan(x[j])) return x[j];   // NaN: the normaliser is NaN, as torch's
+    m = x[j] > m ? x[j] : m;
+  }
+  return m;
+}
+
 }  // namespace
 
-std::vector<torch::Tensor> topk_rows(torch::Tensor x, int64_t k, std::optional<torch::Tensor> chosen) {
+std::vector<torch::Tensor> topk_rows(torch::Tensor x, int64_t k, std::optional<torch::Tensor> chosen, bool lse) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous() && x.device().is_cpu(),
               "topk_rows: x must be a contiguous float32 CPU tensor [N, V]");
   const int64_t N = x.size(0), V = x.size(1);
@@ -167,14 +201,36 @@ std::vector<torch::Tensor> topk_rows(torch::Tensor x, int64_t k, std::optional<t
   float* vp = vals.data_ptr<float>();
   int64_t* ip = idx.data_ptr<int64_t>();
   int64_t* rp = cp ? ranks.data_ptr<int64_t>() : nullptr;
+  torch::Tensor shift, log_sum;
+  float *sp = nullptr, *lp = nullptr;
+  if (lse) {
+    shift = torch::empty({N}, x.options());
+    log_sum = torch::empty({N}, x.options());
+    sp = shift.data_ptr<float>();
+    lp = log_sum.data_ptr<float>();
+  }
   at::parallel_for(0, N, 1, [&](int64_t lo, int64_t hi) {
     std::vector<Cand> buf;
     buf.reserve(std::max<int64_t>(2 * k, k + 64) + 1);
-    for (int64_t r = lo; r < hi; ++r)
-      topk_row(xp + r * V, V, k, cp ? cp[r] : -1, buf, vp + r * k, ip + r * k, rp ? rp + r : nullptr);
+    std::vector<float> scratch(lse ? kExpChunk : 0);
+    for (int64_t r = lo; r < hi; ++r) {
+      const float* row = xp + r * V;
+      topk_row(row, V, k, cp ? cp[r] : -1, buf, vp + r * k, ip + r * k, rp ? rp + r : nullptr);
+      if (lse) {
+        // the top value is the maximum (a NaN, if any, ranks first and makes it NaN)
+        const float m = k > 0 ? vp[r * k] : row_max(row, V);
+        sp[r] = m;
+        lp[r] = (is_nan(m) || V == 0) ? m : log_sum_exp_shifted(row, V, m, scratch.data());
+      }
+    }
   });
-  if (cp) return {vals, idx, ranks};
-  return {vals, idx};
+  std::vector<torch::Tensor> out{vals, idx};
+  if (cp) out.push_back(ranks);
+  if (lse) {
+    out.push_back(shift);
+    out.push_back(log_sum);
+  }
+  return out;
 }
 
 std::vector<torch::Tensor> token_presence(torch::Tensor history, torch::Tensor prompt_len, torch::Tensor length,
