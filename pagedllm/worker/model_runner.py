@@ -45,7 +45,7 @@ from pagedllm.sample.rejection_sampler import RejectionSampler
 from pagedllm.sample.sampler import Sampler, SamplingMetadata
 from pagedllm.spec_decode.adaptive import AdaptiveDraftLength
 from pagedllm.structured_output import apply_token_bitmask, unpack_bitmask
-from pagedllm.utils import cdiv, empty_cpu_hugepages
+from pagedllm.utils import cdiv
 from pagedllm.worker.input_batch import CachedRequestState, InputBatch
 from pagedllm.worker.prefill import calibrate_smoothquant
 
@@ -125,12 +125,12 @@ class ModelRunner:
         shape = self.attn.kv_cache_shape(kvc.layers_per_block, num_blocks, self.block_size,
                                          a.num_key_value_heads, a.head_dim)
         # Uninitialised on purpose (a 4 GiB zero-fill costs seconds at start-up): the
-        # attention backends only read slots that were written. On the CPU, in huge
-        # pages: decode attention reads it at random block addresses.
-        if self.device.type == "cpu":
-            self.kv_cache = empty_cpu_hugepages(shape, self.kv_cache_dtype)
-        else:
-            self.kv_cache = torch.empty(shape, dtype=self.kv_cache_dtype, device=self.device)
+        # attention backends only read slots that were written. In normal pages, not
+        # huge pages: on the project's VMs a fresh 2 MiB page took ~5 ms to fault in
+        # (2 ms/MiB against 0.4 for 4 KiB pages), stalling the K/V write of the step that
+        # first reached it, for ~6 % of a 32 x 128-token run, where huge pages saved
+        # only 2-4 % of decode attention's time (docs/benchmarks.md, section 6).
+        self.kv_cache = torch.empty(shape, dtype=self.kv_cache_dtype, device=self.device)
         bind_kv_cache(self.model, self.kv_cache, self.attn, self.layer_cache_slot, self.layer_attn_group)
         if self.proposer is not None:
             self.proposer.initialize_kv_cache(num_blocks, self.block_size)
