@@ -13,12 +13,13 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from pagedllm.entrypoints.llm import LLM
     from pagedllm.outputs import CompletionOutput, RequestOutput
-    from pagedllm.sampling_params import SamplingParams
+    from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput"]
 __version__ = "0.1.0"
 
 _LAZY = {"LLM": "pagedllm.entrypoints.llm", "SamplingParams": "pagedllm.sampling_params",
+         "StructuredOutputsParams": "pagedllm.sampling_params",
          "RequestOutput": "pagedllm.outputs", "CompletionOutput": "pagedllm.outputs"}
 
 

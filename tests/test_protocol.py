@@ -7,6 +7,7 @@ from pydantic import ValidationError
 
 from pagedllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
                                                   describe_validation_error)
+from pagedllm.errors import InvalidParameterError
 
 
 def _error(model, body: dict) -> tuple[str, str | None]:
@@ -184,3 +185,31 @@ def test_all_optional_fields_null_at_once():
 ])
 def test_null_for_unknown_or_required_fields_is_still_refused(model, body, message, param):
     assert _error(model, body) == (message, param)
+
+
+@pytest.mark.parametrize("json_schema, message", [
+    ({"schema": {"type": "object"}}, "missing required parameter: response_format.json_schema.name"),
+    ({"name": "a b", "schema": {"type": "object"}},
+     "invalid value for response_format.json_schema.name: String should match pattern '^[A-Za-z0-9_-]{1,64}$'"),
+    ({"name": "x" * 65, "schema": {"type": "object"}},
+     "invalid value for response_format.json_schema.name: String should match pattern '^[A-Za-z0-9_-]{1,64}$'"),
+])
+def test_json_schema_needs_a_name(json_schema, message):
+    """As OpenAI's API (and vLLM's): ``json_schema.name`` is required, a-z A-Z 0-9 _ -, <= 64."""
+    body = {"messages": [{"role": "user", "content": "hi"}],
+            "response_format": {"type": "json_schema", "json_schema": json_schema}}
+    assert _error(ChatCompletionRequest, body) == (message, "response_format")
+    ok = {**body, "response_format": {"type": "json_schema", "json_schema": {**json_schema, "name": "ok_1-x"}}}
+    assert ChatCompletionRequest.model_validate(ok).response_format.json_schema.name == "ok_1-x"
+
+
+@pytest.mark.parametrize("model, body", [(CompletionRequest, {"prompt": "x"}),
+                                         (ChatCompletionRequest, {"messages": [{"role": "user", "content": "hi"}]})])
+def test_stream_options_only_with_stream(model, body):
+    r = model.model_validate({**body, "stream_options": {"include_usage": True}})
+    with pytest.raises(InvalidParameterError) as e:
+        r.check_supported()
+    assert e.value.param == "stream_options" and "only allowed when stream is true" in str(e.value)
+    for ok in ({"stream": True, "stream_options": {"include_usage": True}}, {"stream": None, "stream_options": None},
+               {"stream": False}):
+        model.model_validate({**body, **ok}).check_supported()

@@ -485,3 +485,84 @@ def test_render_with_smollm2_template(smollm_tokenizer):
     # without the rewrite the same template would silently drop them
     plain = tok.apply_chat_template(normalize_chat_messages(CONVERSATION), tools=tools, tokenize=False)
     assert "get_weather" not in plain.replace("What is the weather", "")
+
+
+# --------------------------------------------------------------------------------------
+# ChatTools, tool_choice "auto": streamed and whole completions give the same message
+# --------------------------------------------------------------------------------------
+def _auto_tools(names=("get_weather", "get_time", "f", "now", "translate", "a", "b", "x")):
+    from types import SimpleNamespace
+
+    from pagedllm.entrypoints.openai.chat_tools import ChatTools
+
+    tools = [{"type": "function", "function": {"name": n, "parameters": {"type": "object"}}} for n in names]
+    body = SimpleNamespace(tools=tools, tool_choice="auto", parallel_tool_calls=True, functions=None,
+                           function_call=None, chat_template=None, response_format=None, structured_outputs=None)
+    return ChatTools(body, engine=None, enable_auto_tool_choice=True, tool_call_parser="hermes")
+
+
+def _streamed_message(text: str, cuts: list[int], finish_reason: str = "stop"):
+    """(content, [(name, arguments)], finish reason, deltas) of ``text`` streamed in the cuts."""
+    from pagedllm.outputs import CompletionOutput
+
+    ct = _auto_tools()
+    bounds = [0, *cuts, len(text)]
+    deltas = []
+    for a, b in zip(bounds, bounds[1:]):
+        deltas.append(ct.stream(0, text[a:b], b == len(text)))
+    content, calls = "", []
+    for d in (x for ds in deltas for x in ds):
+        if "content" in d:
+            content += d["content"]
+            continue
+        (tc,) = d["tool_calls"]
+        if "id" in tc:
+            assert ID.fullmatch(tc["id"]) and tc["function"]["arguments"] == "" and tc["index"] == len(calls)
+            calls.append([tc["function"]["name"], ""])
+        else:
+            calls[tc["index"]][1] += tc["function"]["arguments"]
+    reason = ct.finish_reason(CompletionOutput(index=0, text=text, token_ids=[], finish_reason=finish_reason))
+    return content or None, [tuple(c) for c in calls], reason, deltas
+
+
+def _whole_message(text: str, finish_reason: str = "stop"):
+    from pagedllm.outputs import CompletionOutput
+
+    msg, reason = _auto_tools().message(CompletionOutput(index=0, text=text, token_ids=[],
+                                                         finish_reason=finish_reason))
+    calls = [(t["function"]["name"], t["function"]["arguments"]) for t in msg.get("tool_calls", [])]
+    return msg["content"] or None, calls, reason     # "" and None: no content
+
+
+UNDECLARED = '<tool_call>\n{"name": "launch_rocket", "arguments": {"x": 1}}\n</tool_call>'
+
+
+@pytest.mark.parametrize("text", [t for p, t, *_ in WELL_FORMED + PLAIN + MALFORMED if p == "hermes"] + [
+    UNDECLARED, f"<tool_call>{W}</tool_call>\n{UNDECLARED}",
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"\n</tool_call>',   # the helper's case
+])
+def test_auto_streaming_gives_the_whole_completions_message(text):
+    """Whatever the cuts, a streamed "auto" completion makes exactly the calls and content
+    of the same completion read whole: a malformed call or one to an undeclared function
+    is content in both (never a call with broken arguments), finish_reason alike."""
+    whole = _whole_message(text)
+    for how, cuts in _splits(text):
+        content, calls, reason, _ = _streamed_message(text, cuts)
+        assert (content, calls, reason) == whole, how
+
+
+def test_auto_undeclared_function_and_broken_arguments_are_content():
+    assert _whole_message(UNDECLARED) == (UNDECLARED, [], "stop")
+    broken = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"\n</tool_call>'
+    assert _whole_message(broken) == (broken, [], "stop")
+    ok = f"Let me check.\n<tool_call>{W}</tool_call>"
+    assert _whole_message(ok) == ("Let me check.", [("get_weather", '{"city": "Paris"}')], "tool_calls")
+    assert _whole_message("") == (None, [], "stop")
+
+
+def test_auto_streaming_sends_content_before_a_call_at_once():
+    text = f"Let me check. <tool_call>{W}</tool_call>"
+    cut = text.index("<tool_call>") + 3
+    _, calls, reason, deltas = _streamed_message(text, [cut])
+    assert deltas[0] == [{"content": "Let me check."}]      # not held until the end
+    assert calls == [("get_weather", '{"city": "Paris"}')] and reason == "tool_calls"

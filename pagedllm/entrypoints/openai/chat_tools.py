@@ -10,7 +10,11 @@ Modes, from the checked ``tool_choice`` (``tool_calls.request``):
   name, then its arguments, once the output is complete (the JSON is only known to be
   whole at the end);
 - ``auto``: the server must run with ``--enable-auto-tool-choice --tool-call-parser P``
-  (as vLLM's); the output is read by parser P, incrementally when streaming. A model
+  (as vLLM's); the output is read by parser P. A completion makes calls only when every
+  call parses and names a function of ``tools``; otherwise all of it is content. Streaming
+  gives the same result as the whole completion: content is sent as it comes until a call
+  begins; from there the text is held, and at the end it goes out as the calls (each one's
+  id and name, then its arguments) with any content after them, or as content. A model
   whose chat template cannot show tools gets them in Hermes format in its system prompt
   (``tool_calls.rendering``), so its output is read with the ``hermes`` parser, and the
   client is told in the ``X-PagedLLM-Warning`` response header.
@@ -55,7 +59,7 @@ class ChatTools:
                                '--tool-call-parser; send tool_choice "required", a named function or "none"')
         self.parser_name = tool_call_parser
         self.note: str | None = None
-        self._parsers: dict[int, object] = {}
+        self._streams: dict[int, _AutoStream] = {}
         self._constrained_text: dict[int, str] = {}
         self._streamed_calls: set[int] = set()
 
@@ -105,10 +109,24 @@ class ChatTools:
             if calls is None:
                 return {"role": "assistant", "content": c.text}, c.finish_reason
             return self._calls_message(None, calls), "tool_calls"
-        got = get_tool_parser(self.parser_name)().extract_tool_calls(c.text)
-        if not got.tools_called:
+        got = self._auto_calls(c.text)
+        if got is None:
             return {"role": "assistant", "content": c.text}, c.finish_reason
         return self._calls_message(got.content, got.tool_calls), "tool_calls"
+
+    def _auto_calls(self, text: str):
+        """The calls parser P reads in a whole completion ``text`` (an ``ExtractedToolCalls``
+        with ``tools_called``), or None when it makes none: no call, a malformed one, or a
+        call to a function that ``tools`` does not declare (then the text is content)."""
+        got = get_tool_parser(self.parser_name)().extract_tool_calls(text)
+        if not got.tools_called:
+            return None
+        declared = {t["function"]["name"] for t in self.req.tools}
+        unknown = sorted({t.name for t in got.tool_calls} - declared)
+        if unknown:
+            logger.info("tool call to undeclared function(s) %s returned as content", ", ".join(unknown))
+            return None
+        return got
 
     def _constrained_calls(self, c: CompletionOutput) -> list[ToolCall] | None:
         """The forced calls, or None when the output was cut before the JSON closed."""
@@ -144,13 +162,33 @@ class ChatTools:
                                             "function": {"name": t.name, "arguments": ""}}]})
                 out.append({"tool_calls": [{"index": i, "function": {"arguments": t.arguments}}]})
             return out
-        p = self._parsers.get(index)
-        if p is None:
-            p = self._parsers[index] = get_tool_parser(self.parser_name)()
-        out = p.extract_streaming(delta_text) if delta_text else []
-        if done:
-            out += p.finish()
-        return out
+        st = self._streams.get(index)
+        if st is None:
+            st = self._streams[index] = _AutoStream(get_tool_parser(self.parser_name)())
+        st.text += delta_text
+        out: list[dict] = []
+        if not st.holding:
+            got = st.parser.extract_streaming(delta_text) if delta_text else []
+            if done:
+                got += st.parser.finish()
+            for d in got:
+                if "content" not in d:
+                    st.holding = True      # a call began: the rest waits for the end
+                    break
+                out.append(d)
+                st.sent += d["content"]
+        if not done or not st.holding:
+            return out
+        st.result = self._auto_calls(st.text)
+        if st.result is None:              # not calls after all: the held text is content
+            rest = st.text[len(st.sent):]
+            return out + ([{"content": rest}] if rest else [])
+        for i, t in enumerate(st.result.tool_calls):
+            out.append({"tool_calls": [{"index": i, "id": t.id, "type": "function",
+                                        "function": {"name": t.name, "arguments": ""}}]})
+            out.append({"tool_calls": [{"index": i, "function": {"arguments": t.arguments}}]})
+        rest = (st.result.content or "")[len(st.sent):]
+        return out + ([{"content": rest}] if rest else [])
 
     def finish_reason(self, c: CompletionOutput) -> str | None:
         """A streamed sequence's finish reason: ``tool_calls`` when it made calls."""
@@ -159,5 +197,18 @@ class ChatTools:
         if self.mode == "constrained":
             made = c.index in self._streamed_calls
             return "tool_calls" if made and c.finish_reason == "stop" else c.finish_reason
-        p = self._parsers.get(c.index)
-        return "tool_calls" if p is not None and p.tool_calls else c.finish_reason
+        st = self._streams.get(c.index)
+        return "tool_calls" if st is not None and st.result is not None else c.finish_reason
+
+
+class _AutoStream:
+    """One streamed sequence under ``tool_choice`` "auto": its parser, the whole text so
+    far, the content already sent, whether a call began (the text is then held), and the
+    calls read at the end (None: none)."""
+
+    def __init__(self, parser):
+        self.parser = parser
+        self.text = ""
+        self.sent = ""
+        self.holding = False
+        self.result = None

@@ -78,7 +78,8 @@ class StructuredOutputsField(_Strict):
 
 
 class JsonSchemaFormat(_Strict):
-    name: str = "response"
+    # OpenAI's rule for the name: required, a-z A-Z 0-9 _ -, at most 64 characters
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
     description: str | None = None
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")
     strict: bool | None = None
@@ -132,6 +133,9 @@ class _SamplingFields(_Strict):
 
     def check_supported(self) -> None:
         """Raises InvalidParameterError naming a field set to a value we would ignore."""
+        if self.stream_options is not None and not self.stream:
+            # as OpenAI and vLLM: options of a stream on a request that does not stream
+            raise InvalidParameterError("stream_options", "stream_options is only allowed when stream is true")
         for name, ok in self._NEUTRAL.items():
             if not ok(getattr(self, name)):
                 why = self._WHY.get(name)

@@ -42,7 +42,9 @@ def chat_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]], k: in
 def completion_logprobs(token_ids: list[int], entries: list[dict[int, Logprob] | None], k: int,
                         token_text=str, start: int = 0) -> dict:
     """``choices[i].logprobs`` of a completion: parallel lists ``tokens``,
-    ``token_logprobs``, ``top_logprobs`` (a dict token text -> logprob, k of them) and
+    ``token_logprobs``, ``top_logprobs`` (a dict token text -> logprob: the k most likely,
+    then the position's own token when it is not among them, so up to k + 1, as OpenAI's
+    legacy API and vLLM "always return the logprob of the sampled token") and
     ``text_offset`` (characters into the choice's text, the first at ``start``). An entry of None (the first
     prompt token, with ``echo``) has null logprobs; its text comes from ``token_text``
     (a callable: token id -> text)."""
@@ -60,7 +62,9 @@ def completion_logprobs(token_ids: list[int], entries: list[dict[int, Logprob] |
         lp = e[t]
         tokens.append(lp.decoded_token)
         lps.append(_logprob(lp.logprob))
-        tops.append({x.decoded_token: _logprob(x.logprob) for _, x in _top(e, k)})
+        top = {x.decoded_token: _logprob(x.logprob) for _, x in _top(e, k)}
+        top.setdefault(lp.decoded_token, _logprob(lp.logprob))
+        tops.append(top)
         offsets.append(pos)
         pos += len(lp.decoded_token)
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
