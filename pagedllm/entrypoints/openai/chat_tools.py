@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import logging
 
-from pagedllm.entrypoints.openai.tool_calls import (FALLBACK_PARSER, ConstrainedOutputError, ToolCall,
-                                                    get_tool_parser, parse_constrained_output,
+from pagedllm.entrypoints.openai.tool_calls import (FALLBACK_PARSER, ConstrainedOutputError, ExtractedToolCalls,
+                                                    ToolCall, get_tool_parser, parse_constrained_output,
                                                     render_messages_for_template, template_supports_tools,
                                                     tool_choice_json_schema, validate_tool_request)
 from pagedllm.errors import InvalidParameterError
@@ -114,7 +114,7 @@ class ChatTools:
             return {"role": "assistant", "content": c.text}, c.finish_reason
         return self._calls_message(got.content, got.tool_calls), "tool_calls"
 
-    def _auto_calls(self, text: str):
+    def _auto_calls(self, text: str) -> ExtractedToolCalls | None:
         """The calls parser P reads in a whole completion ``text`` (an ``ExtractedToolCalls``
         with ``tools_called``), or None when it makes none: no call, a malformed one, or a
         call to a function that ``tools`` does not declare (then the text is content)."""
@@ -139,6 +139,17 @@ class ChatTools:
             return None
 
     @staticmethod
+    def _call_deltas(calls: list[ToolCall]) -> list[dict]:
+        """Whole calls as OpenAI's streamed deltas: per call its id and name, then its
+        arguments in one fragment."""
+        out = []
+        for i, t in enumerate(calls):
+            out.append({"tool_calls": [{"index": i, "id": t.id, "type": "function",
+                                        "function": {"name": t.name, "arguments": ""}}]})
+            out.append({"tool_calls": [{"index": i, "function": {"arguments": t.arguments}}]})
+        return out
+
+    @staticmethod
     def _calls_message(content: str | None, calls: list[ToolCall]) -> dict:
         return {"role": "assistant", "content": content, "tool_calls": [t.to_openai() for t in calls]}
 
@@ -156,12 +167,7 @@ class ChatTools:
             except ConstrainedOutputError:   # cut by max_tokens before the JSON closed
                 return [{"content": text}] if text else []
             self._streamed_calls.add(index)
-            out = []
-            for i, t in enumerate(calls):
-                out.append({"tool_calls": [{"index": i, "id": t.id, "type": "function",
-                                            "function": {"name": t.name, "arguments": ""}}]})
-                out.append({"tool_calls": [{"index": i, "function": {"arguments": t.arguments}}]})
-            return out
+            return self._call_deltas(calls)
         st = self._streams.get(index)
         if st is None:
             st = self._streams[index] = _AutoStream(get_tool_parser(self.parser_name)())
@@ -183,10 +189,7 @@ class ChatTools:
         if st.result is None:              # not calls after all: the held text is content
             rest = st.text[len(st.sent):]
             return out + ([{"content": rest}] if rest else [])
-        for i, t in enumerate(st.result.tool_calls):
-            out.append({"tool_calls": [{"index": i, "id": t.id, "type": "function",
-                                        "function": {"name": t.name, "arguments": ""}}]})
-            out.append({"tool_calls": [{"index": i, "function": {"arguments": t.arguments}}]})
+        out += self._call_deltas(st.result.tool_calls)
         rest = (st.result.content or "")[len(st.sent):]
         return out + ([{"content": rest}] if rest else [])
 
