@@ -269,6 +269,8 @@ class SpeculativeConfig:
         if method == "draft_model":
             if not d.get("model"):
                 raise bad("method draft_model needs 'model' (the draft model's path)")
+            if not isinstance(d["model"], str):
+                raise bad(f"model must be the draft model's path (a string), got {d['model']!r}")
             if not os.path.exists(d["model"]):
                 raise bad(f"draft model path {d['model']!r} does not exist")
         for name, lo in (("suffix_decoding_max_tree_depth", 1), ("suffix_decoding_max_cached_requests", 0)):
@@ -463,7 +465,10 @@ class EngineConfig:
 
         args.validate()
         path = args.model or default_model_path()
-        arch = load_arch_config(path)
+        try:
+            arch = load_arch_config(path)
+        except ValueError as e:   # the loader does not know which flag gave the path
+            raise InvalidParameterError("model", f"--model: {e}") from None
         get_model_class(arch)  # fail early on an unknown architecture
         device = resolve_device(args.device)
         dtype = resolve_dtype(args.dtype, device, arch)

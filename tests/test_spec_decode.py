@@ -238,6 +238,7 @@ def test_greedy_output_unchanged_in_bfloat16(make_llm, prompts, model_path, tiny
     ('{"method": "ngram", "num_speculative_tokens": 3, "typo": 1}', "unknown key"),
     ('{"method": "draft_model", "num_speculative_tokens": 3}', "needs 'model'"),
     ('{"method": "draft_model", "model": "/nonexistent", "num_speculative_tokens": 3}', "does not exist"),
+    ('{"method": "draft_model", "model": ["/tmp"], "num_speculative_tokens": 3}', "model must be the draft model's path"),
     ("[1, 2]", "JSON object"),
     ('{"method": "ngram", "num_speculative_tokens": 3, "model": "/x"}', "only apply to method 'draft_model'"),
     ('{"method": "suffix", "prompt_lookup_min": 2}', "only apply to method 'ngram'"),
@@ -265,6 +266,7 @@ def test_unloadable_draft_model_names_speculative_config(path):
     with pytest.raises(InvalidParameterError, match="speculative_config: draft model") as e:
         EngineConfig.from_args(EngineArgs(dtype="float32", device="cpu", speculative_config=spec))
     assert e.value.param == "speculative_config"
+    assert "--model" not in str(e.value)     # the draft's path is not the --model flag's
 
 
 def test_draft_with_another_vocabulary_is_refused(tmp_path):

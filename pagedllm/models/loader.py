@@ -90,7 +90,7 @@ def load_arch_config(path: str) -> ModelArchConfig:
         return config_from_gguf(_gguf_reader(path))
     if os.path.isdir(path):
         return config_from_hf_dir(path)
-    raise ValueError(f"--model must be a .gguf file or a HF model directory, got {path!r}")
+    raise ValueError(f"{path!r} is neither a .gguf file nor a HF model directory")
 
 
 def _unpermute_rope(w: np.ndarray, n_head: int) -> np.ndarray:
