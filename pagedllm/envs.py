@@ -12,6 +12,7 @@ it before the engine starts. Names, defaults and meanings:
 | ``TORCH_EXTENSIONS_DIR`` | ``~/.cache/torch_extensions`` | where the kernels are built (torch's own variable) |
 | ``PAGEDLLM_ONEDNN`` | ``1`` | ``0``: CPU float32 linear layers use ``F.linear`` instead of oneDNN-packed weights |
 | ``PAGEDLLM_AMX`` | ``1`` | ``0``: the AMX kernels are not used: CPU bfloat16 linear layers and ``--quantization int8``'s matmuls go to oneDNN |
+| ``PAGEDLLM_AVX2_INT8`` | ``1`` | ``0``: ``--quantization int8`` on a CPU without AMX-INT8 or VNNI multiplies through oneDNN (7-bit weights) instead of the project's AVX2 kernel |
 | ``PAGEDLLM_BATCH_INVARIANT_PROBE`` | ``1`` | ``0``: skip the load-time check that each linear layer's rows are independent of the batch size (and the row-chunk wrapping of layers whose are not; ``layers/batch_invariance.py``) |
 | ``PAGEDLLM_ALLOW_LONG_MAX_MODEL_LEN`` | ``0`` | ``1``: allow ``max_model_len`` past the model's context |
 | ``PAGEDLLM_PROFILE_STEPS`` | ``5,20`` | ``START,NUM``: engine steps the torch.profiler trace covers |
@@ -57,6 +58,11 @@ def onednn_enabled() -> bool:
 def amx_enabled() -> bool:
     """``PAGEDLLM_AMX=0`` turns the AMX kernels off (bf16 linears and int8 W8A8: oneDNN computes instead)."""
     return _get("PAGEDLLM_AMX", "1") != "0"
+
+
+def avx2_int8_enabled() -> bool:
+    """``PAGEDLLM_AVX2_INT8=0`` turns the AVX2 int8 W8A8 kernel off (oneDNN computes instead)."""
+    return _get("PAGEDLLM_AVX2_INT8", "1") != "0"
 
 
 def batch_invariant_probe_enabled() -> bool:

@@ -15,6 +15,7 @@ from pagedllm.layers.batch_invariance import probe_row_invariance
 from pagedllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, ReplicatedLinear, pack_amx_tiles
 from pagedllm.layers.quantization import int8
 from pagedllm.layers.quantization.int8 import (ACT_RANGES, Int8W8A8LinearMethod, amx_int8_available,
+                                               avx2_int8_available, pack_int8_avx2,
                                                epilogue_ref, int8_matmul_ref, onednn_exact, onednn_exact_bits,
                                                onednn_int8_available, quantize_per_token,
                                                quantize_per_token_ref, quantize_weight_per_channel,
@@ -23,6 +24,8 @@ from pagedllm.platform import cpu_features
 
 ROWS = (1, 3, 17, 64, 300)
 needs_onednn = pytest.mark.skipif(not onednn_int8_available("cpu"), reason="oneDNN int8 matmul unavailable")
+needs_avx2 = pytest.mark.skipif(not avx2_int8_available("cpu"),
+                                reason="no AVX2 on this CPU (or PAGEDLLM_AVX2_INT8=0, or no C++ kernels)")
 needs_amx = pytest.mark.skipif(not amx_int8_available("cpu"),
                                reason="no AMX-INT8 on this CPU (or PAGEDLLM_AMX=0, or no C++ kernels)")
 
@@ -337,7 +340,7 @@ def test_exactness_probe_agrees_with_the_isa():
     assert onednn_exact(8, 8) == int32_dot    # int16 pair sums saturate without VNNI/AMX
     if not int32_dot:
         with pytest.raises(ValueError, match="not exact"):
-            Int8W8A8LinearMethod("cpu", weight_bits=8, act_bits=8)
+            Int8W8A8LinearMethod("cpu", weight_bits=8, act_bits=8, backend="onednn")
         assert (Int8W8A8LinearMethod("cpu", act_bits=7, backend="onednn").name
                 == "int8 W8A8 (oneDNN u8s8, 7-bit activations)")
 
@@ -481,3 +484,125 @@ def test_quantizer_with_smoothing_is_the_product_then_quantized(ops, dtype):
         q, sc = quantize_per_token(xx, 127, 128, s)
         want_q, want_sc = quantize_per_token_ref(xx * s, 127, 128)
         assert torch.equal(q, want_q) and torch.equal(sc, want_sc)
+
+
+# ------------------------------------------------------------------------ AVX2
+
+
+def test_avx2_int8_pack_layout():
+    q = (torch.arange(20 * 12) % 255 - 127).to(torch.int8).reshape(20, 12)
+    p = pack_int8_avx2(q)
+    assert p.shape == (2, 3, 16, 4) and p.dtype == torch.int8
+    for t, g4, j, i in [(0, 0, 0, 0), (0, 0, 0, 3), (0, 2, 7, 1), (1, 1, 3, 2)]:
+        assert p[t, g4, j, i] == q[16 * t + j, 4 * g4 + i]
+    assert (p[1, :, 4:] == 0).all()      # columns past N are zero
+    with pytest.raises(ValueError, match="K % 4"):
+        pack_int8_avx2(torch.zeros(16, 6, dtype=torch.int8))
+
+
+def _avx2_linear(ops, x, q, zp, bias=None, bf16=False, seven=False):
+    n = q.shape[0]
+    ws = torch.rand(n, generator=torch.Generator().manual_seed(n)) + 0.5
+    rs = torch.rand(x.shape[0], generator=torch.Generator().manual_seed(x.shape[0])) + 0.5
+    comp = weight_compensation(q, zp)
+    got = ops.avx2_int8_linear(x, pack_int8_avx2(q), q.to(torch.int32).sum(1, dtype=torch.int32), zp, comp, ws,
+                               rs, bias, bf16, seven)
+    want = epilogue_ref(int8_matmul_ref(x, q), comp, ws, rs, bias, torch.bfloat16 if bf16 else torch.float32)
+    return got, want
+
+
+@needs_avx2
+@pytest.mark.parametrize("m", ROWS)
+def test_avx2_int8_linear_is_the_epilogue_of_the_exact_sums(ops, m):
+    """Bit for bit the torch reference (integer sums, then the epilogue), on both paths:
+    8-bit weights (where vpmaddubsw's pair sums would saturate without the sign trick) and
+    7-bit ones (multiplied directly): random values, the extremes all along a row (sums
+    past 2**24, rounded once), columns not a multiple of 16, 7-bit activations (zero point
+    64), with and without bias, float32 and bfloat16."""
+    g = torch.Generator().manual_seed(m)
+    for k, n in ((4, 1), (64, 48), (576, 203), (1536, 576)):
+        for wmax, seven in ((127, False), (63, True)):
+            q = torch.randint(-wmax, wmax + 1, (n, k), generator=g, dtype=torch.int8)
+            q[0] = wmax
+            if n > 1:
+                q[1] = -wmax
+            x = torch.randint(1, 256, (m, k), generator=g, dtype=torch.uint8)
+            x[0] = 255
+            if m > 1:
+                x[1] = 1
+            bias = torch.randn(n, generator=g)
+            for b, bf in ((None, False), (bias, False), (bias, True)):
+                got, want = _avx2_linear(ops, x, q, 128, b, bf, seven)
+                assert got.dtype == want.dtype and torch.equal(got, want), (k, n, wmax, b is None, bf)
+            x7 = torch.randint(1, 128, (m, k), generator=g, dtype=torch.uint8)
+            got, want = _avx2_linear(ops, x7, q, 64, seven=seven)
+            assert torch.equal(got, want)
+
+
+@needs_avx2
+def test_avx2_int8_linear_errors(ops):
+    q = torch.zeros(16, 8, dtype=torch.int8)
+    x, f = torch.zeros(2, 8, dtype=torch.uint8), torch.ones(16)
+    cs = torch.zeros(16, dtype=torch.int32)
+    with pytest.raises(ValueError, match="columns"):
+        ops.avx2_int8_linear(torch.zeros(2, 12, dtype=torch.uint8), pack_int8_avx2(q), cs, 128, f, f, torch.ones(2))
+    with pytest.raises(ValueError, match="row_scales"):
+        ops.avx2_int8_linear(x, pack_int8_avx2(q), cs, 128, f, f, torch.ones(3))
+    with pytest.raises(ValueError, match="colsum"):
+        ops.avx2_int8_linear(x, pack_int8_avx2(q), torch.zeros(17, dtype=torch.int32), 128, torch.ones(17),
+                             torch.ones(17), torch.ones(2))     # 17 columns need two tiles
+    with pytest.raises(ValueError, match="zero_point"):
+        ops.avx2_int8_linear(x, pack_int8_avx2(q), cs, 300, f, f, torch.ones(2))
+
+
+@needs_avx2
+@pytest.mark.parametrize("weight_bits", [None, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m", ROWS)
+def test_avx2_backend_gives_the_torch_backends_bits(dtype, m, weight_bits):
+    """The AVX2 backend's layer output equals the torch backend's at the same widths bit
+    for bit (7-bit weights by default, 8 on request), and its rows are batch-invariant (on
+    two threads too)."""
+    k, n = 576, 203
+    avx2 = _layer(k, n, bias=True, dtype=dtype, seed=m, backend="avx2", weight_bits=weight_bits)
+    bits = avx2.linear_method.weight_bits
+    assert bits == (weight_bits or 7) and avx2.linear_method.act_bits == 8
+    ref = _layer(k, n, bias=True, dtype=dtype, seed=m, backend="torch", weight_bits=bits)
+    for layer in (avx2, ref):
+        layer.linear_method.process_weights_after_loading(layer)
+    assert avx2.int8_backend == "avx2"
+    assert avx2.linear_method.name == ("int8 W8A8 (AVX2 u8s8)" if bits == 8 else
+                                       "int8 W8A8 (AVX2 u8s8, 7-bit weights)")
+    x = _acts(m, k, dtype, seed=m)
+    assert torch.equal(avx2(x), ref(x))
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert probe_row_invariance(avx2, k, dtype, "cpu", [1, 2, 3, 4, 5, 16, 17, 64, 300]) == []
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_avx2
+def test_avx2_backend_is_the_default_without_vnni_and_falls_back_for_odd_inputs():
+    f = cpu_features()
+    method = Int8W8A8LinearMethod("cpu")
+    if f.amx_int8:
+        assert method.backend == "amx"
+    elif not (f.avx512_vnni or f.avx_vnni):
+        assert method.backend == "avx2" and method.name == "int8 W8A8 (AVX2 u8s8, 7-bit weights)"
+    layer = _layer(30, 20, bias=True, seed=1, backend="avx2")     # K % 4 != 0
+    layer.linear_method.process_weights_after_loading(layer)
+    assert layer.int8_backend == layer.linear_method.fallback_backend != "avx2"
+    want = _layer(30, 20, bias=True, seed=1, backend="torch", weight_bits=7)
+    want.linear_method.process_weights_after_loading(want)
+    x = _acts(5, 30, torch.float32, seed=2)
+    assert torch.equal(layer(x), want(x))
+
+
+def test_avx2_backend_refused_where_it_cannot_run(monkeypatch):
+    monkeypatch.setenv("PAGEDLLM_AVX2_INT8", "0")
+    assert not avx2_int8_available("cpu")
+    with pytest.raises(ValueError, match="backend='avx2'"):
+        Int8W8A8LinearMethod("cpu", backend="avx2")
+    assert Int8W8A8LinearMethod("cpu").backend != "avx2"

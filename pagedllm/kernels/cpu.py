@@ -45,7 +45,7 @@ _TOOLCHAIN = ("ninja", "c++", "g++", "gcc", "cc", "cc1plus", "cc1", "as", "ld", 
 
 _CSRC = os.path.join(os.path.dirname(__file__), "csrc")
 _SOURCES = ("bindings.cpp", "paged_attention_cpu.cpp", "cpu_ops.cpp", "quant_act.cpp", "block_quant.cpp",
-            "amx_linear.cpp", "sample_ops.cpp")
+            "amx_linear.cpp", "int8_linear_avx2.cpp", "sample_ops.cpp")
 
 
 _NO_TRACE = contextlib.nullcontext()

@@ -64,6 +64,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("w_packed"), py::arg("compensation"), py::arg("weight_scales"),
         py::arg("row_scales"), py::arg("bias") = py::none(), py::arg("out_bfloat16") = false,
         py::call_guard<py::gil_scoped_release>());
+  m.def("avx2_int8_available", &avx2_int8_available, "Whether avx2_int8_linear runs here: built with AVX2 and FMA");
+  m.def("avx2_int8_linear", &avx2_int8_linear,
+        "The int8 W8A8 linear on AVX2: exact int32 sums acc = x @ w.T of uint8 x [M, K] (q + zero_point) and "
+        "int8 w packed [ceil(N/16), K/4, 16, 4] (K % 4 == 0; colsum int32 [N] = each weight row's sum), then "
+        "out = (((float(acc) - compensation[n]) * weight_scales[n]) * row_scales[m]) (+ bias[n]), bfloat16 or "
+        "float32: the bits of int8_epilogue over the same sums. seven_bit_weights: the caller guarantees |w| <= 63 "
+        "(then a faster path that multiplies the uint8 x directly)",
+        py::arg("x"), py::arg("w_packed"), py::arg("colsum"), py::arg("zero_point"), py::arg("compensation"),
+        py::arg("weight_scales"), py::arg("row_scales"), py::arg("bias") = py::none(),
+        py::arg("out_bfloat16") = false, py::arg("seven_bit_weights") = false,
+        py::call_guard<py::gil_scoped_release>());
   m.def("topk_rows", &topk_rows,
         "The k largest values of each row of float32 x [N, V] (descending; ties by ascending index; NaN "
         "above +inf) and their indices int64 [N, k]; with chosen (int64 [N]) also each row's rank of "

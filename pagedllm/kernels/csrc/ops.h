@@ -40,6 +40,11 @@ torch::Tensor amx_u8s8_matmul(torch::Tensor x, torch::Tensor w_packed);
 torch::Tensor amx_int8_linear(torch::Tensor x, torch::Tensor w_packed, torch::Tensor compensation,
                               torch::Tensor weight_scales, torch::Tensor row_scales,
                               std::optional<torch::Tensor> bias, bool out_bfloat16);
+// int8_linear_avx2.cpp
+bool avx2_int8_available();
+torch::Tensor avx2_int8_linear(torch::Tensor x, torch::Tensor w_packed, torch::Tensor colsum, int64_t zero_point,
+                               torch::Tensor compensation, torch::Tensor weight_scales, torch::Tensor row_scales,
+                               std::optional<torch::Tensor> bias, bool out_bfloat16, bool seven_bit_weights);
 // sample_ops.cpp
 std::vector<torch::Tensor> topk_rows(torch::Tensor x, int64_t k, std::optional<torch::Tensor> chosen, bool lse);
 std::vector<torch::Tensor> token_presence(torch::Tensor history, torch::Tensor prompt_len, torch::Tensor length,

@@ -50,6 +50,16 @@ AMX. On a CPU with AMX-INT8 (the Intel Xeon) the project's own kernel computes
 tiles, int32 sums, exact at 8 and 8 bits): the same values as oneDNN's, without the
 oneDNN primitive torch builds on every ``qlinear_pointwise`` call.
 
+AVX2. On a CPU without AMX-INT8 or VNNI (the project's AMD EPYC: AVX2 only) the project's
+AVX2 kernel (``avx2_int8_linear``, ``kernels/csrc/int8_linear_avx2.cpp``) computes the
+sums and fuses the epilogue: the same values as the torch reference's, without oneDNN's
+per-call primitive. By default it takes 7-bit weights, as oneDNN must here, and multiplies
+the uint8 activations directly (1.1-1.5x oneDNN's u8s8 at 64-2048 rows, ~6x at one row);
+with ``weight_bits=8`` it keeps all 8 bits through the sign trick of ggml's q8_0 dot (|w|
+times q with w's sign, each pair at most 2 x 127 x 127: no saturation), one operation a
+pair more (0.8-1.0x oneDNN's speed). ``PAGEDLLM_AVX2_INT8=0`` sends the method back to
+oneDNN. Where VNNI is present, oneDNN (``vpdpbusd``) stays the default.
+
 Elsewhere (CUDA, a torch without oneDNN, ``PAGEDLLM_ONEDNN=0``, or a CPU where no width is
 exact) ``int8_matmul_ref`` computes the same ``float(acc)`` with float32 matmuls of
 integer-valued tensors in K-chunks small enough to be exact, at 8 and 8 bits.
@@ -293,6 +303,41 @@ def amx_int8_available(device: torch.device | str) -> bool:
     return amx_ops(device, "amx_int8_available") is not None
 
 
+def avx2_int8_available(device: torch.device | str) -> bool:
+    """Whether ``Int8W8A8LinearMethod`` on ``device`` can multiply through the project's AVX2
+    kernel (``avx2_int8_linear``, ``kernels/csrc/int8_linear_avx2.cpp``): the CPU, the C++
+    kernels built with AVX2 and FMA, and ``PAGEDLLM_AVX2_INT8`` not 0. Never raises."""
+    if torch.device(device).type != "cpu" or not envs.avx2_int8_enabled():
+        return False
+    ops = kernels_for(torch.device(device), torch.float32)
+    return ops is not None and hasattr(ops, "avx2_int8_available") and bool(ops.avx2_int8_available())
+
+
+def avx2_int8_fits(in_features: int) -> bool:
+    """Whether the AVX2 kernel's layout holds a weight with ``in_features`` inputs (groups
+    of 4; any number of outputs)."""
+    return in_features % 4 == 0
+
+
+def pack_int8_avx2(qweight: torch.Tensor) -> torch.Tensor:
+    """An int8 weight [N, K] (K % 4 == 0) in the AVX2 kernel's layout,
+    [ceil(N/16), K/4, 16, 4]: element [t, g, j, i] = qweight[16 t + j, 4 g + i], zero for
+    rows past N (``kernels/csrc/int8_linear_avx2.cpp``).
+
+    Raises:
+        ValueError: not a 2-D int8 tensor, or K not a multiple of 4.
+    """
+    if qweight.dim() != 2 or qweight.dtype != torch.int8:
+        raise ValueError(f"qweight must be a 2-D int8 tensor, got {tuple(qweight.shape)} {qweight.dtype}")
+    n, k = qweight.shape
+    if not avx2_int8_fits(k):
+        raise ValueError(f"pack_int8_avx2 needs K % 4 == 0, got a [{n}, {k}] weight")
+    tiles = -(-n // 16)
+    w = torch.zeros(tiles * 16, k, dtype=torch.int8)
+    w[:n] = qweight
+    return w.reshape(tiles, 16, k // 4, 4).permute(0, 2, 1, 3).contiguous()
+
+
 class Int8W8A8LinearMethod(LinearMethod):
     """int8 weights (per-output-channel scales, quantized at load from the float checkpoint
     weights) times dynamically quantized per-token int8 activations; see the module
@@ -307,9 +352,11 @@ class Int8W8A8LinearMethod(LinearMethod):
 
     - ``int8_weight_scale``: float32 [N]; ``int8_compensation``: float32 [N]
       (``weight_compensation``);
-    - ``int8_backend``: "amx", "onednn" or "torch", the layer's own (``backend``, or
+    - ``int8_backend``: "amx", "avx2", "onednn" or "torch", the layer's own (``backend``, or
       ``fallback_backend`` for a shape AMX's tiles cannot hold);
     - AMX: ``int8_amx_weight`` (``linear.pack_amx_tiles`` in int8);
+    - AVX2: ``int8_avx2_weight`` (``pack_int8_avx2``) and ``int8_colsum`` int32 [N]
+      (each weight row's sum);
     - oneDNN: ``int8_packed_weight`` (``qlinear_prepack``'s opaque tensor),
       ``int8_ones`` float32 [N] and ``int8_zero_points`` int64 [N] (what qlinear takes);
     - otherwise: ``int8_weight``, int8 [N, K].
@@ -319,11 +366,12 @@ class Int8W8A8LinearMethod(LinearMethod):
 
     Args:
         device: where the layers' weights live; picks the backend once: the AMX-INT8 kernel
-            where ``amx_int8_available``, else oneDNN on the CPU where
+            where ``amx_int8_available``, else the AVX2 kernel where ``avx2_int8_available``
+            and oneDNN is not exact at 8 and 8 bits (no VNNI), else oneDNN on the CPU where
             ``onednn_int8_available``, else the torch ops.
         weight_bits, act_bits: 8 or 7 each; None: the backend's most accurate exact
             choice (oneDNN: ``onednn_exact_bits()``; torch: 8 and 8).
-        backend: "amx", "onednn" or "torch" to choose instead of by ``device``.
+        backend: "amx", "avx2", "onednn" or "torch" to choose instead of by ``device``.
         smooth_alpha: SmoothQuant's migration strength (``smoothquant.py``), or None for
             none. With it the method ``needs_calibration``: ``models.registry.build_model``
             sets ``layer.int8_act_amax`` (``calibrate_input_amax``) before
@@ -334,12 +382,13 @@ class Int8W8A8LinearMethod(LinearMethod):
 
     Raises:
         ValueError: bits not 7, 8 or None; smooth_alpha outside [0, 1]; ``backend`` unknown, "onednn" where
-            ``onednn_int8_available(device)`` is false, or "amx" where ``amx_int8_available``; widths at which oneDNN's sums
+            ``onednn_int8_available(device)`` is false, "amx" where ``amx_int8_available`` is, "avx2" where
+            ``avx2_int8_available`` is; widths at which oneDNN's sums
             are not exact on this CPU (e.g. 8 and 8 without VNNI or AMX).
 
     Attributes:
-        backend: "amx", "onednn" or "torch"; fallback_backend: "onednn" or "torch", for
-            layers AMX cannot hold.
+        backend: "amx", "avx2", "onednn" or "torch"; fallback_backend: "onednn" or "torch",
+            for layers the AMX or AVX2 kernel's layout cannot hold.
         weight_bits, act_bits: the widths; weight_qmax: largest |Wq|; qmax, zero_point:
             the activations' range (``ACT_RANGES``).
         name: e.g. "int8 W8A8 (oneDNN u8s8, 7-bit weights)".
@@ -350,8 +399,8 @@ class Int8W8A8LinearMethod(LinearMethod):
         for label, bits in (("weight_bits", weight_bits), ("act_bits", act_bits)):
             if bits not in (None, 7, 8):
                 raise ValueError(f"{label} must be 7, 8 or None, got {bits!r}")
-        if backend not in (None, "onednn", "torch", "amx"):
-            raise ValueError(f"backend must be 'amx', 'onednn', 'torch' or None, got {backend!r}")
+        if backend not in (None, "onednn", "torch", "amx", "avx2"):
+            raise ValueError(f"backend must be 'amx', 'avx2', 'onednn', 'torch' or None, got {backend!r}")
         available = onednn_int8_available(device)
         if backend == "onednn" and not available:
             raise ValueError(f"backend='onednn': oneDNN's int8 matmul does not serve {device} here "
@@ -359,12 +408,24 @@ class Int8W8A8LinearMethod(LinearMethod):
         if backend == "amx" and not amx_int8_available(device):
             raise ValueError(f"backend='amx': the AMX-INT8 kernel does not run on {device} here "
                              "(no AMX-INT8, PAGEDLLM_AMX=0, or no C++ kernels)")
-        amx = backend == "amx" or (backend is None and amx_int8_available(device))
-        # where AMX's tiles cannot hold a layer's shape (N % 16, K % 64), it computes thus
+        if backend == "avx2" and not avx2_int8_available(device):
+            raise ValueError(f"backend='avx2': the AVX2 int8 kernel does not run on {device} here "
+                             "(not an AVX2 CPU, PAGEDLLM_AVX2_INT8=0, or no C++ kernels)")
+        if backend is None:
+            if amx_int8_available(device):
+                backend = "amx"
+            elif avx2_int8_available(device) and (not available or onednn_exact_bits() != (8, 8)):
+                # no VNNI or AMX: oneDNN's AVX2 path saturates at 8 and 8 bits, this kernel does not
+                backend = "avx2"
+        # where the kernel's layout cannot hold a layer's shape (AMX: N % 16, K % 64; AVX2:
+        # K % 4), it computes thus
         self.fallback_backend = "onednn" if available else "torch"
-        self.backend = "amx" if amx else (backend or self.fallback_backend)
-        if self.backend == "amx":          # int32 sums: exact at 8 and 8
-            weight_bits, act_bits = weight_bits or 8, act_bits or 8
+        self.backend = backend or self.fallback_backend
+        if self.backend in ("amx", "avx2"):          # int32 sums: exact at 8 and 8
+            # AVX2: 7-bit weights by default, multiplied without the sign trick (1.1-1.5x
+            # oneDNN's u8s8 at 64-2048 rows against 0.8-1.0x at 8 bits: docs/benchmarks.md)
+            weight_bits = weight_bits or (7 if self.backend == "avx2" else 8)
+            act_bits = act_bits or 8
             if available and not onednn_exact(weight_bits, act_bits):
                 self.fallback_backend = "torch"
         elif self.backend == "onednn":
@@ -379,7 +440,8 @@ class Int8W8A8LinearMethod(LinearMethod):
         self.weight_bits, self.act_bits = weight_bits or 8, act_bits or 8
         self.weight_qmax = WEIGHT_QMAX[self.weight_bits]
         self.qmax, self.zero_point = ACT_RANGES[self.act_bits]
-        kernel = {"amx": "AMX u8s8", "onednn": "oneDNN u8s8", "torch": "torch reference"}[self.backend]
+        kernel = {"amx": "AMX u8s8", "avx2": "AVX2 u8s8", "onednn": "oneDNN u8s8",
+                  "torch": "torch reference"}[self.backend]
         narrow = [f"{b}-bit {what}" for b, what in ((self.weight_bits, "weights"), (self.act_bits, "activations"))
                   if b != 8]
         if smooth_alpha is not None and not 0.0 <= smooth_alpha <= 1.0:
@@ -405,11 +467,15 @@ class Int8W8A8LinearMethod(LinearMethod):
         layer.int8_weight_scale = scale
         layer.int8_compensation = weight_compensation(q, self.zero_point)
         backend = self.backend
-        if backend == "amx" and not amx_tiles_fit(*q.shape, torch.int8):
+        if ((backend == "amx" and not amx_tiles_fit(*q.shape, torch.int8))
+                or (backend == "avx2" and not avx2_int8_fits(q.shape[1]))):
             backend = self.fallback_backend
         layer.int8_backend = backend
         if backend == "amx":
             layer.int8_amx_weight = pack_amx_tiles(q, torch.int8)
+        elif backend == "avx2":
+            layer.int8_avx2_weight = pack_int8_avx2(q)
+            layer.int8_colsum = q.to(torch.int32).sum(dim=1, dtype=torch.int32)
         elif backend == "onednn":
             layer.int8_packed_weight = torch.ops.onednn.qlinear_prepack(q.contiguous(), None)
             layer.int8_ones = torch.ones_like(scale)
@@ -434,6 +500,13 @@ class Int8W8A8LinearMethod(LinearMethod):
             with trace("pagedllm::amx_int8_linear"):
                 return ops.amx_int8_linear(xq, layer.int8_amx_weight, comp, scale, row_scale,
                                            None if bias is None else bias.float(), x.dtype == torch.bfloat16)
+        if backend == "avx2":     # the matmul and the epilogue in one kernel
+            fused = ops or kernels_for(x.device, torch.float32)   # float16 x: float32 out, rounded below
+            with trace("pagedllm::avx2_int8_linear"):
+                out = fused.avx2_int8_linear(xq, layer.int8_avx2_weight, layer.int8_colsum, self.zero_point, comp,
+                                             scale, row_scale, None if bias is None else bias.float(),
+                                             x.dtype == torch.bfloat16, self.weight_bits == 7)
+            return out if out.dtype == x.dtype else out.to(x.dtype)
         if backend == "amx":
             with trace("pagedllm::amx_u8s8_matmul"):
                 acc = kernels_for(x.device, torch.float32).amx_u8s8_matmul(xq, layer.int8_amx_weight)

@@ -1,0 +1,243 @@
+// The integer matmul of the int8 W8A8 method (pagedllm/layers/quantization/int8.py) on
+// AVX2, with the method's epilogue fused, for CPUs without AMX-INT8: exact int32 sums
+// with 8-bit weights and 8-bit activations.
+//
+// Why: on an AVX2 CPU without VNNI, oneDNN's u8 x s8 kernel multiplies with vpmaddubsw,
+// whose int16 pair sums saturate at 8 and 8 bits (int8.py's module docstring), so the
+// method had to drop the weights to 7 bits there; and torch rebuilds a oneDNN primitive
+// on every qlinear_pointwise call (~40 us, 4 linears x 30 layers a step for SmolLM2).
+//
+// Arithmetic. x arrives as uint8 u = q + zp (q in [-127, 127], the per-token quantized
+// activations; zp the method's zero point) and w as int8. Two ways to the exact sums:
+//  * 7-bit weights (|w| <= 63, the caller's promise): vpmaddubsw multiplies u (unsigned)
+//    by w (signed) and adds adjacent pairs into int16, at most 2 x 255 x 63 = 32130: no
+//    saturation; vpmaddwd with ones widens them to int32 at once. acc = sum_k u w.
+//  * 8-bit weights (|w| <= 127): 2 x 255 x 127 would saturate, so the kernel takes
+//    q = u - zp back (a byte subtraction: the result fits int8) and multiplies with the
+//    sign trick of ggml's AVX2 q8_0 dot (ggml-cpu quants.c, mul_sum_i8_pairs), written
+//    afresh: |w| as unsigned bytes times sign(q, w) (q negated where w < 0, zeroed where
+//    w == 0) is w * q, pairs within 2 x 127 x 127 = 32258; then
+//    acc = sum_k q w + zp * colsum[n] = sum_k u w. One operation a pair more: slower.
+// Either way acc[m, n] = sum_k u[m, k] w[n, k] exactly in int32 (|acc| <= K x 255 x 127:
+// K up to 66,000), and the epilogue is the
+// method's, one IEEE operation at a time (asm barriers keep -ffast-math from fusing them):
+//   out[m, n] = (((float(acc) - comp[n]) * ws[n]) * rs[m]) (+ bias[n]), rounded to the
+// output dtype as vec.h's store8_avx rounds: the bits of quant_act.cpp's int8_epilogue
+// over the same sums (int8.py's epilogue_ref over int8_matmul_ref), on every AVX2 CPU.
+//
+// Integer sums do not depend on their order, so every output row is bitwise independent
+// of the batch, the blocking and the thread count (batch invariance by construction).
+//
+// Layout: w [N, K] (K % 4 == 0) is packed once at load into [ceil(N/16), K/4, 16, 4]
+// int8 (pack_int8_avx2 in int8.py; columns past N are zero): for each 16-column tile and
+// each group of 4 consecutive k, 64 bytes, column j's 4 weights at bytes 4j..4j+3, i.e.
+// two 32-byte registers (columns 0-7, 8-15). A row's 4 activations of the group are
+// broadcast to every 32-bit lane, so each lane's vpmaddubsw + vpmaddwd adds that column's
+// 4 products. The micro-kernel holds 4 rows x 16 columns of int32 sums in 8 registers and
+// walks K once; threads (at::parallel_for) split the column tiles, each taking the rows
+// in chunks of ~128 KiB of activations (kept in L2) against all of its tiles.
+#include "ops.h"
+#include "vec.h"
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+using pagedllm::bf16;
+
+#ifdef PAGEDLLM_AVX2
+namespace {
+
+constexpr int64_t kCols = 16;   // columns per tile
+constexpr int kRows = 4;        // rows per micro-kernel call
+
+// Keeps the compiler from fusing the epilogue's operations (e.g. into an FMA).
+inline void opaque256(__m256& v) { asm volatile("" : "+x"(v)); }
+
+inline __m256i bcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
+// For R rows of activations a (at stride K) and one 16-column tile wt [K/4][64 bytes],
+// acc[r][0] gets columns 0-7 of the row's int32 sums, acc[r][1] columns 8-15:
+//  * kSigned (8-bit weights): a = q (int8), sums of q w by the sign trick;
+//  * else (7-bit weights, |w| <= 63): a = u (uint8), sums of u w by vpmaddubsw directly
+//    (pairs at most 2 x 255 x 63 = 32130: no saturation), one operation fewer a product
+//    pair and no pass to take q out of u.
+template <bool kSigned, int R>
+inline void tile_dot(const int8_t* a, int64_t K, const int8_t* wt, __m256i (&acc)[kRows][2]) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  // local sums (kept in registers: summing into acc itself made GCC store all 8 every step)
+  __m256i c[R][2];
+  for (int r = 0; r < R; ++r) c[r][0] = c[r][1] = _mm256_setzero_si256();
+  for (int64_t k = 0; k < K; k += 4) {
+    const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wt + 16 * k));
+    const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wt + 16 * k + 32));
+    if constexpr (kSigned) {
+      const __m256i a0 = _mm256_abs_epi8(w0), a1 = _mm256_abs_epi8(w1);
+      for (int r = 0; r < R; ++r) {
+        const __m256i x = bcast4(a + r * K + k);
+        c[r][0] = _mm256_add_epi32(c[r][0], _mm256_madd_epi16(_mm256_maddubs_epi16(a0, _mm256_sign_epi8(x, w0)), ones));
+        c[r][1] = _mm256_add_epi32(c[r][1], _mm256_madd_epi16(_mm256_maddubs_epi16(a1, _mm256_sign_epi8(x, w1)), ones));
+      }
+    } else {
+      for (int r = 0; r < R; ++r) {
+        const __m256i x = bcast4(a + r * K + k);
+        c[r][0] = _mm256_add_epi32(c[r][0], _mm256_madd_epi16(_mm256_maddubs_epi16(x, w0), ones));
+        c[r][1] = _mm256_add_epi32(c[r][1], _mm256_madd_epi16(_mm256_maddubs_epi16(x, w1), ones));
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    acc[r][0] = c[r][0];
+    acc[r][1] = c[r][1];
+  }
+}
+
+template <typename OutT>
+struct Epilogue {
+  OutT* out;
+  int64_t ldo, N;
+  int32_t zp;
+  const int32_t* colsum;   // [ceil(N/16) * 16]: zero past N
+  const float *comp, *ws, *rs, *bias;   // comp, ws, bias: [ceil(N/16) * 16], zero past N
+
+  // rows m .. m+R-1, columns n0 .. n0+15 (those < N stored)
+  template <int R>
+  void store(const __m256i (&acc)[kRows][2], int64_t m, int64_t n0) const {
+    const int64_t cols = std::min(kCols, N - n0);
+    for (int r = 0; r < R; ++r) {
+      const __m256 s = _mm256_set1_ps(rs[m + r]);
+      alignas(32) OutT tmp[kCols];
+      for (int h = 0; h < 2; ++h) {
+        const int64_t n = n0 + 8 * h;
+        const __m256i zc = _mm256_mullo_epi32(_mm256_set1_epi32(zp),
+                                              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(colsum + n)));
+        __m256 v = _mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(acc[r][h], zc)), _mm256_loadu_ps(comp + n));
+        opaque256(v);
+        v = _mm256_mul_ps(v, _mm256_loadu_ps(ws + n));
+        opaque256(v);
+        v = _mm256_mul_ps(v, s);
+        if (bias) {
+          opaque256(v);
+          v = _mm256_add_ps(v, _mm256_loadu_ps(bias + n));
+        }
+        pagedllm::store8_avx(tmp + 8 * h, v);
+      }
+      std::memcpy(out + (m + r) * ldo + n0, tmp, cols * sizeof(OutT));
+    }
+  }
+};
+
+template <bool kSigned, int R, typename OutT>
+inline void rows(const int8_t* a, int64_t K, const int8_t* wt, const Epilogue<OutT>& ep, int64_t m, int64_t n0) {
+  __m256i acc[kRows][2];
+  tile_dot<kSigned, R>(a + m * K, K, wt, acc);
+  ep.template store<R>(acc, m, n0);
+}
+
+// ep.zp: the zero point the sums must add back (kSigned), 0 otherwise
+template <bool kSigned, typename OutT>
+void run(const uint8_t* u, int64_t M, int64_t K, const int8_t* w, int64_t tiles, int32_t zp,
+         const Epilogue<OutT>& ep) {
+  std::vector<int8_t> q;
+  const int8_t* a = reinterpret_cast<const int8_t*>(u);
+  if (kSigned) {   // q = u - zp, once for all tiles
+    q.resize(M * K);
+    const int8_t zp8 = static_cast<int8_t>(zp);
+    at::parallel_for(0, M, std::max<int64_t>(1, 65536 / std::max<int64_t>(K, 1)), [&](int64_t r0, int64_t r1) {
+      for (int64_t i = r0 * K; i < r1 * K; ++i) q[i] = static_cast<int8_t>(static_cast<uint8_t>(u[i] - zp8));
+    });
+    a = q.data();
+  }
+  const int64_t mchunk = std::max<int64_t>(kRows, (128 * 1024 / std::max<int64_t>(K, 1)) / kRows * kRows);
+  // about 256 K multiply-adds per task; decode's M = 1 still splits the tiles
+  const int64_t grain = std::max<int64_t>(1, (1 << 18) / std::max<int64_t>(M * K * kCols, 1));
+  at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
+    for (int64_t m0 = 0; m0 < M; m0 += mchunk) {
+      const int64_t m1 = std::min(M, m0 + mchunk);
+      for (int64_t t = t0; t < t1; ++t) {
+        const int8_t* wt = w + t * K * kCols;
+        int64_t m = m0;
+        for (; m + kRows <= m1; m += kRows) rows<kSigned, kRows>(a, K, wt, ep, m, t * kCols);
+        switch (m1 - m) {
+          case 3: rows<kSigned, 3>(a, K, wt, ep, m, t * kCols); break;
+          case 2: rows<kSigned, 2>(a, K, wt, ep, m, t * kCols); break;
+          case 1: rows<kSigned, 1>(a, K, wt, ep, m, t * kCols); break;
+          default: break;
+        }
+      }
+    }
+  });
+}
+
+}  // namespace
+#endif
+
+bool avx2_int8_available() {
+#ifdef PAGEDLLM_AVX2
+  return true;
+#else
+  return false;
+#endif
+}
+
+torch::Tensor avx2_int8_linear(torch::Tensor x, torch::Tensor w_packed, torch::Tensor colsum, int64_t zero_point,
+                               torch::Tensor compensation, torch::Tensor weight_scales, torch::Tensor row_scales,
+                               std::optional<torch::Tensor> bias, bool out_bfloat16, bool seven_bit_weights) {
+  TORCH_CHECK_VALUE(x.device().is_cpu() && x.dim() == 2 && x.scalar_type() == at::kByte && x.is_contiguous(),
+                    "avx2_int8_linear: x must be a contiguous uint8 CPU tensor [M, K]");
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK_VALUE(w_packed.device().is_cpu() && w_packed.dim() == 4 && w_packed.scalar_type() == at::kChar &&
+                        w_packed.is_contiguous() && w_packed.size(2) == 16 && w_packed.size(3) == 4,
+                    "avx2_int8_linear: w_packed must be a contiguous int8 [ceil(N/16), K/4, 16, 4] tensor");
+  TORCH_CHECK_VALUE(w_packed.size(1) * 4 == K, "avx2_int8_linear: x has ", K, " columns, the weight ",
+                    w_packed.size(1) * 4);
+  TORCH_CHECK_VALUE(zero_point >= 0 && zero_point <= 255, "avx2_int8_linear: zero_point must be in [0, 255], got ",
+                    zero_point);
+  const int64_t tiles = w_packed.size(0), padded = tiles * 16;
+  TORCH_CHECK_VALUE(colsum.scalar_type() == at::kInt && colsum.is_contiguous() && colsum.dim() == 1,
+                    "avx2_int8_linear: colsum must be a contiguous int32 [N] tensor");
+  const int64_t N = colsum.numel();
+  TORCH_CHECK_VALUE(N <= padded && N > padded - 16, "avx2_int8_linear: colsum has ", N,
+                    " columns, the packed weight ", padded, " (ceil(N/16) tiles of 16)");
+  for (const auto* t : {&compensation, &weight_scales})
+    TORCH_CHECK_VALUE(t->scalar_type() == at::kFloat && t->is_contiguous() && t->numel() == N,
+                      "avx2_int8_linear: compensation and weight_scales must be contiguous float32 [N]");
+  TORCH_CHECK_VALUE(row_scales.scalar_type() == at::kFloat && row_scales.is_contiguous() && row_scales.numel() == M,
+                    "avx2_int8_linear: row_scales must be contiguous float32 [M]");
+  if (bias.has_value())
+    TORCH_CHECK_VALUE(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N,
+                      "avx2_int8_linear: bias must be contiguous float32 [N]");
+  auto out = torch::empty({M, N}, x.options().dtype(out_bfloat16 ? at::kBFloat16 : at::kFloat));
+  if (M == 0 || N == 0) return out;
+#ifdef PAGEDLLM_AVX2
+  // the per-column vectors, zero-padded to whole tiles (the kernel reads 16 lanes a tile)
+  auto pad = [&](const torch::Tensor& t) {
+    return N == padded ? t : torch::constant_pad_nd(t, {0, padded - N}, 0);
+  };
+  const torch::Tensor cs = pad(colsum), cp = pad(compensation), wsc = pad(weight_scales);
+  const torch::Tensor bp = bias.has_value() ? pad(*bias) : torch::Tensor();
+  const uint8_t* up = x.data_ptr<uint8_t>();
+  const int8_t* wp = w_packed.data_ptr<int8_t>();
+  const float* b = bias.has_value() ? bp.data_ptr<float>() : nullptr;
+  const int32_t zp = static_cast<int32_t>(zero_point), add_zp = seven_bit_weights ? 0 : zp;
+  auto go = [&](auto* o) {
+    using OutT = std::remove_pointer_t<decltype(o)>;
+    const Epilogue<OutT> ep{o, N, N, add_zp, cs.data_ptr<int32_t>(), cp.data_ptr<float>(), wsc.data_ptr<float>(),
+                            row_scales.data_ptr<float>(), b};
+    if (seven_bit_weights) run<false>(up, M, K, wp, tiles, zp, ep);
+    else run<true>(up, M, K, wp, tiles, zp, ep);
+  };
+  if (out_bfloat16) go(reinterpret_cast<bf16*>(out.data_ptr<at::BFloat16>()));
+  else go(out.data_ptr<float>());
+  return out;
+#else
+  TORCH_CHECK(false, "avx2_int8_linear: the kernels were built without AVX2 (not this CPU)");
+#endif
+}
