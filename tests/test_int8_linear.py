@@ -476,14 +476,16 @@ def test_amx_backend_refused_where_it_cannot_run(monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_quantizer_with_smoothing_is_the_product_then_quantized(ops, dtype):
     """quantize_per_token(x, smooth=s) gives the bits of quantizing torch's x * s (rounded
-    to x's dtype), without the product tensor; strided rows too."""
+    to x's dtype), without the product tensor; strided rows too, and rows whose length is
+    not a multiple of the 8 lanes (the scalar tail)."""
     g = torch.Generator().manual_seed(21)
-    x = _acts(37, 200, dtype, seed=5)
-    s = (torch.rand(200, generator=g) * 4 + 0.05).to(dtype)
-    for xx in (x, torch.cat([x, x], dim=1)[:, :200]):
-        q, sc = quantize_per_token(xx, 127, 128, s)
-        want_q, want_sc = quantize_per_token_ref(xx * s, 127, 128)
-        assert torch.equal(q, want_q) and torch.equal(sc, want_sc)
+    for k in (200, 203):
+        x = _acts(37, k, dtype, seed=5)
+        s = (torch.rand(k, generator=g) * 4 + 0.05).to(dtype)
+        for xx in (x, torch.cat([x, x], dim=1)[:, :k]):
+            q, sc = quantize_per_token(xx, 127, 128, s)
+            want_q, want_sc = quantize_per_token_ref(xx * s, 127, 128)
+            assert torch.equal(q, want_q) and torch.equal(sc, want_sc)
 
 
 # ------------------------------------------------------------------------ AVX2

@@ -139,7 +139,19 @@ void quantize_rows(uint8_t* out, float* scales, const T* x, int64_t rows, int64_
         quantize_row(out + m * k, scales + m, xr, k, qmax, zp);
         continue;
       }
-      for (int64_t i = 0; i < k; ++i) {
+      int64_t i = 0;
+#ifdef PAGEDLLM_AVX2
+      // 8 lanes at once (the scalar loop below took ~6 % of an int8 run's step time):
+      // the same product, rounded to T by store8_avx as from_f32 rounds it
+      for (; i + 8 <= k; i += 8) {
+        __m256 p = _mm256_mul_ps(pagedllm::load8_avx(xr + i), pagedllm::load8_avx(smooth + i));
+        opaque(p);
+        T t[8];
+        pagedllm::store8_avx(t, p);
+        _mm256_storeu_ps(buf.data() + i, pagedllm::load8_avx(t));
+      }
+#endif
+      for (; i < k; ++i) {
         float p = to_f32(xr[i]) * to_f32(smooth[i]);
         opaque(p);
         buf[i] = to_f32(from_f32<T>(p));
