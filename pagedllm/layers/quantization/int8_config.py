@@ -1,6 +1,7 @@
 """``--quantization int8``: every linear layer in int8 W8A8 (``int8.Int8W8A8LinearMethod``:
 per-output-channel int8 weights quantized at load, per-token int8 activations), computed
-by oneDNN's int8 matmul on the CPU. The LM head stays dense unless ``quantize_lm_head``:
+on the CPU by the project's AMX-INT8 kernel (Intel Xeon), its AVX2 kernel (CPUs without
+VNNI or AMX, e.g. the AMD EPYC) or oneDNN's int8 matmul (VNNI). The LM head stays dense unless ``quantize_lm_head``:
 on SmolLM2-135M an int8 head raised perplexity on the fixed text from 21.05 to 21.57
 (float32 20.21) for 1.5-1.6x on that one matmul.
 
@@ -15,16 +16,18 @@ model. The calibration costs those prefills at load (1.3-1.8 s for SmolLM2-135M 
 token (an expert no token was routed to) is quantized without smoothing, and says so in its
 method name; the load logs how many layers were calibrated.
 
-Where oneDNN's int8 matmul cannot run exactly (a torch without mkldnn, ``PAGEDLLM_ONEDNN=0``,
-CUDA) the method is refused with a clear error rather than run through its torch reference
-path, which is far slower than the unquantized model.
+Where none of those kernels can run (CUDA; a torch without mkldnn or ``PAGEDLLM_ONEDNN=0``
+on a CPU whose own kernels are off or missing) the method is refused with a clear error
+rather than run through its torch reference path, which is far slower than the unquantized
+model.
 """
 from __future__ import annotations
 
 import torch
 
 from pagedllm.layers.quantization.base_config import QuantizationConfig, unsupported
-from pagedllm.layers.quantization.int8 import Int8W8A8LinearMethod, onednn_int8_available
+from pagedllm.layers.quantization.int8 import (Int8W8A8LinearMethod, amx_int8_available, avx2_int8_available,
+                                               onednn_int8_available)
 
 
 # SmoothQuant's migration strength (the paper's default; the best of 0.5 and 0.8 measured here).
@@ -51,11 +54,12 @@ class Int8Config(QuantizationConfig):
 
     @classmethod
     def create(cls, name: str, device: torch.device | str = "cpu", **_) -> Int8Config:
-        """Raises InvalidParameterError("quantization") where oneDNN's int8 matmul cannot run."""
-        if not onednn_int8_available(device):
+        """Raises InvalidParameterError("quantization") where no int8 kernel (AMX, AVX2, oneDNN) runs."""
+        if not (amx_int8_available(device) or avx2_int8_available(device) or onednn_int8_available(device)):
             raise unsupported(
-                f"int8 computes with oneDNN's int8 matmul on the CPU, which is not available for "
-                f"device {str(device)!r} here (not the CPU, torch without mkldnn, or PAGEDLLM_ONEDNN=0)")
+                f"int8 computes with the AMX-INT8 or AVX2 kernels or oneDNN's int8 matmul on the CPU, none "
+                f"of which is available for device {str(device)!r} here (not the CPU, no C++ kernels, "
+                f"PAGEDLLM_AMX=0 / PAGEDLLM_AVX2_INT8=0, torch without mkldnn, or PAGEDLLM_ONEDNN=0)")
         return cls(torch.device(device))
 
     def get_linear_method(self, prefix, input_size, output_sizes, params_dtype, device):
