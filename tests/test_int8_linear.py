@@ -555,6 +555,14 @@ def test_avx2_int8_linear_errors(ops):
                              torch.ones(17), torch.ones(2))     # 17 columns need two tiles
     with pytest.raises(ValueError, match="zero_point"):
         ops.avx2_int8_linear(x, pack_int8_avx2(q), cs, 300, f, f, torch.ones(2))
+    with pytest.raises(ValueError, match="compensation"):
+        ops.avx2_int8_linear(x, pack_int8_avx2(q), cs, 128, f.reshape(4, 4), f, torch.ones(2))
+    with pytest.raises(ValueError, match="row_scales"):
+        ops.avx2_int8_linear(x, pack_int8_avx2(q), cs, 128, f, f, torch.ones(2, device="meta"))
+    # 8-bit weights: x = 0 with zero point 128 is q = -128, which the sign trick cannot negate
+    with pytest.raises(ValueError, match="x - zero_point"):
+        ops.avx2_int8_linear(x, pack_int8_avx2(q), cs, 128, f, f, torch.ones(2), None, False, False)
+    assert ops.avx2_int8_linear(x + 1, pack_int8_avx2(q), cs, 128, f, f, torch.ones(2)).shape == (2, 16)
 
 
 @needs_avx2

@@ -70,7 +70,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "int8 w packed [ceil(N/16), K/4, 16, 4] (K % 4 == 0; colsum int32 [N] = each weight row's sum), then "
         "out = (((float(acc) - compensation[n]) * weight_scales[n]) * row_scales[m]) (+ bias[n]), bfloat16 or "
         "float32: the bits of int8_epilogue over the same sums. seven_bit_weights: the caller guarantees |w| <= 63 "
-        "(then a faster path that multiplies the uint8 x directly)",
+        "(then a faster path that multiplies the uint8 x directly); else x - zero_point must lie in [-127, 127] "
+        "(a ValueError otherwise)",
         py::arg("x"), py::arg("w_packed"), py::arg("colsum"), py::arg("zero_point"), py::arg("compensation"),
         py::arg("weight_scales"), py::arg("row_scales"), py::arg("bias") = py::none(),
         py::arg("out_bfloat16") = false, py::arg("seven_bit_weights") = false,

@@ -13,7 +13,7 @@
 //    by w (signed) and adds adjacent pairs into int16, at most 2 x 255 x 63 = 32130: no
 //    saturation; vpmaddwd with ones widens them to int32 at once. acc = sum_k u w.
 //  * 8-bit weights (|w| <= 127): 2 x 255 x 127 would saturate, so the kernel takes
-//    q = u - zp back (a byte subtraction: the result fits int8) and multiplies with the
+//    q = u - zp back (checked to lie in [-127, 127], else a ValueError) and multiplies with the
 //    sign trick of ggml's AVX2 q8_0 dot (ggml-cpu quants.c, mul_sum_i8_pairs), written
 //    afresh: |w| as unsigned bytes times sign(q, w) (q negated where w < 0, zeroed where
 //    w == 0) is w * q, pairs within 2 x 127 x 127 = 32258; then
@@ -147,12 +147,18 @@ void run(const uint8_t* u, int64_t M, int64_t K, const int8_t* w, int64_t tiles,
          const Epilogue<OutT>& ep) {
   std::vector<int8_t> q;
   const int8_t* a = reinterpret_cast<const int8_t*>(u);
-  if (kSigned) {   // q = u - zp, once for all tiles
+  if (kSigned) {   // q = u - zp, once for all tiles, each checked to lie in [-127, 127]
     q.resize(M * K);
-    const int8_t zp8 = static_cast<int8_t>(zp);
-    at::parallel_for(0, M, std::max<int64_t>(1, 65536 / std::max<int64_t>(K, 1)), [&](int64_t r0, int64_t r1) {
-      for (int64_t i = r0 * K; i < r1 * K; ++i) q[i] = static_cast<int8_t>(static_cast<uint8_t>(u[i] - zp8));
-    });
+    int32_t lo = 0, hi = 0;
+    for (int64_t i = 0; i < M * K; ++i) {
+      const int32_t d = static_cast<int32_t>(u[i]) - zp;
+      lo = std::min(lo, d);
+      hi = std::max(hi, d);
+      q[i] = static_cast<int8_t>(d);
+    }
+    // the sign trick cannot negate -128, and values past 127 do not fit int8
+    TORCH_CHECK_VALUE(lo >= -127 && hi <= 127, "avx2_int8_linear: with 8-bit weights every x - zero_point must lie in "
+                      "[-127, 127] (as quantize_per_token gives), found ", lo, " .. ", hi);
     a = q.data();
   }
   const int64_t mchunk = std::max<int64_t>(kRows, (128 * 1024 / std::max<int64_t>(K, 1)) / kRows * kRows);
@@ -201,19 +207,21 @@ torch::Tensor avx2_int8_linear(torch::Tensor x, torch::Tensor w_packed, torch::T
   TORCH_CHECK_VALUE(zero_point >= 0 && zero_point <= 255, "avx2_int8_linear: zero_point must be in [0, 255], got ",
                     zero_point);
   const int64_t tiles = w_packed.size(0), padded = tiles * 16;
-  TORCH_CHECK_VALUE(colsum.scalar_type() == at::kInt && colsum.is_contiguous() && colsum.dim() == 1,
-                    "avx2_int8_linear: colsum must be a contiguous int32 [N] tensor");
+  TORCH_CHECK_VALUE(colsum.device().is_cpu() && colsum.scalar_type() == at::kInt && colsum.is_contiguous() &&
+                        colsum.dim() == 1,
+                    "avx2_int8_linear: colsum must be a contiguous int32 CPU tensor [N]");
   const int64_t N = colsum.numel();
   TORCH_CHECK_VALUE(N <= padded && N > padded - 16, "avx2_int8_linear: colsum has ", N,
                     " columns, the packed weight ", padded, " (ceil(N/16) tiles of 16)");
-  for (const auto* t : {&compensation, &weight_scales})
-    TORCH_CHECK_VALUE(t->scalar_type() == at::kFloat && t->is_contiguous() && t->numel() == N,
-                      "avx2_int8_linear: compensation and weight_scales must be contiguous float32 [N]");
-  TORCH_CHECK_VALUE(row_scales.scalar_type() == at::kFloat && row_scales.is_contiguous() && row_scales.numel() == M,
-                    "avx2_int8_linear: row_scales must be contiguous float32 [M]");
+  auto vec_ok = [](const torch::Tensor& t, int64_t n) {
+    return t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous() && t.dim() == 1 &&
+           t.size(0) == n;
+  };
+  TORCH_CHECK_VALUE(vec_ok(compensation, N) && vec_ok(weight_scales, N),
+                    "avx2_int8_linear: compensation and weight_scales must be contiguous float32 CPU tensors [N]");
+  TORCH_CHECK_VALUE(vec_ok(row_scales, M), "avx2_int8_linear: row_scales must be a contiguous float32 CPU tensor [M]");
   if (bias.has_value())
-    TORCH_CHECK_VALUE(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N,
-                      "avx2_int8_linear: bias must be contiguous float32 [N]");
+    TORCH_CHECK_VALUE(vec_ok(*bias, N), "avx2_int8_linear: bias must be a contiguous float32 CPU tensor [N]");
   auto out = torch::empty({M, N}, x.options().dtype(out_bfloat16 ? at::kBFloat16 : at::kFloat));
   if (M == 0 || N == 0) return out;
 #ifdef PAGEDLLM_AVX2

@@ -382,8 +382,8 @@ class Int8W8A8LinearMethod(LinearMethod):
 
     Raises:
         ValueError: bits not 7, 8 or None; smooth_alpha outside [0, 1]; ``backend`` unknown, "onednn" where
-            ``onednn_int8_available(device)`` is false, "amx" where ``amx_int8_available`` is, "avx2" where
-            ``avx2_int8_available`` is; widths at which oneDNN's sums
+            ``onednn_int8_available(device)`` is false, "amx" where ``amx_int8_available`` is false, "avx2"
+            where ``avx2_int8_available`` is false; widths at which oneDNN's sums
             are not exact on this CPU (e.g. 8 and 8 without VNNI or AMX).
 
     Attributes:
