@@ -20,7 +20,7 @@
 //    acc = sum_k q w + zp * colsum[n] = sum_k u w. One operation a pair more: slower.
 // Either way acc[m, n] = sum_k u[m, k] w[n, k] exactly in int32 (|acc| <= K x 255 x 127:
 // K up to 66,000), and the epilogue is the
-// method's, one IEEE operation at a time (asm barriers keep -ffast-math from fusing them):
+// method's, one IEEE operation at a time (vec.h's w8a8_epilogue8, shared with quant_act.cpp):
 //   out[m, n] = (((float(acc) - comp[n]) * ws[n]) * rs[m]) (+ bias[n]), rounded to the
 // output dtype as vec.h's store8_avx rounds: the bits of quant_act.cpp's int8_epilogue
 // over the same sums (int8.py's epilogue_ref over int8_matmul_ref), on every AVX2 CPU.
@@ -53,9 +53,6 @@ namespace {
 
 constexpr int64_t kCols = 16;   // columns per tile
 constexpr int kRows = 4;        // rows per micro-kernel call
-
-// Keeps the compiler from fusing the epilogue's operations (e.g. into an FMA).
-inline void opaque256(__m256& v) { asm volatile("" : "+x"(v)); }
 
 inline __m256i bcast4(const int8_t* p) {
   int32_t v;
@@ -104,30 +101,34 @@ struct Epilogue {
   OutT* out;
   int64_t ldo, N;
   int32_t zp;
-  const int32_t* colsum;   // [ceil(N/16) * 16]: zero past N
-  const float *comp, *ws, *rs, *bias;   // comp, ws, bias: [ceil(N/16) * 16], zero past N
+  const int32_t* colsum;                // [N]
+  const float *comp, *ws, *rs, *bias;   // comp, ws, bias: [N]; rs: [M]
 
   // rows m .. m+R-1, columns n0 .. n0+15 (those < N stored)
   template <int R>
   void store(const __m256i (&acc)[kRows][2], int64_t m, int64_t n0) const {
     const int64_t cols = std::min(kCols, N - n0);
+    const int32_t* cs = colsum + n0;
+    const float *cp = comp + n0, *w = ws + n0, *b = bias ? bias + n0 : nullptr;
+    // the last tile of an N not a multiple of 16: its per-column values zero-padded to 16 lanes
+    alignas(32) int32_t cs_t[kCols] = {};
+    alignas(32) float cp_t[kCols] = {}, w_t[kCols] = {}, b_t[kCols] = {};
+    if (cols < kCols) {
+      std::memcpy(cs_t, cs, cols * sizeof(int32_t));
+      std::memcpy(cp_t, cp, cols * sizeof(float));
+      std::memcpy(w_t, w, cols * sizeof(float));
+      cs = cs_t, cp = cp_t, w = w_t;
+      if (b) b = static_cast<const float*>(std::memcpy(b_t, b, cols * sizeof(float)));
+    }
     for (int r = 0; r < R; ++r) {
       const __m256 s = _mm256_set1_ps(rs[m + r]);
       alignas(32) OutT tmp[kCols];
       for (int h = 0; h < 2; ++h) {
-        const int64_t n = n0 + 8 * h;
+        const int64_t j = 8 * h;
         const __m256i zc = _mm256_mullo_epi32(_mm256_set1_epi32(zp),
-                                              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(colsum + n)));
-        __m256 v = _mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(acc[r][h], zc)), _mm256_loadu_ps(comp + n));
-        opaque256(v);
-        v = _mm256_mul_ps(v, _mm256_loadu_ps(ws + n));
-        opaque256(v);
-        v = _mm256_mul_ps(v, s);
-        if (bias) {
-          opaque256(v);
-          v = _mm256_add_ps(v, _mm256_loadu_ps(bias + n));
-        }
-        pagedllm::store8_avx(tmp + 8 * h, v);
+                                              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cs + j)));
+        const __m256 sums = _mm256_cvtepi32_ps(_mm256_add_epi32(acc[r][h], zc));
+        pagedllm::store8_avx(tmp + j, pagedllm::w8a8_epilogue8(sums, cp + j, w + j, s, b ? b + j : nullptr));
       }
       std::memcpy(out + (m + r) * ldo + n0, tmp, cols * sizeof(OutT));
     }
@@ -225,20 +226,14 @@ torch::Tensor avx2_int8_linear(torch::Tensor x, torch::Tensor w_packed, torch::T
   auto out = torch::empty({M, N}, x.options().dtype(out_bfloat16 ? at::kBFloat16 : at::kFloat));
   if (M == 0 || N == 0) return out;
 #ifdef PAGEDLLM_AVX2
-  // the per-column vectors, zero-padded to whole tiles (the kernel reads 16 lanes a tile)
-  auto pad = [&](const torch::Tensor& t) {
-    return N == padded ? t : torch::constant_pad_nd(t, {0, padded - N}, 0);
-  };
-  const torch::Tensor cs = pad(colsum), cp = pad(compensation), wsc = pad(weight_scales);
-  const torch::Tensor bp = bias.has_value() ? pad(*bias) : torch::Tensor();
   const uint8_t* up = x.data_ptr<uint8_t>();
   const int8_t* wp = w_packed.data_ptr<int8_t>();
-  const float* b = bias.has_value() ? bp.data_ptr<float>() : nullptr;
+  const float* b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   const int32_t zp = static_cast<int32_t>(zero_point), add_zp = seven_bit_weights ? 0 : zp;
   auto go = [&](auto* o) {
     using OutT = std::remove_pointer_t<decltype(o)>;
-    const Epilogue<OutT> ep{o, N, N, add_zp, cs.data_ptr<int32_t>(), cp.data_ptr<float>(), wsc.data_ptr<float>(),
-                            row_scales.data_ptr<float>(), b};
+    const Epilogue<OutT> ep{o, N, N, add_zp, colsum.data_ptr<int32_t>(), compensation.data_ptr<float>(),
+                            weight_scales.data_ptr<float>(), row_scales.data_ptr<float>(), b};
     if (seven_bit_weights) run<false>(up, M, K, wp, tiles, zp, ep);
     else run<true>(up, M, K, wp, tiles, zp, ep);
   };

@@ -173,18 +173,9 @@ void epilogue_rows(T* out, const float* acc, const float* comp, const float* ws,
       int64_t i = 0;
 #ifdef PAGEDLLM_AVX2
       const __m256 vs = _mm256_set1_ps(s);
-      for (; i + 8 <= n; i += 8) {
-        __m256 v = _mm256_sub_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(comp + i));
-        opaque(v);
-        v = _mm256_mul_ps(v, _mm256_loadu_ps(ws + i));
-        opaque(v);
-        v = _mm256_mul_ps(v, vs);
-        if (bias) {
-          opaque(v);
-          v = _mm256_add_ps(v, _mm256_loadu_ps(bias + i));
-        }
-        pagedllm::store8_avx(o + i, v);
-      }
+      for (; i + 8 <= n; i += 8)
+        pagedllm::store8_avx(o + i, pagedllm::w8a8_epilogue8(_mm256_loadu_ps(a + i), comp + i, ws + i, vs,
+                                                            bias ? bias + i : nullptr));
 #endif
       for (; i < n; ++i) {
         float v = a[i] - comp[i];

@@ -225,6 +225,23 @@ inline __m256 load8_raw_avx(const fp8e4m3* p) {
 }
 #define PAGEDLLM_FP8_AVX 1
 #endif
+// The int8 W8A8 method's dequantizing epilogue on 8 float32 sums (layers/quantization/
+// int8.py, epilogue_ref): (((acc - comp) * ws) * s) (+ bias), one IEEE operation at a time,
+// the asm barriers keeping -ffast-math from fusing a multiply and an add into an FMA, so
+// that every kernel computing it (quant_act.cpp's int8_epilogue, int8_linear_avx2.cpp)
+// gives the torch reference's bits. comp, ws, bias: the 8 columns' values (bias may be null).
+inline __m256 w8a8_epilogue8(__m256 acc, const float* comp, const float* ws, __m256 s, const float* bias) {
+  __m256 v = _mm256_sub_ps(acc, _mm256_loadu_ps(comp));
+  asm volatile("" : "+x"(v));
+  v = _mm256_mul_ps(v, _mm256_loadu_ps(ws));
+  asm volatile("" : "+x"(v));
+  v = _mm256_mul_ps(v, s);
+  if (bias) {
+    asm volatile("" : "+x"(v));
+    v = _mm256_add_ps(v, _mm256_loadu_ps(bias));
+  }
+  return v;
+}
 inline void store8_avx(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
 inline void store8_avx(bf16* p, __m256 v) {
   // the same rounding as from_f32<bf16>, 8 lanes at once
