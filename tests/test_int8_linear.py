@@ -465,12 +465,14 @@ def test_amx_backend_falls_back_for_shapes_its_tiles_cannot_hold():
     assert layer(_acts(5, 320, torch.float32, seed=2)).shape == (5, 203)
 
 
-def test_amx_backend_refused_where_it_cannot_run(monkeypatch):
-    monkeypatch.setenv("PAGEDLLM_AMX", "0")
-    assert not amx_int8_available("cpu")
-    with pytest.raises(ValueError, match="backend='amx'"):
-        Int8W8A8LinearMethod("cpu", backend="amx")
-    assert Int8W8A8LinearMethod("cpu").backend != "amx"
+@pytest.mark.parametrize("env, backend, available", [("PAGEDLLM_AMX", "amx", amx_int8_available),
+                                                     ("PAGEDLLM_AVX2_INT8", "avx2", avx2_int8_available)])
+def test_kernel_backend_refused_where_it_cannot_run(monkeypatch, env, backend, available):
+    monkeypatch.setenv(env, "0")
+    assert not available("cpu")
+    with pytest.raises(ValueError, match=f"backend='{backend}'"):
+        Int8W8A8LinearMethod("cpu", backend=backend)
+    assert Int8W8A8LinearMethod("cpu").backend != backend
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -608,11 +610,3 @@ def test_avx2_backend_is_the_default_without_vnni_and_falls_back_for_odd_inputs(
     want.linear_method.process_weights_after_loading(want)
     x = _acts(5, 30, torch.float32, seed=2)
     assert torch.equal(layer(x), want(x))
-
-
-def test_avx2_backend_refused_where_it_cannot_run(monkeypatch):
-    monkeypatch.setenv("PAGEDLLM_AVX2_INT8", "0")
-    assert not avx2_int8_available("cpu")
-    with pytest.raises(ValueError, match="backend='avx2'"):
-        Int8W8A8LinearMethod("cpu", backend="avx2")
-    assert Int8W8A8LinearMethod("cpu").backend != "avx2"
