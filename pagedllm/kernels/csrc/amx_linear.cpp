@@ -280,7 +280,7 @@ bool amx_bf16_available() {
 #endif
 }
 
-torch::Tensor amx_bf16_linear(torch::Tensor x, torch::Tensor w_packed, std::optional<torch::Tensor> bias,
+at::Tensor amx_bf16_linear(at::Tensor x, at::Tensor w_packed, std::optional<at::Tensor> bias,
                               bool out_float32) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
               "amx_bf16_linear: x must be a contiguous bfloat16 [M, K] tensor");
@@ -290,12 +290,12 @@ torch::Tensor amx_bf16_linear(torch::Tensor x, torch::Tensor w_packed, std::opti
   const int64_t M = x.size(0), K = x.size(1), N = w_packed.size(0) * 16;
   TORCH_CHECK(w_packed.size(1) * 32 == K, "amx_bf16_linear: x has ", K, " columns, the weight ",
               w_packed.size(1) * 32);
-  torch::Tensor b;
+  at::Tensor b;
   if (bias.has_value()) {
     b = bias->to(at::kFloat).contiguous();
     TORCH_CHECK(b.numel() == N, "amx_bf16_linear: bias has ", b.numel(), " elements, expected ", N);
   }
-  auto out = torch::empty({M, N}, x.options().dtype(out_float32 ? at::kFloat : at::kBFloat16));
+  auto out = at::empty({M, N}, x.options().dtype(out_float32 ? at::kFloat : at::kBFloat16));
   if (M == 0 || N == 0) return out;
 #ifdef PAGEDLLM_AMX
   TORCH_CHECK(request_amx(), "amx_bf16_linear: the kernel has no AMX tile state (arch_prctl refused)");
@@ -310,7 +310,7 @@ torch::Tensor amx_bf16_linear(torch::Tensor x, torch::Tensor w_packed, std::opti
 #endif
 }
 
-torch::Tensor amx_u8s8_matmul(torch::Tensor x, torch::Tensor w_packed) {
+at::Tensor amx_u8s8_matmul(at::Tensor x, at::Tensor w_packed) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kByte && x.is_contiguous(),
               "amx_u8s8_matmul: x must be a contiguous uint8 [M, K] tensor");
   TORCH_CHECK(w_packed.dim() == 4 && w_packed.scalar_type() == at::kChar && w_packed.is_contiguous() &&
@@ -319,7 +319,7 @@ torch::Tensor amx_u8s8_matmul(torch::Tensor x, torch::Tensor w_packed) {
   const int64_t M = x.size(0), K = x.size(1), N = w_packed.size(0) * 16;
   TORCH_CHECK(w_packed.size(1) * 64 == K, "amx_u8s8_matmul: x has ", K, " columns, the weight ",
               w_packed.size(1) * 64);
-  auto out = torch::empty({M, N}, x.options().dtype(at::kFloat));
+  auto out = at::empty({M, N}, x.options().dtype(at::kFloat));
   if (M == 0 || N == 0) return out;
 #ifdef PAGEDLLM_AMX_INT8
   TORCH_CHECK(amx_int8_available(), "amx_u8s8_matmul: no AMX tile state (arch_prctl refused)");
@@ -331,9 +331,9 @@ torch::Tensor amx_u8s8_matmul(torch::Tensor x, torch::Tensor w_packed) {
 #endif
 }
 
-torch::Tensor amx_int8_linear(torch::Tensor x, torch::Tensor w_packed, torch::Tensor compensation,
-                              torch::Tensor weight_scales, torch::Tensor row_scales,
-                              std::optional<torch::Tensor> bias, bool out_bfloat16) {
+at::Tensor amx_int8_linear(at::Tensor x, at::Tensor w_packed, at::Tensor compensation,
+                              at::Tensor weight_scales, at::Tensor row_scales,
+                              std::optional<at::Tensor> bias, bool out_bfloat16) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kByte && x.is_contiguous(),
               "amx_int8_linear: x must be a contiguous uint8 [M, K] tensor");
   TORCH_CHECK(w_packed.dim() == 4 && w_packed.scalar_type() == at::kChar && w_packed.is_contiguous() &&
@@ -353,7 +353,7 @@ torch::Tensor amx_int8_linear(torch::Tensor x, torch::Tensor w_packed, torch::Te
                 "amx_int8_linear: bias must be contiguous float32 [N]");
     bp = bias->data_ptr<float>();
   }
-  auto out = torch::empty({M, N}, x.options().dtype(out_bfloat16 ? at::kBFloat16 : at::kFloat));
+  auto out = at::empty({M, N}, x.options().dtype(out_bfloat16 ? at::kBFloat16 : at::kFloat));
   if (M == 0 || N == 0) return out;
 #ifdef PAGEDLLM_AMX_INT8
   TORCH_CHECK(amx_int8_available(), "amx_int8_linear: no AMX tile state (arch_prctl refused)");

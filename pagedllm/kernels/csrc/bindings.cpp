@@ -1,3 +1,5 @@
+#include <torch/extension.h>
+
 #include "ops.h"
 
 // Every kernel runs with the GIL released (py::gil_scoped_release), as torch's own ops do:

@@ -507,33 +507,33 @@ void dispatch(int64_t fmt, const QuantAct& a, const uint8_t* w, int64_t N, const
   }
 }
 
-void check_x(const torch::Tensor& x) {
+void check_x(const at::Tensor& x) {
   TORCH_CHECK_VALUE(x.device().is_cpu() &&
-                        (x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16),
+                        (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
                     "x must be a float32 or bfloat16 CPU tensor");
   TORCH_CHECK_VALUE(x.dim() == 2 && x.stride(1) == 1, "x must be [M, K] with contiguous rows");
   TORCH_CHECK_VALUE(x.size(1) % QK == 0, "x's K = ", x.size(1), " must be a multiple of 32");
 }
 
 template <typename T>
-QuantAct quantize(const torch::Tensor& x, bool portable) {
+QuantAct quantize(const at::Tensor& x, bool portable) {
   return quantize_act(x.data_ptr<T>(), x.size(0), x.size(1), x.stride(0), portable);
 }
 
 }  // namespace
 
-torch::Tensor block_quant_linear(std::optional<torch::Tensor> out_arg, torch::Tensor x, torch::Tensor w, int64_t fmt,
-                                 std::optional<torch::Tensor> bias, bool portable) {
+at::Tensor block_quant_linear(std::optional<at::Tensor> out_arg, at::Tensor x, at::Tensor w, int64_t fmt,
+                                 std::optional<at::Tensor> bias, bool portable) {
   check_x(x);
   const int64_t bpb = block_bytes(fmt);
   TORCH_CHECK_VALUE(bpb > 0, "fmt = ", fmt, " is not a supported block format (Q4_0 = 2, Q4_1 = 3, Q8_0 = 8)");
   const int64_t M = x.size(0), K = x.size(1);
-  TORCH_CHECK_VALUE(w.device().is_cpu() && w.scalar_type() == torch::kUInt8 && w.dim() == 2 && w.is_contiguous(),
+  TORCH_CHECK_VALUE(w.device().is_cpu() && w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous(),
                     "w must be a contiguous uint8 CPU tensor [N, K/32 * bytes_per_block]");
   const int64_t N = w.size(0);
   // allocated here when not given: torch.empty from Python costs ~3 us a call, a
   // decode step makes ~120 of these products
-  torch::Tensor out = out_arg.has_value() && out_arg->defined() ? *out_arg : torch::empty({M, N}, x.options());
+  at::Tensor out = out_arg.has_value() && out_arg->defined() ? *out_arg : at::empty({M, N}, x.options());
   TORCH_CHECK_VALUE(w.size(1) == K / QK * bpb, "w has ", w.size(1), " bytes a row; K = ", K, " needs ",
                     K / QK * bpb);
   TORCH_CHECK_VALUE(out.scalar_type() == x.scalar_type() && out.dim() == 2 && out.size(0) == M &&
@@ -541,17 +541,17 @@ torch::Tensor block_quant_linear(std::optional<torch::Tensor> out_arg, torch::Te
                     "out must be [M, N] in x's dtype with contiguous rows");
   std::vector<float> bf;
   if (bias.has_value() && bias->defined()) {
-    const torch::Tensor& b = *bias;
+    const at::Tensor& b = *bias;
     TORCH_CHECK_VALUE(b.device().is_cpu() && b.dim() == 1 && b.size(0) == N &&
-                          (b.scalar_type() == torch::kFloat32 || b.scalar_type() == torch::kBFloat16),
+                          (b.scalar_type() == at::kFloat || b.scalar_type() == at::kBFloat16),
                       "bias must be a float32 or bfloat16 CPU tensor [N]");
-    const torch::Tensor bc = b.to(torch::kFloat32).contiguous();
+    const at::Tensor bc = b.to(at::kFloat).contiguous();
     bf.assign(bc.data_ptr<float>(), bc.data_ptr<float>() + N);
   }
   if (M == 0 || N == 0) return out;
   const float* bp = bf.empty() ? nullptr : bf.data();
   const uint8_t* wp = w.data_ptr<uint8_t>();
-  if (x.scalar_type() == torch::kFloat32) {
+  if (x.scalar_type() == at::kFloat) {
     const QuantAct a = quantize<float>(x, portable);
     dispatch(fmt, a, wp, N, bp, out.data_ptr<float>(), out.stride(0), portable);
   } else {
@@ -561,12 +561,12 @@ torch::Tensor block_quant_linear(std::optional<torch::Tensor> out_arg, torch::Te
   return out;
 }
 
-std::vector<torch::Tensor> block_quant_quantize_act(torch::Tensor x, bool portable) {
+std::vector<at::Tensor> block_quant_quantize_act(at::Tensor x, bool portable) {
   check_x(x);
-  const QuantAct a = x.scalar_type() == torch::kFloat32 ? quantize<float>(x, portable) : quantize<bf16>(x, portable);
+  const QuantAct a = x.scalar_type() == at::kFloat ? quantize<float>(x, portable) : quantize<bf16>(x, portable);
   const auto M = a.M, nb = a.nb;
-  torch::Tensor q = torch::empty({M, a.K}, torch::kInt8), d = torch::empty({M, nb}, torch::kFloat32),
-                sum = torch::empty({M, nb}, torch::kInt32);
+  at::Tensor q = at::empty({M, a.K}, at::kChar), d = at::empty({M, nb}, at::kFloat),
+                sum = at::empty({M, nb}, at::kInt);
   std::memcpy(q.data_ptr<int8_t>(), a.q.data(), a.q.size());
   std::memcpy(d.data_ptr<float>(), a.d.data(), a.d.size() * sizeof(float));
   std::memcpy(sum.data_ptr<int32_t>(), a.sum.data(), a.sum.size() * sizeof(int32_t));

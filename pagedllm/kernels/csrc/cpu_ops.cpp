@@ -26,13 +26,13 @@ using pagedllm::bf16;
 using pagedllm::from_f32;
 using pagedllm::to_f32;
 
-static void check_model_dtype(const torch::Tensor& t, const char* name) {
+static void check_model_dtype(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu() &&
-                  (t.scalar_type() == torch::kFloat32 || t.scalar_type() == torch::kBFloat16),
+                  (t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16),
               name, " must be a float32 or bfloat16 CPU tensor");
 }
 
-static void check_same_dtype(const torch::Tensor& a, const torch::Tensor& b, const char* what) {
+static void check_same_dtype(const at::Tensor& a, const at::Tensor& b, const char* what) {
   TORCH_CHECK(a.scalar_type() == b.scalar_type(), what, " must have the same dtype");
 }
 
@@ -62,7 +62,7 @@ static inline void store_row(TC* dst, const TI* src, int64_t n, float scale) {
 }
 
 template <typename TI, typename TC>
-static void store_rows(const torch::Tensor& x, torch::Tensor& cache, const int64_t* slots, double scale) {
+static void store_rows(const at::Tensor& x, at::Tensor& cache, const int64_t* slots, double scale) {
   const int64_t T = x.size(0), row = x.size(1) * x.size(2);
   const TI* src = x.data_ptr<TI>();
   TC* dst = cache.data_ptr<TC>();
@@ -74,18 +74,18 @@ static void store_rows(const torch::Tensor& x, torch::Tensor& cache, const int64
 }
 
 template <typename TI>
-static void store_rows_to(const torch::Tensor& x, torch::Tensor& cache, const int64_t* slots, double scale) {
+static void store_rows_to(const at::Tensor& x, at::Tensor& cache, const int64_t* slots, double scale) {
   switch (cache.scalar_type()) {
-    case torch::kFloat32: return store_rows<TI, float>(x, cache, slots, scale);
-    case torch::kBFloat16: return store_rows<TI, bf16>(x, cache, slots, scale);
-    case torch::kFloat8_e4m3fn: return store_rows<TI, pagedllm::fp8e4m3>(x, cache, slots, scale);
-    case torch::kFloat8_e5m2: return store_rows<TI, pagedllm::fp8e5m2>(x, cache, slots, scale);
+    case at::kFloat: return store_rows<TI, float>(x, cache, slots, scale);
+    case at::kBFloat16: return store_rows<TI, bf16>(x, cache, slots, scale);
+    case at::kFloat8_e4m3fn: return store_rows<TI, pagedllm::fp8e4m3>(x, cache, slots, scale);
+    case at::kFloat8_e5m2: return store_rows<TI, pagedllm::fp8e5m2>(x, cache, slots, scale);
     default: TORCH_CHECK(false, "the caches must be float32, bfloat16, float8_e4m3fn or float8_e5m2");
   }
 }
 
-void reshape_and_cache(torch::Tensor key, torch::Tensor value, torch::Tensor key_cache,
-                       torch::Tensor value_cache, torch::Tensor slot_mapping, double k_scale,
+void reshape_and_cache(at::Tensor key, at::Tensor value, at::Tensor key_cache,
+                       at::Tensor value_cache, at::Tensor slot_mapping, double k_scale,
                        double v_scale) {
   check_model_dtype(key, "key");
   check_same_dtype(key, value, "key and value");
@@ -94,7 +94,7 @@ void reshape_and_cache(torch::Tensor key, torch::Tensor value, torch::Tensor key
               "k_scale and v_scale must be finite and > 0");
   TORCH_CHECK(key.dim() == 3 && value.dim() == 3 && key_cache.dim() == 3 && value_cache.dim() == 3,
               "key/value [T, kv_heads, head_dim], caches [slots, kv_heads, head_dim]");
-  TORCH_CHECK(slot_mapping.scalar_type() == torch::kInt64 && slot_mapping.is_contiguous(),
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous(),
               "slot_mapping must be contiguous int64");
   const int64_t T = key.size(0), nkv = key.size(1), hd = key.size(2);
   const int64_t row = nkv * hd;
@@ -126,7 +126,7 @@ void reshape_and_cache(torch::Tensor key, torch::Tensor value, torch::Tensor key
     });
     return;
   }
-  if (key.scalar_type() == torch::kFloat32) {
+  if (key.scalar_type() == at::kFloat) {
     store_rows_to<float>(key, key_cache, slots, k_scale);
     store_rows_to<float>(value, value_cache, slots, v_scale);
   } else {
@@ -151,14 +151,14 @@ static void silu_and_mul_impl(T* op, const T* xp, int64_t rows, int64_t d, int64
   });
 }
 
-void silu_and_mul(torch::Tensor out, torch::Tensor x) {
+void silu_and_mul(at::Tensor out, at::Tensor x) {
   check_model_dtype(x, "x");
   check_same_dtype(out, x, "out and x");
   TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && x.stride(1) == 1 && out.is_contiguous(),
               "x [T, 2d] with contiguous rows, out [T, d] contiguous");
   const int64_t T = x.size(0), d = out.size(1);
   TORCH_CHECK(out.size(0) == T && x.size(1) == 2 * d, "out must be [T, d] for x [T, 2d]");
-  if (x.scalar_type() == torch::kFloat32)
+  if (x.scalar_type() == at::kFloat)
     silu_and_mul_impl(out.data_ptr<float>(), x.data_ptr<float>(), T, d, x.stride(0));
   else
     silu_and_mul_impl(out.data_ptr<bf16>(), x.data_ptr<bf16>(), T, d, x.stride(0));
@@ -180,7 +180,7 @@ static void fused_add_rms_norm_impl(T* xp, T* rp, const T* w, int64_t rows, int6
   });
 }
 
-void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps) {
+void fused_add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps) {
   check_model_dtype(x, "x");
   check_same_dtype(x, residual, "x and residual");
   check_same_dtype(x, weight, "x and weight");
@@ -189,7 +189,7 @@ void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor w
               "x and residual contiguous [T, hidden], weight [hidden]");
   const int64_t T = x.size(0), h = x.size(1);
   const float feps = static_cast<float>(eps);
-  if (x.scalar_type() == torch::kFloat32)
+  if (x.scalar_type() == at::kFloat)
     fused_add_rms_norm_impl(x.data_ptr<float>(), residual.data_ptr<float>(), weight.data_ptr<float>(),
                             T, h, feps);
   else
@@ -218,16 +218,16 @@ static void rotary_impl(T* xp, const float* cp, const float* sp, int64_t rows, i
   });
 }
 
-void rotary_embedding(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
+void rotary_embedding(at::Tensor x, at::Tensor cos, at::Tensor sin) {
   check_model_dtype(x, "x");
-  TORCH_CHECK(cos.scalar_type() == torch::kFloat32 && sin.scalar_type() == torch::kFloat32,
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat,
               "cos and sin must be float32");
   TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1, "x [T, heads, head_dim] with contiguous heads");
   const int64_t T = x.size(0), H = x.size(1), half = x.size(2) / 2;
   TORCH_CHECK(x.size(2) % 2 == 0, "head_dim must be even");
   TORCH_CHECK(cos.dim() == 2 && cos.is_contiguous() && sin.is_contiguous() && cos.size(0) == T &&
               cos.size(1) == half && sin.sizes() == cos.sizes(), "cos/sin [T, head_dim/2] contiguous");
-  if (x.scalar_type() == torch::kFloat32)
+  if (x.scalar_type() == at::kFloat)
     rotary_impl(x.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), T, H, half,
                 x.stride(0), x.stride(1));
   else

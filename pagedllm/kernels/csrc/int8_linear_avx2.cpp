@@ -194,9 +194,9 @@ bool avx2_int8_available() {
 #endif
 }
 
-torch::Tensor avx2_int8_linear(torch::Tensor x, torch::Tensor w_packed, torch::Tensor colsum, int64_t zero_point,
-                               torch::Tensor compensation, torch::Tensor weight_scales, torch::Tensor row_scales,
-                               std::optional<torch::Tensor> bias, bool out_bfloat16, bool seven_bit_weights) {
+at::Tensor avx2_int8_linear(at::Tensor x, at::Tensor w_packed, at::Tensor colsum, int64_t zero_point,
+                               at::Tensor compensation, at::Tensor weight_scales, at::Tensor row_scales,
+                               std::optional<at::Tensor> bias, bool out_bfloat16, bool seven_bit_weights) {
   TORCH_CHECK_VALUE(x.device().is_cpu() && x.dim() == 2 && x.scalar_type() == at::kByte && x.is_contiguous(),
                     "avx2_int8_linear: x must be a contiguous uint8 CPU tensor [M, K]");
   const int64_t M = x.size(0), K = x.size(1);
@@ -214,7 +214,7 @@ torch::Tensor avx2_int8_linear(torch::Tensor x, torch::Tensor w_packed, torch::T
   const int64_t N = colsum.numel();
   TORCH_CHECK_VALUE(N <= padded && N > padded - 16, "avx2_int8_linear: colsum has ", N,
                     " columns, the packed weight ", padded, " (ceil(N/16) tiles of 16)");
-  auto vec_ok = [](const torch::Tensor& t, int64_t n) {
+  auto vec_ok = [](const at::Tensor& t, int64_t n) {
     return t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous() && t.dim() == 1 &&
            t.size(0) == n;
   };
@@ -223,7 +223,7 @@ torch::Tensor avx2_int8_linear(torch::Tensor x, torch::Tensor w_packed, torch::T
   TORCH_CHECK_VALUE(vec_ok(row_scales, M), "avx2_int8_linear: row_scales must be a contiguous float32 CPU tensor [M]");
   if (bias.has_value())
     TORCH_CHECK_VALUE(vec_ok(*bias, N), "avx2_int8_linear: bias must be a contiguous float32 CPU tensor [N]");
-  auto out = torch::empty({M, N}, x.options().dtype(out_bfloat16 ? at::kBFloat16 : at::kFloat));
+  auto out = at::empty({M, N}, x.options().dtype(out_bfloat16 ? at::kBFloat16 : at::kFloat));
   if (M == 0 || N == 0) return out;
 #ifdef PAGEDLLM_AVX2
   const uint8_t* up = x.data_ptr<uint8_t>();

@@ -375,8 +375,8 @@ void run(const Args<TQ, TC>& a, int64_t num_reqs) {
 }
 
 template <typename TQ, typename TC>
-void launch(torch::Tensor out, torch::Tensor q, torch::Tensor key_cache, torch::Tensor value_cache,
-            torch::Tensor block_table, torch::Tensor query_start_loc, torch::Tensor seq_lens,
+void launch(at::Tensor out, at::Tensor q, at::Tensor key_cache, at::Tensor value_cache,
+            at::Tensor block_table, at::Tensor query_start_loc, at::Tensor seq_lens,
             int64_t num_reqs, int64_t block_size, double scale, double k_scale, double v_scale,
             int64_t window) {
   Args<TQ, TC> a;
@@ -395,21 +395,21 @@ void launch(torch::Tensor out, torch::Tensor q, torch::Tensor key_cache, torch::
 }
 
 template <typename TQ>
-void launch_for_cache(torch::Tensor out, torch::Tensor q, torch::Tensor key_cache, torch::Tensor value_cache,
-                      torch::Tensor block_table, torch::Tensor query_start_loc, torch::Tensor seq_lens,
+void launch_for_cache(at::Tensor out, at::Tensor q, at::Tensor key_cache, at::Tensor value_cache,
+                      at::Tensor block_table, at::Tensor query_start_loc, at::Tensor seq_lens,
                       int64_t num_reqs, int64_t block_size, double scale, double k_scale, double v_scale,
                       int64_t window) {
   switch (key_cache.scalar_type()) {
-    case torch::kFloat32:
+    case at::kFloat:
       return launch<TQ, float>(out, q, key_cache, value_cache, block_table, query_start_loc, seq_lens,
                                num_reqs, block_size, scale, k_scale, v_scale, window);
-    case torch::kBFloat16:
+    case at::kBFloat16:
       return launch<TQ, bf16>(out, q, key_cache, value_cache, block_table, query_start_loc, seq_lens,
                               num_reqs, block_size, scale, k_scale, v_scale, window);
-    case torch::kFloat8_e4m3fn:
+    case at::kFloat8_e4m3fn:
       return launch<TQ, fp8e4m3>(out, q, key_cache, value_cache, block_table, query_start_loc, seq_lens,
                                  num_reqs, block_size, scale, k_scale, v_scale, window);
-    case torch::kFloat8_e5m2:
+    case at::kFloat8_e5m2:
       return launch<TQ, fp8e5m2>(out, q, key_cache, value_cache, block_table, query_start_loc, seq_lens,
                                  num_reqs, block_size, scale, k_scale, v_scale, window);
     default:
@@ -419,13 +419,13 @@ void launch_for_cache(torch::Tensor out, torch::Tensor q, torch::Tensor key_cach
 
 }  // namespace
 
-void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor key_cache,
-                     torch::Tensor value_cache, torch::Tensor block_table,
-                     torch::Tensor query_start_loc, torch::Tensor seq_lens, int64_t block_size,
+void paged_attention(at::Tensor out, at::Tensor q, at::Tensor key_cache,
+                     at::Tensor value_cache, at::Tensor block_table,
+                     at::Tensor query_start_loc, at::Tensor seq_lens, int64_t block_size,
                      double scale, double k_scale, double v_scale, int64_t sliding_window) {
   const auto dt = q.scalar_type();
   TORCH_CHECK(sliding_window >= 0, "sliding_window must be >= 0 (0 = none)");
-  TORCH_CHECK(dt == torch::kFloat32 || dt == torch::kBFloat16, "q must be float32 or bfloat16");
+  TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16, "q must be float32 or bfloat16");
   TORCH_CHECK(out.scalar_type() == dt, "q and out must have the same dtype");
   TORCH_CHECK(value_cache.scalar_type() == key_cache.scalar_type(), "the K and V caches must have the same dtype");
   TORCH_CHECK(pagedllm::positive_finite(k_scale) && pagedllm::positive_finite(v_scale),
@@ -437,10 +437,10 @@ void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor key_cache
   TORCH_CHECK(key_cache.stride(2) == 1 && value_cache.stride(2) == 1, "cache rows must be contiguous");
   TORCH_CHECK(key_cache.size(2) == q.size(2) && value_cache.size(2) == q.size(2) &&
               value_cache.size(1) == key_cache.size(1), "head shapes disagree");
-  TORCH_CHECK(block_table.scalar_type() == torch::kInt32 && block_table.is_contiguous(), "block_table int32");
-  TORCH_CHECK(query_start_loc.scalar_type() == torch::kInt32 && query_start_loc.is_contiguous(),
+  TORCH_CHECK(block_table.scalar_type() == at::kInt && block_table.is_contiguous(), "block_table int32");
+  TORCH_CHECK(query_start_loc.scalar_type() == at::kInt && query_start_loc.is_contiguous(),
               "query_start_loc int32");
-  TORCH_CHECK(seq_lens.scalar_type() == torch::kInt32 && seq_lens.is_contiguous(), "seq_lens int32");
+  TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.is_contiguous(), "seq_lens int32");
   TORCH_CHECK(q.size(1) % key_cache.size(1) == 0, "num_heads must be a multiple of num_kv_heads");
   const int64_t B = seq_lens.size(0);
   TORCH_CHECK(query_start_loc.size(0) == B + 1 && block_table.size(0) >= B, "batch sizes disagree");
@@ -457,7 +457,7 @@ void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor key_cache
       TORCH_CHECK(row[b] >= 0 && (row[b] + 1) * block_size <= slots, "request ", n, ": block ",
                   row[b], " out of range");
   }
-  if (dt == torch::kFloat32)
+  if (dt == at::kFloat)
     launch_for_cache<float>(out, q, key_cache, value_cache, block_table, query_start_loc, seq_lens, B,
                             block_size, scale, k_scale, v_scale, sliding_window);
   else

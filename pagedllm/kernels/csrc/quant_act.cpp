@@ -195,15 +195,15 @@ void epilogue_rows(T* out, const float* acc, const float* comp, const float* ws,
 
 }  // namespace
 
-void quantize_per_token(torch::Tensor out, torch::Tensor scales, torch::Tensor x, int64_t qmax,
-                        int64_t zero_point, c10::optional<torch::Tensor> smooth) {
-  TORCH_CHECK(x.device().is_cpu() && (x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16),
+void quantize_per_token(at::Tensor out, at::Tensor scales, at::Tensor x, int64_t qmax,
+                        int64_t zero_point, c10::optional<at::Tensor> smooth) {
+  TORCH_CHECK(x.device().is_cpu() && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
               "x must be a float32 or bfloat16 CPU tensor");
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be [M, K] with contiguous rows");
   const int64_t M = x.size(0), K = x.size(1);
-  TORCH_CHECK(out.scalar_type() == torch::kUInt8 && out.is_contiguous() && out.dim() == 2 &&
+  TORCH_CHECK(out.scalar_type() == at::kByte && out.is_contiguous() && out.dim() == 2 &&
                   out.size(0) == M && out.size(1) == K, "out must be contiguous uint8 [M, K]");
-  TORCH_CHECK(scales.scalar_type() == torch::kFloat32 && scales.is_contiguous() && scales.dim() == 1 &&
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.dim() == 1 &&
                   scales.size(0) == M, "scales must be contiguous float32 [M]");
   TORCH_CHECK(qmax >= 1 && qmax <= 127 && zero_point - qmax >= 0 && zero_point + qmax <= 255,
               "need 1 <= qmax <= 127 and qmax <= zero_point <= 255 - qmax");
@@ -211,7 +211,7 @@ void quantize_per_token(torch::Tensor out, torch::Tensor scales, torch::Tensor x
     TORCH_CHECK(smooth->scalar_type() == x.scalar_type() && smooth->is_contiguous() && smooth->numel() == K,
                 "smooth must be contiguous [K] in x's dtype");
   const float q = static_cast<float>(qmax), zp = static_cast<float>(zero_point);
-  if (x.scalar_type() == torch::kFloat32)
+  if (x.scalar_type() == at::kFloat)
     quantize_rows(out.data_ptr<uint8_t>(), scales.data_ptr<float>(), x.data_ptr<float>(), M, K, x.stride(0), q, zp,
                   smooth.has_value() ? smooth->data_ptr<float>() : nullptr);
   else
@@ -219,24 +219,24 @@ void quantize_per_token(torch::Tensor out, torch::Tensor scales, torch::Tensor x
                   smooth.has_value() ? smooth->data_ptr<bf16>() : nullptr);
 }
 
-void int8_epilogue(torch::Tensor out, torch::Tensor acc, torch::Tensor compensation,
-                   torch::Tensor weight_scales, torch::Tensor row_scales,
-                   c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(acc.device().is_cpu() && acc.scalar_type() == torch::kFloat32 && acc.dim() == 2 &&
+void int8_epilogue(at::Tensor out, at::Tensor acc, at::Tensor compensation,
+                   at::Tensor weight_scales, at::Tensor row_scales,
+                   c10::optional<at::Tensor> bias) {
+  TORCH_CHECK(acc.device().is_cpu() && acc.scalar_type() == at::kFloat && acc.dim() == 2 &&
                   acc.is_contiguous(), "acc must be a contiguous float32 CPU tensor [M, N]");
   const int64_t M = acc.size(0), N = acc.size(1);
-  TORCH_CHECK((out.scalar_type() == torch::kFloat32 || out.scalar_type() == torch::kBFloat16) &&
+  TORCH_CHECK((out.scalar_type() == at::kFloat || out.scalar_type() == at::kBFloat16) &&
                   out.is_contiguous() && out.dim() == 2 && out.size(0) == M && out.size(1) == N,
               "out must be contiguous float32 or bfloat16 [M, N]");
-  TORCH_CHECK(compensation.scalar_type() == torch::kFloat32 && compensation.is_contiguous() &&
+  TORCH_CHECK(compensation.scalar_type() == at::kFloat && compensation.is_contiguous() &&
                   compensation.numel() == N, "compensation must be contiguous float32 [N]");
-  TORCH_CHECK(weight_scales.scalar_type() == torch::kFloat32 && weight_scales.is_contiguous() &&
+  TORCH_CHECK(weight_scales.scalar_type() == at::kFloat && weight_scales.is_contiguous() &&
                   weight_scales.numel() == N, "weight_scales must be contiguous float32 [N]");
-  TORCH_CHECK(row_scales.scalar_type() == torch::kFloat32 && row_scales.is_contiguous() &&
+  TORCH_CHECK(row_scales.scalar_type() == at::kFloat && row_scales.is_contiguous() &&
                   row_scales.numel() == M, "row_scales must be contiguous float32 [M]");
   const float* b = nullptr;
   if (bias.has_value()) {
-    TORCH_CHECK(bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() && bias->numel() == N,
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N,
                 "bias must be contiguous float32 [N]");
     b = bias->data_ptr<float>();
   }
@@ -244,7 +244,7 @@ void int8_epilogue(torch::Tensor out, torch::Tensor acc, torch::Tensor compensat
   const float* c = compensation.data_ptr<float>();
   const float* ws = weight_scales.data_ptr<float>();
   const float* rs = row_scales.data_ptr<float>();
-  if (out.scalar_type() == torch::kFloat32)
+  if (out.scalar_type() == at::kFloat)
     epilogue_rows(out.data_ptr<float>(), a, c, ws, rs, b, M, N);
   else
     epilogue_rows(out.data_ptr<bf16>(), a, c, ws, rs, b, M, N);

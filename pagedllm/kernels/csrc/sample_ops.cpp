@@ -178,34 +178,34 @@ float row_max(const float* x, int64_t V) {
 
 }  // namespace
 
-std::vector<torch::Tensor> topk_rows(torch::Tensor x, int64_t k, std::optional<torch::Tensor> chosen, bool lse) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous() && x.device().is_cpu(),
+std::vector<at::Tensor> topk_rows(at::Tensor x, int64_t k, std::optional<at::Tensor> chosen, bool lse) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.device().is_cpu(),
               "topk_rows: x must be a contiguous float32 CPU tensor [N, V]");
   const int64_t N = x.size(0), V = x.size(1);
   TORCH_CHECK(k >= 0 && k <= V, "topk_rows: k = ", k, " must be in [0, V = ", V, "]");
   TORCH_CHECK(V < (int64_t{1} << 31), "topk_rows: rows longer than 2^31 - 1");
-  auto vals = torch::empty({N, k}, x.options());
-  auto idx = torch::empty({N, k}, x.options().dtype(torch::kInt64));
-  torch::Tensor ranks;
+  auto vals = at::empty({N, k}, x.options());
+  auto idx = at::empty({N, k}, x.options().dtype(at::kLong));
+  at::Tensor ranks;
   const int64_t* cp = nullptr;
   if (chosen) {
-    TORCH_CHECK(chosen->dim() == 1 && chosen->size(0) == N && chosen->scalar_type() == torch::kInt64 &&
+    TORCH_CHECK(chosen->dim() == 1 && chosen->size(0) == N && chosen->scalar_type() == at::kLong &&
                     chosen->is_contiguous() && chosen->device().is_cpu(),
                 "topk_rows: chosen must be a contiguous int64 CPU tensor [N]");
     cp = chosen->data_ptr<int64_t>();
     for (int64_t i = 0; i < N; ++i)
       TORCH_CHECK(cp[i] >= 0 && cp[i] < V, "topk_rows: chosen[", i, "] = ", cp[i], " is outside [0, ", V, ")");
-    ranks = torch::empty({N}, idx.options());
+    ranks = at::empty({N}, idx.options());
   }
   const float* xp = x.data_ptr<float>();
   float* vp = vals.data_ptr<float>();
   int64_t* ip = idx.data_ptr<int64_t>();
   int64_t* rp = cp ? ranks.data_ptr<int64_t>() : nullptr;
-  torch::Tensor shift, log_sum;
+  at::Tensor shift, log_sum;
   float *sp = nullptr, *lp = nullptr;
   if (lse) {
-    shift = torch::empty({N}, x.options());
-    log_sum = torch::empty({N}, x.options());
+    shift = at::empty({N}, x.options());
+    log_sum = at::empty({N}, x.options());
     sp = shift.data_ptr<float>();
     lp = log_sum.data_ptr<float>();
   }
@@ -224,7 +224,7 @@ std::vector<torch::Tensor> topk_rows(torch::Tensor x, int64_t k, std::optional<t
       }
     }
   });
-  std::vector<torch::Tensor> out{vals, idx};
+  std::vector<at::Tensor> out{vals, idx};
   if (cp) out.push_back(ranks);
   if (lse) {
     out.push_back(shift);
@@ -233,13 +233,13 @@ std::vector<torch::Tensor> topk_rows(torch::Tensor x, int64_t k, std::optional<t
   return out;
 }
 
-std::vector<torch::Tensor> token_presence(torch::Tensor history, torch::Tensor prompt_len, torch::Tensor length,
+std::vector<at::Tensor> token_presence(at::Tensor history, at::Tensor prompt_len, at::Tensor length,
                                           int64_t vocab_size) {
-  TORCH_CHECK(history.dim() == 2 && history.scalar_type() == torch::kInt64 && history.device().is_cpu(),
+  TORCH_CHECK(history.dim() == 2 && history.scalar_type() == at::kLong && history.device().is_cpu(),
               "token_presence: history must be an int64 CPU tensor [P, L]");
   const int64_t P = history.size(0), L = history.size(1);
   auto h = history.contiguous();
-  auto pl = prompt_len.to(torch::kInt64).contiguous(), ln = length.to(torch::kInt64).contiguous();
+  auto pl = prompt_len.to(at::kLong).contiguous(), ln = length.to(at::kLong).contiguous();
   TORCH_CHECK(pl.numel() == P && ln.numel() == P, "token_presence: prompt_len and length need P = ", P, " values");
   const int64_t* hp = h.data_ptr<int64_t>();
   const int64_t* plp = pl.data_ptr<int64_t>();
@@ -277,9 +277,9 @@ std::vector<torch::Tensor> token_presence(torch::Tensor history, torch::Tensor p
   });
   int64_t M = 0;
   for (const auto& t : toks) M += static_cast<int64_t>(t.size());
-  auto opts = torch::TensorOptions().dtype(torch::kInt64);
-  auto rows = torch::empty({M}, opts), tokens = torch::empty({M}, opts);
-  auto cnt = torch::empty({M}, opts.dtype(torch::kFloat32));
+  auto opts = at::TensorOptions().dtype(at::kLong);
+  auto rows = at::empty({M}, opts), tokens = at::empty({M}, opts);
+  auto cnt = at::empty({M}, opts.dtype(at::kFloat));
   int64_t* rp = rows.data_ptr<int64_t>();
   int64_t* tp = tokens.data_ptr<int64_t>();
   float* cp = cnt.data_ptr<float>();

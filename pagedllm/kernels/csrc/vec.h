@@ -13,7 +13,9 @@
 // vectors from index 0 and fold in a fixed tree, so a row's result depends only on the
 // row's own values, never on the batch it came in (batch invariance).
 #pragma once
-#include <torch/extension.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
 
 #include <cstdint>
 #include <cstring>
