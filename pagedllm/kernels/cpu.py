@@ -4,7 +4,8 @@ default ``~/.cache/torch_extensions``): paged decode attention, writing K/V into
 paged cache (float32, bfloat16 or fp8, ``KV_CACHE_KERNEL_DTYPES``), SiLU-and-mul, fused
 residual-add + RMSNorm, RoPE, per-token int8 activation quantization with its
 dequantizing epilogue, linears with GGUF block-quantized weights (``block_quant.cpp``),
-and the sampler's row-wise top-k / rank and penalty-history kernels (``sample_ops.cpp``;
+the sampler's row-wise top-k / rank and penalty-history kernels (``sample_ops.cpp``) and a
+Llama decoder stack over them as one call (``decoder_stack.cpp``;
 sources in ``csrc/``).
 If the build fails, or ``PAGEDLLM_CPU_KERNELS=0``, callers fall back to torch ops;
 results agree to float32 rounding.
@@ -45,7 +46,7 @@ _TOOLCHAIN = ("ninja", "c++", "g++", "gcc", "cc", "cc1plus", "cc1", "as", "ld", 
 
 _CSRC = os.path.join(os.path.dirname(__file__), "csrc")
 _SOURCES = ("bindings.cpp", "paged_attention_cpu.cpp", "cpu_ops.cpp", "quant_act.cpp", "block_quant.cpp",
-            "amx_linear.cpp", "int8_linear_avx2.cpp", "sample_ops.cpp")
+            "amx_linear.cpp", "int8_linear_avx2.cpp", "sample_ops.cpp", "decoder_stack.cpp")
 
 
 _NO_TRACE = contextlib.nullcontext()

@@ -83,6 +83,13 @@ class Attention(nn.Module):
             v = v.contiguous()
         return self.backend.forward(q, k, v, self.kv_cache, md, self.scale, *self._scales)
 
+    def kernel_module(self):
+        """The compiled C++ kernel module this layer's attention runs on (the ``cpu_kernel``
+        backend with its kernels, bound to a cache), else None: what a fused caller may
+        call in its place (``models/fused_decoder.py``)."""
+        kernels = getattr(self.backend, "kernels", None)
+        return kernels if kernels is not None and self.kv_cache is not None else None
+
     def set_kv_scale(self, which: str, value: torch.Tensor, name: str) -> None:
         """Set ``k_scale`` or ``v_scale`` (``which``) from the checkpoint tensor ``value``
         (one element) called ``name``.

@@ -26,6 +26,7 @@ from pagedllm.layers.rotary_embedding import RotaryEmbedding
 from pagedllm.layers.utils import default_weight_loader
 from pagedllm.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedllm.models.arch_config import ModelArchConfig
+from pagedllm.models.fused_decoder import FusedDecoder
 
 # Checkpoint (HF) projection names → (our fused parameter, shard id of its weight_loader).
 STACKED_PARAMS = {
@@ -138,6 +139,41 @@ class LlamaDecoderLayer(nn.Module):
         h, residual = self.post_attention_layernorm(self.self_attn(positions, h), residual)
         return self.mlp(h), residual
 
+    def fused_operands(self) -> dict | str:
+        """What ``FusedDecoder`` needs to run this layer in C++ (``DecoderStack.add_layer``'s
+        arguments, plus ``kernels`` and ``shape``), or why it cannot: every piece must be
+        this class's own (no q/k norms, the SwiGLU MLP) and run a C++ kernel (GGUF block
+        linears without biases past q|k|v, the ``cpu_kernel`` attention backend bound to a
+        cache, C++ norms, RoPE and SiLU-and-mul)."""
+        at, mlp = self.self_attn, self.mlp
+        if (type(self).forward is not LlamaDecoderLayer.forward or type(at) is not LlamaAttention
+                or type(mlp) is not LlamaMLP or at.q_norm is not None):
+            return "not the plain Llama layer (q/k norms, another MLP or forward)"
+        kernels = at.attn.kernel_module()
+        if kernels is None:
+            return "attention not on the C++ kernels"
+        for part in (self.input_layernorm, self.post_attention_layernorm, at.rotary_emb, mlp.act_fn):
+            if getattr(part, "_kernels", None) is None or (isinstance(part, RMSNorm)
+                                                           and type(part).forward is not RMSNorm.forward):
+                return f"{type(part).__name__} not on the C++ kernels"
+        linears = {"qkv": at.qkv_proj, "o": at.o_proj, "gate_up": mlp.gate_up_proj, "down": mlp.down_proj}
+        ops: dict = {}
+        for name, lin in linears.items():
+            kernel = getattr(lin.linear_method, "kernel_operands", None)
+            operands = kernel(lin) if kernel is not None else None
+            if operands is None:
+                return f"linear {lin.linear_method.name} has no C++ stack form"
+            if name != "qkv" and lin.bias is not None:
+                return f"{name}_proj has a bias"
+            ops[name], ops[f"{name}_fmt"] = operands
+        k_scale, v_scale = at.attn._scales
+        key_cache, value_cache = at.attn.kv_cache[0], at.attn.kv_cache[1]
+        return dict(ops, input_norm=self.input_layernorm.weight.data,
+                    post_norm=self.post_attention_layernorm.weight.data, qkv_bias=at.qkv_proj.bias,
+                    key_cache=key_cache, value_cache=value_cache, k_scale=k_scale, v_scale=v_scale,
+                    kernels=kernels,
+                    shape=(at.nh, at.nkv, at.hd, self.input_layernorm.eps, at.attn.scale))
+
 
 class LlamaModel(nn.Module):
     # the class of each decoder layer (a subclass may change its feed-forward block)
@@ -153,9 +189,22 @@ class LlamaModel(nn.Module):
             self.decoder_layer_class(cfg, i, rotary_emb, dtype, device, f"model.layers.{i}", quant_config)
             for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        # every layer in one C++ call when they allow it (models/fused_decoder.py)
+        self.fused_decoder = FusedDecoder()
+
+    @property
+    def compute_path(self) -> tuple[str, str]:
+        """For ``describe_compute_path``: whether the decoder layers run as one C++ stack."""
+        f = self.fused_decoder
+        f.prepare(self.layers)
+        return ("decoder", "one C++ stack call a step" if f.reason is None else f"per-layer ({f.reason})")
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
+        if self.fused_decoder is not None:
+            out = self.fused_decoder(self.layers, x, positions)
+            if out is not None:
+                return out
         residual = None
         for layer in self.layers:
             x, residual = layer(positions, x, residual)
@@ -224,6 +273,7 @@ class LlamaForCausalLM(nn.Module):
         """
         params = dict(self.named_parameters())
         modules = dict(self.named_modules())
+        self.model.fused_decoder.invalidate()   # it holds the weights it was built with
         loaded: set[str] = set()
         for name, tensor in weights:
             target = kv_scale_target(name)

@@ -89,4 +89,23 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "with each one's count at positions >= prompt_len[i] (float32): three tensors [M]",
         py::arg("history"), py::arg("prompt_len"), py::arg("length"), py::arg("vocab_size"),
         py::call_guard<py::gil_scoped_release>());
+  py::class_<DecoderStack>(m, "DecoderStack",
+                           "A Llama-family decoder stack with GGUF block linears run as one call: the "
+                           "kernels of the per-layer path in its order (decoder_stack.cpp)")
+      .def(py::init<int64_t, int64_t, int64_t, double, double>(), py::arg("num_heads"),
+           py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("rms_norm_eps"), py::arg("attn_scale"))
+      .def("add_layer", &DecoderStack::add_layer,
+           "Append a layer: norm weights [hidden], block weights with their formats, the layer's K/V "
+           "caches [slots, kv_heads, head_dim] and scales",
+           py::arg("input_norm"), py::arg("post_norm"), py::arg("qkv"), py::arg("qkv_fmt"), py::arg("qkv_bias"),
+           py::arg("o"), py::arg("o_fmt"), py::arg("gate_up"), py::arg("gate_up_fmt"), py::arg("down"),
+           py::arg("down_fmt"), py::arg("key_cache"), py::arg("value_cache"), py::arg("k_scale"),
+           py::arg("v_scale"))
+      .def("forward", &DecoderStack::forward,
+           "h: layer 0's normed input, residual: the embeddings (updated in place), both [T, hidden]; "
+           "returns [last MLP output, residual]",
+           py::arg("h"), py::arg("residual"), py::arg("cos"), py::arg("sin"), py::arg("slot_mapping"),
+           py::arg("block_table"), py::arg("query_start_loc"), py::arg("seq_lens"), py::arg("block_size"),
+           py::arg("sliding_window"), py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("num_layers", &DecoderStack::num_layers);
 }

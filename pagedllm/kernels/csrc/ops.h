@@ -53,3 +53,37 @@ at::Tensor avx2_int8_linear(at::Tensor x, at::Tensor w_packed, at::Tensor colsum
 std::vector<at::Tensor> topk_rows(at::Tensor x, int64_t k, std::optional<at::Tensor> chosen, bool lse);
 std::vector<at::Tensor> token_presence(at::Tensor history, at::Tensor prompt_len, at::Tensor length,
                                           int64_t vocab_size);
+
+// decoder_stack.cpp: a Llama-family decoder stack (GGUF block linears) as one call.
+class DecoderStack {
+ public:
+  DecoderStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double rms_norm_eps,
+               double attn_scale);
+  void add_layer(at::Tensor input_norm, at::Tensor post_norm, at::Tensor qkv, int64_t qkv_fmt,
+                 std::optional<at::Tensor> qkv_bias, at::Tensor o, int64_t o_fmt, at::Tensor gate_up,
+                 int64_t gate_up_fmt, at::Tensor down, int64_t down_fmt, at::Tensor key_cache,
+                 at::Tensor value_cache, double k_scale, double v_scale);
+  std::vector<at::Tensor> forward(at::Tensor h, at::Tensor residual, at::Tensor cos, at::Tensor sin,
+                                  at::Tensor slot_mapping, at::Tensor block_table,
+                                  at::Tensor query_start_loc, at::Tensor seq_lens, int64_t block_size,
+                                  int64_t sliding_window);
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+ private:
+  struct Layer {
+    at::Tensor input_norm, post_norm, qkv;
+    int64_t qkv_fmt;
+    std::optional<at::Tensor> qkv_bias;
+    at::Tensor o;
+    int64_t o_fmt;
+    at::Tensor gate_up;
+    int64_t gate_up_fmt;
+    at::Tensor down;
+    int64_t down_fmt;
+    at::Tensor key_cache, value_cache;
+    double k_scale, v_scale;
+  };
+  int64_t nh_, nkv_, hd_;
+  double eps_, scale_;
+  std::vector<Layer> layers_;
+};

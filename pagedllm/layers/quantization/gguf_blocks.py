@@ -358,6 +358,14 @@ class BlockQuantLinearMethod(LinearMethod):
         if self._ops is None:
             layer.block_unpacked = unpack_blocks(w, self.fmt, k)
 
+    def kernel_operands(self, layer) -> tuple[torch.Tensor, int] | None:
+        """(packed weight uint8 [out, in / 32 * block_bytes], ggml format id) when the C++
+        kernel computes this layer (what ``kernels/csrc/decoder_stack.cpp`` calls), else
+        None (the torch path)."""
+        if self._ops is None:
+            return None
+        return layer.weight.data if isinstance(layer.weight, nn.Parameter) else layer.weight, self._fmt_id
+
     def apply(self, layer, x, bias=None):
         if self._ops is None:
             unpacked = getattr(layer, "block_unpacked", None)
