@@ -30,10 +30,11 @@ def _run(monkeypatch, fused: bool, **llm_kw):
     for a mixed workload: 6 prompts sharing a 40-token prefix, 48-token prefill chunks."""
     monkeypatch.setenv("PAGEDLLM_FUSED_DECODER", "1" if fused else "0")
     vocab = llm_kw.pop("vocab", 49152)
+    dtype = llm_kw.pop("dtype", "float32")
     prompts = random_prompts(6, seed=11, vocab=vocab, min_len=5, max_len=90)
     shared = prompts[0]["prompt_token_ids"][:5] * 8
     prompts = [{"prompt_token_ids": shared + p["prompt_token_ids"]} for p in prompts]
-    llm = LLM(dtype="float32", max_model_len=256, kv_cache_memory="64MiB", engine_process=False,
+    llm = LLM(dtype=dtype, max_model_len=256, kv_cache_memory="64MiB", engine_process=False,
               max_num_batched_tokens=48, enable_prefix_caching=True, **llm_kw)
     try:
         sp = SamplingParams(temperature=0, max_tokens=10, logprobs=3, ignore_eos=True)
@@ -46,10 +47,13 @@ def _run(monkeypatch, fused: bool, **llm_kw):
         llm.shutdown()
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "bfloat16", "fp8_e4m3"])
-def test_bundled_gguf_fused_equals_per_layer(monkeypatch, kv_cache_dtype):
-    path_fused, fused = _run(monkeypatch, True, quantization="gguf", kv_cache_dtype=kv_cache_dtype)
-    path_layers, layers = _run(monkeypatch, False, quantization="gguf", kv_cache_dtype=kv_cache_dtype)
+# bfloat16 activations too (every CPU can compare the two paths in it; the kernels widen to float32)
+@pytest.mark.parametrize("dtype,kv_cache_dtype", [("float32", "auto"), ("float32", "bfloat16"),
+                                                  ("float32", "fp8_e4m3"), ("bfloat16", "auto")])
+def test_bundled_gguf_fused_equals_per_layer(monkeypatch, dtype, kv_cache_dtype):
+    kw = dict(quantization="gguf", kv_cache_dtype=kv_cache_dtype, dtype=dtype)
+    path_fused, fused = _run(monkeypatch, True, **kw)
+    path_layers, layers = _run(monkeypatch, False, **kw)
     assert FUSED in path_fused
     assert "decoder per-layer (PAGEDLLM_FUSED_DECODER=0)" in path_layers
     assert fused == layers

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from pagedllm.attention.backend import FP8_DTYPES
+from pagedllm.attention.cpu_backend import CpuAttentionMetadata
 from pagedllm.forward_context import get_forward_context
 from pagedllm.layers.utils import cpu_kernels_for
 
@@ -89,6 +90,13 @@ class Attention(nn.Module):
         call in its place (``models/fused_decoder.py``)."""
         kernels = getattr(self.backend, "kernels", None)
         return kernels if kernels is not None and self.kv_cache is not None else None
+
+    def kernel_metadata(self) -> CpuAttentionMetadata | None:
+        """The step's attention metadata (forward context) when it is one
+        ``CpuAttentionMetadata`` that this layer's C++ kernels read, else None (a list per
+        KV-cache group, or the torch ops' metadata)."""
+        md = get_forward_context().attn_metadata
+        return md if type(md) is CpuAttentionMetadata and self.kernel_module() is not None else None
 
     def set_kv_scale(self, which: str, value: torch.Tensor, name: str) -> None:
         """Set ``k_scale`` or ``v_scale`` (``which``) from the checkpoint tensor ``value``

@@ -22,8 +22,6 @@ import torch
 from torch import nn
 
 from pagedllm import envs
-from pagedllm.attention.cpu_backend import CpuAttentionMetadata
-from pagedllm.forward_context import get_forward_context
 
 
 class FusedDecoder:
@@ -53,6 +51,9 @@ class FusedDecoder:
 
     def _build(self, layers: Sequence[nn.Module]) -> None:
         self._stack = None
+        if layers[0].self_attn.attn.kv_cache is None:
+            self.reason = "no KV cache bound"
+            return
         if not envs.fused_decoder_enabled():
             self.reason = "PAGEDLLM_FUSED_DECODER=0"
             return
@@ -76,13 +77,15 @@ class FusedDecoder:
             stack.add_layer(**o)
         self._stack, self.reason = stack, None
 
-    def prepare(self, layers: Sequence[nn.Module]) -> None:
+    def prepare(self, layers: Sequence[nn.Module]) -> bool:
         """Build the stack for ``layers`` now if their KV cache changed since the last
-        build (the runner's start-up log reads ``reason`` after this)."""
+        build (the runner's start-up log reads ``reason`` after this). Returns False while
+        no KV cache is bound (nothing decided)."""
         key = layers[0].self_attn.attn.kv_cache
         if key is not self._cache_key:
             self._cache_key = key
             self._build(layers)
+        return key is not None
 
     def __call__(self, layers: Sequence[nn.Module], x: torch.Tensor,
                  positions: torch.Tensor) -> torch.Tensor | None:
@@ -95,11 +98,11 @@ class FusedDecoder:
         self.prepare(layers)
         if self._stack is None:
             return None
-        md = get_forward_context().attn_metadata
-        if type(md) is not CpuAttentionMetadata:   # several KV-cache groups, or torch ops
+        first = layers[0]
+        md = first.self_attn.attn.kernel_metadata()
+        if md is None:   # several KV-cache groups, or the backend fell back to torch ops
             self.reason = "attention metadata other than one cpu_kernel group"
             return None
-        first = layers[0]
         h = first.input_layernorm(x)
         cos, sin = first.self_attn.rotary_emb.tables(positions)
         out, residual = self._stack.forward(h, x, cos, sin, md.slot_mapping, md.block_table,

@@ -193,10 +193,12 @@ class LlamaModel(nn.Module):
         self.fused_decoder = FusedDecoder()
 
     @property
-    def compute_path(self) -> tuple[str, str]:
-        """For ``describe_compute_path``: whether the decoder layers run as one C++ stack."""
+    def compute_path(self) -> tuple[str, str] | None:
+        """For ``describe_compute_path``: whether the decoder layers run as one C++ stack
+        (None before a KV cache is bound: nothing is decided yet)."""
         f = self.fused_decoder
-        f.prepare(self.layers)
+        if f is None or not f.prepare(self.layers):
+            return None
         return ("decoder", "one C++ stack call a step" if f.reason is None else f"per-layer ({f.reason})")
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -273,7 +275,9 @@ class LlamaForCausalLM(nn.Module):
         """
         params = dict(self.named_parameters())
         modules = dict(self.named_modules())
-        self.model.fused_decoder.invalidate()   # it holds the weights it was built with
+        fused = getattr(self.model, "fused_decoder", None)
+        if fused is not None:
+            fused.invalidate()   # it holds the weights it was built with
         loaded: set[str] = set()
         for name, tensor in weights:
             target = kv_scale_target(name)
