@@ -81,6 +81,20 @@ def test_per_layer_where_the_stack_cannot_apply(monkeypatch, tmp_path, tok, arch
     assert all(len(ids) == 10 for ids, _ in outs)
 
 
+@pytest.mark.parametrize("fused", [True, False])
+def test_start_up_log_says_how_the_decoder_runs(monkeypatch, caplog, fused):
+    import logging
+
+    monkeypatch.setenv("PAGEDLLM_FUSED_DECODER", "1" if fused else "0")
+    with caplog.at_level(logging.INFO, logger="pagedllm"):
+        llm = LLM(dtype="float32", quantization="gguf", max_model_len=128, kv_cache_memory="32MiB",
+                  engine_process=False)
+        llm.shutdown()
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("decoder layers: ")]
+    assert lines == ["decoder layers: " + ("one C++ stack call a step" if fused else
+                                           "per-layer (PAGEDLLM_FUSED_DECODER=0)")]
+
+
 def test_profiler_sees_the_stack_and_its_kernels(monkeypatch):
     monkeypatch.setenv("PAGEDLLM_FUSED_DECODER", "1")
     llm = LLM(dtype="float32", quantization="gguf", max_model_len=128, kv_cache_memory="32MiB",

@@ -106,6 +106,16 @@ class ModelRunner:
         spec = f", speculative decoding: {self.proposer.describe()}" if self.proposer is not None else ""
         return f"attention backend {self.attn.describe()}{scales}, {describe_compute_path(self.model)}{spec}"
 
+    def describe_decoder(self) -> str | None:
+        """How the decoder layers run, once the KV cache is bound: e.g. "one C++ stack call
+        a step" or "per-layer (<why>)" (``models/fused_decoder.py``); None for a model
+        without that choice."""
+        for m in self.model.modules():
+            path = getattr(m, "compute_path", None)
+            if path is not None and path[0] == "decoder":
+                return path[1]
+        return None
+
     def kv_bytes_per_block(self) -> int:
         """Bytes of K and V for one block (``layers_per_block`` layers: all of them with
         one KV-cache group), in the cache's dtype (with a draft model, its own cache's

@@ -48,6 +48,9 @@ class Worker:
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.model_runner.initialize_kv_cache(num_blocks)
+        decoder = self.model_runner.describe_decoder()
+        if decoder is not None:   # decided only now that the layers are bound to the cache
+            logger.info("decoder layers: %s", decoder)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.model_runner.execute_model(scheduler_output)
