@@ -32,12 +32,13 @@ class FusedDecoder:
     ``DecoderStack.add_layer`` plus ``kernels`` (the compiled module) and ``shape``
     (num_heads, num_kv_heads, head_dim, rms_norm_eps, attention scale), or a string
     saying why it cannot be fused. The stack is built when every layer offers them with
-    one shape; it is dropped (and rebuilt on the next step) when the layers' KV cache is
-    bound again or ``invalidate`` is called (weights reloaded).
+    one shape (``prepare`` builds only once a KV cache is bound); it is dropped (and
+    rebuilt on the next step) when the layers' KV cache is bound again or ``invalidate``
+    is called (weights reloaded).
 
     Attributes:
-        reason: why the stack is not used (None when it is, "not built yet" before the
-            first step).
+        reason: why the stack is not used (None when it is, "not built yet" until
+            ``prepare`` has seen a bound KV cache).
     """
 
     def __init__(self):
@@ -51,9 +52,6 @@ class FusedDecoder:
 
     def _build(self, layers: Sequence[nn.Module]) -> None:
         self._stack = None
-        if layers[0].self_attn.attn.kv_cache is None:
-            self.reason = "no KV cache bound"
-            return
         if not envs.fused_decoder_enabled():
             self.reason = "PAGEDLLM_FUSED_DECODER=0"
             return
@@ -69,9 +67,6 @@ class FusedDecoder:
             self.reason = "layers of different shapes"
             return
         (nh, nkv, hd, eps, scale), = shapes
-        if not hasattr(modules[0], "DecoderStack"):
-            self.reason = "the compiled kernels have no DecoderStack"
-            return
         stack = modules[0].DecoderStack(nh, nkv, hd, eps, scale)
         for o in ops:
             stack.add_layer(**o)

@@ -197,16 +197,15 @@ class LlamaModel(nn.Module):
         """For ``describe_compute_path``: whether the decoder layers run as one C++ stack
         (None before a KV cache is bound: nothing is decided yet)."""
         f = self.fused_decoder
-        if f is None or not f.prepare(self.layers):
+        if not f.prepare(self.layers):
             return None
         return ("decoder", "one C++ stack call a step" if f.reason is None else f"per-layer ({f.reason})")
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
-        if self.fused_decoder is not None:
-            out = self.fused_decoder(self.layers, x, positions)
-            if out is not None:
-                return out
+        out = self.fused_decoder(self.layers, x, positions)
+        if out is not None:
+            return out
         residual = None
         for layer in self.layers:
             x, residual = layer(positions, x, residual)

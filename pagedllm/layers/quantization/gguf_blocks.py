@@ -276,6 +276,12 @@ def kernel_isa(ops) -> str:
     return ops.block_quant_isa()
 
 
+def _weight_tensor(layer: nn.Module) -> torch.Tensor:
+    """``layer.weight`` as a plain tensor: a Parameter's data, or the tensor itself (a tied
+    LM head holds its packed copy as a plain attribute)."""
+    return layer.weight.data if isinstance(layer.weight, nn.Parameter) else layer.weight
+
+
 class BlockQuantLinearMethod(LinearMethod):
     """A ``LinearMethod`` whose weight is kept in a GGUF block format.
 
@@ -346,7 +352,7 @@ class BlockQuantLinearMethod(LinearMethod):
         k = layer.input_size
         if not self._picked:            # a tied LM head: create_weights did not run
             self._pick(layer.weight.device, layer.params_dtype)
-        w = layer.weight.data if isinstance(layer.weight, nn.Parameter) else layer.weight
+        w = _weight_tensor(layer)
         if self.from_float and w.is_floating_point():
             packed = quantize_to_blocks(w, self.fmt)
             if isinstance(layer.weight, nn.Parameter):
@@ -364,7 +370,7 @@ class BlockQuantLinearMethod(LinearMethod):
         None (the torch path)."""
         if self._ops is None:
             return None
-        return layer.weight.data if isinstance(layer.weight, nn.Parameter) else layer.weight, self._fmt_id
+        return _weight_tensor(layer), self._fmt_id
 
     def apply(self, layer, x, bias=None):
         if self._ops is None:
