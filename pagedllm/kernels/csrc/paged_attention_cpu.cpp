@@ -34,7 +34,8 @@
 // Two implementations of a row's maths, chosen at compile time per head size:
 //  * AVX2+FMA, head_dim a multiple of 64 (bfloat16 and fp8 loads widened in registers,
 //    fp8 through F16C): up to 3 heads of a kv head at once against 8 keys, folded by a
-//    horizontal-add tree; V accumulated in registers, 16 dims at a time;
+//    horizontal-add tree; V summed a tile of keys (~12 KB of V rows, kept in L1) at a
+//    time for every row of the item, 24 or 32 dims a pass in registers;
 //  * generic (any head_dim or CPU): the same maths with GCC vector types.
 #include "ops.h"
 #include "vec.h"
@@ -80,7 +81,7 @@ template <> constexpr bool kAvxCache<fp8e5m2> = false;
 #endif
 
 constexpr int64_t kPrefetchKeys = 16;     // how far ahead the score loop fetches K rows
-constexpr int64_t kPrefetchValues = 64;   // and the first weighted sum the V rows
+constexpr int64_t kValueTileBytes = 12288;  // V bytes summed per tile (they stay in L1)
 
 // Prefetch the cache lines of [p, p + bytes) into L1.
 inline void prefetch_span(const void* p, int64_t bytes) {
@@ -104,7 +105,8 @@ inline float softmax_numerators(float* s, int64_t L) {
 struct Scratch {
   std::vector<float> scores;
   std::vector<int64_t> slots;
-  std::vector<float> acc;
+  std::vector<float> acc;   // weighted sums of V, one hd row per (query, head) row
+  std::vector<float> inv;   // 1 / softmax sum (times v_scale) per row
 };
 
 #ifdef PAGEDLLM_AVX2
@@ -132,7 +134,7 @@ inline __m256 fold8(__m256 x0, __m256 x1, __m256 x2, __m256 x3, __m256 x4, __m25
 // every (head, dim) sum runs over t in order, whatever G is: a head's result does not
 // depend on how many heads were computed with it.
 template <int G, typename TQ, typename TC>
-inline void scores8_rows_avx(const TQ* const* qs, const TC* const* kr, int64_t off, int64_t hd,
+__attribute__((noinline)) void scores8_rows_avx(const TQ* const* qs, const TC* const* kr, int64_t off, int64_t hd,
                              float scale, float* const* s) {
   __m256 acc[G][8];
   for (int half = 0; half < 2; ++half) {
@@ -144,15 +146,21 @@ inline void scores8_rows_avx(const TQ* const* qs, const TC* const* kr, int64_t o
     const TC* k2 = kr[half * 4 + 2] + off;
     const TC* k3 = kr[half * 4 + 3] + off;
     for (int64_t d = 0; d < hd; d += 8) {
+      // G*4 accumulators + G query vectors + one key vector: 16 registers at G = 3
+      // (loading the four key vectors first spilled accumulators to the stack)
       __m256 qv[G];
-      for (int r = 0; r < G; ++r) qv[r] = load8_avx(qs[r] + d);
-      const __m256 x0 = load8_raw_avx(k0 + d), x1 = load8_raw_avx(k1 + d);
-      const __m256 x2 = load8_raw_avx(k2 + d), x3 = load8_raw_avx(k3 + d);
       for (int r = 0; r < G; ++r) {
-        c[r][0] = _mm256_fmadd_ps(qv[r], x0, c[r][0]);
-        c[r][1] = _mm256_fmadd_ps(qv[r], x1, c[r][1]);
-        c[r][2] = _mm256_fmadd_ps(qv[r], x2, c[r][2]);
-        c[r][3] = _mm256_fmadd_ps(qv[r], x3, c[r][3]);
+        qv[r] = load8_avx(qs[r] + d);
+        // keep it in a register (GCC otherwise reloads it for every FMA), except for fp8
+        // caches, whose widening holds a mask register: there the 17th register would
+        // spill an accumulator into every iteration
+        if constexpr (sizeof(TC) >= 2) asm("" : "+x"(qv[r]));
+      }
+      const TC* ku[4] = {k0, k1, k2, k3};
+      for (int u = 0; u < 4; ++u) {
+        __m256 x = load8_raw_avx(ku[u] + d);
+        if constexpr (sizeof(TC) >= 2) asm("" : "+x"(x));   // one load, not one per FMA
+        for (int r = 0; r < G; ++r) c[r][u] = _mm256_fmadd_ps(qv[r], x, c[r][u]);
       }
     }
     for (int r = 0; r < G; ++r)
@@ -164,33 +172,48 @@ inline void scores8_rows_avx(const TQ* const* qs, const TC* const* kr, int64_t o
                                                 acc[r][5], acc[r][6], acc[r][7]), sc));
 }
 
-template <int G, typename TC, typename TQ>
-inline void weighted_sum_rows_avx(const float* const* p, const int64_t* slots, int64_t L, const TC* vh,
-                                  int64_t v_slot, int64_t hd, const float* inv, TQ* const* o,
-                                  int64_t prefetch_bytes) {
-  // 16 dims at a time: G*2 accumulators + 2 V vectors + 1 broadcast stay in registers
-  // (32 dims spilled an accumulator to the stack on AVX2's 16 registers, which put a
-  // store-to-load round trip into every iteration)
-  for (int64_t d0 = 0; d0 < hd; d0 += 16) {
-    __m256 c[G][2];
-    for (int r = 0; r < G; ++r) c[r][0] = c[r][1] = _mm256_setzero_ps();
-    for (int64_t t = 0; t < L; ++t) {
-      const TC* vr = vh + slots[t] * v_slot + d0;
-      if (d0 == 0 && prefetch_bytes > 0 && t + kPrefetchValues < L)
-        prefetch_span(vh + slots[t + kPrefetchValues] * v_slot, prefetch_bytes);
-      const __m256 x0 = load8_raw_avx(vr), x1 = load8_raw_avx(vr + 8);
-      for (int r = 0; r < G; ++r) {
-        const __m256 pt = _mm256_broadcast_ss(p[r] + t);
-        c[r][0] = _mm256_fmadd_ps(pt, x0, c[r][0]);
-        c[r][1] = _mm256_fmadd_ps(pt, x1, c[r][1]);
-      }
-    }
+// One pass of a tile of the weighted sums of V over dims [d0, d0 + 8 * NV):
+// acc_r[d] += p_r[t] * v_t[d] for t in [0, n), in order, for the G heads that share kv
+// head vh. G*NV accumulators + NV V vectors + 1 broadcast stay in registers (13 at most,
+// of AVX2's 16: more spilled an accumulator to the stack, which put a store-to-load round
+// trip into every iteration); at G = 2 or 3, 8 or 9 independent FMA chains keep both FMA
+// pipes busy (16 dims a pass, 6 chains at G = 3, left the loop waiting on FMA latency).
+template <int G, int NV, typename TC>
+inline void accumulate_pass_avx(const float* const* p, const int64_t* slots, int64_t n, const TC* vh,
+                                int64_t v_slot, int64_t d0, float* const* acc) {
+  __m256 c[G * NV];
+#pragma GCC unroll 16
+  for (int i = 0; i < G * NV; ++i) c[i] = _mm256_loadu_ps(acc[i / NV] + d0 + 8 * (i % NV));
+  for (int64_t t = 0; t < n; ++t) {
+    const TC* vr = vh + slots[t] * v_slot + d0;
+    __m256 x[NV];
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) x[v] = load8_raw_avx(vr + 8 * v);
+#pragma GCC unroll 4
     for (int r = 0; r < G; ++r) {
-      const __m256 iv = _mm256_set1_ps(inv[r]);
-      store8_avx(o[r] + d0, _mm256_mul_ps(c[r][0], iv));
-      store8_avx(o[r] + d0 + 8, _mm256_mul_ps(c[r][1], iv));
+      const __m256 pt = _mm256_broadcast_ss(p[r] + t);
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) c[r * NV + v] = _mm256_fmadd_ps(pt, x[v], c[r * NV + v]);
     }
   }
+#pragma GCC unroll 16
+  for (int i = 0; i < G * NV; ++i) _mm256_storeu_ps(acc[i / NV] + d0 + 8 * (i % NV), c[i]);
+}
+
+// One tile of the weighted sums of V for G heads (acc rows are hd floats in the scratch),
+// in passes of 8 * kValueVectors<G> dims, then 16 and 8. The tile's V rows stay in L1
+// across the passes, and the accumulators go back to the scratch between passes and
+// tiles, which changes no bits: each (head, dim) sum is one FMA chain over t in order.
+template <int G> constexpr int kValueVectors = G == 3 ? 3 : 4;
+
+template <int G, typename TC>
+__attribute__((noinline)) void accumulate_rows_avx(const float* const* p, const int64_t* slots, int64_t n,
+                                                   const TC* vh, int64_t v_slot, int64_t hd, float* const* acc) {
+  constexpr int NV = kValueVectors<G>;
+  int64_t d0 = 0;
+  for (; d0 + 8 * NV <= hd; d0 += 8 * NV) accumulate_pass_avx<G, NV>(p, slots, n, vh, v_slot, d0, acc);
+  for (; d0 + 16 <= hd; d0 += 16) accumulate_pass_avx<G, 2>(p, slots, n, vh, v_slot, d0, acc);
+  for (; d0 < hd; d0 += 8) accumulate_pass_avx<G, 1>(p, slots, n, vh, v_slot, d0, acc);
 }
 #endif
 
@@ -209,16 +232,14 @@ inline void scores8_generic(const TQ* qj, const TC* const* kr, int64_t off, int6
   }
 }
 
-template <typename TC, typename TQ>
-inline void weighted_sum_generic(const float* p, const int64_t* slots, int64_t L, const TC* vh,
-                                  int64_t v_slot, int64_t hd, float inv, TQ* o, float* acc) {
-  std::fill(acc, acc + hd, 0.f);
-  for (int64_t t = 0; t < L; ++t) {
+template <typename TC>
+inline void accumulate_generic(const float* p, const int64_t* slots, int64_t n, const TC* vh,
+                               int64_t v_slot, int64_t hd, float* acc) {
+  for (int64_t t = 0; t < n; ++t) {
     const TC* vr = vh + slots[t] * v_slot;
     const float pt = p[t];
     for (int64_t d = 0; d < hd; ++d) acc[d] += pt * raw_f32(vr[d]);
   }
-  for (int64_t d = 0; d < hd; ++d) o[d] = from_f32<TQ>(acc[d] * inv);
 }
 
 template <typename TQ, typename TC>
@@ -294,46 +315,77 @@ void attend(const Args<TQ, TC>& a, const Item& it, Scratch& sc) {
       }
     }
   }
-  // ---- 2-3. softmax and the weighted sum of V, per row ----
-  if (!avx) sc.acc.resize(hd);
-  // the first V rows the item reads, fetched while the softmax runs; the first weighted
-  // sum fetches the rest kPrefetchValues keys ahead (the sums walk the rows 16 dims at a
-  // time, so without this each pass over the keys waits on memory)
-  for (int64_t t = 0; t < std::min(Lw, kPrefetchValues); ++t)
-    prefetch_span(a.v + slots[t] * a.v_slot + it.kh0 * a.v_head, v_span);
+  // ---- 2. softmax numerators in place, and 1 / sum, per row ----
+  sc.inv.resize(rows);
   for (int64_t j = it.j0; j < it.j1; ++j) {
     const int64_t L = ctx + j + 1 - T0;          // this query's keys, from T0
     const int64_t lo = a.window > 0 ? std::max<int64_t>(0, L - a.window) : 0;   // before its window
-    for (int64_t kh = it.kh0; kh < it.kh1; ++kh) {
-      const TC* vh = a.v + kh * a.v_head;
-      const int64_t r0 = ((j - it.j0) * nkh + (kh - it.kh0)) * g;
-      for (int64_t hh = 0; hh < g; hh += 3) {
-        const int64_t G = std::min<int64_t>(3, g - hh);
-        // the item's first weighted sum fetches the V rows of all its kv heads
-        const int64_t pf_v = j == it.j0 && kh == it.kh0 && hh == 0 ? v_span : 0;
-        const float* ps[3];
-        float inv[3];
-        TQ* os[3];
-        for (int64_t r = 0; r < G; ++r) {
-          float* p = sc.scores.data() + (r0 + hh + r) * Lp;
-          for (int64_t t = 0; t < lo; ++t) p[t] = -INFINITY;
-          inv[r] = softmax_numerators(p, L) * a.vscale;   // vscale 1 for float32/bf16 caches
-          ps[r] = p;
-          os[r] = a.out + ((q0 + j) * a.nh + kh * g + hh + r) * hd;
-        }
+    const int64_t r0 = (j - it.j0) * nkh * g;
+    for (int64_t r = r0; r < r0 + nkh * g; ++r) {
+      float* p = sc.scores.data() + r * Lp;
+      for (int64_t t = 0; t < lo; ++t) p[t] = -INFINITY;
+      sc.inv[r] = softmax_numerators(p, L) * a.vscale;   // vscale 1 for float32/bf16 caches
+    }
+  }
+  // ---- 3. weighted sums of V, a tile of keys at a time for every row of the item ----
+  // Each tile's V rows (all the item's kv heads) are read from memory once and used by
+  // every row while they are in L1; the tile two on is fetched meanwhile,
+  // and the first ones while the softmax above ran.
+  sc.acc.assign(rows * hd, 0.f);
+  // keys a tile: ~kValueTileBytes of V rows (32 keys of SmolLM2's 3 kv heads in bf16)
+  const int64_t tile = std::clamp<int64_t>(kValueTileBytes / std::max<int64_t>(v_span, 1), 8, 64);
+  const int64_t ahead = 2 * tile;
+  for (int64_t t = 0; t < std::min(Lw, ahead); ++t)
+    prefetch_span(a.v + slots[t] * a.v_slot + it.kh0 * a.v_head, v_span);
+  for (int64_t t0 = 0; t0 < Lw; t0 += tile) {
+    for (int64_t t = t0 + ahead; t < std::min(Lw, t0 + ahead + tile); ++t)
+      prefetch_span(a.v + slots[t] * a.v_slot + it.kh0 * a.v_head, v_span);
+    for (int64_t j = it.j0; j < it.j1; ++j) {
+      const int64_t L = ctx + j + 1 - T0;
+      if (t0 >= L) continue;                       // past this query's causal limit
+      const int64_t n_t = std::min(L, t0 + tile) - t0;
+      for (int64_t kh = it.kh0; kh < it.kh1; ++kh) {
+        const TC* vh = a.v + kh * a.v_head;
+        const int64_t r0 = ((j - it.j0) * nkh + (kh - it.kh0)) * g;
+        for (int64_t hh = 0; hh < g; hh += 3) {
+          const int64_t G = std::min<int64_t>(3, g - hh);
+          const float* ps[3];
+          float* accs[3];
+          for (int64_t r = 0; r < G; ++r) {
+            ps[r] = sc.scores.data() + (r0 + hh + r) * Lp + t0;
+            accs[r] = sc.acc.data() + (r0 + hh + r) * hd;
+          }
 #ifdef PAGEDLLM_AVX2
-        if constexpr (kAvxCache<TC>) if (avx) {
-          if (G == 3) weighted_sum_rows_avx<3>(ps, slots, L, vh, a.v_slot, hd, inv, os, pf_v);
-          else if (G == 2) weighted_sum_rows_avx<2>(ps, slots, L, vh, a.v_slot, hd, inv, os, pf_v);
-          else weighted_sum_rows_avx<1>(ps, slots, L, vh, a.v_slot, hd, inv, os, pf_v);
-          continue;
-        }
+          if constexpr (kAvxCache<TC>) if (avx) {
+            if (G == 3) accumulate_rows_avx<3>(ps, slots + t0, n_t, vh, a.v_slot, hd, accs);
+            else if (G == 2) accumulate_rows_avx<2>(ps, slots + t0, n_t, vh, a.v_slot, hd, accs);
+            else accumulate_rows_avx<1>(ps, slots + t0, n_t, vh, a.v_slot, hd, accs);
+            continue;
+          }
 #endif
-        for (int64_t r = 0; r < G; ++r)
-          weighted_sum_generic(ps[r], slots, L, vh, a.v_slot, hd, inv[r], os[r], sc.acc.data());
+          for (int64_t r = 0; r < G; ++r)
+            accumulate_generic(ps[r], slots + t0, n_t, vh, a.v_slot, hd, accs[r]);
+        }
       }
     }
   }
+  // ---- 4. out = acc / sum, rounded once ----
+  for (int64_t j = it.j0; j < it.j1; ++j)
+    for (int64_t kh = it.kh0; kh < it.kh1; ++kh)
+      for (int64_t hh = 0; hh < g; ++hh) {
+        const int64_t r = ((j - it.j0) * nkh + (kh - it.kh0)) * g + hh;
+        const float* acc = sc.acc.data() + r * hd;
+        TQ* o = a.out + ((q0 + j) * a.nh + kh * g + hh) * hd;
+        const float inv = sc.inv[r];
+#ifdef PAGEDLLM_AVX2
+        if constexpr (kAvxCache<TC>) if (avx) {
+          const __m256 iv = _mm256_set1_ps(inv);
+          for (int64_t d = 0; d < hd; d += 8) store8_avx(o + d, _mm256_mul_ps(_mm256_loadu_ps(acc + d), iv));
+          continue;
+        }
+#endif
+        for (int64_t d = 0; d < hd; ++d) o[d] = from_f32<TQ>(acc[d] * inv);
+      }
 }
 
 template <typename TQ, typename TC>
