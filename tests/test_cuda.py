@@ -1,0 +1,196 @@
+"""The engine on a CUDA device: the same code as on the CPU (torch attention backend,
+torch linears), checked against HF transformers on the same weights and for greedy
+invariance, in float32 and bfloat16, with each KV-cache dtype and quantization method.
+
+Skipped where torch sees no CUDA device (every CI machine of this project), so these run
+only when a GPU is lent (see docs/benchmarks.md, "On an NVIDIA H200"). Nothing here needs
+the bundled model or a hub: the test trains a byte-level BPE tokenizer on a fixed text and
+builds a tiny random-weight Llama (head_dim 64). ``PAGEDLLM_TEST_DEVICE=cpu`` runs the
+same checks on the CPU (to check the tests themselves on a machine without a GPU).
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+DEVICE = os.environ.get("PAGEDLLM_TEST_DEVICE", "cuda")
+pytestmark = pytest.mark.skipif(DEVICE == "cuda" and not torch.cuda.is_available(),
+                                reason="no CUDA device")
+
+VOCAB = 1024
+TEXT = ("The history of the city goes back more than two thousand years, when a small settlement "
+        "grew up around a river crossing used by traders who carried salt, wine and pottery between "
+        "the coast and the mountains. ") * 8
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    """A directory holding a tiny random Llama (2 layers, 4 q / 2 kv heads x 64) in
+    float32 safetensors and a BPE tokenizer with a 1024-token vocabulary."""
+    import transformers as tf
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator([TEXT], trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<eos>"],
+                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    fast = tf.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
+    torch.manual_seed(0)
+    cfg = tf.LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                         rms_norm_eps=1e-6, tie_word_embeddings=False, eos_token_id=0, bos_token_id=0)
+    model = tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    with torch.no_grad():   # larger-than-init weights: logits far from uniform
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.1)
+    path = tmp_path_factory.mktemp("tiny-llama-cuda")
+    model.save_pretrained(path, safe_serialization=True)
+    fast.save_pretrained(path)
+    return str(path)
+
+
+def _prompts(n: int, seed: int, prefix_len: int = 40) -> list[list[int]]:
+    """n prompts of random tokens: one shared prefix, then 5..40 tokens each."""
+    rng = np.random.default_rng(seed)
+    prefix = rng.integers(1, VOCAB, prefix_len).tolist()
+    return [prefix + rng.integers(1, VOCAB, int(rng.integers(5, 40))).tolist() for _ in range(n)]
+
+
+def _llm(path: str, dtype: str, **kw):
+    from pagedllm import LLM
+
+    kw = {"kv_cache_memory": "256MiB", "max_model_len": 512, **kw}
+    return LLM(model=path, dtype=dtype, device=DEVICE, seed=0, engine_process=False, **kw)
+
+
+def _greedy(llm, prompts, max_tokens: int = 16) -> list[list[int]]:
+    from pagedllm import SamplingParams
+
+    sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+@pytest.fixture(autouse=True)
+def _exact_float32_matmuls():
+    """No TF32 in the float32 checks (torch's default for matmuls is already off; cuDNN
+    convolutions are not used)."""
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = old
+
+
+def test_engine_runs_on_the_device(tiny_dir):
+    llm = _llm(tiny_dir, "float32")
+    try:
+        assert llm.llm_engine.config.device.type == DEVICE
+        out = _greedy(llm, _prompts(2, seed=0), max_tokens=4)
+        assert all(len(o) == 4 for o in out)
+    finally:
+        llm.shutdown()
+
+
+def test_greedy_and_logprobs_match_transformers_float32(tiny_dir):
+    """Greedy tokens equal HF ``generate`` on the same weights on the same device, and the
+    prompt logprobs agree with HF's log-softmax of its logits to 1e-4."""
+    from transformers import AutoModelForCausalLM
+
+    from pagedllm import SamplingParams
+
+    prompts = _prompts(6, seed=1)
+    hf = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).to(DEVICE).eval()
+    ref, ref_lp = [], []
+    with torch.no_grad():
+        for p in prompts:
+            ids = torch.tensor([p], device=DEVICE)
+            g = hf.generate(ids, max_new_tokens=16, do_sample=False, min_new_tokens=16,
+                            attention_mask=torch.ones_like(ids), pad_token_id=0)
+            ref.append(g[0, len(p):].tolist())
+            lp = torch.log_softmax(hf(ids).logits[0].float(), -1)
+            ref_lp.append([lp[i - 1, p[i]].item() for i in range(1, len(p))])
+    llm = _llm(tiny_dir, "float32")
+    try:
+        assert _greedy(llm, prompts) == ref
+        sp = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+        for o, p, want in zip(outs, prompts, ref_lp):
+            got = [o.prompt_logprobs[i][p[i]].logprob for i in range(1, len(p))]
+            np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("dtype,kv_cache_dtype", [("float32", "auto"), ("bfloat16", "auto"),
+                                                  ("bfloat16", "fp8_e4m3"), ("float32", "fp8_e5m2")])
+def test_greedy_invariant_to_batching_chunking_caching(tiny_dir, dtype, kv_cache_dtype):
+    """The same greedy tokens alone, batched, with a 13-token prefill budget, from the
+    prefix cache, and preempted under a cache of a few blocks."""
+    prompts = _prompts(8, seed=2)
+    llm = _llm(tiny_dir, dtype, kv_cache_dtype=kv_cache_dtype, enable_prefix_caching=False)
+    try:
+        alone = [_greedy(llm, [p])[0] for p in prompts]
+        assert len({tuple(a) for a in alone}) > len(prompts) // 2
+        assert _greedy(llm, prompts) == alone, "batched"
+    finally:
+        llm.shutdown()
+    for label, kw in [("chunked", dict(max_num_batched_tokens=13, enable_prefix_caching=False)),
+                      ("prefix cache", dict(enable_prefix_caching=True)),
+                      ("preemption", dict(enable_prefix_caching=False, num_gpu_blocks_override=12,
+                                          max_model_len=96))]:
+        llm = _llm(tiny_dir, dtype, kv_cache_dtype=kv_cache_dtype, **kw)
+        try:
+            if label == "prefix cache":
+                _greedy(llm, prompts[:1], 1)
+            before = llm.stats().num_preemptions_total
+            assert _greedy(llm, prompts) == alone, label
+            if label == "preemption":
+                assert llm.stats().num_preemptions_total > before
+            if label == "prefix cache":
+                assert llm.stats().prefix_cache_hits > 0
+        finally:
+            llm.shutdown()
+
+
+def _prompt_logprobs(llm, prompts) -> list[list[float]]:
+    from pagedllm import SamplingParams
+
+    sp = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    return [[o.prompt_logprobs[i][p[i]].logprob for i in range(1, len(p))] for o, p in zip(outs, prompts)]
+
+
+@pytest.mark.parametrize("method", ["int8", "q8_0", "q4_0", "q4_1"])
+def test_quantization_methods_on_the_device(tiny_dir, method):
+    """Each HF-checkpoint method either refuses the device with a ValueError naming
+    --quantization, or runs there: its prompt logprobs within 2e-3 of the same method on
+    the CPU (the CPU's C++ kernels, tested against dequantize-then-matmul references, and
+    the device's torch path on the same quantized weights), and its greedy tokens the
+    same batched as alone."""
+    from pagedllm import LLM
+
+    prompts = _prompts(4, seed=3)
+    try:
+        llm = _llm(tiny_dir, "float32", quantization=method)
+    except ValueError as e:
+        assert "quantization" in str(e)
+        pytest.skip(f"{method} refused on {DEVICE}: {e}")
+    try:
+        got = _prompt_logprobs(llm, prompts)
+        batched = _greedy(llm, prompts, 8)
+        assert [_greedy(llm, [p], 8)[0] for p in prompts] == batched, "batched vs alone"
+    finally:
+        llm.shutdown()
+    cpu = LLM(model=tiny_dir, dtype="float32", device="cpu", seed=0, engine_process=False,
+              kv_cache_memory="64MiB", max_model_len=512, quantization=method)
+    try:
+        want = _prompt_logprobs(cpu, prompts)
+    finally:
+        cpu.shutdown()
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, atol=2e-3, rtol=0)
