@@ -105,6 +105,39 @@ def test_completion_logprobs_with_echo_and_prompt_logprobs(server, hf_model):
         assert len(top) == (2 if lp["tokens"][i] in best else 3)
 
 
+def test_echo_with_max_tokens_zero_scores_the_prompt(server, hf_model):
+    """echo + max_tokens 0 (lm-evaluation-harness' loglikelihood request): the prompt and
+    its logprobs alone, as HF computes them, finish_reason "length", no completion tokens,
+    streamed or not; max_tokens 0 without echo stays a 400 naming max_tokens."""
+    url = f"{server.url}/v1/completions"
+    prompt = "The capital of France is Paris"
+    body = {"model": _model(server), "prompt": prompt, "max_tokens": 0, "logprobs": 1, "echo": True}
+    r = httpx.post(url, timeout=60, json=body)
+    assert r.status_code == 200, r.text
+    r = r.json()
+    ch = r["choices"][0]
+    eng = server.engine.engine
+    p_ids = eng.tokenizer.encode(prompt)
+    assert ch["text"] == prompt and ch["finish_reason"] == "length"
+    assert r["usage"]["completion_tokens"] == 0 and r["usage"]["prompt_tokens"] == len(p_ids)
+    lp = ch["logprobs"]
+    assert lp["tokens"] == [eng.tokenizer.decode([t]) for t in p_ids]
+    assert lp["token_logprobs"][0] is None
+    ref = _hf_logprobs(hf_model, p_ids)
+    for i in range(1, len(p_ids)):
+        assert abs(lp["token_logprobs"][i] - ref[i - 1, p_ids[i]].item()) < 2e-3
+    chunks = []
+    with httpx.stream("POST", url, timeout=60, json={**body, "stream": True}) as s:
+        for line in s.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunks.append(json.loads(line[6:]))
+    assert "".join(c["choices"][0]["text"] for c in chunks) == prompt
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert sum(len(c["choices"][0]["logprobs"]["tokens"]) for c in chunks) == len(p_ids)
+    r = httpx.post(url, timeout=60, json={**body, "echo": False})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+
+
 def test_n_choices_seeded_distinct_and_streamed(server, client):
     kw = dict(model=_model(server), messages=[{"role": "user", "content": "Write a word."}], max_tokens=8,
               temperature=1.0, seed=5, n=4)

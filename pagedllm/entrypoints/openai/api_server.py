@@ -292,6 +292,12 @@ def build_app(engine: AsyncLLM, prometheus=None, trust_request_chat_template: bo
     async def completions(body: CompletionRequest, raw: Request):
         if (r := check_model(body.model)) is not None:
             return r
+        # echo with max_tokens 0: the prompt (and its logprobs) alone, as OpenAI's legacy API
+        # and vLLM answer it (lm-evaluation-harness scores loglikelihoods this way). The
+        # engine generates one token, which the response leaves out.
+        prompt_only = body.echo and body.max_tokens == 0 and not body.min_tokens
+        if prompt_only:
+            body = body.model_copy(update={"max_tokens": 1})
         try:
             params = body.to_sampling_params(default_max_tokens=16)
         except InvalidParameterError as e:
@@ -316,14 +322,14 @@ def build_app(engine: AsyncLLM, prometheus=None, trust_request_chat_template: bo
                                                  for i, pr in enumerate(prompts)])
         except InvalidParameterError as e:
             raise body.to_api_error(e) from e
-        fmt = CompletionFormat(body, params, engine.engine)
+        fmt = CompletionFormat(body, params, engine.engine, prompt_only)
         if body.stream:
             return StreamingResponse(_stream_completion(streams, base, created, body, fmt, raw.state),
                                      media_type="text/event-stream")
         return await _with_disconnect(raw, _full_completion(streams, base, created, fmt, raw.state), streams)
 
     async def _full_completion(streams, base, created, fmt, raw_state):
-        finals = await asyncio.gather(*[_drain(st) for st in streams])
+        finals = [fmt.visible(f) for f in await asyncio.gather(*[_drain(st) for st in streams])]
         note_usage(raw_state, finals)
         choices, pt, ct, cached = [], 0, 0, 0
         for i, f in enumerate(finals):
@@ -349,6 +355,7 @@ def build_app(engine: AsyncLLM, prometheus=None, trust_request_chat_template: bo
                 if isinstance(out, BaseException):
                     yield _sse_error(out)
                     continue
+                out = fmt.visible(out)
                 c = next(x for x in out.outputs if x.index == out.delta_index)
                 key = (i, c.index)
                 text = out.delta_text

@@ -6,6 +6,8 @@ the top tokens (ranks 1..k).
 """
 from __future__ import annotations
 
+import dataclasses
+
 from pagedllm.outputs import Logprob
 
 
@@ -85,15 +87,29 @@ class CompletionFormat:
 
     Args:
         body: the CompletionRequest; params: its SamplingParams; engine: an LLMEngine
-            (its ``token_text`` and tokenizer).
+            (its ``token_text`` and tokenizer); prompt_only: ``echo`` with ``max_tokens`` 0
+            (the engine ran with 1): the generated tokens are left out (``visible``).
     """
 
-    def __init__(self, body, params, engine):
+    def __init__(self, body, params, engine, prompt_only: bool = False):
+        self.prompt_only = prompt_only
         self.echo = body.echo
         self.k = params.logprobs
         self.n = params.n
         self.want_prompt_logprobs = body.prompt_logprobs is not None
         self.engine = engine
+
+    def visible(self, out):
+        """``out`` as the response shows it: unchanged, or with ``prompt_only`` every
+        sequence emptied (no text, tokens or logprobs; ``finish_reason`` "length", as
+        max_tokens 0 ends it)."""
+        if not self.prompt_only:
+            return out
+        outputs = [dataclasses.replace(c, text="", token_ids=[], logprobs=None if c.logprobs is None else [],
+                                       cumulative_logprob=None if c.logprobs is None else 0.0,
+                                       finish_reason="length" if c.finished else None, stop_reason=None)
+                   for c in out.outputs]
+        return dataclasses.replace(out, outputs=outputs, delta_text="", delta_token_ids=[])
 
     def prompt_text(self, out) -> str:
         """The prompt as text (decoded when it was given as token ids or truncated)."""
