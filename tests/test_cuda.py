@@ -15,6 +15,7 @@ import os
 import numpy as np
 import pytest
 import torch
+from engine_helpers import tiny_llama
 
 DEVICE = os.environ.get("PAGEDLLM_TEST_DEVICE", "cuda")
 pytestmark = pytest.mark.skipif(DEVICE == "cuda" and not torch.cuda.is_available(),
@@ -39,15 +40,7 @@ def tiny_dir(tmp_path_factory):
     tok.train_from_iterator([TEXT], trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<eos>"],
                                                         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     fast = tf.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
-    torch.manual_seed(0)
-    cfg = tf.LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                         rms_norm_eps=1e-6, tie_word_embeddings=False, eos_token_id=0, bos_token_id=0)
-    model = tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
-    with torch.no_grad():   # larger-than-init weights: logits far from uniform
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0, 0.1)
+    model = tiny_llama(VOCAB, eos_token_id=0, bos_token_id=0)
     path = tmp_path_factory.mktemp("tiny-llama-cuda")
     model.save_pretrained(path, safe_serialization=True)
     fast.save_pretrained(path)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from engine_helpers import tiny_llama
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.platform import has_native_bf16
@@ -32,19 +33,9 @@ KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "fp8_e4m3": t
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
-    import transformers as tf
-
     from pagedllm.tokenizer import get_tokenizer
 
-    torch.manual_seed(0)
-    cfg = tf.LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                         rms_norm_eps=1e-6, tie_word_embeddings=False, rope_theta=10000.0)
-    model = tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
-    with torch.no_grad():   # larger-than-init weights: logits far from uniform
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0, 0.1)
+    model = tiny_llama(VOCAB, rope_theta=10000.0)
     path = tmp_path_factory.mktemp("tiny-llama")
     model.save_pretrained(path, safe_serialization=True)
     get_tokenizer().save_pretrained(path)
