@@ -110,6 +110,108 @@ def test_profiler_sees_the_stack_and_its_kernels(monkeypatch):
         assert name in names, name
 
 
+@pytest.fixture
+def int8_on_avx2(monkeypatch):
+    """``--quantization int8`` on the AVX2 kernel whatever the CPU (the Intel Xeon's default
+    is AMX, which keeps the per-layer path): the backend the stack has a form for."""
+    import functools
+
+    from pagedllm.layers.quantization import int8_config
+    from pagedllm.layers.quantization.int8 import Int8W8A8LinearMethod, avx2_int8_available
+
+    if not avx2_int8_available("cpu"):
+        pytest.skip("the AVX2 int8 kernel does not run on this CPU")
+    monkeypatch.setattr(int8_config, "Int8W8A8LinearMethod", functools.partial(Int8W8A8LinearMethod, backend="avx2"))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_bundled_int8_fused_equals_per_layer(monkeypatch, int8_on_avx2, dtype):
+    """int8 W8A8 on the AVX2 kernel (SmoothQuant rows, the LM head int8 outside the stack):
+    the stack quantizes each linear's input and calls the kernel as the per-layer path does."""
+    kw = dict(quantization="int8", dtype=dtype)
+    path_fused, fused = _run(monkeypatch, True, **kw)
+    path_layers, layers = _run(monkeypatch, False, **kw)
+    assert FUSED in path_fused and "AVX2 u8s8" in path_fused
+    assert "decoder per-layer (PAGEDLLM_FUSED_DECODER=0)" in path_layers
+    assert fused == layers
+    assert len(fused) == 6 and all(len(ids) == 10 for ids, _ in fused)
+
+
+def test_tiny_qwen2_int8_fused_equals_per_layer(monkeypatch, tmp_path, tok, int8_on_avx2):
+    """A q|k|v bias through the int8 stack form (added by the kernel's epilogue)."""
+    path, _ = _save_tiny(tmp_path, "qwen2", tok)
+    path_fused, fused = _run(monkeypatch, True, model=path, quantization="int8", vocab=2000)
+    _, layers = _run(monkeypatch, False, model=path, quantization="int8", vocab=2000)
+    assert FUSED in path_fused
+    assert fused == layers
+
+
+def _int8_layer(n: int, k: int, dtype: torch.dtype, bias: bool, smooth: bool, backend: str = "avx2"):
+    """A processed int8 linear layer [n, k] with random weights (and a random SmoothQuant
+    calibration when ``smooth``), and its method."""
+    from pagedllm.layers.linear import ReplicatedLinear
+    from pagedllm.layers.quantization.int8 import Int8W8A8LinearMethod
+
+    g = torch.Generator().manual_seed(n * 7 + k)
+    method = Int8W8A8LinearMethod("cpu", backend=backend, smooth_alpha=0.5 if smooth else None)
+    layer = ReplicatedLinear(k, n, bias, dtype, torch.device("cpu"), linear_method=method)
+    layer.weight.data.copy_(torch.randn(n, k, generator=g) * 0.1)
+    if bias:
+        layer.bias.data.copy_(torch.randn(n, generator=g))
+    if smooth:
+        layer.int8_act_amax = torch.rand(k, generator=g) * 10 + 0.1
+    method.process_weights_after_loading(layer)
+    return layer, method
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n,k,bias,smooth", [(40, 64, False, False), (33, 96, True, True), (16, 576, True, False)])
+def test_stack_linear_int8_equals_apply(int8_on_avx2, dtype, n, k, bias, smooth):
+    """The int8 StackLinear (quantizer + AVX2 kernel in C++) gives apply's bits, for rows
+    counts 1..70, with a bias, a smoothing row and N not a multiple of 16."""
+    layer, method = _int8_layer(n, k, dtype, bias, smooth)
+    lin = method.stack_linear(layer, load_cpu_kernels())
+    assert lin.kind == "int8_avx2" and lin.out_features == n
+    g = torch.Generator().manual_seed(1)
+    for rows in (1, 5, 70):
+        x = (torch.randn(rows, k, generator=g) * 3).to(dtype)
+        want = method.apply(layer, x, layer.bias)
+        got = lin(x)
+        assert got.dtype == dtype and torch.equal(got, want), (rows, (got.float() - want.float()).abs().max())
+
+
+def test_stack_linear_only_where_apply_runs_a_stack_kernel(int8_on_avx2):
+    """int8 on the torch reference, and dense float linears, have no stack form."""
+    from pagedllm.layers.linear import ReplicatedLinear, UnquantizedLinearMethod
+
+    layer, method = _int8_layer(32, 64, torch.float32, False, False, backend="torch")
+    assert method.stack_linear(layer, load_cpu_kernels()) is None
+    dense = ReplicatedLinear(64, 32, False, torch.float32, torch.device("cpu"), linear_method=UnquantizedLinearMethod())
+    assert dense.linear_method.stack_linear(dense, load_cpu_kernels()) is None
+
+
+def test_stack_linear_argument_errors():
+    k = load_cpu_kernels()
+    w = torch.zeros(2, 16, 16, 4, dtype=torch.int8)        # N <= 32, K = 64
+    colsum, f32 = torch.zeros(32, dtype=torch.int32), torch.zeros(32)
+    ok = dict(w_packed=w, colsum=colsum, compensation=f32, weight_scales=f32, smooth=None, qmax=127,
+              zero_point=128, seven_bit_weights=False)
+    assert k.StackLinear.int8_avx2(**ok).out_features == 32
+    for bad, match in [(dict(w_packed=torch.zeros(2, 16, 16, 4)), "w_packed"),
+                       (dict(colsum=torch.zeros(8, dtype=torch.int32)), "colsum has 8 columns"),
+                       (dict(compensation=torch.zeros(31)), "compensation"),
+                       (dict(qmax=127, zero_point=100), "zero_point"),
+                       (dict(smooth=torch.zeros(63)), "smooth"),
+                       (dict(bias=torch.zeros(32, dtype=torch.bfloat16)), "bias")]:
+        with pytest.raises(ValueError, match=match):
+            k.StackLinear.int8_avx2(**{**ok, **bad})
+    lin = k.StackLinear.int8_avx2(**ok)
+    with pytest.raises(ValueError, match=r"x must be \[T, 64\]"):
+        lin(torch.zeros(2, 60))
+    with pytest.raises(ValueError, match="weight"):
+        k.StackLinear.block(torch.zeros(4, 34), 8)
+
+
 def test_decoder_stack_argument_errors():
     k = load_cpu_kernels()
     with pytest.raises(ValueError, match="num_kv_heads"):
@@ -120,8 +222,12 @@ def test_decoder_stack_argument_errors():
                       torch.zeros(1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.int32),
                       torch.tensor([0, 1], dtype=torch.int32), torch.ones(1, dtype=torch.int32), 16, 0)
     w = torch.zeros(64)
-    blocks = torch.zeros(128, 2 * 34, dtype=torch.uint8)   # Q8_0: 34 bytes per 32 weights
+    lin = k.StackLinear.block(torch.zeros(128, 2 * 34, dtype=torch.uint8), 8)   # Q8_0: 34 bytes per 32 weights
     with pytest.raises(ValueError, match="key/value caches"):
-        stack.add_layer(w, w, blocks, 8, None, blocks, 8, blocks, 8, blocks, 8,
-                        torch.zeros(32, 3, 16), torch.zeros(32, 3, 16), 1.0, 1.0)
+        stack.add_layer(w, w, lin, lin, lin, lin, torch.zeros(32, 3, 16), torch.zeros(32, 3, 16), 1.0, 1.0)
+    narrow = k.StackLinear.block(torch.zeros(96, 2 * 34, dtype=torch.uint8), 8)
+    with pytest.raises(ValueError, match="qkv has 96 outputs, expected"):
+        stack.add_layer(w, w, narrow, lin, lin, lin, torch.zeros(32, 2, 16), torch.zeros(32, 2, 16), 1.0, 1.0)
     assert stack.num_layers == 0
+    stack.add_layer(w, w, lin, lin, lin, lin, torch.zeros(32, 2, 16), torch.zeros(32, 2, 16), 1.0, 1.0)
+    assert stack.num_layers == 1

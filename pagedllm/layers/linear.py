@@ -84,6 +84,18 @@ class LinearMethod(ABC):
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``x @ W.T + bias``: x [T, in] → [T, out] in x's dtype; bias [out] or None."""
 
+    def stack_linear(self, layer: nn.Module, kernels) -> object | None:
+        """This layer as the C++ decoder stack calls it (``models/fused_decoder.py``): a
+        ``kernels.StackLinear`` that runs the same kernel as ``apply`` on the same operands
+        (bias included), so its output is bitwise ``apply``'s; or None where ``apply``
+        runs anything but such a kernel (the default: dense and oneDNN methods, wrappers).
+
+        Args:
+            layer: a layer this method computes, its weights processed.
+            kernels: the compiled kernel module (``kernels_for``).
+        """
+        return None
+
 
 class UnquantizedLinearMethod(LinearMethod):
     """The dense weight and ``F.linear``."""

@@ -142,9 +142,9 @@ class LlamaDecoderLayer(nn.Module):
     def fused_operands(self) -> dict | str:
         """What ``FusedDecoder`` needs to run this layer in C++ (``DecoderStack.add_layer``'s
         arguments, plus ``kernels`` and ``shape``), or why it cannot: every piece must be
-        this class's own (no q/k norms, the SwiGLU MLP) and run a C++ kernel (GGUF block
-        linears without biases past q|k|v, the ``cpu_kernel`` attention backend bound to a
-        cache, C++ norms, RoPE and SiLU-and-mul)."""
+        this class's own (no q/k norms, the SwiGLU MLP) and run a C++ kernel (linears whose
+        method has a ``stack_linear`` form: GGUF blocks, int8 W8A8 on AVX2; the
+        ``cpu_kernel`` attention backend bound to a cache; C++ norms, RoPE and SiLU-and-mul)."""
         at, mlp = self.self_attn, self.mlp
         if (type(self).forward is not LlamaDecoderLayer.forward or type(at) is not LlamaAttention
                 or type(mlp) is not LlamaMLP or at.q_norm is not None):
@@ -159,17 +159,13 @@ class LlamaDecoderLayer(nn.Module):
         linears = {"qkv": at.qkv_proj, "o": at.o_proj, "gate_up": mlp.gate_up_proj, "down": mlp.down_proj}
         ops: dict = {}
         for name, lin in linears.items():
-            kernel = getattr(lin.linear_method, "kernel_operands", None)
-            operands = kernel(lin) if kernel is not None else None
-            if operands is None:
+            ops[name] = lin.linear_method.stack_linear(lin, kernels)
+            if ops[name] is None:
                 return f"linear {lin.linear_method.name} has no C++ stack form"
-            if name != "qkv" and lin.bias is not None:
-                return f"{name}_proj has a bias"
-            ops[name], ops[f"{name}_fmt"] = operands
         k_scale, v_scale = at.attn._scales
         key_cache, value_cache = at.attn.kv_cache[0], at.attn.kv_cache[1]
         return dict(ops, input_norm=self.input_layernorm.weight.data,
-                    post_norm=self.post_attention_layernorm.weight.data, qkv_bias=at.qkv_proj.bias,
+                    post_norm=self.post_attention_layernorm.weight.data,
                     key_cache=key_cache, value_cache=value_cache, k_scale=k_scale, v_scale=v_scale,
                     kernels=kernels,
                     shape=(at.nh, at.nkv, at.hd, self.input_layernorm.eps, at.attn.scale))

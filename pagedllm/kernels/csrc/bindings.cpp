@@ -89,18 +89,33 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "with each one's count at positions >= prompt_len[i] (float32): three tensors [M]",
         py::arg("history"), py::arg("prompt_len"), py::arg("length"), py::arg("vocab_size"),
         py::call_guard<py::gil_scoped_release>());
+  py::class_<StackLinear>(m, "StackLinear",
+                          "One linear layer as DecoderStack calls it: the kernel its LinearMethod runs per layer, "
+                          "with the same operands (decoder_stack.cpp)")
+      .def_static("block", &StackLinear::block,
+                  "GGUF blocks: packed uint8 weight [N, K/32 * bytes_per_block], fmt the ggml type id, bias [N] "
+                  "or None (block_quant_linear)",
+                  py::arg("weight"), py::arg("fmt"), py::arg("bias") = py::none())
+      .def_static("int8_avx2", &StackLinear::int8_avx2,
+                  "int8 W8A8 on AVX2: quantize_per_token(x, qmax, zero_point, smooth) then avx2_int8_linear with "
+                  "w_packed, colsum, compensation, weight_scales, bias (float32 [N] or None), seven_bit_weights",
+                  py::arg("w_packed"), py::arg("colsum"), py::arg("compensation"), py::arg("weight_scales"),
+                  py::arg("smooth"), py::arg("qmax"), py::arg("zero_point"), py::arg("seven_bit_weights"),
+                  py::arg("bias") = py::none())
+      .def("__call__", &StackLinear::operator(), "x [T, K] -> [T, N] in x's dtype", py::arg("x"),
+           py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("kind", &StackLinear::kind)
+      .def_property_readonly("out_features", &StackLinear::out_features);
   py::class_<DecoderStack>(m, "DecoderStack",
-                           "A Llama-family decoder stack with GGUF block linears run as one call: the "
-                           "kernels of the per-layer path in its order (decoder_stack.cpp)")
+                           "A Llama-family decoder stack run as one call: the kernels of the per-layer path in "
+                           "its order (decoder_stack.cpp)")
       .def(py::init<int64_t, int64_t, int64_t, double, double>(), py::arg("num_heads"),
            py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("rms_norm_eps"), py::arg("attn_scale"))
       .def("add_layer", &DecoderStack::add_layer,
-           "Append a layer: norm weights [hidden], block weights with their formats, the layer's K/V "
-           "caches [slots, kv_heads, head_dim] and scales",
-           py::arg("input_norm"), py::arg("post_norm"), py::arg("qkv"), py::arg("qkv_fmt"), py::arg("qkv_bias"),
-           py::arg("o"), py::arg("o_fmt"), py::arg("gate_up"), py::arg("gate_up_fmt"), py::arg("down"),
-           py::arg("down_fmt"), py::arg("key_cache"), py::arg("value_cache"), py::arg("k_scale"),
-           py::arg("v_scale"))
+           "Append a layer: norm weights [hidden], its four linears (StackLinear: q|k|v, o, gate|up, down), "
+           "the layer's K/V caches [slots, kv_heads, head_dim] and scales",
+           py::arg("input_norm"), py::arg("post_norm"), py::arg("qkv"), py::arg("o"), py::arg("gate_up"),
+           py::arg("down"), py::arg("key_cache"), py::arg("value_cache"), py::arg("k_scale"), py::arg("v_scale"))
       .def("forward", &DecoderStack::forward,
            "h: layer 0's normed input, residual: the embeddings (updated in place), both [T, hidden]; "
            "returns [last MLP output, residual]",

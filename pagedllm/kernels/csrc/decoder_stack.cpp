@@ -1,12 +1,18 @@
 // A Llama-family decoder stack run as one call from Python: the same kernels, in the same
 // order, on the same tensors as the per-layer Python path of ``models/llama.py`` with C++
-// kernels everywhere (GGUF block linears, fused add + RMSNorm, RoPE, K/V write, paged
-// attention, SiLU-and-mul), so every output bit is that path's. What it removes is the
-// Python between the kernels: ~12 module calls, ~10 tensor views and ~4 allocations a
+// kernels everywhere (the linears' own kernels, fused add + RMSNorm, RoPE, K/V write,
+// paged attention, SiLU-and-mul), so every output bit is that path's. What it removes is
+// the Python between the kernels: ~12 module calls, ~10 tensor views and ~4 allocations a
 // layer, ~90 us of a single-stream decode layer on the project's 2-core EPYC, where the
 // kernels themselves take ~170 us (docs/benchmarks.md). The idea is llama.cpp's compute
 // graph and IPEX's fused decoder layers for the CPU; the layers keep their weights and
 // Python path, and ``models/fused_decoder.py`` decides when this one applies.
+//
+// A linear layer reaches the stack as a StackLinear: the kernel its LinearMethod calls per
+// layer, with the same operands (each method's ``stack_linear``):
+//   block      GGUF Q8_0/Q4_0/Q4_1 blocks: block_quant_linear (quantization/gguf_blocks.py);
+//   int8_avx2  int8 W8A8 on AVX2: quantize_per_token (times SmoothQuant's 1/s) then
+//              avx2_int8_linear, the epilogue fused (quantization/int8.py).
 //
 // Per layer l (x, residual [T, hidden]; layer 0's first RMSNorm is done by the caller):
 //   h = rms_norm(residual += x)                     (fused_add_rms_norm, l > 0)
@@ -20,6 +26,91 @@
 // A profiler range named as the Python path's ``trace`` names the kernel.
 #define PAGEDLLM_RANGE(name) RECORD_FUNCTION(name, std::vector<c10::IValue>())
 
+namespace {
+
+bool float_vector(const at::Tensor& t, int64_t n) {
+  return t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous() && t.dim() == 1 &&
+         t.size(0) == n;
+}
+
+}  // namespace
+
+StackLinear StackLinear::block(at::Tensor weight, int64_t fmt, std::optional<at::Tensor> bias) {
+  TORCH_CHECK_VALUE(weight.device().is_cpu() && weight.scalar_type() == at::kByte && weight.dim() == 2 &&
+                        weight.is_contiguous(),
+                    "StackLinear.block: weight must be a contiguous uint8 CPU tensor [N, K/32 * bytes_per_block]");
+  StackLinear l;
+  l.kind_ = Kind::kBlock;
+  l.w_ = std::move(weight);
+  l.fmt_ = fmt;
+  l.n_ = l.w_.size(0);
+  if (bias.has_value() && bias->defined()) l.bias_ = std::move(bias);
+  return l;
+}
+
+StackLinear StackLinear::int8_avx2(at::Tensor w_packed, at::Tensor colsum, at::Tensor compensation,
+                                   at::Tensor weight_scales, std::optional<at::Tensor> smooth, int64_t qmax,
+                                   int64_t zero_point, bool seven_bit_weights, std::optional<at::Tensor> bias) {
+  TORCH_CHECK_VALUE(w_packed.device().is_cpu() && w_packed.dim() == 4 && w_packed.scalar_type() == at::kChar &&
+                        w_packed.is_contiguous() && w_packed.size(2) == 16 && w_packed.size(3) == 4,
+                    "StackLinear.int8_avx2: w_packed must be a contiguous int8 [ceil(N/16), K/4, 16, 4] tensor");
+  TORCH_CHECK_VALUE(colsum.device().is_cpu() && colsum.scalar_type() == at::kInt && colsum.dim() == 1 &&
+                        colsum.is_contiguous(),
+                    "StackLinear.int8_avx2: colsum must be a contiguous int32 CPU tensor [N]");
+  const int64_t n = colsum.size(0), k = w_packed.size(1) * 4, padded = w_packed.size(0) * 16;
+  TORCH_CHECK_VALUE(n <= padded && n > padded - 16, "StackLinear.int8_avx2: colsum has ", n,
+                    " columns, the packed weight ", padded);
+  TORCH_CHECK_VALUE(float_vector(compensation, n) && float_vector(weight_scales, n),
+                    "StackLinear.int8_avx2: compensation and weight_scales must be contiguous float32 CPU "
+                    "tensors [N]");
+  TORCH_CHECK_VALUE(qmax >= 1 && qmax <= 127 && zero_point >= qmax && zero_point <= 255 - qmax,
+                    "StackLinear.int8_avx2: need 1 <= qmax <= 127 and qmax <= zero_point <= 255 - qmax, got qmax ",
+                    qmax, ", zero_point ", zero_point);
+  StackLinear l;
+  l.kind_ = Kind::kInt8Avx2;
+  l.n_ = n;
+  l.k_ = k;
+  if (smooth.has_value() && smooth->defined()) {
+    TORCH_CHECK_VALUE(smooth->device().is_cpu() && smooth->dim() == 1 && smooth->size(0) == k &&
+                          smooth->is_contiguous() &&
+                          (smooth->scalar_type() == at::kFloat || smooth->scalar_type() == at::kBFloat16),
+                      "StackLinear.int8_avx2: smooth must be a contiguous float32 or bfloat16 CPU tensor [K]");
+    l.smooth_ = std::move(smooth);
+  }
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK_VALUE(float_vector(*bias, n), "StackLinear.int8_avx2: bias must be a contiguous float32 CPU "
+                                              "tensor [N]");
+    l.bias_ = std::move(bias);
+  }
+  l.w_ = std::move(w_packed);
+  l.colsum_ = std::move(colsum);
+  l.comp_ = std::move(compensation);
+  l.wscale_ = std::move(weight_scales);
+  l.qmax_ = qmax;
+  l.zp_ = zero_point;
+  l.seven_bit_ = seven_bit_weights;
+  return l;
+}
+
+std::string StackLinear::kind() const { return kind_ == Kind::kBlock ? "block" : "int8_avx2"; }
+
+at::Tensor StackLinear::operator()(const at::Tensor& x) const {
+  if (kind_ == Kind::kBlock) {
+    PAGEDLLM_RANGE("block_quant_linear");
+    return block_quant_linear(std::nullopt, x, w_, fmt_, bias_, false);
+  }
+  TORCH_CHECK_VALUE(x.dim() == 2 && x.size(1) == k_, "StackLinear: x must be [T, ", k_, "]");
+  at::Tensor xq = at::empty(x.sizes(), x.options().dtype(at::kByte));
+  at::Tensor row_scales = at::empty({x.size(0)}, x.options().dtype(at::kFloat));
+  {
+    PAGEDLLM_RANGE("pagedllm::quantize_per_token");
+    quantize_per_token(xq, row_scales, x, qmax_, zp_, smooth_);
+  }
+  PAGEDLLM_RANGE("pagedllm::avx2_int8_linear");
+  return avx2_int8_linear(xq, w_, colsum_, zp_, comp_, wscale_, row_scales, bias_,
+                          x.scalar_type() == at::kBFloat16, seven_bit_);
+}
+
 DecoderStack::DecoderStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                            double rms_norm_eps, double attn_scale)
     : nh_(num_heads), nkv_(num_kv_heads), hd_(head_dim), eps_(rms_norm_eps), scale_(attn_scale) {
@@ -27,16 +118,17 @@ DecoderStack::DecoderStack(int64_t num_heads, int64_t num_kv_heads, int64_t head
                     "DecoderStack: num_heads must be a positive multiple of num_kv_heads and head_dim even");
 }
 
-void DecoderStack::add_layer(at::Tensor input_norm, at::Tensor post_norm, at::Tensor qkv, int64_t qkv_fmt,
-                             std::optional<at::Tensor> qkv_bias, at::Tensor o, int64_t o_fmt,
-                             at::Tensor gate_up, int64_t gate_up_fmt, at::Tensor down, int64_t down_fmt,
-                             at::Tensor key_cache, at::Tensor value_cache, double k_scale, double v_scale) {
+void DecoderStack::add_layer(at::Tensor input_norm, at::Tensor post_norm, StackLinear qkv, StackLinear o,
+                             StackLinear gate_up, StackLinear down, at::Tensor key_cache, at::Tensor value_cache,
+                             double k_scale, double v_scale) {
   TORCH_CHECK_VALUE(key_cache.dim() == 3 && key_cache.size(1) == nkv_ && key_cache.size(2) == hd_ &&
                         value_cache.sizes() == key_cache.sizes(),
                     "DecoderStack.add_layer: key/value caches must be [slots, num_kv_heads, head_dim]");
-  layers_.push_back(Layer{std::move(input_norm), std::move(post_norm), std::move(qkv), qkv_fmt,
-                          std::move(qkv_bias), std::move(o), o_fmt, std::move(gate_up), gate_up_fmt,
-                          std::move(down), down_fmt, std::move(key_cache), std::move(value_cache),
+  TORCH_CHECK_VALUE(qkv.out_features() == (nh_ + 2 * nkv_) * hd_, "DecoderStack.add_layer: qkv has ",
+                    qkv.out_features(), " outputs, expected (num_heads + 2 * num_kv_heads) * head_dim = ",
+                    (nh_ + 2 * nkv_) * hd_);
+  layers_.push_back(Layer{std::move(input_norm), std::move(post_norm), std::move(qkv), std::move(o),
+                          std::move(gate_up), std::move(down), std::move(key_cache), std::move(value_cache),
                           k_scale, v_scale});
 }
 
@@ -60,14 +152,7 @@ std::vector<at::Tensor> DecoderStack::forward(at::Tensor h, at::Tensor residual,
       fused_add_rms_norm(x, residual, L.input_norm, eps_);   // x becomes the normed rows
       h = x;
     }
-    at::Tensor qkv;
-    {
-      PAGEDLLM_RANGE("block_quant_linear");
-      qkv = block_quant_linear(std::nullopt, h, L.qkv, L.qkv_fmt, L.qkv_bias, false);
-    }
-    TORCH_CHECK_VALUE(qkv.size(1) == all_heads * hd_, "DecoderStack: layer ", l, "'s q|k|v has ", qkv.size(1),
-                      " columns, expected ", all_heads * hd_);
-    at::Tensor heads = qkv.view({T, all_heads, hd_});
+    at::Tensor heads = L.qkv(h).view({T, all_heads, hd_});   // add_layer checked its width
     {
       PAGEDLLM_RANGE("pagedllm::rotary_embedding");
       rotary_embedding(heads.narrow(1, 0, qk_heads), cos, sin);
@@ -85,28 +170,18 @@ std::vector<at::Tensor> DecoderStack::forward(at::Tensor h, at::Tensor residual,
       paged_attention(attn, q, L.key_cache, L.value_cache, block_table, query_start_loc, seq_lens, block_size,
                       scale_, L.k_scale, L.v_scale, sliding_window);
     }
-    at::Tensor o, gu, act;
-    {
-      PAGEDLLM_RANGE("block_quant_linear");
-      o = block_quant_linear(std::nullopt, attn.view({T, nh_ * hd_}), L.o, L.o_fmt, std::nullopt, false);
-    }
+    at::Tensor o = L.o(attn.view({T, nh_ * hd_}));
     {
       PAGEDLLM_RANGE("pagedllm::fused_add_rms_norm");
       fused_add_rms_norm(o, residual, L.post_norm, eps_);
     }
-    {
-      PAGEDLLM_RANGE("block_quant_linear");
-      gu = block_quant_linear(std::nullopt, o, L.gate_up, L.gate_up_fmt, std::nullopt, false);
-    }
+    at::Tensor gu = L.gate_up(o);
+    at::Tensor act = at::empty({T, gu.size(1) / 2}, gu.options());
     {
       PAGEDLLM_RANGE("pagedllm::silu_and_mul");
-      act = at::empty({T, gu.size(1) / 2}, gu.options());
       silu_and_mul(act, gu);
     }
-    {
-      PAGEDLLM_RANGE("block_quant_linear");
-      x = block_quant_linear(std::nullopt, act, L.down, L.down_fmt, std::nullopt, false);
-    }
+    x = L.down(act);
   }
   return {x, residual};
 }

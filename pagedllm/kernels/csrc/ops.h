@@ -54,15 +54,41 @@ std::vector<at::Tensor> topk_rows(at::Tensor x, int64_t k, std::optional<at::Ten
 std::vector<at::Tensor> token_presence(at::Tensor history, at::Tensor prompt_len, at::Tensor length,
                                           int64_t vocab_size);
 
-// decoder_stack.cpp: a Llama-family decoder stack (GGUF block linears) as one call.
+// decoder_stack.cpp: one linear layer as the decoder stack calls it (the kernel its
+// LinearMethod runs per layer, with that method's operands), and a Llama-family decoder
+// stack over such linears as one call.
+class StackLinear {
+ public:
+  // GGUF blocks (block_quant_linear): packed uint8 [N, K/32 * bytes_per_block], fmt the ggml type.
+  static StackLinear block(at::Tensor weight, int64_t fmt, std::optional<at::Tensor> bias);
+  // int8 W8A8 on AVX2: quantize_per_token (x * smooth) then avx2_int8_linear.
+  static StackLinear int8_avx2(at::Tensor w_packed, at::Tensor colsum, at::Tensor compensation,
+                               at::Tensor weight_scales, std::optional<at::Tensor> smooth, int64_t qmax,
+                               int64_t zero_point, bool seven_bit_weights, std::optional<at::Tensor> bias);
+  at::Tensor operator()(const at::Tensor& x) const;   // x [T, K] contiguous -> [T, N] in x's dtype
+  int64_t out_features() const { return n_; }
+  std::string kind() const;
+
+ private:
+  enum class Kind { kBlock, kInt8Avx2 };
+  Kind kind_ = Kind::kBlock;
+  int64_t n_ = 0, k_ = 0;
+  at::Tensor w_;
+  int64_t fmt_ = 0;
+  std::optional<at::Tensor> bias_;
+  at::Tensor colsum_, comp_, wscale_;
+  std::optional<at::Tensor> smooth_;
+  int64_t qmax_ = 0, zp_ = 0;
+  bool seven_bit_ = false;
+};
+
 class DecoderStack {
  public:
   DecoderStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double rms_norm_eps,
                double attn_scale);
-  void add_layer(at::Tensor input_norm, at::Tensor post_norm, at::Tensor qkv, int64_t qkv_fmt,
-                 std::optional<at::Tensor> qkv_bias, at::Tensor o, int64_t o_fmt, at::Tensor gate_up,
-                 int64_t gate_up_fmt, at::Tensor down, int64_t down_fmt, at::Tensor key_cache,
-                 at::Tensor value_cache, double k_scale, double v_scale);
+  void add_layer(at::Tensor input_norm, at::Tensor post_norm, StackLinear qkv, StackLinear o,
+                 StackLinear gate_up, StackLinear down, at::Tensor key_cache, at::Tensor value_cache,
+                 double k_scale, double v_scale);
   std::vector<at::Tensor> forward(at::Tensor h, at::Tensor residual, at::Tensor cos, at::Tensor sin,
                                   at::Tensor slot_mapping, at::Tensor block_table,
                                   at::Tensor query_start_loc, at::Tensor seq_lens, int64_t block_size,
@@ -71,15 +97,8 @@ class DecoderStack {
 
  private:
   struct Layer {
-    at::Tensor input_norm, post_norm, qkv;
-    int64_t qkv_fmt;
-    std::optional<at::Tensor> qkv_bias;
-    at::Tensor o;
-    int64_t o_fmt;
-    at::Tensor gate_up;
-    int64_t gate_up_fmt;
-    at::Tensor down;
-    int64_t down_fmt;
+    at::Tensor input_norm, post_norm;
+    StackLinear qkv, o, gate_up, down;
     at::Tensor key_cache, value_cache;
     double k_scale, v_scale;
   };

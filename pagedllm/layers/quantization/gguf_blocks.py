@@ -364,13 +364,13 @@ class BlockQuantLinearMethod(LinearMethod):
         if self._ops is None:
             layer.block_unpacked = unpack_blocks(w, self.fmt, k)
 
-    def kernel_operands(self, layer) -> tuple[torch.Tensor, int] | None:
-        """(packed weight uint8 [out, in / 32 * block_bytes], ggml format id) when the C++
-        kernel computes this layer (what ``kernels/csrc/decoder_stack.cpp`` calls), else
-        None (the torch path)."""
+    def stack_linear(self, layer, kernels):
+        """``kernels.StackLinear.block`` over the packed weight (uint8 [out, in / 32 *
+        block_bytes]), its ggml format id and the layer's bias, when the C++ kernel computes
+        this layer; else None (the torch path)."""
         if self._ops is None:
             return None
-        return _weight_tensor(layer), self._fmt_id
+        return kernels.StackLinear.block(_weight_tensor(layer), self._fmt_id, layer.bias)
 
     def apply(self, layer, x, bias=None):
         if self._ops is None:

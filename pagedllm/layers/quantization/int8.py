@@ -485,6 +485,21 @@ class Int8W8A8LinearMethod(LinearMethod):
         if not getattr(layer, "keep_dense_weight", False):
             layer.weight.data = layer.weight.data.new_empty(0)
 
+    def stack_linear(self, layer, kernels):
+        """``kernels.StackLinear.int8_avx2`` over this layer's operands where ``apply`` runs
+        the AVX2 kernel through the C++ quantizer (the layer on the ``avx2`` backend, in a
+        dtype the kernels take, its smoothing row contiguous in that dtype); else None
+        (AMX, oneDNN and the torch reference keep the per-layer path)."""
+        dtype = layer.weight.dtype
+        smooth = getattr(layer, "int8_smooth", None)
+        if (getattr(layer, "int8_backend", None) != "avx2" or kernels_for(layer.weight.device, dtype) is None
+                or (smooth is not None and (smooth.dtype != dtype or not smooth.is_contiguous()))):
+            return None
+        bias = None if layer.bias is None else layer.bias.float().contiguous()
+        return kernels.StackLinear.int8_avx2(layer.int8_avx2_weight, layer.int8_colsum, layer.int8_compensation,
+                                             layer.int8_weight_scale, smooth, self.qmax, self.zero_point,
+                                             self.weight_bits == 7, bias)
+
     def apply(self, layer, x, bias=None):
         if x.dim() != 2:
             return self.apply(layer, x.reshape(-1, x.shape[-1]), bias).reshape(*x.shape[:-1], -1)
