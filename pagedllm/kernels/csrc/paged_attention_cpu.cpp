@@ -34,8 +34,8 @@
 // Two implementations of a row's maths, chosen at compile time per head size:
 //  * AVX2+FMA, head_dim a multiple of 64 (bfloat16 and fp8 loads widened in registers,
 //    fp8 through F16C): up to 3 heads of a kv head at once against 8 keys, folded by a
-//    horizontal-add tree; V summed a tile of keys (~12 KB of V rows, kept in L1) at a
-//    time for every row of the item, 24 or 32 dims a pass in registers;
+//    horizontal-add tree; V summed a tile of keys (~12 KB of V rows, 6 KB for a decode,
+//    kept in L1) at a time for every row of the item, 24 or 32 dims a pass in registers;
 //  * generic (any head_dim or CPU): the same maths with GCC vector types.
 #include "ops.h"
 #include "vec.h"
@@ -81,7 +81,13 @@ template <> constexpr bool kAvxCache<fp8e5m2> = false;
 #endif
 
 constexpr int64_t kPrefetchKeys = 16;     // how far ahead the score loop fetches K rows
-constexpr int64_t kValueTileBytes = 12288;  // V bytes summed per tile (they stay in L1)
+// V bytes summed per tile (they stay in L1): a tile serves every row of an item. A decode
+// item has few rows, so its tiles are smaller: the tile two on is fetched while one is
+// summed, and a smaller fetch a kv head at a time keeps fewer loads outstanding at once
+// (decode 1.04-1.49x from memory on the AMD EPYC, docs/benchmarks.md); items with many
+// queries reuse a bigger tile more.
+constexpr int64_t kValueTileBytes = 12288;
+constexpr int64_t kDecodeValueTileBytes = 6144;
 
 // Prefetch the cache lines of [p, p + bytes) into L1.
 inline void prefetch_span(const void* p, int64_t bytes) {
@@ -271,25 +277,28 @@ void attend(const Args<TQ, TC>& a, const Item& it, Scratch& sc) {
   for (int64_t t = T0; t < Lmax; ++t) sc.slots[t - T0] = static_cast<int64_t>(brow[t / bs]) * bs + t % bs;
   for (int64_t t = Lw; t < Lp; ++t) sc.slots[t] = sc.slots[Lw - 1];
   const int64_t* slots = sc.slots.data();
-  // bytes of one key's K (or V) slice for this item's kv heads
-  const int64_t k_span = ((it.kh1 - it.kh0 - 1) * a.k_head + hd) * static_cast<int64_t>(sizeof(TC));
+  // bytes of one key's V slice for this item's kv heads
   const int64_t v_span = ((it.kh1 - it.kh0 - 1) * a.v_head + hd) * static_cast<int64_t>(sizeof(TC));
   // row r = ((j - j0) * nkh + (kh - kh0)) * g + hh
   auto qrow = [&](int64_t j, int64_t kh, int64_t hh) {
     return a.q + (q0 + j) * a.q_tok + (kh * g + hh) * hd;
   };
   // ---- 1. scores, 8 keys at a time: K rows read once per chunk for all rows ----
+  const int64_t k_head_bytes = hd * static_cast<int64_t>(sizeof(TC));
   for (int64_t t0 = 0; t0 < Lw; t0 += 8) {
     const TC* kr[8];
     for (int64_t u = 0; u < 8; ++u) kr[u] = a.k + slots[t0 + u] * a.k_slot;
-    // the item's K rows of the chunk kPrefetchKeys ahead (a decode's keys come from memory:
-    // one row slice per key, strided by the slot, which the hardware prefetchers miss)
-    if (t0 + kPrefetchKeys < Lw)
-      for (int64_t u = 0; u < 8; ++u)
-        prefetch_span(a.k + slots[t0 + kPrefetchKeys + u] * a.k_slot + it.kh0 * a.k_head, k_span);
+    // the K rows of the chunk kPrefetchKeys ahead (a decode's keys come from memory: one
+    // row slice per key, strided by the slot, which the hardware prefetchers miss), one kv
+    // head's slices before that head's scores, so that the loads in flight at a time stay
+    // few (the first query that sees this chunk issues them)
+    bool fetch = t0 + kPrefetchKeys < Lw;
     for (int64_t j = it.j0; j < it.j1; ++j) {
       if (T0 + t0 >= ctx + j + 1) continue;   // past this query's causal limit
       for (int64_t kh = it.kh0; kh < it.kh1; ++kh) {
+        if (fetch)
+          for (int64_t u = 0; u < 8; ++u)
+            prefetch_span(a.k + slots[t0 + kPrefetchKeys + u] * a.k_slot + kh * a.k_head, k_head_bytes);
         const int64_t r0 = ((j - it.j0) * nkh + (kh - it.kh0)) * g;
 #ifdef PAGEDLLM_AVX2
         if constexpr (kAvxCache<TC>) if (avx) {
@@ -313,6 +322,7 @@ void attend(const Args<TQ, TC>& a, const Item& it, Scratch& sc) {
           scores8_generic(qrow(j, kh, hh), kr, kh * a.k_head, hd, a.scale,
                           sc.scores.data() + (r0 + hh) * Lp + t0);
       }
+      fetch = false;
     }
   }
   // ---- 2. softmax numerators in place, and 1 / sum, per row ----
@@ -332,19 +342,25 @@ void attend(const Args<TQ, TC>& a, const Item& it, Scratch& sc) {
   // every row while they are in L1; the tile two on is fetched meanwhile,
   // and the first ones while the softmax above ran.
   sc.acc.assign(rows * hd, 0.f);
-  // keys a tile: ~kValueTileBytes of V rows (32 keys of SmolLM2's 3 kv heads in bf16)
-  const int64_t tile = std::clamp<int64_t>(kValueTileBytes / std::max<int64_t>(v_span, 1), 8, 64);
+  // keys a tile: ~kValueTileBytes of V rows (32 keys of SmolLM2's 3 kv heads in bf16;
+  // 16 for a decode)
+  const int64_t tile_bytes = nq == 1 ? kDecodeValueTileBytes : kValueTileBytes;
+  const int64_t tile = std::clamp<int64_t>(tile_bytes / std::max<int64_t>(v_span, 1), 8, 64);
   const int64_t ahead = 2 * tile;
+  const int64_t v_head_bytes = hd * static_cast<int64_t>(sizeof(TC));
   for (int64_t t = 0; t < std::min(Lw, ahead); ++t)
     prefetch_span(a.v + slots[t] * a.v_slot + it.kh0 * a.v_head, v_span);
   for (int64_t t0 = 0; t0 < Lw; t0 += tile) {
-    for (int64_t t = t0 + ahead; t < std::min(Lw, t0 + ahead + tile); ++t)
-      prefetch_span(a.v + slots[t] * a.v_slot + it.kh0 * a.v_head, v_span);
+    // the tile two on, one kv head's slices before that head's sums (as the scores above)
+    bool fetch = t0 + ahead < Lw;
     for (int64_t j = it.j0; j < it.j1; ++j) {
       const int64_t L = ctx + j + 1 - T0;
       if (t0 >= L) continue;                       // past this query's causal limit
       const int64_t n_t = std::min(L, t0 + tile) - t0;
       for (int64_t kh = it.kh0; kh < it.kh1; ++kh) {
+        if (fetch)
+          for (int64_t t = t0 + ahead; t < std::min(Lw, t0 + ahead + tile); ++t)
+            prefetch_span(a.v + slots[t] * a.v_slot + kh * a.v_head, v_head_bytes);
         const TC* vh = a.v + kh * a.v_head;
         const int64_t r0 = ((j - it.j0) * nkh + (kh - it.kh0)) * g;
         for (int64_t hh = 0; hh < g; hh += 3) {
@@ -367,6 +383,7 @@ void attend(const Args<TQ, TC>& a, const Item& it, Scratch& sc) {
             accumulate_generic(ps[r], slots + t0, n_t, vh, a.v_slot, hd, accs[r]);
         }
       }
+      fetch = false;
     }
   }
   // ---- 4. out = acc / sum, rounded once ----
