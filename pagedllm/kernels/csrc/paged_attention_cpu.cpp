@@ -120,29 +120,24 @@ using pagedllm::load8_avx;
 using pagedllm::load8_raw_avx;
 using pagedllm::store8_avx;
 
-// Sum each of 8 vectors: returns {sum(x0), ..., sum(x7)}.
-inline __m256 fold8(__m256 x0, __m256 x1, __m256 x2, __m256 x3, __m256 x4, __m256 x5,
-                    __m256 x6, __m256 x7) {
-  const __m256 h01 = _mm256_hadd_ps(x0, x1), h23 = _mm256_hadd_ps(x2, x3);
-  const __m256 h45 = _mm256_hadd_ps(x4, x5), h67 = _mm256_hadd_ps(x6, x7);
-  const __m256 a = _mm256_hadd_ps(h01, h23);  // [s0l s1l s2l s3l | s0h s1h s2h s3h]
-  const __m256 b = _mm256_hadd_ps(h45, h67);  // [s4l s5l s6l s7l | s4h s5h s6h s7h]
-  const __m256 lo = _mm256_permute2f128_ps(a, b, 0x20);
-  const __m256 hi = _mm256_permute2f128_ps(a, b, 0x31);
-  return _mm256_add_ps(lo, hi);
+// Sum each of 4 vectors: returns {sum(x0), sum(x1), sum(x2), sum(x3)}, each by the tree
+// ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)) of its lanes.
+inline __m128 fold4(__m256 x0, __m256 x1, __m256 x2, __m256 x3) {
+  const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(x0, x1), _mm256_hadd_ps(x2, x3));
+  // [s0l s1l s2l s3l | s0h s1h s2h s3h]: the low and high halves of each lane sum
+  return _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
 }
 
 // Scores of G query heads that share one kv head (GQA) against 8 keys,
-// s[r][u] = q_r . k_u * scale, and their weighted sums of V rows,
-// o_r = inv_r * sum_{t < L} p_r[t] v_t. Each K or V vector loaded feeds G FMAs (keys in
-// two halves of 4: G*4 accumulators in registers; 16 dims of V at a time). Every
-// (head, key) dot product runs over d in one order and folds by one tree (fold8), and
-// every (head, dim) sum runs over t in order, whatever G is: a head's result does not
-// depend on how many heads were computed with it.
+// s[r][u] = q_r . k_u * scale, 4 keys at a time. Each K vector loaded feeds G FMAs
+// (G*4 accumulators in registers, folded and stored before the next 4 keys, so nothing
+// spills). Every (head, key) dot product runs over d in one order and folds by one tree
+// (fold4), whatever G is: a head's result does not depend on how many heads were computed
+// with it.
 template <int G, typename TQ, typename TC>
 __attribute__((noinline)) void scores8_rows_avx(const TQ* const* qs, const TC* const* kr, int64_t off, int64_t hd,
                              float scale, float* const* s) {
-  __m256 acc[G][8];
+  const __m128 sc = _mm_set1_ps(scale);
   for (int half = 0; half < 2; ++half) {
     __m256 c[G][4];
     for (int r = 0; r < G; ++r)
@@ -170,12 +165,8 @@ __attribute__((noinline)) void scores8_rows_avx(const TQ* const* qs, const TC* c
       }
     }
     for (int r = 0; r < G; ++r)
-      for (int u = 0; u < 4; ++u) acc[r][half * 4 + u] = c[r][u];
+      _mm_storeu_ps(s[r] + 4 * half, _mm_mul_ps(fold4(c[r][0], c[r][1], c[r][2], c[r][3]), sc));
   }
-  const __m256 sc = _mm256_set1_ps(scale);
-  for (int r = 0; r < G; ++r)
-    _mm256_storeu_ps(s[r], _mm256_mul_ps(fold8(acc[r][0], acc[r][1], acc[r][2], acc[r][3], acc[r][4],
-                                                acc[r][5], acc[r][6], acc[r][7]), sc));
 }
 
 // One pass of a tile of the weighted sums of V over dims [d0, d0 + 8 * NV):
