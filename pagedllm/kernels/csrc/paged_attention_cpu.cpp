@@ -171,10 +171,12 @@ __attribute__((noinline)) void scores8_rows_avx(const TQ* const* qs, const TC* c
 
 // One pass of a tile of the weighted sums of V over dims [d0, d0 + 8 * NV):
 // acc_r[d] += p_r[t] * v_t[d] for t in [0, n), in order, for the G heads that share kv
-// head vh. G*NV accumulators + NV V vectors + 1 broadcast stay in registers (13 at most,
-// of AVX2's 16: more spilled an accumulator to the stack, which put a store-to-load round
-// trip into every iteration); at G = 2 or 3, 8 or 9 independent FMA chains keep both FMA
-// pipes busy (16 dims a pass, 6 chains at G = 3, left the loop waiting on FMA latency).
+// head vh. Per key the G weights are broadcast first, then each V vector, loaded once,
+// feeds G FMAs: G*NV accumulators + G broadcasts + 1 V vector stay in registers (16 at
+// G = 3, NV = 4: two passes of 32 dims for head_dim 64, where loading the NV V vectors
+// first had room for NV = 3 only, three passes of 24, 24 and 16 dims, the last with 6
+// FMA chains). More spilled an accumulator to the stack, which put a store-to-load round
+// trip into every iteration.
 template <int G, int NV, typename TC>
 inline void accumulate_pass_avx(const float* const* p, const int64_t* slots, int64_t n, const TC* vh,
                                 int64_t v_slot, int64_t d0, float* const* acc) {
@@ -183,14 +185,14 @@ inline void accumulate_pass_avx(const float* const* p, const int64_t* slots, int
   for (int i = 0; i < G * NV; ++i) c[i] = _mm256_loadu_ps(acc[i / NV] + d0 + 8 * (i % NV));
   for (int64_t t = 0; t < n; ++t) {
     const TC* vr = vh + slots[t] * v_slot + d0;
-    __m256 x[NV];
+    __m256 pt[G];
 #pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v) x[v] = load8_raw_avx(vr + 8 * v);
+    for (int r = 0; r < G; ++r) pt[r] = _mm256_broadcast_ss(p[r] + t);
+#pragma GCC unroll 8
+    for (int v = 0; v < NV; ++v) {
+      const __m256 x = load8_raw_avx(vr + 8 * v);
 #pragma GCC unroll 4
-    for (int r = 0; r < G; ++r) {
-      const __m256 pt = _mm256_broadcast_ss(p[r] + t);
-#pragma GCC unroll 4
-      for (int v = 0; v < NV; ++v) c[r * NV + v] = _mm256_fmadd_ps(pt, x[v], c[r * NV + v]);
+      for (int r = 0; r < G; ++r) c[r * NV + v] = _mm256_fmadd_ps(pt[r], x, c[r * NV + v]);
     }
   }
 #pragma GCC unroll 16
@@ -198,15 +200,17 @@ inline void accumulate_pass_avx(const float* const* p, const int64_t* slots, int
 }
 
 // One tile of the weighted sums of V for G heads (acc rows are hd floats in the scratch),
-// in passes of 8 * kValueVectors<G> dims, then 16 and 8. The tile's V rows stay in L1
+// in passes of 8 * kValueVectors dims, then 16 and 8. The tile's V rows stay in L1
 // across the passes, and the accumulators go back to the scratch between passes and
 // tiles, which changes no bits: each (head, dim) sum is one FMA chain over t in order.
-template <int G> constexpr int kValueVectors = G == 3 ? 3 : 4;
+// fp8 caches keep 3 vectors a pass at G = 3: their widening holds a mask register, and
+// 4 measured no faster.
+template <int G, typename TC> constexpr int kValueVectors = (G == 3 && sizeof(TC) == 1) ? 3 : 4;
 
 template <int G, typename TC>
 __attribute__((noinline)) void accumulate_rows_avx(const float* const* p, const int64_t* slots, int64_t n,
                                                    const TC* vh, int64_t v_slot, int64_t hd, float* const* acc) {
-  constexpr int NV = kValueVectors<G>;
+  constexpr int NV = kValueVectors<G, TC>;
   int64_t d0 = 0;
   for (; d0 + 8 * NV <= hd; d0 += 8 * NV) accumulate_pass_avx<G, NV>(p, slots, n, vh, v_slot, d0, acc);
   for (; d0 + 16 <= hd; d0 += 16) accumulate_pass_avx<G, 2>(p, slots, n, vh, v_slot, d0, acc);
@@ -334,9 +338,10 @@ void attend(const Args<TQ, TC>& a, const Item& it, Scratch& sc) {
   // and the first ones while the softmax above ran.
   sc.acc.assign(rows * hd, 0.f);
   // keys a tile: ~kValueTileBytes of V rows (32 keys of SmolLM2's 3 kv heads in bf16;
-  // 16 for a decode)
+  // 16 for a decode, and no fewer: with float32 rows 8-key tiles made the sums' passes
+  // 0.8x as fast when K/V were already in cache, and were level from memory)
   const int64_t tile_bytes = nq == 1 ? kDecodeValueTileBytes : kValueTileBytes;
-  const int64_t tile = std::clamp<int64_t>(tile_bytes / std::max<int64_t>(v_span, 1), 8, 64);
+  const int64_t tile = std::clamp<int64_t>(tile_bytes / std::max<int64_t>(v_span, 1), nq == 1 ? 16 : 8, 64);
   const int64_t ahead = 2 * tile;
   const int64_t v_head_bytes = hd * static_cast<int64_t>(sizeof(TC));
   for (int64_t t = 0; t < std::min(Lw, ahead); ++t)
