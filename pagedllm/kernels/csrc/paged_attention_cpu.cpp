@@ -34,8 +34,9 @@
 // Two implementations of a row's maths, chosen at compile time per head size:
 //  * AVX2+FMA, head_dim a multiple of 64 (bfloat16 and fp8 loads widened in registers,
 //    fp8 through F16C): up to 3 heads of a kv head at once against 8 keys, folded by a
-//    horizontal-add tree; V summed a tile of keys (~12 KB of V rows, 6 KB for a decode,
-//    kept in L1) at a time for every row of the item, 24 or 32 dims a pass in registers;
+//    horizontal-add tree, 4 keys at a time; V summed a tile of keys (~12 KB of V rows;
+//    for a decode ~6 KB and at least 16 keys; kept in L1) at a time for every row of the
+//    item, 32 dims a pass in registers (24 for fp8 caches at 3 heads a kv head);
 //  * generic (any head_dim or CPU): the same maths with GCC vector types.
 #include "ops.h"
 #include "vec.h"
