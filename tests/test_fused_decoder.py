@@ -95,6 +95,24 @@ def test_start_up_log_says_how_the_decoder_runs(monkeypatch, caplog, fused):
                                            "per-layer (PAGEDLLM_FUSED_DECODER=0)")]
 
 
+def test_int8_start_up_lines_describe_the_engine_model(monkeypatch, caplog, int8_on_avx2):
+    """SmoothQuant's calibration prefills run the model over a cache of their own with the
+    linears in float; the start-up lines describe the engine's model, not that pass (the
+    "loaded" line had said "decoder per-layer (linear F.linear has no C++ stack form)"
+    while the stack ran)."""
+    import logging
+
+    monkeypatch.setenv("PAGEDLLM_FUSED_DECODER", "1")
+    with caplog.at_level(logging.INFO, logger="pagedllm"):
+        llm = LLM(dtype="float32", quantization="int8", max_model_len=128, kv_cache_memory="32MiB",
+                  engine_process=False)
+        llm.shutdown()
+    msgs = [r.getMessage() for r in caplog.records]
+    assert any(m.startswith("calibrated ") for m in msgs)
+    assert not [m for m in msgs if "F.linear" in m or "decoder per-layer" in m]
+    assert [m for m in msgs if m.startswith("decoder layers: ")] == ["decoder layers: one C++ stack call a step"]
+
+
 def test_profiler_sees_the_stack_and_its_kernels(monkeypatch):
     monkeypatch.setenv("PAGEDLLM_FUSED_DECODER", "1")
     llm = LLM(dtype="float32", quantization="gguf", max_model_len=128, kv_cache_memory="32MiB",

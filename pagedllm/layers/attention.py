@@ -156,6 +156,15 @@ def bind_kv_cache(model: nn.Module, kv_cache: torch.Tensor, backend: AttentionBa
             m._scales = (m.k_scale, m.v_scale) if fp8 else (1.0, 1.0)
 
 
+def unbind_kv_cache(model: nn.Module) -> None:
+    """Undo ``bind_kv_cache``: every ``Attention`` layer of ``model`` holds no cache and no
+    backend again, as built (after a pass over a cache made for one call, so that the
+    model neither keeps that cache alive nor reports choices made for it)."""
+    for m in model.modules():
+        if isinstance(m, Attention):
+            m.backend, m.kv_cache, m.attn_group, m._scales = None, None, 0, (1.0, 1.0)
+
+
 def describe_kv_scales(model: nn.Module) -> str:
     """The ``Attention`` layers' k/v scales for the start-up log: ``"k/v scales 1.0 (none
     in the checkpoint)"``, or their ranges, e.g. ``"k_scale 0.012-0.094, v_scale 0.004-0.031

@@ -12,7 +12,8 @@ def prefill_logits(model: torch.nn.Module, arch, ids: list[int], dtype: torch.dt
                    device: torch.device, attention_backend: str = "auto", block_size: int = 16,
                    kv_cache_dtype: str = "auto") -> torch.Tensor:
     """Logits at every position of ``ids`` from one prefill pass of ``model`` (built by
-    ``build_model``) over a paged KV cache made for this call.
+    ``build_model``) over a paged KV cache made for this call, which the model holds only
+    during the call (``unbind_kv_cache`` after it: the model is left with no cache bound).
 
     Args:
         model: the causal LM; arch: its ``ModelArchConfig``; ids: the token ids (T of them).
@@ -28,7 +29,7 @@ def prefill_logits(model: torch.nn.Module, arch, ids: list[int], dtype: torch.dt
     """
     from pagedllm.attention.backend import CommonAttentionMetadata, get_attention_backend
     from pagedllm.forward_context import set_forward_context
-    from pagedllm.layers import bind_kv_cache
+    from pagedllm.layers import bind_kv_cache, unbind_kv_cache
 
     if not ids:
         raise ValueError("ids must not be empty")
@@ -50,9 +51,12 @@ def prefill_logits(model: torch.nn.Module, arch, ids: list[int], dtype: torch.dt
     kinds = sorted(set(windows), key=lambda w: -1 if w is None else w)
     bind_kv_cache(model, kv, attn, attn_group={i: kinds.index(w) for i, w in enumerate(windows)})
     md = [attn.build_metadata(meta, w) for w in kinds]
-    with torch.inference_mode(), set_forward_context(md if len(md) > 1 else md[0]):
-        hidden = model(torch.tensor(ids, device=device), torch.arange(T, device=device))
-        return model.compute_logits(hidden).float()
+    try:
+        with torch.inference_mode(), set_forward_context(md if len(md) > 1 else md[0]):
+            hidden = model(torch.tensor(ids, device=device), torch.arange(T, device=device))
+            return model.compute_logits(hidden).float()
+    finally:
+        unbind_kv_cache(model)
 
 
 # Tokens per calibration prefill (the text is cut into sequences of this length; short, so
