@@ -4,7 +4,8 @@
 Method: ``--num-requests`` decodes, each over ``--context-len`` cached tokens plus its new
 one, in the shapes of SmolLM2-135M by default (9 query heads, 3 KV heads, head_dim 64,
 30 layers, block size 16). Each request's blocks are scattered at random over the cache
-(as after the engine has run a while); the cache holds random values converted to the
+(as after the engine has run a while), or with ``--blocks contiguous`` each request's
+blocks follow one another (as a fresh engine mostly allocates them); the cache holds random values converted to the
 cache dtype (``quantize_kv``). Timed: the attention backend's ``forward`` for one layer
 (the new tokens' K/V write plus the attention over the blocks), for ``--cache-layers``
 distinct layer caches in turn, so that each call streams its K/V from memory as in a
@@ -32,17 +33,20 @@ from pagedllm.benchmarks.serve_options import positive_int
 _MODEL_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def _decode_metadata(num_requests: int, context_len: int, block_size: int, seed: int):
+def _decode_metadata(num_requests: int, context_len: int, block_size: int, seed: int,
+                     contiguous: bool = False):
     """A decode batch: ``num_requests`` requests, each with ``context_len`` cached tokens
-    and one new token, over blocks scattered at random. Returns (common metadata, number
-    of blocks in the cache)."""
+    and one new token, over blocks scattered at random (or, ``contiguous``, request i's
+    blocks one after another, after request i - 1's). Returns (common metadata, number of
+    blocks in the cache)."""
     from pagedllm.attention.backend import CommonAttentionMetadata
 
     seq = context_len + 1
     per_req = -(-seq // block_size)
     num_blocks = num_requests * per_req
     rng = np.random.default_rng(seed)
-    bt = rng.permutation(num_blocks).astype(np.int32).reshape(num_requests, per_req)
+    order = np.arange(num_blocks) if contiguous else rng.permutation(num_blocks)
+    bt = order.astype(np.int32).reshape(num_requests, per_req)
     qsl = np.arange(num_requests + 1, dtype=np.int64)
     seq_lens = np.full(num_requests, seq, dtype=np.int64)
     ctx = seq_lens - 1
@@ -59,7 +63,7 @@ class _Case:
 
     def __init__(self, kv_cache_dtype: str, model_dtype: torch.dtype, num_requests: int, context_len: int,
                  num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, cache_layers: int,
-                 backend: str, seed: int):
+                 backend: str, seed: int, contiguous: bool = False):
         from pagedllm.attention.backend import get_attention_backend
         from pagedllm.attention.torch_backend import quantize_kv
         from pagedllm.config import resolve_kv_cache_dtype
@@ -67,7 +71,7 @@ class _Case:
         cpu = torch.device("cpu")
         kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, model_dtype, cpu, backend)
         self.attn = get_attention_backend(backend, cpu, model_dtype, kv_dtype)
-        common, num_blocks = _decode_metadata(num_requests, context_len, block_size, seed)
+        common, num_blocks = _decode_metadata(num_requests, context_len, block_size, seed, contiguous)
         self.md = self.attn.build_metadata(common)
         g = torch.Generator().manual_seed(seed)
         slots = num_blocks * block_size
@@ -103,10 +107,11 @@ class _Case:
 def measure(kv_cache_dtypes: list[str], model_dtype: str = "float32", num_requests: int = 64,
             context_len: int = 1000, num_heads: int = 9, num_kv_heads: int = 3, head_dim: int = 64,
             block_size: int = 16, cache_layers: int = 4, iters: int = 5, backend: str = "cpu_kernel",
-            seed: int = 0) -> list[dict]:
+            seed: int = 0, contiguous: bool = False) -> list[dict]:
     """Time one layer's decode attention with a cache of each of ``kv_cache_dtypes``
     (``--kv-cache-dtype`` names; ``auto`` = ``model_dtype``), interleaved: every round
     times each dtype in turn, so that a change in the machine's load touches all alike.
+    ``contiguous``: each request's blocks one after another instead of scattered.
 
     Returns:
         one dict per dtype: ``{"kv_cache_dtype", "backend" (its describe()), "layer_ms"
@@ -119,7 +124,7 @@ def measure(kv_cache_dtypes: list[str], model_dtype: str = "float32", num_reques
     if model_dtype not in _MODEL_DTYPES:
         raise ValueError(f"model_dtype must be one of {', '.join(_MODEL_DTYPES)}, got {model_dtype!r}")
     cases = [_Case(name, _MODEL_DTYPES[model_dtype], num_requests, context_len, num_heads, num_kv_heads,
-                   head_dim, block_size, cache_layers, backend, seed) for name in kv_cache_dtypes]
+                   head_dim, block_size, cache_layers, backend, seed, contiguous) for name in kv_cache_dtypes]
     for c in cases:                         # warm-up: page faults, thread pool, code
         c.time()
         c.times.clear()
@@ -147,6 +152,9 @@ def register(subparsers: "argparse._SubParsersAction") -> None:
     p.add_argument("--cache-layers", type=positive_int, default=4,
                    help="distinct layer caches timed in turn (memory: this many layers of KV)")
     p.add_argument("--block-size", type=positive_int, default=16)
+    p.add_argument("--blocks", choices=["scattered", "contiguous"], default="scattered",
+                   help="where each request's blocks lie: at random over the cache (an engine that has run a "
+                        "while) or one after another (a fresh engine)")
     p.add_argument("--iters", type=positive_int, default=5, help="rounds over the cache layers")
     p.add_argument("--attention-backend", default="cpu_kernel")
     p.add_argument("--num-threads", type=positive_int, default=None)
@@ -170,10 +178,12 @@ def main(args) -> int:
     machine = machine_info()
     print(json.dumps(machine))
     print(f"decode attention, {args.num_requests} requests x {args.context_len} cached tokens, "
-          f"{args.num_heads} q / {args.num_kv_heads} kv heads x {args.head_dim}, block {args.block_size}, "
+          f"{args.num_heads} q / {args.num_kv_heads} kv heads x {args.head_dim}, block {args.block_size} "
+          f"({args.blocks}), "
           f"{args.dtype} model, {torch.get_num_threads()} threads:")
     runs = measure(names, args.dtype, args.num_requests, args.context_len, args.num_heads, args.num_kv_heads,
-                   args.head_dim, args.block_size, args.cache_layers, args.iters, args.attention_backend)
+                   args.head_dim, args.block_size, args.cache_layers, args.iters, args.attention_backend,
+                   contiguous=args.blocks == "contiguous")
     for r in runs:
         r["step_ms"] = round(r["layer_ms"] * args.num_layers, 2)
         print(f"  {r['kv_cache_dtype']:>14} cache: {r['layer_ms']:7.3f} ms/layer (min {r['layer_ms_min']:.3f}), "

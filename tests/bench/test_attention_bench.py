@@ -30,6 +30,16 @@ def test_attention_bench_report(tmp_path, capsys):
     assert "ms/step x30" in capsys.readouterr().out
 
 
+def test_contiguous_blocks_follow_one_another():
+    from pagedllm.benchmarks.attention import _decode_metadata
+
+    common, n = _decode_metadata(3, 40, 16, seed=0, contiguous=True)
+    assert n == 9 and common.block_table_np.tolist() == [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
+    scattered, _ = _decode_metadata(3, 40, 16, seed=0)
+    assert sorted(scattered.block_table_np.ravel().tolist()) == list(range(9))
+    assert scattered.block_table_np.tolist() != common.block_table_np.tolist()
+
+
 def test_attention_bench_rejects_unknown_dtype():
     from pagedllm.entrypoints.cli import build_parser
 
