@@ -12,6 +12,7 @@ from test_models_hf import _save_tiny
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.kernels.cpu import load_cpu_kernels
+from pagedllm.layers.quantization.int8 import amx_int8_available, quantize_per_token
 
 pytestmark = pytest.mark.skipif(load_cpu_kernels() is None, reason="no C++ kernels on this machine")
 
@@ -128,28 +129,41 @@ def test_profiler_sees_the_stack_and_its_kernels(monkeypatch):
         assert name in names, name
 
 
-@pytest.fixture
-def int8_on_avx2(monkeypatch):
-    """``--quantization int8`` on the AVX2 kernel whatever the CPU (the Intel Xeon's default
-    is AMX, which keeps the per-layer path): the backend the stack has a form for."""
+def _int8_backend(monkeypatch, backend: str) -> None:
+    """``--quantization int8`` on the project's ``backend`` kernel ("avx2" or "amx") whatever
+    the CPU would pick, or the test skipped where that kernel does not run."""
     import functools
 
     from pagedllm.layers.quantization import int8_config
-    from pagedllm.layers.quantization.int8 import Int8W8A8LinearMethod, avx2_int8_available
+    from pagedllm.layers.quantization.int8 import Int8W8A8LinearMethod, amx_int8_available, avx2_int8_available
 
-    if not avx2_int8_available("cpu"):
-        pytest.skip("the AVX2 int8 kernel does not run on this CPU")
-    monkeypatch.setattr(int8_config, "Int8W8A8LinearMethod", functools.partial(Int8W8A8LinearMethod, backend="avx2"))
+    if not {"avx2": avx2_int8_available, "amx": amx_int8_available}[backend]("cpu"):
+        pytest.skip(f"the {backend} int8 kernel does not run on this CPU")
+    monkeypatch.setattr(int8_config, "Int8W8A8LinearMethod", functools.partial(Int8W8A8LinearMethod, backend=backend))
 
 
+@pytest.fixture
+def int8_on_avx2(monkeypatch):
+    """``--quantization int8`` on the AVX2 kernel whatever the CPU (the Intel Xeon's default
+    is AMX): every AVX2 CPU can run the stack's int8 form through it."""
+    _int8_backend(monkeypatch, "avx2")
+
+
+# (backend, what the start-up line names)
+INT8_KERNELS = [("avx2", "AVX2 u8s8"), ("amx", "AMX u8s8")]
+
+
+@pytest.mark.parametrize("backend,kernel", INT8_KERNELS)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_bundled_int8_fused_equals_per_layer(monkeypatch, int8_on_avx2, dtype):
-    """int8 W8A8 on the AVX2 kernel (SmoothQuant rows, the LM head int8 outside the stack):
-    the stack quantizes each linear's input and calls the kernel as the per-layer path does."""
+def test_bundled_int8_fused_equals_per_layer(monkeypatch, backend, kernel, dtype):
+    """int8 W8A8 on each of the project's kernels (SmoothQuant rows, the LM head int8 outside
+    the stack): the stack quantizes each linear's input and calls the kernel as the
+    per-layer path does. The AMX case runs on a CPU with AMX-INT8 only."""
+    _int8_backend(monkeypatch, backend)
     kw = dict(quantization="int8", dtype=dtype)
     path_fused, fused = _run(monkeypatch, True, **kw)
     path_layers, layers = _run(monkeypatch, False, **kw)
-    assert FUSED in path_fused and "AVX2 u8s8" in path_fused
+    assert FUSED in path_fused and kernel in path_fused
     assert "decoder per-layer (PAGEDLLM_FUSED_DECODER=0)" in path_layers
     assert fused == layers
     assert len(fused) == 6 and all(len(ids) == 10 for ids, _ in fused)
@@ -198,6 +212,24 @@ def test_stack_linear_int8_equals_apply(int8_on_avx2, dtype, n, k, bias, smooth)
         assert got.dtype == dtype and torch.equal(got, want), (rows, (got.float() - want.float()).abs().max())
 
 
+@pytest.mark.skipif(not amx_int8_available("cpu"), reason="no AMX-INT8 on this CPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n,k,bias,smooth", [(32, 64, False, False), (48, 128, True, True), (960, 576, True, False)])
+def test_stack_linear_int8_amx_equals_apply(dtype, n, k, bias, smooth):
+    """The AMX int8 StackLinear (quantizer + AMX kernel in C++) gives apply's bits, for row
+    counts 1..70, with a bias and a smoothing row (AMX tiles: N % 16 == 0, K % 64 == 0)."""
+    layer, method = _int8_layer(n, k, dtype, bias, smooth, backend="amx")
+    assert layer.int8_backend == "amx"
+    lin = method.stack_linear(layer, load_cpu_kernels())
+    assert lin.kind == "int8_amx" and lin.out_features == n
+    g = torch.Generator().manual_seed(2)
+    for rows in (1, 5, 70):
+        x = (torch.randn(rows, k, generator=g) * 3).to(dtype)
+        want = method.apply(layer, x, layer.bias)
+        got = lin(x)
+        assert got.dtype == dtype and torch.equal(got, want), (rows, (got.float() - want.float()).abs().max())
+
+
 def test_stack_linear_only_where_apply_runs_a_stack_kernel(int8_on_avx2):
     """int8 on the torch reference, and dense float linears, have no stack form."""
     from pagedllm.layers.linear import ReplicatedLinear, UnquantizedLinearMethod
@@ -228,6 +260,39 @@ def test_stack_linear_argument_errors():
         lin(torch.zeros(2, 60))
     with pytest.raises(ValueError, match="weight"):
         k.StackLinear.block(torch.zeros(4, 34), 8)
+
+
+def test_stack_linear_int8_amx_operands():
+    """int8_amx checks its operands where it is built, on any CPU; called, it hands
+    amx_int8_linear what that kernel takes: on a CPU with AMX-INT8 the epilogue's values
+    (an all-zero weight: (0 - compensation) * scale * row scale + bias), elsewhere the
+    kernel's own "no AMX" error, raised after its operand checks passed."""
+    k = load_cpu_kernels()
+    w = torch.zeros(2, 1, 16, 64, dtype=torch.int8)       # N = 32, K = 64
+    comp, scales = torch.full((32,), 128.0), torch.full((32,), 0.5)
+    bias = torch.arange(32, dtype=torch.float32)
+    ok = dict(w_packed=w, compensation=comp, weight_scales=scales, smooth=None, qmax=127, zero_point=128, bias=bias)
+    lin = k.StackLinear.int8_amx(**ok)
+    assert lin.kind == "int8_amx" and lin.out_features == 32
+    for bad, match in [(dict(w_packed=torch.zeros(2, 1, 16, 4, dtype=torch.int8)), "w_packed"),
+                       (dict(w_packed=torch.zeros(2, 1, 16, 64)), "w_packed"),
+                       (dict(compensation=torch.zeros(31)), "compensation"),
+                       (dict(weight_scales=torch.zeros(32, dtype=torch.float64)), "weight_scales"),
+                       (dict(qmax=0), "qmax"),
+                       (dict(smooth=torch.zeros(63)), "smooth"),
+                       (dict(bias=torch.zeros(32, dtype=torch.bfloat16)), "bias")]:
+        with pytest.raises(ValueError, match=match):
+            k.StackLinear.int8_amx(**{**ok, **bad})
+    with pytest.raises(ValueError, match=r"x must be \[T, 64\]"):
+        lin(torch.zeros(2, 60))
+    x = torch.randn(3, 64)
+    if amx_int8_available("cpu"):
+        xq, row_scale = quantize_per_token(x, 127, 128)
+        want = ((torch.zeros(3, 32) - comp) * scales) * row_scale[:, None] + bias
+        assert torch.equal(lin(x), want)
+    else:
+        with pytest.raises(RuntimeError, match="amx_int8_linear: (the kernels were built without AMX-INT8|no AMX tile)"):
+            lin(x)
 
 
 def test_decoder_stack_argument_errors():

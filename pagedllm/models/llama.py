@@ -143,7 +143,7 @@ class LlamaDecoderLayer(nn.Module):
         """What ``FusedDecoder`` needs to run this layer in C++ (``DecoderStack.add_layer``'s
         arguments, plus ``kernels`` and ``shape``), or why it cannot: every piece must be
         this class's own (no q/k norms, the SwiGLU MLP) and run a C++ kernel (linears whose
-        method has a ``stack_linear`` form: GGUF blocks, int8 W8A8 on AVX2; the
+        method has a ``stack_linear`` form: GGUF blocks, int8 W8A8 on AVX2 or AMX; the
         ``cpu_kernel`` attention backend bound to a cache; C++ norms, RoPE and SiLU-and-mul)."""
         at, mlp = self.self_attn, self.mlp
         if (type(self).forward is not LlamaDecoderLayer.forward or type(at) is not LlamaAttention

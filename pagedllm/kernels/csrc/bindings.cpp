@@ -102,6 +102,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                   py::arg("w_packed"), py::arg("colsum"), py::arg("compensation"), py::arg("weight_scales"),
                   py::arg("smooth"), py::arg("qmax"), py::arg("zero_point"), py::arg("seven_bit_weights"),
                   py::arg("bias") = py::none())
+      .def_static("int8_amx", &StackLinear::int8_amx,
+                  "int8 W8A8 on AMX-INT8: quantize_per_token(x, qmax, zero_point, smooth) then amx_int8_linear with "
+                  "w_packed (int8 [N/16, K/64, 16, 64]), compensation, weight_scales, bias (float32 [N] or None)",
+                  py::arg("w_packed"), py::arg("compensation"), py::arg("weight_scales"), py::arg("smooth"),
+                  py::arg("qmax"), py::arg("zero_point"), py::arg("bias") = py::none())
       .def("__call__", &StackLinear::operator(), "x [T, K] -> [T, N] in x's dtype", py::arg("x"),
            py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("kind", &StackLinear::kind)

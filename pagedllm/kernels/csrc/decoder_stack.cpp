@@ -12,7 +12,8 @@
 // layer, with the same operands (each method's ``stack_linear``):
 //   block      GGUF Q8_0/Q4_0/Q4_1 blocks: block_quant_linear (quantization/gguf_blocks.py);
 //   int8_avx2  int8 W8A8 on AVX2: quantize_per_token (times SmoothQuant's 1/s) then
-//              avx2_int8_linear, the epilogue fused (quantization/int8.py).
+//              avx2_int8_linear, the epilogue fused (quantization/int8.py);
+//   int8_amx   int8 W8A8 on AMX-INT8: the same quantizer, then amx_int8_linear.
 //
 // Per layer l (x, residual [T, hidden]; layer 0's first RMSNorm is done by the caller):
 //   h = rms_norm(residual += x)                     (fused_add_rms_norm, l > 0)
@@ -48,6 +49,37 @@ StackLinear StackLinear::block(at::Tensor weight, int64_t fmt, std::optional<at:
   return l;
 }
 
+namespace {
+
+// The operands both int8 kinds share (quantize_per_token's range and smoothing row, the
+// epilogue's vectors), checked and stored on l; `who` names the kind in the errors.
+void set_int8_operands(StackLinear::Int8Operands& l, const char* who, int64_t n, int64_t k,
+                       at::Tensor compensation, at::Tensor weight_scales, std::optional<at::Tensor> smooth,
+                       int64_t qmax, int64_t zero_point, std::optional<at::Tensor> bias) {
+  TORCH_CHECK_VALUE(float_vector(compensation, n) && float_vector(weight_scales, n), who,
+                    ": compensation and weight_scales must be contiguous float32 CPU tensors [N]");
+  TORCH_CHECK_VALUE(qmax >= 1 && qmax <= 127 && zero_point >= qmax && zero_point <= 255 - qmax, who,
+                    ": need 1 <= qmax <= 127 and qmax <= zero_point <= 255 - qmax, got qmax ", qmax,
+                    ", zero_point ", zero_point);
+  if (smooth.has_value() && smooth->defined()) {
+    TORCH_CHECK_VALUE(smooth->device().is_cpu() && smooth->dim() == 1 && smooth->size(0) == k &&
+                          smooth->is_contiguous() &&
+                          (smooth->scalar_type() == at::kFloat || smooth->scalar_type() == at::kBFloat16),
+                      who, ": smooth must be a contiguous float32 or bfloat16 CPU tensor [K]");
+    l.smooth = std::move(smooth);
+  }
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK_VALUE(float_vector(*bias, n), who, ": bias must be a contiguous float32 CPU tensor [N]");
+    l.bias = std::move(bias);
+  }
+  l.comp = std::move(compensation);
+  l.wscale = std::move(weight_scales);
+  l.qmax = qmax;
+  l.zp = zero_point;
+}
+
+}  // namespace
+
 StackLinear StackLinear::int8_avx2(at::Tensor w_packed, at::Tensor colsum, at::Tensor compensation,
                                    at::Tensor weight_scales, std::optional<at::Tensor> smooth, int64_t qmax,
                                    int64_t zero_point, bool seven_bit_weights, std::optional<at::Tensor> bias) {
@@ -60,39 +92,43 @@ StackLinear StackLinear::int8_avx2(at::Tensor w_packed, at::Tensor colsum, at::T
   const int64_t n = colsum.size(0), k = w_packed.size(1) * 4, padded = w_packed.size(0) * 16;
   TORCH_CHECK_VALUE(n <= padded && n > padded - 16, "StackLinear.int8_avx2: colsum has ", n,
                     " columns, the packed weight ", padded);
-  TORCH_CHECK_VALUE(float_vector(compensation, n) && float_vector(weight_scales, n),
-                    "StackLinear.int8_avx2: compensation and weight_scales must be contiguous float32 CPU "
-                    "tensors [N]");
-  TORCH_CHECK_VALUE(qmax >= 1 && qmax <= 127 && zero_point >= qmax && zero_point <= 255 - qmax,
-                    "StackLinear.int8_avx2: need 1 <= qmax <= 127 and qmax <= zero_point <= 255 - qmax, got qmax ",
-                    qmax, ", zero_point ", zero_point);
   StackLinear l;
+  set_int8_operands(l.int8_, "StackLinear.int8_avx2", n, k, std::move(compensation), std::move(weight_scales),
+                    std::move(smooth), qmax, zero_point, std::move(bias));
   l.kind_ = Kind::kInt8Avx2;
   l.n_ = n;
   l.k_ = k;
-  if (smooth.has_value() && smooth->defined()) {
-    TORCH_CHECK_VALUE(smooth->device().is_cpu() && smooth->dim() == 1 && smooth->size(0) == k &&
-                          smooth->is_contiguous() &&
-                          (smooth->scalar_type() == at::kFloat || smooth->scalar_type() == at::kBFloat16),
-                      "StackLinear.int8_avx2: smooth must be a contiguous float32 or bfloat16 CPU tensor [K]");
-    l.smooth_ = std::move(smooth);
-  }
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK_VALUE(float_vector(*bias, n), "StackLinear.int8_avx2: bias must be a contiguous float32 CPU "
-                                              "tensor [N]");
-    l.bias_ = std::move(bias);
-  }
   l.w_ = std::move(w_packed);
   l.colsum_ = std::move(colsum);
-  l.comp_ = std::move(compensation);
-  l.wscale_ = std::move(weight_scales);
-  l.qmax_ = qmax;
-  l.zp_ = zero_point;
   l.seven_bit_ = seven_bit_weights;
   return l;
 }
 
-std::string StackLinear::kind() const { return kind_ == Kind::kBlock ? "block" : "int8_avx2"; }
+StackLinear StackLinear::int8_amx(at::Tensor w_packed, at::Tensor compensation, at::Tensor weight_scales,
+                                  std::optional<at::Tensor> smooth, int64_t qmax, int64_t zero_point,
+                                  std::optional<at::Tensor> bias) {
+  TORCH_CHECK_VALUE(w_packed.device().is_cpu() && w_packed.dim() == 4 && w_packed.scalar_type() == at::kChar &&
+                        w_packed.is_contiguous() && w_packed.size(2) == 16 && w_packed.size(3) == 64,
+                    "StackLinear.int8_amx: w_packed must be a contiguous int8 [N/16, K/64, 16, 64] tensor");
+  const int64_t n = w_packed.size(0) * 16, k = w_packed.size(1) * 64;
+  StackLinear l;
+  set_int8_operands(l.int8_, "StackLinear.int8_amx", n, k, std::move(compensation), std::move(weight_scales),
+                    std::move(smooth), qmax, zero_point, std::move(bias));
+  l.kind_ = Kind::kInt8Amx;
+  l.n_ = n;
+  l.k_ = k;
+  l.w_ = std::move(w_packed);
+  return l;
+}
+
+std::string StackLinear::kind() const {
+  switch (kind_) {
+    case Kind::kBlock: return "block";
+    case Kind::kInt8Avx2: return "int8_avx2";
+    case Kind::kInt8Amx: return "int8_amx";
+  }
+  return "unknown";
+}
 
 at::Tensor StackLinear::operator()(const at::Tensor& x) const {
   if (kind_ == Kind::kBlock) {
@@ -100,15 +136,20 @@ at::Tensor StackLinear::operator()(const at::Tensor& x) const {
     return block_quant_linear(std::nullopt, x, w_, fmt_, bias_, false);
   }
   TORCH_CHECK_VALUE(x.dim() == 2 && x.size(1) == k_, "StackLinear: x must be [T, ", k_, "]");
+  const Int8Operands& q = int8_;
   at::Tensor xq = at::empty(x.sizes(), x.options().dtype(at::kByte));
   at::Tensor row_scales = at::empty({x.size(0)}, x.options().dtype(at::kFloat));
   {
     PAGEDLLM_RANGE("pagedllm::quantize_per_token");
-    quantize_per_token(xq, row_scales, x, qmax_, zp_, smooth_);
+    quantize_per_token(xq, row_scales, x, q.qmax, q.zp, q.smooth);
+  }
+  const bool bf16_out = x.scalar_type() == at::kBFloat16;
+  if (kind_ == Kind::kInt8Amx) {
+    PAGEDLLM_RANGE("pagedllm::amx_int8_linear");
+    return amx_int8_linear(xq, w_, q.comp, q.wscale, row_scales, q.bias, bf16_out);
   }
   PAGEDLLM_RANGE("pagedllm::avx2_int8_linear");
-  return avx2_int8_linear(xq, w_, colsum_, zp_, comp_, wscale_, row_scales, bias_,
-                          x.scalar_type() == at::kBFloat16, seven_bit_);
+  return avx2_int8_linear(xq, w_, colsum_, q.zp, q.comp, q.wscale, row_scales, q.bias, bf16_out, seven_bit_);
 }
 
 DecoderStack::DecoderStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,

@@ -65,21 +65,35 @@ class StackLinear {
   static StackLinear int8_avx2(at::Tensor w_packed, at::Tensor colsum, at::Tensor compensation,
                                at::Tensor weight_scales, std::optional<at::Tensor> smooth, int64_t qmax,
                                int64_t zero_point, bool seven_bit_weights, std::optional<at::Tensor> bias);
+  // int8 W8A8 on AMX-INT8: quantize_per_token (x * smooth) then amx_int8_linear.
+  static StackLinear int8_amx(at::Tensor w_packed, at::Tensor compensation, at::Tensor weight_scales,
+                              std::optional<at::Tensor> smooth, int64_t qmax, int64_t zero_point,
+                              std::optional<at::Tensor> bias);
   at::Tensor operator()(const at::Tensor& x) const;   // x [T, K] contiguous -> [T, N] in x's dtype
   int64_t out_features() const { return n_; }
   std::string kind() const;
 
  private:
-  enum class Kind { kBlock, kInt8Avx2 };
+  enum class Kind { kBlock, kInt8Avx2, kInt8Amx };
   Kind kind_ = Kind::kBlock;
   int64_t n_ = 0, k_ = 0;
   at::Tensor w_;
   int64_t fmt_ = 0;
-  std::optional<at::Tensor> bias_;
-  at::Tensor colsum_, comp_, wscale_;
-  std::optional<at::Tensor> smooth_;
-  int64_t qmax_ = 0, zp_ = 0;
-  bool seven_bit_ = false;
+  std::optional<at::Tensor> bias_;   // block kind's bias
+  at::Tensor colsum_;                // int8_avx2: each weight row's sum
+  bool seven_bit_ = false;           // int8_avx2: |Wq| <= 63
+
+ public:
+  // What both int8 kinds take: the activation quantizer's range and smoothing row, the
+  // epilogue's per-column compensation, weight scales and bias.
+  struct Int8Operands {
+    at::Tensor comp, wscale;
+    std::optional<at::Tensor> smooth, bias;
+    int64_t qmax = 0, zp = 0;
+  };
+
+ private:
+  Int8Operands int8_;
 };
 
 class DecoderStack {

@@ -486,16 +486,21 @@ class Int8W8A8LinearMethod(LinearMethod):
             layer.weight.data = layer.weight.data.new_empty(0)
 
     def stack_linear(self, layer, kernels):
-        """``kernels.StackLinear.int8_avx2`` over this layer's operands where ``apply`` runs
-        the AVX2 kernel through the C++ quantizer (the layer on the ``avx2`` backend, in a
-        dtype the kernels take, its smoothing row contiguous in that dtype); else None
-        (AMX, oneDNN and the torch reference keep the per-layer path)."""
+        """The ``kernels.StackLinear`` form of this layer where ``apply`` runs one of the
+        project's kernels through the C++ quantizer: ``int8_avx2`` (the layer on the ``avx2``
+        backend) or ``int8_amx`` (on ``amx``), over the same operands, in a dtype the
+        kernels take, the smoothing row contiguous in that dtype; else None (oneDNN and
+        the torch reference keep the per-layer path)."""
         dtype = layer.weight.dtype
         smooth = getattr(layer, "int8_smooth", None)
-        if (getattr(layer, "int8_backend", None) != "avx2" or kernels_for(layer.weight.device, dtype) is None
+        backend = getattr(layer, "int8_backend", None)
+        if (backend not in ("avx2", "amx") or kernels_for(layer.weight.device, dtype) is None
                 or (smooth is not None and (smooth.dtype != dtype or not smooth.is_contiguous()))):
             return None
         bias = None if layer.bias is None else layer.bias.float().contiguous()
+        if backend == "amx":
+            return kernels.StackLinear.int8_amx(layer.int8_amx_weight, layer.int8_compensation,
+                                                layer.int8_weight_scale, smooth, self.qmax, self.zero_point, bias)
         return kernels.StackLinear.int8_avx2(layer.int8_avx2_weight, layer.int8_colsum, layer.int8_compensation,
                                              layer.int8_weight_scale, smooth, self.qmax, self.zero_point,
                                              self.weight_bits == 7, bias)
