@@ -5,7 +5,8 @@ it before the engine starts. Names, defaults and meanings:
 
 | variable | default | meaning |
 |---|---|---|
-| ``PAGEDLLM_LOG_LEVEL`` | ``INFO`` | log level of the ``pagedllm`` command |
+| ``PAGEDLLM_LOG_LEVEL`` | ``INFO`` | log level of the ``pagedllm`` command, and of ``LLM``/``AsyncLLM`` where the application sets none |
+| ``PAGEDLLM_CONFIGURE_LOGGING`` | ``1`` | ``0``: ``LLM``/``AsyncLLM`` leave logging alone (no stderr handler on the ``pagedllm`` logger when the application configured none; ``logger.py``) |
 | ``PAGEDLLM_CACHE`` | ``~/.cache/pagedllm`` | converted tokenizers |
 | ``PAGEDLLM_CPU_KERNELS`` | ``1`` | ``0``: never build or load the C++ CPU kernels |
 | ``PAGEDLLM_KERNEL_BUILD_WAIT_S`` | ``1200`` | seconds to wait for another process's kernel build |
@@ -30,6 +31,13 @@ def _get(name: str, default: str) -> str:
 
 def log_level() -> str:
     return _get("PAGEDLLM_LOG_LEVEL", "INFO")
+
+
+def configure_logging() -> bool:
+    """``PAGEDLLM_CONFIGURE_LOGGING`` (default 1): whether ``LLM``/``AsyncLLM`` give the
+    ``pagedllm`` logger a stderr handler when the application has configured none
+    (``pagedllm/logger.py``)."""
+    return _get("PAGEDLLM_CONFIGURE_LOGGING", "1") != "0"
 
 
 def cache_root() -> str:

@@ -28,6 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pagedllm.config import EngineArgs
 from pagedllm.engine.llm_engine import EngineStepError, LLMEngine
 from pagedllm.errors import EngineDeadError  # noqa: F401  (re-exported: the server imports it here)
+from pagedllm.logger import configure_default_logging
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -55,6 +56,7 @@ class AsyncLLM:
     """
 
     def __init__(self, args: EngineArgs, stat_loggers: list | None = None, log_stats: bool = True):
+        configure_default_logging()   # the start-up lines reach stderr, as vLLM's do
         self.engine = LLMEngine(args, stat_loggers=stat_loggers, log_stats=log_stats)
         self._inbox: queue.Queue = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from pagedllm.config import EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.errors import InvalidParameterError
+from pagedllm.logger import configure_default_logging
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -32,6 +33,7 @@ class LLM:
         unknown = sorted(set(kwargs) - names)
         if unknown:
             raise ValueError(f"unknown LLM argument(s): {', '.join(unknown)}")
+        configure_default_logging()   # the start-up lines reach stderr, as vLLM's do
         self.llm_engine = LLMEngine(EngineArgs(model=model, **kwargs), log_stats=log_stats)
 
     @property
