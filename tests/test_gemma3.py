@@ -73,6 +73,32 @@ def test_kernel_matches_torch_with_a_sliding_window(window):
         assert not torch.allclose(out["torch"], full)
 
 
+@pytest.mark.parametrize("hd", [64, 32])     # the AVX2 path, and the generic one
+@pytest.mark.parametrize("window", [5, 13])
+def test_kernel_reads_no_key_before_the_window(hd, window):
+    """Every cached key before a request's first window (released blocks, the never-written
+    null block: any bits) set to NaN changes no bit of the kernel's output. The kernel
+    starts an item at a multiple of 8 keys; the keys of that rounding have a zero weight,
+    and 0 * NaN would be NaN if they were read."""
+    be = get_attention_backend("cpu_kernel", torch.device("cpu"), torch.float32)
+    if be.kernels is None:
+        pytest.skip("C++ kernels not built")
+    ctx_lens, q_lens = [3, 40, 70, 0, 25, 38], [1, 1, 1, 45, 33, 1]
+    ctx, ql, bt, bs, cache, q, k, v = _random_batch(ctx_lens, q_lens, hd=hd)
+    common, _, _ = build_common_metadata(ctx, ql, bt, bs, torch.device("cpu"))
+    poisoned = cache.clone()
+    live = torch.zeros(cache.shape[1], dtype=torch.bool)
+    for i, (c, n) in enumerate(zip(ctx_lens, q_lens)):
+        for t in range(max(0, c + 1 - window), c + n):     # the keys some query of i sees
+            live[int(bt[i, t // bs]) * bs + t % bs] = True
+    assert (~live).sum() > 0 and any((c + 1 - window) % 8 for c in ctx_lens if c + 1 > window)
+    poisoned[:, ~live] = float("nan")
+    md = be.build_metadata(common, window)
+    clean = be.forward(q, k, v, cache.clone(), md, 0.125)
+    got = be.forward(q, k, v, poisoned, md, 0.125)
+    assert torch.isfinite(got).all() and torch.equal(got, clean)
+
+
 def test_kernel_window_output_independent_of_chunking():
     # one 60-token prompt in one step, and as chunks of 7 over the cache it fills: each
     # query's output bit for bit the same (the window's start moves with the chunk)

@@ -8,7 +8,8 @@
 // are never read (their blocks may have been released), and an item starts at the
 // window of its first query rounded down to a multiple of 8 keys, so that each key keeps
 // its lane of the 8-lane sums whatever the tiling (the keys of that rounding and of later
-// queries' windows get a zero weight, which adds exact zeros).
+// queries' windows get a zero weight, which adds exact zeros; the rounding's keys read
+// the first key of the window in their place, so no value outside it is ever loaded).
 //
 // q and out are float32 or bfloat16 (the model's dtype); the K/V cache is float32,
 // bfloat16, fp8 E4M3 or fp8 E5M2, independently of q (``--kv-cache-dtype``), with one
@@ -272,6 +273,15 @@ void attend(const Args<TQ, TC>& a, const Item& it, Scratch& sc) {
   const int32_t* brow = a.bt + n * a.mb;
   for (int64_t t = T0; t < Lmax; ++t) sc.slots[t - T0] = static_cast<int64_t>(brow[t / bs]) * bs + t % bs;
   for (int64_t t = Lw; t < Lp; ++t) sc.slots[t] = sc.slots[Lw - 1];
+  if (a.window > 0) {
+    // The keys of the rounding down to T0 lie before every query's window: their blocks
+    // may have been released (the null block, never written: any bits, NaN included, and
+    // 0 * NaN is NaN). They get a zero weight, so they read the first key of the first
+    // query's window instead (live, finite): the same exact zeros, from memory that holds
+    // a key. As the torch backend pads with the request's own keys.
+    const int64_t first = std::max<int64_t>(0, ctx + it.j0 + 1 - a.window) - T0;
+    for (int64_t t = 0; t < first; ++t) sc.slots[t] = sc.slots[first];
+  }
   const int64_t* slots = sc.slots.data();
   // bytes of one key's V slice for this item's kv heads
   const int64_t v_span = ((it.kh1 - it.kh0 - 1) * a.v_head + hd) * static_cast<int64_t>(sizeof(TC));
