@@ -196,14 +196,13 @@ def _int8_layer(n: int, k: int, dtype: torch.dtype, bias: bool, smooth: bool, ba
     return layer, method
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("n,k,bias,smooth", [(40, 64, False, False), (33, 96, True, True), (16, 576, True, False)])
-def test_stack_linear_int8_equals_apply(int8_on_avx2, dtype, n, k, bias, smooth):
-    """The int8 StackLinear (quantizer + AVX2 kernel in C++) gives apply's bits, for rows
-    counts 1..70, with a bias, a smoothing row and N not a multiple of 16."""
-    layer, method = _int8_layer(n, k, dtype, bias, smooth)
+def _assert_stack_linear_equals_apply(backend: str, kind: str, dtype, n, k, bias, smooth):
+    """``method.stack_linear``'s StackLinear (``kind``) against ``apply`` on the ``backend``
+    kernel: the same bits for 1, 5 and 70 rows."""
+    layer, method = _int8_layer(n, k, dtype, bias, smooth, backend=backend)
+    assert layer.int8_backend == backend
     lin = method.stack_linear(layer, load_cpu_kernels())
-    assert lin.kind == "int8_avx2" and lin.out_features == n
+    assert lin.kind == kind and lin.out_features == n
     g = torch.Generator().manual_seed(1)
     for rows in (1, 5, 70):
         x = (torch.randn(rows, k, generator=g) * 3).to(dtype)
@@ -212,22 +211,21 @@ def test_stack_linear_int8_equals_apply(int8_on_avx2, dtype, n, k, bias, smooth)
         assert got.dtype == dtype and torch.equal(got, want), (rows, (got.float() - want.float()).abs().max())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n,k,bias,smooth", [(40, 64, False, False), (33, 96, True, True), (16, 576, True, False)])
+def test_stack_linear_int8_equals_apply(int8_on_avx2, dtype, n, k, bias, smooth):
+    """The int8 StackLinear (quantizer + AVX2 kernel in C++) gives apply's bits, with a
+    bias, a smoothing row and N not a multiple of 16."""
+    _assert_stack_linear_equals_apply("avx2", "int8_avx2", dtype, n, k, bias, smooth)
+
+
 @pytest.mark.skipif(not amx_int8_available("cpu"), reason="no AMX-INT8 on this CPU")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n,k,bias,smooth", [(32, 64, False, False), (48, 128, True, True), (960, 576, True, False)])
 def test_stack_linear_int8_amx_equals_apply(dtype, n, k, bias, smooth):
-    """The AMX int8 StackLinear (quantizer + AMX kernel in C++) gives apply's bits, for row
-    counts 1..70, with a bias and a smoothing row (AMX tiles: N % 16 == 0, K % 64 == 0)."""
-    layer, method = _int8_layer(n, k, dtype, bias, smooth, backend="amx")
-    assert layer.int8_backend == "amx"
-    lin = method.stack_linear(layer, load_cpu_kernels())
-    assert lin.kind == "int8_amx" and lin.out_features == n
-    g = torch.Generator().manual_seed(2)
-    for rows in (1, 5, 70):
-        x = (torch.randn(rows, k, generator=g) * 3).to(dtype)
-        want = method.apply(layer, x, layer.bias)
-        got = lin(x)
-        assert got.dtype == dtype and torch.equal(got, want), (rows, (got.float() - want.float()).abs().max())
+    """The AMX int8 StackLinear (quantizer + AMX kernel in C++) gives apply's bits, with a
+    bias and a smoothing row (AMX tiles: N % 16 == 0, K % 64 == 0)."""
+    _assert_stack_linear_equals_apply("amx", "int8_amx", dtype, n, k, bias, smooth)
 
 
 def test_stack_linear_only_where_apply_runs_a_stack_kernel(int8_on_avx2):
