@@ -8,7 +8,9 @@ would: the root logger has no handler (``logging.basicConfig``, the CLI, pytest'
 and the ``pagedllm`` logger has no other. So an application that configures logging, before
 or after the engine starts, gets each line once, through its own handlers and format.
 A program that has configured logging when the engine starts keeps its own levels (e.g.
-``basicConfig()``'s WARNING: no INFO lines). ``PAGEDLLM_CONFIGURE_LOGGING=0`` leaves logging
+``basicConfig()``'s WARNING: no INFO lines). This covers the front end's process: an engine
+core in its own process (``core/engine_proc.py``) logs to its stderr in its own format, at
+the level the front end's ``pagedllm`` logger has when it starts. ``PAGEDLLM_CONFIGURE_LOGGING=0`` leaves logging
 alone; ``PAGEDLLM_LOG_LEVEL`` (default INFO) sets the ``pagedllm`` logger's level when the
 handler is added and the logger has no level of its own.
 """
