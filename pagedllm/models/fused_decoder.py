@@ -2,12 +2,13 @@
 
 When every piece of every decoder layer already runs a C++ kernel (linears whose method
 has a ``stack_linear`` form: GGUF blocks from ``--quantization gguf``/``q8_0``/``q4_0``/
-``q4_1``, int8 W8A8 on the AVX2 or AMX-INT8 kernel from ``--quantization int8``; the fused add +
-RMSNorm, RoPE, the K/V write and the paged attention of the ``cpu_kernel`` backend,
-SiLU-and-mul), the Python between those kernels is what is left of a single-stream decode step: ~12 module calls, ~10 tensor views and ~4
-allocations a layer, ~90 us a layer against ~170 us of kernels on the project's 2-core
-EPYC (docs/benchmarks.md). ``FusedDecoder`` hands the whole stack to one C++ object that
-calls the same kernels, in the same order, on the same tensors, so outputs are bitwise
+``q4_1``, int8 W8A8 on the AVX2 or AMX-INT8 kernel from ``--quantization int8``; the
+fused add + RMSNorm, RoPE, the K/V write and the paged attention of the ``cpu_kernel``
+backend, SiLU-and-mul), the Python between those kernels is what is left of a
+single-stream decode step: ~12 module calls, ~10 tensor views and ~4 allocations a layer,
+~90 us a layer against ~170 us of kernels on the project's 2-core EPYC
+(docs/benchmarks.md). ``FusedDecoder`` hands the whole stack to one C++ object that calls
+the same kernels, in the same order, on the same tensors, so outputs are bitwise
 those of the per-layer path (``tests/test_fused_decoder.py`` asserts it), at prefill and
 decode alike. Layers keep their weights and their Python forward, which runs whenever
 the fused stack does not apply: another linear method, a model with q/k norms or another

@@ -73,17 +73,6 @@ class StackLinear {
   int64_t out_features() const { return n_; }
   std::string kind() const;
 
- private:
-  enum class Kind { kBlock, kInt8Avx2, kInt8Amx };
-  Kind kind_ = Kind::kBlock;
-  int64_t n_ = 0, k_ = 0;
-  at::Tensor w_;
-  int64_t fmt_ = 0;
-  std::optional<at::Tensor> bias_;   // block kind's bias
-  at::Tensor colsum_;                // int8_avx2: each weight row's sum
-  bool seven_bit_ = false;           // int8_avx2: |Wq| <= 63
-
- public:
   // What both int8 kinds take: the activation quantizer's range and smoothing row, the
   // epilogue's per-column compensation, weight scales and bias.
   struct Int8Operands {
@@ -93,7 +82,15 @@ class StackLinear {
   };
 
  private:
-  Int8Operands int8_;
+  enum class Kind { kBlock, kInt8Avx2, kInt8Amx };
+  Kind kind_ = Kind::kBlock;
+  int64_t n_ = 0, k_ = 0;
+  at::Tensor w_;
+  int64_t fmt_ = 0;
+  std::optional<at::Tensor> bias_;   // block kind's bias
+  at::Tensor colsum_;                // int8_avx2: each weight row's sum
+  bool seven_bit_ = false;           // int8_avx2: |Wq| <= 63
+  Int8Operands int8_;                // both int8 kinds
 };
 
 class DecoderStack {

@@ -253,11 +253,10 @@ void attend(const Args<TQ, TC>& a, const Item& it, Scratch& sc) {
   const int64_t g = a.g, hd = a.hd, bs = a.bs;
   const int64_t nq = it.j1 - it.j0;
   const int64_t Lmax = ctx + it.j1;             // keys the last query of the item sees
-  int64_t T0 = 0;                               // the item's first key (a multiple of 8)
-  if (a.window > 0) {
-    T0 = std::max<int64_t>(0, ctx + it.j0 + 1 - a.window);
-    T0 -= T0 % 8;
-  }
+  // the first query's first key (0 without a window), and the item's first key: that,
+  // rounded down to a multiple of 8
+  const int64_t W0 = a.window > 0 ? std::max<int64_t>(0, ctx + it.j0 + 1 - a.window) : 0;
+  const int64_t T0 = W0 - W0 % 8;
   const int64_t Lw = Lmax - T0;                 // keys of the item, from T0
   const int64_t Lp = (Lw + 7) / 8 * 8;          // score row stride: whole 8-key chunks
   const int64_t nkh = it.kh1 - it.kh0;
@@ -273,15 +272,12 @@ void attend(const Args<TQ, TC>& a, const Item& it, Scratch& sc) {
   const int32_t* brow = a.bt + n * a.mb;
   for (int64_t t = T0; t < Lmax; ++t) sc.slots[t - T0] = static_cast<int64_t>(brow[t / bs]) * bs + t % bs;
   for (int64_t t = Lw; t < Lp; ++t) sc.slots[t] = sc.slots[Lw - 1];
-  if (a.window > 0) {
-    // The keys of the rounding down to T0 lie before every query's window: their blocks
-    // may have been released (the null block, never written: any bits, NaN included, and
-    // 0 * NaN is NaN). They get a zero weight, so they read the first key of the first
-    // query's window instead (live, finite): the same exact zeros, from memory that holds
-    // a key. As the torch backend pads with the request's own keys.
-    const int64_t first = std::max<int64_t>(0, ctx + it.j0 + 1 - a.window) - T0;
-    for (int64_t t = 0; t < first; ++t) sc.slots[t] = sc.slots[first];
-  }
+  // The keys of the rounding down to T0 lie before every query's window: their blocks
+  // may have been released (the null block, never written: any bits, NaN included, and
+  // 0 * NaN is NaN). They get a zero weight, so they read the first key of the first
+  // query's window instead (live, finite): the same exact zeros, from memory that holds
+  // a key. As the torch backend pads with the request's own keys.
+  for (int64_t t = 0; t < W0 - T0; ++t) sc.slots[t] = sc.slots[W0 - T0];
   const int64_t* slots = sc.slots.data();
   // bytes of one key's V slice for this item's kv heads
   const int64_t v_span = ((it.kh1 - it.kh0 - 1) * a.v_head + hd) * static_cast<int64_t>(sizeof(TC));
