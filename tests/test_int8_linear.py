@@ -9,12 +9,15 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from pagedllm.kernels.cpu import load_cpu_kernels
 from pagedllm.layers.batch_invariance import probe_row_invariance
-from pagedllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, ReplicatedLinear, pack_amx_tiles
+from pagedllm.layers import describe_compute_path
+from pagedllm.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear, ReplicatedLinear,
+                                    RowChunkedLinearMethod, pack_amx_tiles)
 from pagedllm.layers.quantization import int8
-from pagedllm.layers.quantization.int8 import (ACT_RANGES, Int8W8A8LinearMethod, amx_int8_available,
+from pagedllm.layers.quantization.int8 import (ACT_RANGES, INT8_KERNEL_LABELS, Int8W8A8LinearMethod, amx_int8_available,
                                                avx2_int8_available, pack_int8_avx2,
                                                epilogue_ref, int8_matmul_ref, onednn_exact, onednn_exact_bits,
                                                onednn_int8_available, quantize_per_token,
@@ -463,6 +466,35 @@ def test_amx_backend_falls_back_for_shapes_its_tiles_cannot_hold():
     layer.linear_method.process_weights_after_loading(layer)
     assert layer.int8_backend == layer.linear_method.fallback_backend != "amx"
     assert layer(_acts(5, 320, torch.float32, seed=2)).shape == (5, 203)
+
+
+@pytest.mark.parametrize("backend, available, in_odd", [("amx", amx_int8_available, 320),
+                                                         ("avx2", avx2_int8_available, 30)])
+def test_start_up_line_names_the_kernel_each_layer_runs(backend, available, in_odd):
+    """One method shared by two layers, one of which its kernel's layout cannot hold (AMX:
+    out % 16; AVX2: in % 4): the start-up line names the fallback's kernel for that layer
+    only, also inside a batch-invariance wrapper and in the decoder stack's reason."""
+    if not available("cpu"):
+        pytest.skip(f"no {backend} int8 kernel on this CPU")
+    method = Int8W8A8LinearMethod("cpu", backend=backend)
+    fits = ReplicatedLinear(64, 32, False, torch.float32, torch.device("cpu"), method, prefix="model.fits")
+    odd = ReplicatedLinear(in_odd, 203, False, torch.float32, torch.device("cpu"), method, prefix="model.odd")
+    for layer in (fits, odd):
+        layer.weight.data.normal_(0, 0.05)
+        method.process_weights_after_loading(layer)
+    assert fits.int8_backend == backend and odd.int8_backend == method.fallback_backend != backend
+    own, other = INT8_KERNEL_LABELS[backend], INT8_KERNEL_LABELS[method.fallback_backend]
+    assert method.layer_name(fits) == method.name and own in method.name
+    assert method.layer_name(odd) == method.name.replace(own, other)
+    assert describe_compute_path(nn.ModuleList([fits, odd])) == (
+        f"linear {method.name} (fits) / {method.name.replace(own, other)} (odd)")
+    wrapped = RowChunkedLinearMethod(method, 16)
+    assert wrapped.layer_name(odd) == f"{method.name.replace(own, other)} in 16-row chunks"
+    assert wrapped.layer_name(fits) == wrapped.name == f"{method.name} in 16-row chunks"
+    # the fallback has no C++ stack form; the layer that fits has one
+    kernels = load_cpu_kernels()
+    assert method.stack_linear(odd, kernels) is None
+    assert method.stack_linear(fits, kernels) is not None
 
 
 @pytest.mark.parametrize("env, backend, available", [("PAGEDLLM_AMX", "amx", amx_int8_available),

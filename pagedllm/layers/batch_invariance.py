@@ -235,7 +235,8 @@ class ShapeProbe:
 
 
 def _linear_layers(model: nn.Module) -> dict[tuple, list[nn.Module]]:
-    """Layers with a ``linear_method`` grouped by (method name, dtype, in, out), in model order.
+    """Layers with a ``linear_method`` grouped by (the method's name for the layer, dtype,
+    in, out), in model order.
     The dtype is the layer's compute dtype: ``params_dtype`` where the layer has one (a
     quantized weight's own dtype, e.g. uint8 blocks, is not what its inputs come in), else
     the weight's."""
@@ -245,7 +246,7 @@ def _linear_layers(model: nn.Module) -> dict[tuple, list[nn.Module]]:
         if method is None:
             continue
         # the activations' dtype (a quantized method stores its weight in another)
-        key = (method.name, getattr(m, "params_dtype", m.weight.dtype), m.input_size, m.output_size)
+        key = (method.layer_name(m), getattr(m, "params_dtype", m.weight.dtype), m.input_size, m.output_size)
         groups.setdefault(key, []).append(m)
     return groups
 

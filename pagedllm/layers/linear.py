@@ -96,6 +96,13 @@ class LinearMethod(ABC):
         """
         return None
 
+    def layer_name(self, layer: nn.Module) -> str:
+        """How ``describe_compute_path`` names what this method runs for ``layer``: ``name``,
+        or for a layer whose shape the method's kernel cannot hold, the fallback that
+        computes it instead (a method shared by every layer may run another kernel for
+        one of them)."""
+        return self.name
+
 
 class UnquantizedLinearMethod(LinearMethod):
     """The dense weight and ``F.linear``."""
@@ -229,6 +236,9 @@ class AMXBF16LinearMethod(LinearMethod):
         self._ops = cpu_kernels_for("cpu", torch.bfloat16)
         self._fallback = _dense_linear_method("cpu", torch.bfloat16)
 
+    def layer_name(self, layer):
+        return self._fallback.layer_name(layer) if getattr(layer, "amx_weight", True) is None else self.name
+
     def process_weights_after_loading(self, layer):
         if not amx_tiles_fit(*layer.weight.shape, torch.bfloat16):
             layer.amx_weight = None
@@ -268,9 +278,14 @@ class _WrappingLinearMethod(LinearMethod):
     """A method that computes through ``inner`` (the batch-invariance wrappers below): the
     weights are ``inner``'s, created and prepared by it."""
 
-    def __init__(self, inner: LinearMethod):
+    def __init__(self, inner: LinearMethod, suffix: str):
         self.inner = inner
         self.float_weight = inner.float_weight
+        self.suffix = suffix            # what the wrapper adds to the inner method's name
+        self.name = inner.name + suffix
+
+    def layer_name(self, layer):
+        return self.inner.layer_name(layer) + self.suffix
 
     def create_weights(self, layer, input_size, output_partition_sizes, params_dtype, device):
         self.inner.create_weights(layer, input_size, output_partition_sizes, params_dtype, device)
@@ -302,9 +317,8 @@ class RowChunkedLinearMethod(_WrappingLinearMethod):
     def __init__(self, inner: LinearMethod, chunk_rows: int):
         if chunk_rows < 1:
             raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
-        super().__init__(inner)
+        super().__init__(inner, f" in {chunk_rows}-row chunks")
         self.chunk_rows = chunk_rows
-        self.name = f"{inner.name} in {chunk_rows}-row chunks"
 
     def apply(self, layer, x, bias=None):
         rows, c = x.shape[0], self.chunk_rows
@@ -334,9 +348,8 @@ class PaddedRowsLinearMethod(_WrappingLinearMethod):
     def __init__(self, inner: LinearMethod, min_rows: int):
         if min_rows < 2:
             raise ValueError(f"min_rows must be >= 2, got {min_rows}")
-        super().__init__(inner)
+        super().__init__(inner, f", calls under {min_rows} rows padded")
         self.min_rows = min_rows
-        self.name = f"{inner.name}, calls under {min_rows} rows padded"
 
     def apply(self, layer, x, bias=None):
         rows = x.shape[0]
@@ -378,7 +391,7 @@ def measure_linear_gflops(in_features: int, out_features: int, rows: int, dtype:
             t = time.perf_counter()
             layer(x)
             best = min(best, time.perf_counter() - t)
-    return 2.0 * rows * in_features * out / max(best, 1e-9) / 1e9, layer.linear_method.name
+    return 2.0 * rows * in_features * out / max(best, 1e-9) / 1e9, layer.linear_method.layer_name(layer)
 
 
 class LinearBase(nn.Module):
@@ -421,9 +434,10 @@ class LinearBase(nn.Module):
 
     @property
     def compute_path(self) -> tuple[str, str, str]:
-        """("linear", the method's name, the layer's short name such as "qkv_proj"), for
-        ``describe_compute_path``; follows the method if it is replaced (wrapped) later."""
-        return ("linear", self.linear_method.name, self.prefix.rpartition(".")[2] or "linear")
+        """("linear", the method's name for this layer (``LinearMethod.layer_name``), the
+        layer's short name such as "qkv_proj"), for ``describe_compute_path``; follows the
+        method if it is replaced (wrapped) later."""
+        return ("linear", self.linear_method.layer_name(self), self.prefix.rpartition(".")[2] or "linear")
 
     def _param_name(self, param: nn.Parameter) -> str:
         return f"{self.prefix}.{'bias' if param is self.bias else 'weight'}"

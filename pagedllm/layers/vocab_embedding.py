@@ -101,8 +101,8 @@ class ParallelLMHead(nn.Module):
 
     @property
     def compute_path(self) -> tuple[str, str, str]:
-        """("linear", the method's name, "lm_head"), for ``describe_compute_path``."""
-        return ("linear", self.linear_method.name, "lm_head")
+        """("linear", the method's name for this layer, "lm_head"), for ``describe_compute_path``."""
+        return ("linear", self.linear_method.layer_name(self), "lm_head")
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.linear_method.apply(self, hidden).float().contiguous()

@@ -161,7 +161,7 @@ class LlamaDecoderLayer(nn.Module):
         for name, lin in linears.items():
             ops[name] = lin.linear_method.stack_linear(lin, kernels)
             if ops[name] is None:
-                return f"linear {lin.linear_method.name} has no C++ stack form"
+                return f"linear {lin.linear_method.layer_name(lin)} has no C++ stack form"
         k_scale, v_scale = at.attn._scales
         key_cache, value_cache = at.attn.kv_cache[0], at.attn.kv_cache[1]
         return dict(ops, input_norm=self.input_layernorm.weight.data,

@@ -3,11 +3,15 @@ hands every linear layer a ``LinearMethod`` (after vLLM's ``quantization/`` pack
 
 Methods:
     int8: int8 weights (per-output-channel scales, quantized at load) with int8
-        activations quantized per token at run time (W8A8), through oneDNN.
+        activations quantized per token at run time (W8A8), through the project's AMX-INT8
+        kernel (Intel Xeon), its AVX2 kernel (a CPU without VNNI or AMX), else oneDNN's
+        int8 matmul (``int8.Int8W8A8LinearMethod``).
     gguf: a GGUF file's own Q8_0 / Q4_0 / Q4_1 blocks, kept packed (no float copy).
     q8_0, q4_0, q4_1: float weights (HF safetensors, or a GGUF's float tensors) quantized
         at load into those 32-weight block formats (4- and 8-bit weights for memory-bound
-        decode).
+        decode). A GGUF's quantized tensors are dequantized first, so on an already
+        quantized file these round twice (the bundled Q4_1 file with ``q4_0``: perplexity
+        +23 %); ``gguf`` keeps the file's own blocks.
 """
 from __future__ import annotations
 

@@ -338,6 +338,10 @@ def pack_int8_avx2(qweight: torch.Tensor) -> torch.Tensor:
     return w.reshape(tiles, 16, k // 4, 4).permute(0, 2, 1, 3).contiguous()
 
 
+# how ``Int8W8A8LinearMethod.name`` calls each backend's kernel
+INT8_KERNEL_LABELS = {"amx": "AMX u8s8", "avx2": "AVX2 u8s8", "onednn": "oneDNN u8s8", "torch": "torch reference"}
+
+
 class Int8W8A8LinearMethod(LinearMethod):
     """int8 weights (per-output-channel scales, quantized at load from the float checkpoint
     weights) times dynamically quantized per-token int8 activations; see the module
@@ -440,8 +444,7 @@ class Int8W8A8LinearMethod(LinearMethod):
         self.weight_bits, self.act_bits = weight_bits or 8, act_bits or 8
         self.weight_qmax = WEIGHT_QMAX[self.weight_bits]
         self.qmax, self.zero_point = ACT_RANGES[self.act_bits]
-        kernel = {"amx": "AMX u8s8", "avx2": "AVX2 u8s8", "onednn": "oneDNN u8s8",
-                  "torch": "torch reference"}[self.backend]
+        kernel = INT8_KERNEL_LABELS[self.backend]
         narrow = [f"{b}-bit {what}" for b, what in ((self.weight_bits, "weights"), (self.act_bits, "activations"))
                   if b != 8]
         if smooth_alpha is not None and not 0.0 <= smooth_alpha <= 1.0:
@@ -450,6 +453,14 @@ class Int8W8A8LinearMethod(LinearMethod):
         self.needs_calibration = smooth_alpha is not None
         smooth = [] if smooth_alpha is None else [f"SmoothQuant alpha {smooth_alpha:g}"]
         self.name = f"int8 W8A8 ({', '.join([kernel, *narrow, *smooth])})"
+
+    def layer_name(self, layer: nn.Module) -> str:
+        """``name`` with the kernel of ``layer``'s own backend: the fallback's (e.g.
+        "oneDNN u8s8") for a layer the AMX or AVX2 layout cannot hold."""
+        backend = getattr(layer, "int8_backend", self.backend)
+        if backend == self.backend:
+            return self.name
+        return self.name.replace(INT8_KERNEL_LABELS[self.backend], INT8_KERNEL_LABELS[backend], 1)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         w = layer.weight.data
