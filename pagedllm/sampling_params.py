@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from pagedllm.errors import InvalidParameterError
+from pagedllm.errors import InvalidParameterError, check_unicode, check_unicode_json
 
 _INT = (int,)
 
@@ -75,6 +75,8 @@ class StructuredOutputsParams:
         if self.choice is not None and (not isinstance(self.choice, list) or not self.choice
                                         or not all(isinstance(c, str) and c for c in self.choice)):
             raise bad(f"choice must be a non-empty list of non-empty strings, got {self.choice!r}")
+        for field in ("json", "regex", "choice", "grammar"):   # a schema's strings and keys too
+            check_unicode_json("structured_outputs", getattr(self, field), f"structured_outputs.{field}")
         if self.json_object is not None and not isinstance(self.json_object, bool):
             raise bad(f"json_object must be a boolean, got {self.json_object!r}")
         if not isinstance(self.disable_any_whitespace, bool):
@@ -196,6 +198,7 @@ class SamplingParams:
             stop = [stop]
         if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
             raise InvalidParameterError("stop", f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+        check_unicode_json("stop", stop)     # names the item: stop[1]
         self._stop_list = stop
         ids = self.stop_token_ids or []
         if not isinstance(ids, list) or not all(_is_int(t) and t >= 0 for t in ids):
@@ -203,6 +206,8 @@ class SamplingParams:
         self.stop_token_ids = ids
         if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
             raise InvalidParameterError("cache_salt", f"cache_salt must be a non-empty string, got {self.cache_salt!r}")
+        if self.cache_salt is not None:
+            check_unicode("cache_salt", self.cache_salt)
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidParameterError(name, f"{name} must be a boolean, got {getattr(self, name)!r}")
@@ -238,6 +243,7 @@ class SamplingParams:
         if self.bad_words is not None and (not isinstance(self.bad_words, list) or not all(
                 isinstance(w, str) and w.strip() for w in self.bad_words)):
             raise InvalidParameterError("bad_words", f"bad_words must be a list of non-blank strings, got {self.bad_words!r}")
+        check_unicode_json("bad_words", self.bad_words)
         if self.bad_words_token_ids is not None and (not isinstance(self.bad_words_token_ids, list) or not all(
                 isinstance(w, list) and w and all(_is_int(t) and t >= 0 for t in w) for w in self.bad_words_token_ids)):
             raise InvalidParameterError("bad_words", "bad_words_token_ids must be a list of non-empty token-id lists")

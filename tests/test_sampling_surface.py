@@ -188,3 +188,9 @@ def test_bad_values_name_the_parameter(llm):
         llm.generate(["x"], SamplingParams(logit_bias={10**6: 1.0}), use_tqdm=False)
     with pytest.raises(ValueError, match="allowed_token_ids"):
         llm.generate(["x"], SamplingParams(allowed_token_ids=[10**6]), use_tqdm=False)
+    # above max_model_len (as vLLM); one past 2**64 also had no form in the core's message
+    for t in (llm.llm_engine.max_model_len + 1, 10**20):
+        with pytest.raises(ValueError, match=r"truncate_prompt_tokens \(\d+\) is greater than max_model_len"):
+            llm.generate(["x"], SamplingParams(truncate_prompt_tokens=t), use_tqdm=False)
+    assert llm.generate(["x"], SamplingParams(truncate_prompt_tokens=llm.llm_engine.max_model_len, max_tokens=1),
+                        use_tqdm=False)[0].prompt_token_ids

@@ -308,6 +308,19 @@ def test_unknown_model_404(server):
     ("completions", '{"prompt": "hi", "model": "\\ud800"}', 404, "model"),
     ("chat/completions", '{"messages": [{"role": "user", "content": "\\udfff"}], "max_tokens": 2}', 400,
      "messages"),
+    ("completions", '{"prompt": "a", "stop": ["\\ud800"], "max_tokens": 2}', 400, "stop"),
+    ("completions", '{"prompt": "a", "stop": ["x"], "n": 2, "cache_salt": "\\ud800", "max_tokens": 2}', 400,
+     "cache_salt"),
+    ("completions", '{"prompt": "a", "bad_words": ["\\ud800"], "max_tokens": 2}', 400, "bad_words"),
+    ("chat/completions", '{"messages": [{"role": "user", "content": "a"}], "stream": true, "max_tokens": 2, '
+                         '"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": '
+                         '{"type": "string", "pattern": "\\ud800"}}}}', 400, "response_format"),
+    ("chat/completions", '{"messages": [{"role": "user", "content": "a"}], "max_tokens": 2, "response_format": '
+                         '{"type": "json_schema", "json_schema": {"name": "s", "schema": {"enum": ["\\ud800"]}}}}',
+     400, "response_format"),
+    ("chat/completions", '{"messages": [{"role": "user", "content": "a"}], "max_tokens": 2, "tool_choice": "none", '
+                         '"tools": [{"type": "function", "function": {"name": "f", "description": "\\ud800"}}]}',
+     400, "tools"),
 ])
 def test_lone_surrogates_are_client_errors(server, path, raw, status, param):
     """JSON may escape a lone UTF-16 surrogate, which has no UTF-8 form: the request is
@@ -415,6 +428,9 @@ def _post(server, endpoint: str, body: dict) -> httpx.Response:
     ("chat", "functions", [{"name": "f"}]),       # deprecated: tools instead
     ("chat", "response_format", {"type": "json_schema"}),   # no schema
     ("chat", "logit_bias", {"x": 5}),
+    ("chat", "logit_bias", {"1_0": 5}),           # int() reads these three as 10, 1 and 3
+    ("completions", "logit_bias", {" 1": 5}),
+    ("completions", "logit_bias", {"\u0663": 5}),
     ("completions", "best_of", 2),                # vLLM V1: best_of > n is not supported
     ("completions", "suffix", " the end"),
     ("completions", "logprobs", 21),

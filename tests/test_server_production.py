@@ -6,6 +6,7 @@ is bounded in count and time."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import random
 import re
@@ -89,6 +90,37 @@ def test_metrics_without_auth_opens_only_metrics():
         ApiKeyMiddleware(app, "")
 
 
+def test_unexpected_error_is_a_500_and_the_app_returns():
+    """An exception no handler caught is answered with a 500 in OpenAI's shape and does not
+    propagate (Starlette's last-resort handler re-raises, and uvicorn then closes the
+    keep-alive connection, failing the client's next request); after a response has
+    started it propagates (that response cannot be completed)."""
+    from pagedllm.entrypoints.openai.middleware import InternalErrorMiddleware
+
+    async def boom(scope, receive, send):
+        raise RuntimeError("boom")
+
+    async def boom_mid_stream(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        raise RuntimeError("boom")
+
+    async def go(app):
+        sent = []
+
+        async def send(m):
+            sent.append(m)
+
+        await InternalErrorMiddleware(app)({"type": "http", "method": "POST", "path": "/x"}, None, send)
+        return sent
+
+    sent = asyncio.run(go(boom))
+    assert sent[0]["status"] == 500
+    assert json.loads(sent[1]["body"]) == {"error": {"message": "internal error: boom", "type": "internal_error",
+                                                     "param": None, "code": 500}}
+    with pytest.raises(RuntimeError, match="boom"):
+        asyncio.run(go(boom_mid_stream))
+
+
 def test_tokenize_detokenize_version_models(server):
     u = server.url
     r = httpx.post(f"{u}/tokenize", json={"prompt": "Hello world"}, headers=AUTH).json()
@@ -101,6 +133,24 @@ def test_tokenize_detokenize_version_models(server):
         f"{u}/detokenize", json={"tokens": chat["tokens"]}, headers=AUTH).json()["prompt"]
     bad = httpx.post(f"{u}/detokenize", json={"tokens": [10**9]}, headers=AUTH)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+    # with tools, the prompt a chat request with the same tools has (the template's own
+    # tools, or Hermes' text in the system prompt): not the bare conversation's
+    tools = [{"type": "function", "function": {
+        "name": "get_weather", "description": "The weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+    msgs = [{"role": "user", "content": "Weather in Paris?"}]
+    with_tools = httpx.post(f"{u}/tokenize", json={"messages": msgs, "tools": tools}, headers=AUTH).json()
+    bare = httpx.post(f"{u}/tokenize", json={"messages": msgs}, headers=AUTH).json()
+    sent = httpx.post(f"{u}/v1/chat/completions", headers=AUTH, timeout=60, json={
+        "messages": msgs, "tools": tools, "tool_choice": "none", "max_tokens": 1}).json()
+    assert with_tools["count"] == sent["usage"]["prompt_tokens"] > bare["count"] + 20
+    assert "get_weather" in httpx.post(f"{u}/detokenize", json={"tokens": with_tools["tokens"]},
+                                       headers=AUTH).json()["prompt"]
+    bad_tools = httpx.post(f"{u}/tokenize", json={"messages": msgs, "tools": [{"type": "nope"}]}, headers=AUTH)
+    assert bad_tools.status_code == 400 and bad_tools.json()["error"]["param"] == "tools"
+    bad_turn = httpx.post(f"{u}/tokenize", headers=AUTH, json={
+        "messages": [*msgs, {"role": "assistant", "content": None, "tool_calls": "x"}]})
+    assert bad_turn.status_code == 400 and bad_turn.json()["error"]["param"] == "messages", bad_turn.text
     both = httpx.post(f"{u}/tokenize", json={"prompt": "a", "messages": []}, headers=AUTH)
     assert both.status_code == 400 and both.json()["error"]["param"] == "prompt"
     assert httpx.get(f"{u}/version", headers=AUTH).json() == {"version": "0.1.0"}

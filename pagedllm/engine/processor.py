@@ -9,22 +9,10 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from pagedllm.errors import InvalidParameterError
+from pagedllm.errors import InvalidParameterError, check_unicode
 from pagedllm.messages import EngineCoreRequest
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.structured_output import validate_structured_outputs
-
-
-def check_unicode(param: str, text: str) -> None:
-    """Raises InvalidParameterError naming ``param`` if ``text`` cannot be encoded as UTF-8:
-    JSON's ``\\ud800``-style escapes can carry a lone UTF-16 surrogate, which no tokenizer
-    accepts."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise InvalidParameterError(
-            param, f"{param} is not valid Unicode: a lone surrogate {text[e.start]!a} "
-                   f"at character {e.start}") from None
 
 
 class Processor:
@@ -105,6 +93,10 @@ class Processor:
             params = SamplingParams()
         if not isinstance(params, SamplingParams):
             raise InvalidParameterError("sampling_params", f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        if params.truncate_prompt_tokens is not None and params.truncate_prompt_tokens > self.max_model_len:
+            raise InvalidParameterError(  # as vLLM; a huge value also has no msgspec int form
+                "truncate_prompt_tokens", f"truncate_prompt_tokens ({params.truncate_prompt_tokens}) is greater "
+                                          f"than max_model_len ({self.max_model_len})")
         text, ids = self.tokenize(prompt)
         if params.truncate_prompt_tokens is not None and len(ids) > params.truncate_prompt_tokens:
             ids = ids[-params.truncate_prompt_tokens:]

@@ -18,6 +18,8 @@ Production behaviour (``middleware.py``, ``run_server``):
   access-log line per request (``pagedllm.access``).
 - The engine core's death (its process killed, say): open requests fail at once (503,
   or an error event then ``[DONE]`` on a stream) and /health answers 503.
+- An error no handler expected: 500 in OpenAI's error shape, logged with its traceback;
+  the connection stays open for the client's next request.
 - SIGTERM / Ctrl-C: stop accepting, let in-flight requests finish for up to
   ``--shutdown-timeout`` seconds, abort the rest, stop the engine process, exit 0.
 
@@ -43,15 +45,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedllm.engine.async_llm import AsyncLLM, EngineDeadError
-from pagedllm.entrypoints.openai.middleware import ApiKeyMiddleware, RequestIdMiddleware
+from pagedllm.entrypoints.openai.middleware import ApiKeyMiddleware, InternalErrorMiddleware, RequestIdMiddleware
 from pagedllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                                   TokenizeRequest, describe_validation_error, error_body)
-from pagedllm.entrypoints.openai.chat_tools import ChatTools
+from pagedllm.entrypoints.openai.chat_tools import ChatTools, render_chat_tools
 from pagedllm.entrypoints.openai.responses import CompletionFormat, chat_logprobs, prompt_logprobs, usage
-from pagedllm.entrypoints.openai.tool_calls import get_tool_parser
+from pagedllm.entrypoints.openai.tool_calls import get_tool_parser, validate_tool_request
 import pagedllm
-from pagedllm.engine.processor import check_unicode
-from pagedllm.errors import InvalidParameterError
+from pagedllm.errors import InvalidParameterError, check_unicode
 
 logger = logging.getLogger("pagedllm")
 
@@ -101,6 +102,7 @@ def build_app(engine: AsyncLLM, prometheus=None, trust_request_chat_template: bo
         raise ValueError(f"--max-waiting-requests must be >= 1, got {max_waiting_requests}")
     app = FastAPI(title="pagedllm", version=pagedllm.__version__)
     app.state.engine = engine
+    app.add_middleware(InternalErrorMiddleware)   # innermost: inside the access log and auth
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key, metrics_without_auth=metrics_without_auth)
     app.add_middleware(RequestIdMiddleware)   # outermost: a refused request has an id and a log line too
@@ -149,11 +151,6 @@ def build_app(engine: AsyncLLM, prometheus=None, trust_request_chat_template: bo
     async def _invalid(_req, exc: InvalidParameterError):
         return _err(str(exc), exc.param)
 
-    @app.exception_handler(Exception)
-    async def _internal(_req, exc: Exception):
-        logger.exception("request failed")
-        return _err(f"internal error: {exc}", None, 500, "internal_error")
-
     @app.exception_handler(EngineDeadError)
     async def _dead(_req, exc):
         return _err(str(exc), None, 503, "service_unavailable")
@@ -190,13 +187,17 @@ def build_app(engine: AsyncLLM, prometheus=None, trust_request_chat_template: bo
         if (body.prompt is None) == (body.messages is None):
             raise InvalidParameterError("prompt", "give exactly one of prompt and messages")
         if body.messages is not None:
+            tools = validate_tool_request(body.tools).tools
+            messages, tools_kw, _, _ = render_chat_tools([m.model_dump() for m in body.messages], tools,
+                                                         getattr(engine.tokenizer, "chat_template", None))
             try:
-                ids = await engine.apply_chat_template([m.model_dump() for m in body.messages],
-                                                       body.add_generation_prompt)
+                ids = await engine.apply_chat_template(messages, body.add_generation_prompt, None,
+                                                       body.chat_template_kwargs, tools_kw)
             except (InvalidParameterError, EngineDeadError):
                 raise
             except ValueError as e:
-                raise InvalidParameterError("messages", str(e)) from e
+                raise InvalidParameterError("chat_template_kwargs" if body.chat_template_kwargs else "messages",
+                                            str(e)) from e
         else:
             check_unicode("prompt", body.prompt)
             ids = await engine.tokenize(body.prompt, body.add_special_tokens)

@@ -34,6 +34,26 @@ from pagedllm.sampling_params import StructuredOutputsParams
 logger = logging.getLogger("pagedllm")
 
 
+def render_chat_tools(messages: list[dict], tools: list[dict] | None, template: str | None
+                      ) -> tuple[list[dict], list[dict] | None, str | None, bool]:
+    """A conversation and its checked ``tools`` (``validate_tool_request``) prepared for
+    the chat ``template`` as a chat request renders them (``/v1/chat/completions`` and
+    ``/tokenize`` alike): (messages, the template's ``tools`` argument or None, the note
+    of ``render_messages_for_template`` or None, whether the template shows tools
+    itself). Messages without tools or tool turns pass unchanged.
+
+    Raises:
+        InvalidParameterError(param="messages"): a malformed tool turn.
+    """
+    has_tool_turns = any(isinstance(m, dict) and (m.get("tool_calls") or m.get("role") == "tool")
+                         for m in messages)
+    if not tools and not has_tool_turns:
+        return messages, None, None, True
+    supports = template_supports_tools(template)
+    messages, tools_kw, note = render_messages_for_template(messages, tools or None, supports)
+    return messages, tools_kw, note, supports
+
+
 class ChatTools:
     """Args:
         body: the ``ChatCompletionRequest``; engine: the ``AsyncLLM`` (its tokenizer's
@@ -66,13 +86,8 @@ class ChatTools:
     # -- before generation ------------------------------------------------------------
     def render(self, messages: list[dict]) -> tuple[list[dict], list[dict] | None]:
         """(messages, tools for the template's ``tools`` variable or None)."""
-        has_tool_turns = any(isinstance(m, dict) and (m.get("tool_calls") or m.get("role") == "tool")
-                             for m in messages)
-        if not self.req.tools and not has_tool_turns:
-            return messages, None
         template = self.body.chat_template or getattr(self.engine.tokenizer, "chat_template", None)
-        supports = template_supports_tools(template)
-        messages, tools_kw, note = render_messages_for_template(messages, self.req.tools or None, supports)
+        messages, tools_kw, note, supports = render_chat_tools(messages, self.req.tools, template)
         if note:
             self.note = note
             logger.info("%s", note)

@@ -1,5 +1,5 @@
-"""ASGI middleware of the OpenAI server: API-key auth, and request ids with one access-log
-line per request.
+"""ASGI middleware of the OpenAI server: API-key auth, request ids with one access-log
+line per request, and a 500 for an unexpected error that keeps the connection open.
 
 Both are plain ASGI callables rather than Starlette's ``BaseHTTPMiddleware``, so that a
 streamed response passes through untouched (no buffering, and a client's disconnect still
@@ -21,6 +21,41 @@ def _error(message: str, code: int, type_: str, extra_headers: list | None = Non
     body = json.dumps({"error": {"message": message, "type": type_, "param": None, "code": code}}).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     return body, headers + (extra_headers or [])
+
+
+class InternalErrorMiddleware:
+    """Answers an exception no endpoint or handler caught with a 500 in OpenAI's error shape
+    (``{"error": {"message": "internal error: ...", "type": "internal_error", ...}}``),
+    logged with its traceback, and returns normally. Starlette's own last-resort handler
+    re-raises after answering, so that uvicorn logs the error and then closes the
+    connection: a client's next request on that keep-alive connection failed too. An
+    exception after the response has started (a stream; endpoints send their own error
+    event there) is re-raised: that response cannot be completed.
+    """
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def watch(message):
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watch)
+        except Exception as exc:
+            if started:
+                raise
+            logger.exception("request failed: %s %s", scope.get("method"), scope.get("path"))
+            body, headers = _error(f"internal error: {exc}", 500, "internal_error")
+            await send({"type": "http.response.start", "status": 500, "headers": headers})
+            await send({"type": "http.response.body", "body": body})
 
 
 class ApiKeyMiddleware:

@@ -180,11 +180,12 @@ class _SamplingFields(_Strict):
         max_tokens = self.requested_max_tokens()
         bias = None
         if self.logit_bias is not None:
-            try:
-                bias = {int(k): v for k, v in self.logit_bias.items()}
-            except ValueError:
-                raise InvalidParameterError("logit_bias", "logit_bias keys must be token ids (integers "
-                                                          "written as strings)") from None
+            # ASCII digits only: int() would also take " 1", "1_0" or other scripts' digits
+            bad = [k for k in self.logit_bias if re.fullmatch(r"-?[0-9]+", k) is None]
+            if bad:
+                raise InvalidParameterError("logit_bias", f"logit_bias keys must be token ids (integers written as "
+                                                          f"strings), got {bad[0]!r}")
+            bias = {int(k): v for k, v in self.logit_bias.items()}
         return SamplingParams(
             n=self.n,
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -323,14 +324,19 @@ _JSON_TYPES = {type(None): ("null", "null"), bool: ("a boolean", "booleans"),
 
 class TokenizeRequest(_Strict):
     """``POST /tokenize`` (vLLM's): either ``prompt`` (text) or ``messages`` (rendered with
-    the chat template first, ``add_generation_prompt`` as in a chat request).
-    ``add_special_tokens`` applies to ``prompt`` (the template writes its own)."""
+    the chat template first, as a chat request renders them: ``add_generation_prompt``,
+    ``chat_template_kwargs`` and ``tools`` (the template's tools, or Hermes' text in the
+    system prompt for a template without them), so that the count is the prompt a chat
+    request with the same fields would have). ``add_special_tokens`` applies to ``prompt``
+    (the template writes its own)."""
 
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_generation_prompt: bool = True
     add_special_tokens: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: Any = None
 
 
 class DetokenizeRequest(_Strict):

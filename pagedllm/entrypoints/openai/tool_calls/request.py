@@ -15,7 +15,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from pagedllm.errors import InvalidParameterError
+from pagedllm.errors import InvalidParameterError, check_unicode_json
 
 TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}
@@ -59,6 +59,7 @@ def validate_tools(tools) -> list[dict]:
         return []
     if not isinstance(tools, list):
         raise InvalidParameterError("tools", "tools must be an array of tools")
+    check_unicode_json("tools", tools)
     out, seen = [], set()
     for i, tool in enumerate(tools):
         where = f"tools[{i}]"
