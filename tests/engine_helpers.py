@@ -68,6 +68,8 @@ def engine_leaks(llm) -> list[str]:
         problems.append(f"scheduler still tracks {sorted(sched.requests)}")
     if eng.states:
         problems.append(f"front end still tracks {sorted(eng.states)}")
+    if eng.parents:
+        problems.append(f"front end still tracks the parallel-sampling requests {sorted(eng.parents)}")
     return problems
 
 

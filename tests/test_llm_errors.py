@@ -102,6 +102,23 @@ def test_duplicate_request_id_and_abort(llm, check_usable, mixed_prompts):
     assert eng.step() == []
 
 
+@pytest.mark.parametrize("steps", [0, 1, 3])
+def test_abort_of_a_parallel_sampling_request_aborts_every_sequence(llm, check_usable, mixed_prompts, steps):
+    """Aborting an ``n`` > 1 request by its id ends all n sequences in the core and frees
+    their blocks: before its first sequence has a token (the others still wait in the
+    front end, unsent) and while all n run."""
+    eng = llm.llm_engine
+    eng.add_request("par", mixed_prompts[5], SamplingParams(n=3, temperature=0.8, seed=1, max_tokens=64))
+    for _ in range(steps):
+        eng.step()
+    if steps == 3:
+        assert len(engine_core(eng).scheduler.running) == 3
+    eng.abort_request("par")
+    assert engine_leaks(llm) == []
+    assert not eng.has_unfinished_requests()
+    assert eng.step() == []
+
+
 def test_request_id_reusable_after_finish_and_abort(llm, check_usable, mixed_prompts, greedy_alone):
     """An id is "in use" only while its request runs: once finished or aborted, the same
     id can be submitted again (LLMEngine.add_request's contract)."""

@@ -18,8 +18,8 @@ from pagedllm.config import EngineArgs, EngineConfig
 from pagedllm.engine.core_client import EngineCoreClient
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.engine.metrics import FinishedRequestStats, IterationStats, LoggingStatLogger
-from pagedllm.engine.processor import Processor, check_unicode
-from pagedllm.errors import InvalidParameterError
+from pagedllm.engine.processor import Processor
+from pagedllm.errors import InvalidParameterError, check_unicode
 from pagedllm.messages import (FINISH_ABORT, FINISH_STOP, EngineCoreOutput, EngineCoreRequest, SchedulerStats,
                                TokenLogprobs)
 from pagedllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -268,13 +268,13 @@ class LLMEngine:
         engine takes no further step that would refresh them."""
         if isinstance(request_ids, str):
             request_ids = [request_ids]
+        core_ids = self._core_ids(request_ids)   # a parent's children, so before it is dropped
         for rid in request_ids:
             if rid in self.parents:
                 self.parents.pop(rid).pending = []
-        request_ids = self._core_ids(request_ids)
-        outs = self.engine_core.abort_requests(list(request_ids))
+        outs = self.engine_core.abort_requests(core_ids)
         it = IterationStats()
-        for rid in request_ids:
+        for rid in core_ids:
             if self.states.pop(rid, None) is not None:
                 it.num_aborted += 1
         self._record_stats(it, outs.scheduler_stats)
