@@ -209,6 +209,20 @@ def test_a_grammar_that_fails_to_compile_aborts_only_its_request(llm, monkeypatc
     assert out.finish_reason == "stop" and re.fullmatch("[0-9]{9}x", out.text)
 
 
+def test_constraints_that_exclude_each_other_end_only_that_request(llm, caplog):
+    """A grammar whose only continuation the request's other constraints forbid (a choice
+    that is complete while min_tokens still bans EOS): every token is masked, and that
+    request ends with finish_reason "abort", its text the grammar's so far, with a warning
+    that says why; the request beside it is untouched."""
+    conflict = SamplingParams(temperature=0.0, max_tokens=8, min_tokens=3,
+                              structured_outputs=_so(choice=["yes"]))
+    with caplog.at_level("WARNING", logger="pagedllm"):
+        outs = _gen(llm, ["Answer:", "Hello"], [conflict, _greedy(4)])
+    assert outs[0].finish_reason == "abort" and outs[0].text.startswith("yes")
+    assert outs[1].finish_reason == "length" and len(outs[1].token_ids) == 4
+    assert any("no token satisfies both its grammar" in r.getMessage() for r in caplog.records)
+
+
 # --------------------------------------------------------------------------------------
 # the scheduler without a model
 # --------------------------------------------------------------------------------------

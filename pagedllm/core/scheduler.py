@@ -309,8 +309,13 @@ class Scheduler:
                 status = self._check_stop(req, tok)
                 if constrained:
                     if not self.structured_output.accept_tokens(rid, [tok]):
-                        # the bitmask allows only accepted tokens: a bug, not the model
-                        logger.error("request %s: grammar rejected token %d; aborting it", rid, tok)
+                        # the bitmask allows only accepted tokens, so every token was masked:
+                        # the request's own constraints exclude each other (e.g. a choice
+                        # that is complete while min_tokens bans EOS, allowed_token_ids
+                        # outside the grammar, a regex that matches nothing), or a bug
+                        logger.warning("request %s: no token satisfies both its grammar and its other token "
+                                       "constraints (min_tokens, allowed_token_ids, bad_words; token %d "
+                                       "rejected); ending it with finish_reason abort", rid, tok)
                         status = RequestStatus.FINISHED_ABORTED
                     elif self.structured_output.is_terminated(rid):
                         status = RequestStatus.FINISHED_STOPPED
