@@ -423,8 +423,8 @@ class EngineArgs:
 
             if self.quantization not in QUANTIZATION_METHODS:
                 raise InvalidParameterError(
-                    "quantization", f"--quantization: must be one of {', '.join(QUANTIZATION_METHODS)} "
-                    f"(or None), got {self.quantization!r}")
+                    "quantization", f"quantization must be one of {', '.join(QUANTIZATION_METHODS)}, or unset "
+                    f"for the model's own weights; got {self.quantization!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             resolve_kv_cache_dtype(self.kv_cache_dtype, torch.float32)   # raises, naming kv_cache_dtype
         SpeculativeConfig.parse(self.speculative_config)   # raises, naming speculative_config

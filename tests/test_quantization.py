@@ -103,6 +103,29 @@ def test_unknown_method_is_a_clear_error():
     assert e.value.param == "quantization"
     with pytest.raises(ValueError, match="quantization"):
         LLM(quantization="awq-ish")
+    # names the parameter and how to ask for none, not Python's None
+    with pytest.raises(InvalidParameterError, match=r"^quantization must be one of int8, gguf, .*or unset"):
+        EngineArgs(quantization="None").validate()
+
+
+def test_bench_accuracy_checks_every_value_before_it_runs(monkeypatch):
+    """A comparison takes minutes: a bad value late in the list fails at once, not after
+    the float32 baseline and the methods before it have run."""
+    import argparse
+
+    from pagedllm.benchmarks import accuracy
+
+    def ran(*a, **k):
+        raise AssertionError("a model ran before the values were checked")
+
+    monkeypatch.setattr(accuracy, "model_perplexity", ran)
+    args = argparse.Namespace(model=None, quantization=["int8", "int4"], kv_cache_dtype=[], max_tokens=4,
+                              output_json=None)
+    with pytest.raises(ValueError, match="--quantization: unknown 'int4'"):
+        accuracy.accuracy_main(args)
+    args.quantization, args.kv_cache_dtype = ["int8", "gguf"], ["bfloat16", "fp16"]
+    with pytest.raises(ValueError, match="--kv-cache-dtype: unknown 'fp16'"):
+        accuracy.accuracy_main(args)
 
 
 def test_gguf_needs_a_gguf_file(tiny_dir):   # noqa: F811 (fixture)

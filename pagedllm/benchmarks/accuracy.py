@@ -115,11 +115,29 @@ def register(subparsers: "argparse._SubParsersAction") -> None:
     p.set_defaults(func=accuracy_main)
 
 
+def check_variants(quantization: list[str], kv_cache_dtypes: list[str]) -> None:
+    """Check every ``--quantization`` and ``--kv-cache-dtype`` value before anything runs
+    (a full comparison takes minutes).
+
+    Raises:
+        ValueError: naming the flag and the first unknown value.
+    """
+    from pagedllm.config import KV_CACHE_DTYPES
+    from pagedllm.layers.quantization import QUANTIZATION_METHODS
+
+    for flag, values, known in (("--quantization", quantization, QUANTIZATION_METHODS),
+                                ("--kv-cache-dtype", kv_cache_dtypes, KV_CACHE_DTYPES)):
+        bad = [v for v in values if v not in known]
+        if bad:
+            raise ValueError(f"{flag}: unknown {bad[0]!r}; choose from {', '.join(known)}")
+
+
 def accuracy_main(args) -> int:
     """Run the comparison and print one line per method. Returns 0."""
     from pagedllm import LLM
     from pagedllm.benchmarks.machine import machine_info
 
+    check_variants(args.quantization, args.kv_cache_dtype)
     machine = machine_info()
     print(f"{machine['cpu']} ({' '.join(machine['isa'])}); float32 activations; "
           f"{len(AGREEMENT_PROMPTS)} prompts x {args.max_tokens} greedy tokens")
@@ -145,8 +163,11 @@ def accuracy_main(args) -> int:
                "seconds": time.perf_counter() - t}
         rows.append(row)
         base = rows[0]["perplexity"]
-        dppl = "" if math.isnan(ppl) else f" ({(ppl / base - 1) * 100:+.2f} %)"
-        print(f"{label:>12}: perplexity {ppl:.3f}{dppl} | greedy agreement mean "
+        if math.isnan(ppl):     # a KV-cache row: the perplexity pass has no cache dtype
+            shown = "not measured (KV-cache row)"
+        else:
+            shown = f"{ppl:.3f}" + ("" if not rows[1:] else f" ({(ppl / base - 1) * 100:+.2f} %)")
+        print(f"{label:>12}: perplexity {shown} | greedy agreement mean "
               f"{row['mean_agreement']:.1f} / {args.max_tokens}, min {row['min_agreement']} "
               f"| {row['seconds']:.0f} s", flush=True)
     if args.output_json:

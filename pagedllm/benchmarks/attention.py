@@ -15,12 +15,24 @@ of ``--iters`` rounds times every dtype once, so a change in the machine's load 
 all of them alike. Reported per cache dtype: the median per-layer time (milliseconds),
 that times ``--num-layers`` as the attention time of one decode step, the bytes of K/V a
 layer reads, and the rate that implies (GB/s).
+
+``--against REV``: an A/B of the C++ kernel against itself as it was at git revision REV
+of this checkout (``kernel_at_revision``), on the same caches and inputs, per dtype. The
+two take turns call by call, in alternating order, and each call reads the next layer
+cache of the rotation, so neither finds K/V that the other has just pulled into the CPU's
+caches. (An A/B that always ran the old kernel first on a layer and then the new one on
+the same layer showed the same kernel against itself as 1.08-1.41x faster on the AMD
+EPYC: docs/benchmarks.md, 2026-12-04 late.) Reported per dtype: both medians, their
+ratio, and whether the outputs are bitwise equal.
 """
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
+import os
 import statistics
+import subprocess
 import time
 
 import numpy as np
@@ -158,8 +170,131 @@ def register(subparsers: "argparse._SubParsersAction") -> None:
     p.add_argument("--iters", type=positive_int, default=5, help="rounds over the cache layers")
     p.add_argument("--attention-backend", default="cpu_kernel")
     p.add_argument("--num-threads", type=positive_int, default=None)
+    p.add_argument("--against", default=None, metavar="REV",
+                   help="A/B this tree's C++ kernel against the one at git revision REV (built apart; "
+                        "the two take turns call by call)")
     p.add_argument("--output-json", default=None)
     p.set_defaults(func=main)
+
+
+# the files the paged-attention kernel is built from, and a binding of it alone
+_KERNEL_FILES = ("paged_attention_cpu.cpp", "ops.h", "vec.h")
+_BINDING = """#include <torch/extension.h>
+#include "ops.h"
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_attention", &paged_attention, py::call_guard<py::gil_scoped_release>());
+}
+"""
+
+
+def kernel_at_revision(rev: str):
+    """The C++ paged-attention kernel (``paged_attention_cpu.cpp`` with its ``ops.h`` and
+    ``vec.h``) as it was at git revision ``rev`` of the checkout this package runs from,
+    built on its own with the package's compiler flags (``kernels.cpu.compile_module``)
+    in the torch extensions directory (once per revision and CPU); a module with one
+    function, ``paged_attention``, for ``measure_against``.
+
+    Raises:
+        ValueError: the package is not in a git checkout, ``rev`` does not name a
+            revision that has those files, or they do not compile.
+    """
+    from pagedllm.kernels.cpu import _cpu_tag, _extensions_root, compile_module
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    texts = {}
+    for name in _KERNEL_FILES:
+        try:
+            r = subprocess.run(["git", "-C", root, "show", f"{rev}:pagedllm/kernels/csrc/{name}"],
+                               capture_output=True, text=True, timeout=60)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            raise ValueError(f"--against {rev!r}: cannot run git in {root} ({e})") from None
+        if r.returncode != 0:
+            raise ValueError(f"--against {rev!r}: git cannot read pagedllm/kernels/csrc/{name} at that "
+                             f"revision: {' '.join(r.stderr.split())}")
+        texts[name] = r.stdout
+    digest = hashlib.sha1("".join(texts[n] for n in _KERNEL_FILES).encode() + torch.__version__.encode())
+    name = f"pagedllm_attn_ab_{digest.hexdigest()[:10]}_{_cpu_tag()}"
+    build_dir = os.path.join(_extensions_root(), name)
+    os.makedirs(build_dir, exist_ok=True)
+    for fname, text in [*texts.items(), ("binding.cpp", _BINDING)]:
+        path = os.path.join(build_dir, fname)
+        if os.path.exists(path):
+            with open(path) as f:
+                if f.read() == text:
+                    continue            # unchanged: the build is reused
+        with open(path, "w") as f:
+            f.write(text)
+    if not os.path.exists(os.path.join(build_dir, f"{name}.so")):
+        print(f"building the paged-attention kernel at {rev} in {build_dir} (once: ~30 s)", flush=True)
+    try:
+        return compile_module(name, [os.path.join(build_dir, "binding.cpp"),
+                                     os.path.join(build_dir, "paged_attention_cpu.cpp")], build_dir, build_dir)
+    except Exception as e:   # a compile error: cpp_extension's message carries the compiler output
+        first = next((ln for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
+        raise ValueError(f"--against {rev!r}: the kernel at that revision does not build here ({first}; "
+                         f"compiler output in {build_dir})") from None
+
+
+def measure_against(reference, reference_name: str, kv_cache_dtypes: list[str], model_dtype: str = "float32",
+                    num_requests: int = 64, context_len: int = 1000, num_heads: int = 9, num_kv_heads: int = 3,
+                    head_dim: int = 64, block_size: int = 16, cache_layers: int = 4, iters: int = 5,
+                    seed: int = 0, contiguous: bool = False) -> list[dict]:
+    """A/B of this tree's C++ paged attention against ``reference`` (a module with the
+    same ``paged_attention``, e.g. ``kernel_at_revision``), per KV-cache dtype, on one
+    decode batch as ``measure`` builds it: ``iters`` rounds after one warm-up round, each
+    calling both kernels ``cache_layers`` times, taking turns in alternating order, every
+    call on the next layer cache of the rotation (only the attention; no K/V write).
+
+    Returns:
+        one dict per dtype: ``{"kv_cache_dtype", "layer_ms" (this tree, median),
+        "reference": reference_name, "reference_layer_ms", "speedup" (reference / this
+        tree), "bitwise_equal" (outputs on the same layer)}``.
+
+    Raises:
+        ValueError: an unknown dtype, a dtype this tree's kernels do not cover, or a
+            reference whose ``paged_attention`` takes other arguments.
+    """
+    if model_dtype not in _MODEL_DTYPES:
+        raise ValueError(f"model_dtype must be one of {', '.join(_MODEL_DTYPES)}, got {model_dtype!r}")
+    results = []
+    for kv_name in kv_cache_dtypes:
+        c = _Case(kv_name, _MODEL_DTYPES[model_dtype], num_requests, context_len, num_heads, num_kv_heads,
+                  head_dim, block_size, cache_layers, "cpu_kernel", seed, contiguous)
+        ours = getattr(c.attn, "kernels", None)
+        if ours is None:
+            raise ValueError(f"--against: no C++ kernel here for a {c.name} cache ({c.attn.describe()})")
+        md = c.md
+        kernels = {"this tree": ours, reference_name: reference}
+        outs = {k: torch.empty_like(c.q) for k in kernels}
+
+        def call(kernel, layer, out):
+            lc = c.layers[layer % len(c.layers)]
+            kernel.paged_attention(out, c.q, lc[0], lc[1], md.block_table, md.query_start_loc, md.seq_lens,
+                                   md.block_size, c.scale, 1.0, 1.0, 0)
+
+        try:
+            for k, m in kernels.items():
+                call(m, 0, outs[k])
+        except TypeError as e:   # pybind lists every argument after its first line
+            raise ValueError(f"--against {reference_name}: its paged_attention takes other arguments than this "
+                             f"tree's ({str(e).splitlines()[0]})") from None
+        equal = torch.equal(outs["this tree"], outs[reference_name])
+        times: dict[str, list[float]] = {k: [] for k in kernels}
+        order = list(kernels.items())
+        layer = 0
+        for r in range(iters + 1):
+            for _ in range(cache_layers):
+                for k, m in (order if (r + layer) % 2 == 0 else order[::-1]):
+                    t = time.perf_counter()
+                    call(m, layer, outs[k])
+                    if r > 0:                   # round 0 warms up
+                        times[k].append(time.perf_counter() - t)
+                    layer += 1
+        ms = {k: 1000 * statistics.median(v) for k, v in times.items()}
+        results.append({"kv_cache_dtype": c.name, "layer_ms": round(ms["this tree"], 3),
+                        "reference": reference_name, "reference_layer_ms": round(ms[reference_name], 3),
+                        "speedup": round(ms[reference_name] / ms["this tree"], 3), "bitwise_equal": equal})
+    return results
 
 
 def main(args) -> int:
@@ -181,14 +316,24 @@ def main(args) -> int:
           f"{args.num_heads} q / {args.num_kv_heads} kv heads x {args.head_dim}, block {args.block_size} "
           f"({args.blocks}), "
           f"{args.dtype} model, {torch.get_num_threads()} threads:")
-    runs = measure(names, args.dtype, args.num_requests, args.context_len, args.num_heads, args.num_kv_heads,
-                   args.head_dim, args.block_size, args.cache_layers, args.iters, args.attention_backend,
-                   contiguous=args.blocks == "contiguous")
-    for r in runs:
-        r["step_ms"] = round(r["layer_ms"] * args.num_layers, 2)
-        print(f"  {r['kv_cache_dtype']:>14} cache: {r['layer_ms']:7.3f} ms/layer (min {r['layer_ms_min']:.3f}), "
-              f"{r['step_ms']:8.2f} ms/step x{args.num_layers}, K/V {r['kv_bytes_per_layer'] / 1e6:6.1f} MB/layer "
-              f"= {r['gb_per_s']:.1f} GB/s  [{r['backend']}]")
+    if args.against:
+        runs = measure_against(kernel_at_revision(args.against), args.against, names, args.dtype,
+                               args.num_requests, args.context_len, args.num_heads, args.num_kv_heads,
+                               args.head_dim, args.block_size, args.cache_layers, args.iters,
+                               contiguous=args.blocks == "contiguous")
+        for r in runs:
+            print(f"  {r['kv_cache_dtype']:>14} cache: this tree {r['layer_ms']:7.3f} ms/layer, {args.against} "
+                  f"{r['reference_layer_ms']:7.3f} ms/layer: {r['speedup']:.2f}x, outputs "
+                  f"{'bitwise equal' if r['bitwise_equal'] else 'DIFFER'}")
+    else:
+        runs = measure(names, args.dtype, args.num_requests, args.context_len, args.num_heads, args.num_kv_heads,
+                       args.head_dim, args.block_size, args.cache_layers, args.iters, args.attention_backend,
+                       contiguous=args.blocks == "contiguous")
+        for r in runs:
+            r["step_ms"] = round(r["layer_ms"] * args.num_layers, 2)
+            print(f"  {r['kv_cache_dtype']:>14} cache: {r['layer_ms']:7.3f} ms/layer (min {r['layer_ms_min']:.3f}), "
+                  f"{r['step_ms']:8.2f} ms/step x{args.num_layers}, K/V {r['kv_bytes_per_layer'] / 1e6:6.1f} "
+                  f"MB/layer = {r['gb_per_s']:.1f} GB/s  [{r['backend']}]")
     if args.output_json:
         save_json({"machine": machine, "args": {k: v for k, v in vars(args).items() if k != "func"},
                    "runs": runs}, args.output_json)

@@ -207,6 +207,24 @@ def kernels_for(device: "torch.device | str | None", dtype: torch.dtype,
     return None
 
 
+def compile_module(name: str, sources: list[str], include_dir: str, build_dir: str):
+    """Build (or load, when ``build_dir`` holds an up-to-date build) the extension
+    ``name`` from C++ ``sources`` with the project's flags (``-O3 -march=native
+    -ffast-math -fopenmp``, linked with libmvec for vectorised ``expf``), headers from
+    ``include_dir``; returns the module. Raises what ``torch.utils.cpp_extension.load``
+    raises (no compiler, a compile error)."""
+    from torch.utils.cpp_extension import load
+
+    # The `ninja` wheel puts its binary next to the interpreter (venv/bin), which is not on
+    # PATH when the venv is not activated.
+    bindir = os.path.dirname(sys.executable)
+    if bindir not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
+    return load(name=name, sources=sources, extra_include_paths=[include_dir],
+                extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
+                extra_ldflags=["-fopenmp", "-lmvec"], build_directory=build_dir, verbose=False)
+
+
 def load_cpu_kernels():
     """The compiled module, or None when disabled or unbuildable (logged once).
 
@@ -222,14 +240,6 @@ def load_cpu_kernels():
         if not envs.cpu_kernels_enabled():
             return None
         try:
-            from torch.utils.cpp_extension import load
-
-            # The `ninja` wheel puts its binary next to the interpreter (venv/bin), which
-            # is not on PATH when the venv is not activated.
-            bindir = os.path.dirname(sys.executable)
-            if bindir not in os.environ.get("PATH", "").split(os.pathsep):
-                os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
-
             name = _module_name()
             build_dir = os.path.join(_extensions_root(), name)
             os.makedirs(build_dir, exist_ok=True)
@@ -241,12 +251,7 @@ def load_cpu_kernels():
                 else:
                     logger.info("building the C++ CPU kernels in %s (once per checkout on this machine: ~1 min)",
                                 build_dir)
-                _module = load(name=name,
-                               sources=[os.path.join(_CSRC, s) for s in _SOURCES],
-                               extra_include_paths=[_CSRC],
-                               extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
-                               extra_ldflags=["-fopenmp", "-lmvec"],
-                               build_directory=build_dir, verbose=False)
+                _module = compile_module(name, [os.path.join(_CSRC, s) for s in _SOURCES], _CSRC, build_dir)
         except Exception as e:  # no compiler, no ninja, a build that waited too long, ...
             logger.warning("CPU kernels unavailable (%s); using torch ops",
                            " ".join(str(e).split()))

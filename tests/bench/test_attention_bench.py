@@ -46,3 +46,69 @@ def test_attention_bench_rejects_unknown_dtype():
     args = build_parser().parse_args(["bench", "attention", "--kv-cache-dtypes", "float32,int4"])
     with pytest.raises(ValueError, match="--kv-cache-dtypes"):
         args.func(args)
+
+
+def test_against_a_revision_builds_that_kernel_and_compares_in_turn(tmp_path, capsys):
+    """``--against HEAD``: the kernel at HEAD, built apart, against this tree's on the same
+    caches (bitwise equal outputs when the kernel files are unchanged since HEAD)."""
+    import subprocess
+
+    from pagedllm.entrypoints.cli import build_parser
+    from pagedllm.kernels.cpu import load_cpu_kernels
+
+    if load_cpu_kernels() is None:
+        pytest.skip("no C++ kernels here")
+    root = __import__("pathlib").Path(__file__).resolve().parents[2]
+    if subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True).returncode:
+        pytest.skip("not a git checkout")
+    changed = subprocess.run(["git", "-C", str(root), "diff", "--quiet", "HEAD", "--", "pagedllm/kernels/csrc"],
+                             capture_output=True).returncode != 0
+    out = tmp_path / "ab.json"
+    args = build_parser().parse_args([
+        "bench", "attention", "--against", "HEAD", "--kv-cache-dtypes", "float32,bfloat16", "--num-requests", "4",
+        "--context-len", "40", "--cache-layers", "2", "--iters", "2", "--output-json", str(out)])
+    assert args.func(args) == 0
+    runs = json.loads(out.read_text())["runs"]
+    assert [r["kv_cache_dtype"] for r in runs] == ["float32", "bfloat16"]
+    for r in runs:
+        assert r["reference"] == "HEAD" and r["layer_ms"] > 0 and r["reference_layer_ms"] > 0
+        # (the ms are rounded to 0.001: at these tiny shapes that moves the ratio a little)
+        assert r["speedup"] == pytest.approx(r["reference_layer_ms"] / r["layer_ms"], rel=0.1)
+        assert r["bitwise_equal"] or changed
+    assert "HEAD" in capsys.readouterr().out
+
+
+def test_against_compares_a_kernel_with_itself_as_equal():
+    from pagedllm.benchmarks.attention import measure_against
+    from pagedllm.kernels.cpu import load_cpu_kernels
+
+    k = load_cpu_kernels()
+    if k is None:
+        pytest.skip("no C++ kernels here")
+    (r,) = measure_against(k, "same", ["bfloat16"], num_requests=3, context_len=33, cache_layers=2, iters=2)
+    assert r["kv_cache_dtype"] == "bfloat16" and r["bitwise_equal"] and r["speedup"] > 0
+
+
+def test_against_an_unknown_revision_is_a_clear_error():
+    from pagedllm.benchmarks.attention import kernel_at_revision
+
+    with pytest.raises(ValueError, match="--against 'no-such-rev': git cannot read .* at that revision"):
+        kernel_at_revision("no-such-rev")
+
+
+def test_against_a_kernel_with_other_arguments_is_one_clear_line():
+    """A revision whose paged_attention takes other arguments: one line, not pybind's dump
+    of every tensor."""
+    from pagedllm.benchmarks.attention import measure_against
+
+    class Old:
+        @staticmethod
+        def paged_attention(*args):
+            raise TypeError("paged_attention(): incompatible function arguments. The following argument types "
+                            "are supported:\n    1. (arg0: at::Tensor, ...) -> None\n\nInvoked with: tensor(...)")
+
+    if __import__("pagedllm.kernels.cpu", fromlist=["x"]).load_cpu_kernels() is None:
+        pytest.skip("no C++ kernels here")
+    with pytest.raises(ValueError) as e:
+        measure_against(Old(), "old", ["float32"], num_requests=2, context_len=17, cache_layers=1, iters=1)
+    assert "takes other arguments" in str(e.value) and "\n" not in str(e.value) and "Invoked" not in str(e.value)

@@ -5,8 +5,10 @@ lateness is under 10 ms (the suite runs on 2 shared CPU cores), except that one 
 neighbouring requests may start late on their own: a full serial run once had one
 request 0.31 s late and every other one on time, a stall of that request's own start
 (its task or connection), not of the limiter, since a stalled limiter would have made
-every request due during those 0.31 s (about 12 at 40 req/s) late. A limiter that lets
-lateness accumulate makes all later requests late, and still fails.
+every request due during those 0.31 s (about 12 at 40 req/s) late. Up to four
+neighbours may be late when the requests after them are on time again (a short stall of
+the whole VM). A limiter that lets lateness accumulate makes all later requests late,
+and still fails.
 """
 
 import asyncio
@@ -75,11 +77,17 @@ def test_rate_limiter_keeps_schedule(fake_server):
 
 
 def _at_most_one_stall(late: np.ndarray) -> None:
-    """``late`` (bool per request, in schedule order) is True for at most 2 requests, and
-    they are neighbours: one stall, the schedule kept around it (lateness that
-    accumulates makes every later request late)."""
+    """``late`` (bool per request, in schedule order) is True for one run of neighbours at
+    most: one stall, the schedule kept around it (lateness that accumulates makes every
+    later request late). The run is at most 2 requests, or up to 4 when requests after it
+    are on time again: a clean CI run once had requests 3-5 late at 40 req/s, a stall of
+    the whole VM for ~0.06 s that the limiter recovered from at once."""
     idx = np.flatnonzero(late)
-    assert len(idx) <= 2 and (len(idx) < 2 or idx[1] == idx[0] + 1), f"late requests: {idx.tolist()}"
+    if len(idx) == 0:
+        return
+    one_run = idx[-1] - idx[0] + 1 == len(idx)
+    recovered = len(idx) <= 2 or (len(idx) <= 4 and idx[-1] < len(late) - 1)
+    assert one_run and recovered, f"late requests: {idx.tolist()} of {len(late)}"
 
 
 def test_trace_replay_timing(fake_server, tmp_path):
