@@ -510,16 +510,22 @@ def test_kernel_backend_refused_where_it_cannot_run(monkeypatch, env, backend, a
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_quantizer_with_smoothing_is_the_product_then_quantized(ops, dtype):
     """quantize_per_token(x, smooth=s) gives the bits of quantizing torch's x * s (rounded
-    to x's dtype), without the product tensor; strided rows too, and rows whose length is
-    not a multiple of the 8 lanes (the scalar tail)."""
+    to x's dtype), without the product tensor; strided rows too, rows whose length is
+    not a multiple of the 16 or 8 lanes (the 8-lane and scalar tails), and a row whose
+    products are partly subnormal (kept, not flushed: its scale lets them quantize to
+    non-zero values)."""
     g = torch.Generator().manual_seed(21)
-    for k in (200, 203):
+    for k in (200, 203, 1536):
         x = _acts(37, k, dtype, seed=5)
+        x[3] = (torch.randn(k, generator=g) * 2e-37).to(dtype)
         s = (torch.rand(k, generator=g) * 4 + 0.05).to(dtype)
         for xx in (x, torch.cat([x, x], dim=1)[:, :k]):
             q, sc = quantize_per_token(xx, 127, 128, s)
             want_q, want_sc = quantize_per_token_ref(xx * s, 127, 128)
             assert torch.equal(q, want_q) and torch.equal(sc, want_sc)
+        prod = (x[3] * s).float().abs()
+        sub = (prod > 0) & (prod < torch.finfo(torch.float32).tiny)
+        assert sub.sum() >= 3 and (q[3][sub] != 128).sum() >= 2     # the case above is exercised
 
 
 # ------------------------------------------------------------------------ AVX2

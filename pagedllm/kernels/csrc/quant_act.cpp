@@ -43,7 +43,7 @@ constexpr int64_t kGrainElements = 65536;
 template <typename V>
 inline void opaque(V& v) {
 #if defined(__x86_64__) || defined(__i386__)
-  asm volatile("" : "+x"(v));
+  asm volatile("" : "+v"(v));
 #elif defined(__aarch64__)
   asm volatile("" : "+w"(v));
 #else
@@ -74,6 +74,15 @@ template <typename T>
 float row_absmax(const T* x, int64_t k) {
   int64_t i = 0;
   uint32_t m = 0;
+#ifdef PAGEDLLM_AVX512
+  {
+    const __m512i mask = _mm512_set1_epi32(0x7fffffff);
+    __m512i acc = _mm512_setzero_si512();
+    for (; i + 16 <= k; i += 16)
+      acc = _mm512_max_epu32(acc, _mm512_and_si512(_mm512_castps_si512(pagedllm::load16_avx512(x + i)), mask));
+    m = _mm512_reduce_max_epu32(acc);
+  }
+#endif
 #ifdef PAGEDLLM_AVX2
   const __m256i mask = _mm256_set1_epi32(0x7fffffff);
   __m256i acc = _mm256_setzero_si256();
@@ -101,6 +110,21 @@ void quantize_row(uint8_t* o, float* scale, const T* xr, int64_t k, float qmax, 
   if (!finite_bits(inv)) inv = 0.f;
   *scale = amax / qm;
   int64_t i = 0;
+#ifdef PAGEDLLM_AVX512
+  {
+    // as the 8-lane loop below: same operations in the same order, and values already in
+    // [zp - qmax, zp + qmax], so the saturating narrowing changes none
+    const __m512 vinv = _mm512_set1_ps(inv), hi = _mm512_set1_ps(qmax), lo = _mm512_set1_ps(-qmax);
+    const __m512 vzp = _mm512_set1_ps(zp);
+    for (; i + 16 <= k; i += 16) {
+      __m512 p = _mm512_mul_ps(pagedllm::load16_avx512(xr + i), vinv);
+      opaque(p);
+      p = _mm512_roundscale_ps(p, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      p = _mm512_add_ps(_mm512_min_ps(_mm512_max_ps(p, lo), hi), vzp);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(o + i), _mm512_cvtusepi32_epi8(_mm512_cvttps_epi32(p)));
+    }
+  }
+#endif
 #ifdef PAGEDLLM_AVX2
   const __m256 vinv = _mm256_set1_ps(inv), hi = _mm256_set1_ps(qmax), lo = _mm256_set1_ps(-qmax);
   const __m256 vzp = _mm256_set1_ps(zp);
@@ -140,6 +164,13 @@ void quantize_rows(uint8_t* out, float* scales, const T* x, int64_t rows, int64_
         continue;
       }
       int64_t i = 0;
+#ifdef PAGEDLLM_AVX512
+      for (; i + 16 <= k; i += 16) {
+        __m512 p = _mm512_mul_ps(pagedllm::load16_avx512(xr + i), pagedllm::load16_avx512(smooth + i));
+        opaque(p);
+        _mm512_storeu_ps(buf.data() + i, pagedllm::round_through_avx512(p, xr));
+      }
+#endif
 #ifdef PAGEDLLM_AVX2
       // 8 lanes at once (the scalar loop below took ~6 % of an int8 run's step time):
       // the same product, rounded to T by store8_avx as from_f32 rounds it

@@ -258,4 +258,25 @@ inline void store8_avx(bf16* p, __m256 v) {
 }
 #endif
 
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define PAGEDLLM_AVX512 1
+// 16 consecutive elements as float32 (unaligned; bf16 widens exactly, as to_f32).
+inline __m512 load16_avx512(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16_avx512(const bf16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+// v rounded to T and widened back to float32: to_f32(from_f32<T>(v)) in 16 lanes (the
+// integer rounding of from_f32<bf16>, not VCVTNEPS2BF16, which flushes subnormals).
+inline __m512 round_through_avx512(__m512 v, const float*) { return v; }
+inline __m512 round_through_avx512(__m512 v, const bf16*) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_and_si512(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))),
+                                     _mm512_set1_epi32(static_cast<int>(0xffff0000u)));
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  return _mm512_castsi512_ps(_mm512_mask_blend_epi32(nan, r, _mm512_set1_epi32(0x7fc00000)));
+}
+#endif
+
 }  // namespace pagedllm
