@@ -38,6 +38,9 @@
 //    horizontal-add tree, 4 keys at a time; V summed a tile of keys (~12 KB of V rows;
 //    for a decode ~6 KB and at least 16 keys; kept in L1) at a time for every row of the
 //    item, 32 dims a pass in registers (24 for fp8 caches at 3 heads a kv head);
+//    on a CPU with AVX-512 (F, BW, DQ, VL) the same two loops run in 16-lane vectors with
+//    the same arithmetic, so the same bits: two keys' 8-lane score sums side by side, and
+//    16 dims of V a vector (all 64 dims of 3 heads in one pass, in 32 registers);
 //  * generic (any head_dim or CPU): the same maths with GCC vector types.
 #include "ops.h"
 #include "vec.h"
@@ -220,6 +223,67 @@ __attribute__((noinline)) void accumulate_rows_avx(const float* const* p, const 
 }
 #endif
 
+#ifdef PAGEDLLM_AVX512
+// The two functions above on AVX-512 with the same arithmetic, so the same bits:
+//  * scores: each 16-lane accumulator holds two keys' 8-lane accumulators side by side
+//    (keys 2p and 2p + 1), the query's 8 dims repeated in both halves, so every lane is
+//    the same FMA chain over d as in scores8_rows_avx and the halves fold by fold4;
+//  * weighted sums of V: 16 dims a vector, each lane one FMA chain over t in order, as
+//    before; with 32 registers all 64 dims of G = 3 heads fit in one pass.
+template <int G, typename TQ, typename TC>
+__attribute__((noinline)) void scores8_rows_avx512(const TQ* const* qs, const TC* const* kr, int64_t off,
+                                                   int64_t hd, float scale, float* const* s) {
+  __m512 c[G][4];
+  for (int r = 0; r < G; ++r)
+    for (int p = 0; p < 4; ++p) c[r][p] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < hd; d += 8) {
+    __m512 qv[G];
+    for (int r = 0; r < G; ++r) qv[r] = _mm512_broadcast_f32x8(load8_avx(qs[r] + d));
+    for (int p = 0; p < 4; ++p) {
+      const __m512 x = pagedllm::load8x2_raw_avx512(kr[2 * p] + off + d, kr[2 * p + 1] + off + d);
+      for (int r = 0; r < G; ++r) c[r][p] = _mm512_fmadd_ps(qv[r], x, c[r][p]);
+    }
+  }
+  const __m128 sc = _mm_set1_ps(scale);
+  for (int r = 0; r < G; ++r)
+    for (int half = 0; half < 2; ++half) {
+      const __m512 a = c[r][2 * half], b = c[r][2 * half + 1];
+      const __m128 f = fold4(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1),
+                             _mm512_castps512_ps256(b), _mm512_extractf32x8_ps(b, 1));
+      _mm_storeu_ps(s[r] + 4 * half, _mm_mul_ps(f, sc));
+    }
+}
+
+template <int G, int NV, typename TC>
+inline void accumulate_pass_avx512(const float* const* p, const int64_t* slots, int64_t n, const TC* vh,
+                                   int64_t v_slot, int64_t d0, float* const* acc) {
+  __m512 c[G * NV];
+#pragma GCC unroll 16
+  for (int i = 0; i < G * NV; ++i) c[i] = _mm512_loadu_ps(acc[i / NV] + d0 + 16 * (i % NV));
+  for (int64_t t = 0; t < n; ++t) {
+    const TC* vr = vh + slots[t] * v_slot + d0;
+    __m512 pt[G];
+#pragma GCC unroll 4
+    for (int r = 0; r < G; ++r) pt[r] = _mm512_set1_ps(p[r][t]);
+#pragma GCC unroll 8
+    for (int v = 0; v < NV; ++v) {
+      const __m512 x = pagedllm::load16_raw_avx512(vr + 16 * v);
+#pragma GCC unroll 4
+      for (int r = 0; r < G; ++r) c[r * NV + v] = _mm512_fmadd_ps(pt[r], x, c[r * NV + v]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int i = 0; i < G * NV; ++i) _mm512_storeu_ps(acc[i / NV] + d0 + 16 * (i % NV), c[i]);
+}
+
+template <int G, typename TC>
+__attribute__((noinline)) void accumulate_rows_avx512(const float* const* p, const int64_t* slots, int64_t n,
+                                                      const TC* vh, int64_t v_slot, int64_t hd, float* const* acc) {
+  int64_t d0 = 0;   // hd is a multiple of 64 on this path
+  for (; d0 + 64 <= hd; d0 += 64) accumulate_pass_avx512<G, 4>(p, slots, n, vh, v_slot, d0, acc);
+}
+#endif
+
 // The generic versions of the two functions above (any head_dim).
 template <typename TQ, typename TC>
 inline void scores8_generic(const TQ* qj, const TC* const* kr, int64_t off, int64_t hd, float scale,
@@ -313,9 +377,15 @@ void attend(const Args<TQ, TC>& a, const Item& it, Scratch& sc) {
               qs[r] = qrow(j, kh, hh + r);
               ss[r] = sc.scores.data() + (r0 + hh + r) * Lp + t0;
             }
+#ifdef PAGEDLLM_AVX512
+            if (G == 3) scores8_rows_avx512<3>(qs, kr, kh * a.k_head, hd, a.scale, ss);
+            else if (G == 2) scores8_rows_avx512<2>(qs, kr, kh * a.k_head, hd, a.scale, ss);
+            else scores8_rows_avx512<1>(qs, kr, kh * a.k_head, hd, a.scale, ss);
+#else
             if (G == 3) scores8_rows_avx<3>(qs, kr, kh * a.k_head, hd, a.scale, ss);
             else if (G == 2) scores8_rows_avx<2>(qs, kr, kh * a.k_head, hd, a.scale, ss);
             else scores8_rows_avx<1>(qs, kr, kh * a.k_head, hd, a.scale, ss);
+#endif
           }
           continue;
         }
@@ -376,9 +446,15 @@ void attend(const Args<TQ, TC>& a, const Item& it, Scratch& sc) {
           }
 #ifdef PAGEDLLM_AVX2
           if constexpr (kAvxCache<TC>) if (avx) {
+#ifdef PAGEDLLM_AVX512
+            if (G == 3) accumulate_rows_avx512<3>(ps, slots + t0, n_t, vh, a.v_slot, hd, accs);
+            else if (G == 2) accumulate_rows_avx512<2>(ps, slots + t0, n_t, vh, a.v_slot, hd, accs);
+            else accumulate_rows_avx512<1>(ps, slots + t0, n_t, vh, a.v_slot, hd, accs);
+#else
             if (G == 3) accumulate_rows_avx<3>(ps, slots + t0, n_t, vh, a.v_slot, hd, accs);
             else if (G == 2) accumulate_rows_avx<2>(ps, slots + t0, n_t, vh, a.v_slot, hd, accs);
             else accumulate_rows_avx<1>(ps, slots + t0, n_t, vh, a.v_slot, hd, accs);
+#endif
             continue;
           }
 #endif

@@ -258,13 +258,49 @@ inline void store8_avx(bf16* p, __m256 v) {
 }
 #endif
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__)
 #define PAGEDLLM_AVX512 1
 // 16 consecutive elements as float32 (unaligned; bf16 widens exactly, as to_f32).
 inline __m512 load16_avx512(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16_avx512(const bf16* p) {
   const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+// 16 consecutive cache elements widened exactly to float32, as load8_raw_avx (fp8 through
+// the halves of F16C, which every AVX-512 CPU has).
+inline __m512 load16_raw_avx512(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16_raw_avx512(const bf16* p) { return load16_avx512(p); }
+inline __m512 load16_raw_avx512(const fp8e5m2* p) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm512_cvtph_ps(_mm256_slli_epi16(_mm256_cvtepu8_epi16(b), 8));
+}
+inline __m512 load16_raw_avx512(const fp8e4m3* p) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m256i h = _mm256_slli_epi16(_mm256_cvtepi8_epi16(b), 7);
+  return _mm512_cvtph_ps(_mm256_and_si256(h, _mm256_set1_epi16(static_cast<short>(0xbf80))));
+}
+// 8 elements of row a in lanes 0-7 and 8 of row b in lanes 8-15, widened as load8_raw_avx:
+// two 8-lane vectors side by side, so 8-lane arithmetic runs on two rows at once.
+inline __m512 load8x2_raw_avx512(const float* a, const float* b) {
+  return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(a)), _mm256_loadu_ps(b), 1);
+}
+inline __m512 load8x2_raw_avx512(const bf16* a, const bf16* b) {
+  const __m256i h = _mm256_inserti128_si256(
+      _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a))),
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(b)), 1);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+template <typename T8>
+inline __m128i load8x2_bytes(const T8* a, const T8* b) {
+  return _mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(a)),
+                            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b)));
+}
+inline __m512 load8x2_raw_avx512(const fp8e5m2* a, const fp8e5m2* b) {
+  return _mm512_cvtph_ps(_mm256_slli_epi16(_mm256_cvtepu8_epi16(load8x2_bytes(a, b)), 8));
+}
+inline __m512 load8x2_raw_avx512(const fp8e4m3* a, const fp8e4m3* b) {
+  const __m256i h = _mm256_slli_epi16(_mm256_cvtepi8_epi16(load8x2_bytes(a, b)), 7);
+  return _mm512_cvtph_ps(_mm256_and_si256(h, _mm256_set1_epi16(static_cast<short>(0xbf80))));
 }
 // v rounded to T and widened back to float32: to_f32(from_f32<T>(v)) in 16 lanes (the
 // integer rounding of from_f32<bf16>, not VCVTNEPS2BF16, which flushes subnormals).
