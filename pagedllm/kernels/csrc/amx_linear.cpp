@@ -126,18 +126,9 @@ inline void block(const char* a, int64_t lda, const char* b0, const char* b1, in
   if constexpr (MA == 2 && NB == 2) _tile_stored(3, c + 16 * 32 + 16, 128);
 }
 
-// 16 float32 -> 16 bf16, rounded as vec.h's from_f32 (nearest-even; NaN -> 0x7fc0).
-inline __m256i round_bf16x16(__m512 v) {
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7fff)), lsb), 16);
-  const __mmask16 nan = _mm512_cmp_epi32_mask(_mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff)),
-                                              _mm512_set1_epi32(0x7f800000), _MM_CMPINT_NLE);
-  r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7fc0));
-  return _mm512_cvtepi32_epi16(r);
-}
+using pagedllm::round_bf16x16;
 
-// 16 float32 into out[0, 16) as OutT (float32, or bf16 rounded by round_bf16x16).
+// 16 float32 into out[0, 16) as OutT (float32, or bf16 rounded by vec.h's round_bf16x16).
 template <typename OutT>
 inline void store16(OutT* o, __m512 v) {
   if constexpr (std::is_same_v<OutT, float>) _mm512_storeu_ps(o, v);

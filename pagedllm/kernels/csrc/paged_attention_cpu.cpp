@@ -279,8 +279,8 @@ inline void accumulate_pass_avx512(const float* const* p, const int64_t* slots, 
 template <int G, typename TC>
 __attribute__((noinline)) void accumulate_rows_avx512(const float* const* p, const int64_t* slots, int64_t n,
                                                       const TC* vh, int64_t v_slot, int64_t hd, float* const* acc) {
-  int64_t d0 = 0;   // hd is a multiple of 64 on this path
-  for (; d0 + 64 <= hd; d0 += 64) accumulate_pass_avx512<G, 4>(p, slots, n, vh, v_slot, d0, acc);
+  for (int64_t d0 = 0; d0 < hd; d0 += 64)   // hd is a multiple of 64 on this path
+    accumulate_pass_avx512<G, 4>(p, slots, n, vh, v_slot, d0, acc);
 }
 #endif
 

@@ -258,26 +258,48 @@ inline void store8_avx(bf16* p, __m256 v) {
 }
 #endif
 
+#ifdef __AVX512F__
+// from_f32<bf16>'s rounding in 16 lanes (nearest-even; NaN -> 0x7fc0): the integer
+// rounding, not VCVTNEPS2BF16, which flushes subnormals. Each lane's bf16 is its top 16
+// bits; the low 16 are left over from the rounding add (the two callers below drop them).
+inline __m512i round_bf16_high16(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7fff)), lsb);
+  const __mmask16 nan = _mm512_cmp_epi32_mask(_mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff)),
+                                              _mm512_set1_epi32(0x7f800000), _MM_CMPINT_NLE);
+  return _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7fc00000));
+}
+// 16 float32 -> 16 bf16, rounded as from_f32.
+inline __m256i round_bf16x16(__m512 v) { return _mm512_cvtepi32_epi16(_mm512_srli_epi32(round_bf16_high16(v), 16)); }
+#endif
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__)
 #define PAGEDLLM_AVX512 1
-// 16 consecutive elements as float32 (unaligned; bf16 widens exactly, as to_f32).
-inline __m512 load16_avx512(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16_avx512(const bf16* p) {
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+// 16 storage elements widened exactly to float32 (as to_f32 and raw_f32; fp8 through the
+// halves of F16C, which every AVX-512 CPU has): the widenings of the loads below.
+inline __m512 widen16_avx512(__m256i h, const bf16*) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
-// 16 consecutive cache elements widened exactly to float32, as load8_raw_avx (fp8 through
-// the halves of F16C, which every AVX-512 CPU has).
-inline __m512 load16_raw_avx512(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16_raw_avx512(const bf16* p) { return load16_avx512(p); }
-inline __m512 load16_raw_avx512(const fp8e5m2* p) {
-  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm512_cvtph_ps(_mm256_slli_epi16(_mm256_cvtepu8_epi16(b), 8));
+inline __m512 widen16_avx512(__m128i b, const fp8e5m2*) {
+  return _mm512_cvtph_ps(_mm256_slli_epi16(_mm256_cvtepu8_epi16(b), 8));   // b << 8 per 16-bit lane
 }
-inline __m512 load16_raw_avx512(const fp8e4m3* p) {
-  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+inline __m512 widen16_avx512(__m128i b, const fp8e4m3*) {
+  // as load8_raw_avx: sign-extended, shifted left by 7, bit 14 cleared
   const __m256i h = _mm256_slli_epi16(_mm256_cvtepi8_epi16(b), 7);
   return _mm512_cvtph_ps(_mm256_and_si256(h, _mm256_set1_epi16(static_cast<short>(0xbf80))));
+}
+// 16 consecutive elements as float32 (unaligned).
+inline __m512 load16_avx512(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16_avx512(const bf16* p) {
+  return widen16_avx512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), p);
+}
+// 16 consecutive cache elements, as load8_raw_avx.
+inline __m512 load16_raw_avx512(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16_raw_avx512(const bf16* p) { return load16_avx512(p); }
+template <typename T8>
+inline __m512 load16_raw_avx512(const T8* p) {   // fp8e4m3, fp8e5m2
+  return widen16_avx512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)), p);
 }
 // 8 elements of row a in lanes 0-7 and 8 of row b in lanes 8-15, widened as load8_raw_avx:
 // two 8-lane vectors side by side, so 8-lane arithmetic runs on two rows at once.
@@ -288,30 +310,17 @@ inline __m512 load8x2_raw_avx512(const bf16* a, const bf16* b) {
   const __m256i h = _mm256_inserti128_si256(
       _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a))),
       _mm_loadu_si128(reinterpret_cast<const __m128i*>(b)), 1);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  return widen16_avx512(h, a);
 }
 template <typename T8>
-inline __m128i load8x2_bytes(const T8* a, const T8* b) {
-  return _mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(a)),
-                            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b)));
+inline __m512 load8x2_raw_avx512(const T8* a, const T8* b) {   // fp8e4m3, fp8e5m2
+  return widen16_avx512(_mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(a)),
+                                           _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b))), a);
 }
-inline __m512 load8x2_raw_avx512(const fp8e5m2* a, const fp8e5m2* b) {
-  return _mm512_cvtph_ps(_mm256_slli_epi16(_mm256_cvtepu8_epi16(load8x2_bytes(a, b)), 8));
-}
-inline __m512 load8x2_raw_avx512(const fp8e4m3* a, const fp8e4m3* b) {
-  const __m256i h = _mm256_slli_epi16(_mm256_cvtepi8_epi16(load8x2_bytes(a, b)), 7);
-  return _mm512_cvtph_ps(_mm256_and_si256(h, _mm256_set1_epi16(static_cast<short>(0xbf80))));
-}
-// v rounded to T and widened back to float32: to_f32(from_f32<T>(v)) in 16 lanes (the
-// integer rounding of from_f32<bf16>, not VCVTNEPS2BF16, which flushes subnormals).
+// v rounded to T and widened back to float32: to_f32(from_f32<T>(v)) in 16 lanes.
 inline __m512 round_through_avx512(__m512 v, const float*) { return v; }
 inline __m512 round_through_avx512(__m512 v, const bf16*) {
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  const __m512i r = _mm512_and_si512(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))),
-                                     _mm512_set1_epi32(static_cast<int>(0xffff0000u)));
-  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-  return _mm512_castsi512_ps(_mm512_mask_blend_epi32(nan, r, _mm512_set1_epi32(0x7fc00000)));
+  return _mm512_castsi512_ps(_mm512_and_si512(round_bf16_high16(v), _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
 }
 #endif
 
