@@ -33,6 +33,15 @@ def register(subparsers: "argparse._SubParsersAction") -> None:
     p.add_argument("--hf-batch-size", type=int, default=None, help="HF generate batch (default: all prompts)")
     p.add_argument("--no-mm", action="store_true",
                    help="skip the torch.mm reference measurement (in the run's dtype)")
+    p.add_argument("--compare-args", default=None, metavar="FLAGS",
+                   help="also time a second pagedllm engine: the same flags with these over them "
+                        "(e.g. '--quantization int8'); both load at once, in this process, and take "
+                        "turns of --interleave-steps steps on the same prompts, so that a machine "
+                        "whose speed drifts treats them alike; prints each one's output tokens/s over "
+                        "its own step time, and their ratio per round")
+    p.add_argument("--rounds", type=positive_int, default=3, help="rounds of the paired run (--compare-args)")
+    p.add_argument("--interleave-steps", type=positive_int, default=4,
+                   help="engine steps a turn in the paired run (--compare-args)")
     p.add_argument("--output-json", default=None)
     EngineArgs.add_cli_args(p)
     p.set_defaults(func=throughput_main)
@@ -112,6 +121,71 @@ def run_pagedllm(args, prompts) -> dict:
             "dtype": str(llm.llm_engine.config.dtype), "torch_dtype": llm.llm_engine.config.dtype}
 
 
+def _engine_label(ns) -> str:
+    q = f"-q {ns.quantization}" if ns.quantization else "no quantization"
+    return f"dtype {ns.dtype}, {q}, kv {ns.kv_cache_dtype}"
+
+
+def paired_main(args, prompts, arch) -> int:
+    """``bench throughput --compare-args``: the engine of the command's flags and the one
+    of those flags plus ``--compare-args``, timed in turns (``benchmarks/paired.py``)."""
+    from pagedllm import LLM, SamplingParams
+    from pagedllm.benchmarks.machine import machine_info
+    from pagedllm.config import EngineArgs
+
+    from .paired import compare_namespace, run_paired
+
+    if args.backend != "pagedllm":
+        raise ValueError("--compare-args compares two pagedllm engines: use --backend pagedllm")
+    namespaces = [args, compare_namespace(args, args.compare_args)]
+    llms = []
+    try:
+        for ns in namespaces:
+            ea = EngineArgs.from_cli_args(ns)
+            kwargs = {k: v for k, v in vars(ea).items() if k not in ("model", "engine_process")}
+            llm = LLM(model=ea.model, engine_process=False, **kwargs)
+            llms.append(llm)
+            llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                         use_tqdm=False)
+        sp = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+        res = run_paired(llms, prompts, sp, args.rounds, args.interleave_steps)
+        dtypes = [str(llm.llm_engine.config.dtype).removeprefix("torch.") for llm in llms]
+    finally:
+        for llm in llms:
+            llm.shutdown()
+    machine = machine_info()
+    labels = [f"A: {_engine_label(namespaces[0])} ({dtypes[0]})",
+              f"B: {_engine_label(namespaces[1])} ({dtypes[1]}; --compare-args {args.compare_args!r})"]
+    print(f"\n{machine['cpu']} ({' '.join(machine['isa'])}); workload: {args.num_prompts} prompts x "
+          f"({args.input_len} in, {args.output_len} out); torch threads {torch.get_num_threads()}; "
+          f"engines in turns of {args.interleave_steps} steps, {args.rounds} rounds")
+    for lab in labels:
+        print("  " + lab)
+    rounds = []
+    for i, (ta, tb) in enumerate(res.rounds):
+        ratio = tb.output_tokens_per_s / ta.output_tokens_per_s
+        rounds.append({"a_output_tokens_per_s": round(ta.output_tokens_per_s, 1), "a_step_s": round(ta.seconds, 2),
+                       "b_output_tokens_per_s": round(tb.output_tokens_per_s, 1), "b_step_s": round(tb.seconds, 2),
+                       "ratio_b_over_a": round(ratio, 3)})
+        print(f"round {i + 1}: A {ta.output_tokens_per_s:.1f} tok/s ({ta.seconds:.2f} s, {ta.steps} steps) | "
+              f"B {tb.output_tokens_per_s:.1f} tok/s ({tb.seconds:.2f} s, {tb.steps} steps) | B/A {ratio:.3f}x")
+    ta, tb = res.total(0), res.total(1)
+    ratios = res.ratios()
+    print(f"all rounds: A {ta.output_tokens_per_s:.1f} | B {tb.output_tokens_per_s:.1f} output tok/s of step time; "
+          f"B/A {tb.output_tokens_per_s / ta.output_tokens_per_s:.3f}x (geometric mean of rounds "
+          f"{res.geometric_mean_ratio():.3f}x, range {min(ratios):.3f}-{max(ratios):.3f}x)")
+    if args.output_json:
+        save_json({"machine": machine, "num_prompts": args.num_prompts, "input_len": args.input_len,
+                   "output_len": args.output_len, "threads": torch.get_num_threads(),
+                   "interleave_steps": args.interleave_steps, "engines": labels, "rounds": rounds,
+                   "a_output_tokens_per_s": round(ta.output_tokens_per_s, 1),
+                   "b_output_tokens_per_s": round(tb.output_tokens_per_s, 1),
+                   "ratio_b_over_a": round(tb.output_tokens_per_s / ta.output_tokens_per_s, 3),
+                   "ratio_geometric_mean_of_rounds": round(res.geometric_mean_ratio(), 3)},
+                  args.output_json)
+    return 0
+
+
 def load_hf_model(args):
     """The HF transformers model of ``args.model`` (a GGUF through transformers' GGUF
     loader, or a HF directory) in the dtype ``--dtype`` resolves to, on ``--device``:
@@ -167,6 +241,8 @@ def throughput_main(args) -> int:
         torch.set_num_threads(args.num_threads)
     arch = load_arch_config(args.model or default_model_path())
     prompts = random_prompts(args.num_prompts, args.input_len, arch.vocab_size, args.seed)
+    if args.compare_args is not None:
+        return paired_main(args, prompts, arch)
     results = []
     backends = ["hf", "pagedllm"] if args.backend == "both" else [args.backend]
     for b in backends:

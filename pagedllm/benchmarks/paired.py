@@ -1,0 +1,134 @@
+"""Two pagedllm engines timed in turns on the same workload (``pagedllm bench throughput
+--compare-args``).
+
+Why: on a shared VM the speed of the same code moves by up to 2x within minutes
+(docs/benchmarks.md, 2026-12-05), so two runs made one after the other compare the
+machine's moods as much as the engines. Here both engines are loaded at once in this
+process (each with its core in process, ``engine_process=False``), get the same prompts,
+and take turns: ``interleave_steps`` engine steps of the first, then as many of the
+second, and so on until both have finished. A drift of the machine's speed that is slow
+next to a turn (a fraction of a second) then slows both alike, and the ratio of their
+throughputs holds where each one's absolute figure moves.
+
+What is timed: each engine's own ``LLMEngine.step`` calls (schedule, forward, sampling,
+output processing), summed; the time spent in the other engine's turns is not counted.
+Throughput = output tokens / that sum. The first step after a switch may find the caches
+holding the other engine's data; both engines pay that alike, once a turn.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import shlex
+import time
+from dataclasses import dataclass, field
+
+
+def compare_namespace(args: argparse.Namespace, compare_args: str) -> argparse.Namespace:
+    """``args`` with the engine flags in ``compare_args`` (a shell-quoted string such as
+    ``"--quantization int8"``) parsed over it: the second engine's settings.
+
+    Raises:
+        ValueError: ``compare_args`` is empty, sets no engine flag, or holds something
+            that is not an engine flag or a bad value for one (the message names
+            ``--compare-args``).
+    """
+    from pagedllm.config import EngineArgs
+
+    words = shlex.split(compare_args)
+    if not words:
+        raise ValueError("--compare-args is empty: give the second engine's flags, e.g. '--quantization int8'")
+
+    class _Parser(argparse.ArgumentParser):
+        def error(self, message):            # argparse exits; a bench flag error is a ValueError
+            raise ValueError(f"--compare-args {compare_args!r}: {message}")
+
+    p = _Parser(prog="--compare-args", add_help=False)
+    EngineArgs.add_cli_args(p)
+    ns = argparse.Namespace(**vars(args))
+    extra = p.parse_known_args(words, namespace=ns)[1]
+    if extra:
+        raise ValueError(f"--compare-args {compare_args!r}: not engine flags: {' '.join(extra)}")
+    return ns
+
+
+@dataclass
+class EngineTally:
+    """One engine's share of a paired run: ``seconds`` of its own steps, ``steps`` taken,
+    ``output_tokens`` of its finished requests."""
+    seconds: float = 0.0
+    steps: int = 0
+    output_tokens: int = 0
+    finished: int = 0
+
+    @property
+    def output_tokens_per_s(self) -> float:
+        return self.output_tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+@dataclass
+class PairedResult:
+    """Per round, each engine's tally (``rounds[i][j]``: round i, engine j)."""
+    rounds: list[list[EngineTally]] = field(default_factory=list)
+
+    def ratios(self) -> list[float]:
+        """Second engine's output tokens/s over the first's, per round."""
+        return [r[1].output_tokens_per_s / r[0].output_tokens_per_s for r in self.rounds]
+
+    def geometric_mean_ratio(self) -> float:
+        rs = self.ratios()
+        return math.exp(sum(math.log(r) for r in rs) / len(rs))
+
+    def total(self, j: int) -> EngineTally:
+        """Engine ``j``'s tallies summed over the rounds."""
+        t = EngineTally()
+        for r in self.rounds:
+            t.seconds += r[j].seconds
+            t.steps += r[j].steps
+            t.output_tokens += r[j].output_tokens
+            t.finished += r[j].finished
+        return t
+
+
+def _one_turn(engine, tally: EngineTally, steps: int) -> None:
+    for _ in range(steps):
+        if not engine.has_unfinished_requests():
+            return
+        t = time.perf_counter()
+        outs = engine.step()
+        tally.seconds += time.perf_counter() - t
+        tally.steps += 1
+        for o in outs:
+            if o.finished:
+                tally.finished += 1
+                tally.output_tokens += len(o.outputs[0].token_ids)
+
+
+def run_paired(llms: list, prompts: list[list[int]], sampling_params, rounds: int,
+               interleave_steps: int) -> PairedResult:
+    """Run ``prompts`` (token-id lists) on both ``llms`` (two ``LLM`` objects, already
+    warmed up) ``rounds`` times, the engines taking turns of ``interleave_steps`` steps;
+    the first engine starts odd rounds and the second even ones. Each round resets both
+    prefix caches first, so no round reuses another's KV blocks.
+
+    Raises:
+        ValueError: not two engines, or a round count or turn length below 1.
+    """
+    if len(llms) != 2:
+        raise ValueError(f"run_paired compares two engines, got {len(llms)}")
+    if rounds < 1 or interleave_steps < 1:
+        raise ValueError("rounds and interleave_steps must be >= 1")
+    result = PairedResult()
+    for r in range(rounds):
+        tallies = [EngineTally(), EngineTally()]
+        engines = [llm.llm_engine for llm in llms]
+        for llm, eng in zip(llms, engines):
+            llm.reset_prefix_cache()
+            for p in prompts:
+                eng.add_request(eng.next_request_id(), {"prompt_token_ids": p}, sampling_params)
+        order = [0, 1] if r % 2 == 0 else [1, 0]
+        while any(e.has_unfinished_requests() for e in engines):
+            for j in order:
+                _one_turn(engines[j], tallies[j], interleave_steps)
+        result.rounds.append(tallies)
+    return result
