@@ -104,8 +104,11 @@ void load_config() {
 // accumulators (float32 for bf16, int32 for u8 x s8).
 // pf: null, or the start of the next column pair's weights (2 * kblocks KiB, contiguous);
 // each k step then prefetches the next 2 KiB of them into L2, so the next pair's weights
-// stream in while this one computes (without it, a decode call of 64 rows loaded each
-// pair's tiles from memory and then computed, and ran at half the bandwidth of 16 rows).
+// stream in while this one computes rather than after it: 1.02-1.06x for decode's 1-64
+// rows on the Intel Xeon (docs/benchmarks.md, 2026-12-05 afternoon). Prefetching the A
+// rows of the next block into L1 as well was slower (0.8-0.9x): with 2 x 2 tiles a block,
+// the A tiles read from L2 bound prefill's tile products (~1.9 TOP/s a core, against ~4.2
+// with every operand in L1; a standalone loop, same 2 x 2 blocking).
 template <int MA, int NB, typename Acc>
 inline void block(const char* a, int64_t lda, const char* b0, const char* b1, int64_t kblocks, Acc* c,
                   const char* pf = nullptr) {
