@@ -24,6 +24,7 @@ def no_model_load(monkeypatch):
     (["--top-p", "1.5"], "--top-p"),
     (["--seed-sampling", str(2**63)], "--seed-sampling"),
     (["--max-model-len", "0"], "max_model_len"),
+    (["-q", "int4x"], "--quantization: "),
 ])
 def test_bad_flag_rejected_before_loading(no_model_load, capsys, argv, flag):
     assert cli.main(["generate", "hello", *argv]) == 2

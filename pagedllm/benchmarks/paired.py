@@ -29,9 +29,9 @@ def compare_namespace(args: argparse.Namespace, compare_args: str) -> argparse.N
     ``"--quantization int8"``) parsed over it: the second engine's settings.
 
     Raises:
-        ValueError: ``compare_args`` is empty, sets no engine flag, or holds something
-            that is not an engine flag or a bad value for one (the message names
-            ``--compare-args``).
+        ValueError: ``compare_args`` is empty, or holds something that is not an engine
+            flag, or a value its flag or ``EngineArgs.validate`` refuses (the message
+            names ``--compare-args`` and the flag).
     """
     from pagedllm.config import EngineArgs
 
@@ -49,6 +49,12 @@ def compare_namespace(args: argparse.Namespace, compare_args: str) -> argparse.N
     extra = p.parse_known_args(words, namespace=ns)[1]
     if extra:
         raise ValueError(f"--compare-args {compare_args!r}: not engine flags: {' '.join(extra)}")
+    try:   # checked now, not after the first engine has loaded
+        EngineArgs.from_cli_args(ns).validate()
+    except ValueError as e:
+        flag = getattr(e, "param", None)
+        raise ValueError(f"--compare-args {compare_args!r}: "
+                         + (f"--{flag.replace('_', '-')}: " if flag else "") + str(e)) from e
     return ns
 
 

@@ -137,6 +137,7 @@ def paired_main(args, prompts, arch) -> int:
 
     if args.backend != "pagedllm":
         raise ValueError("--compare-args compares two pagedllm engines: use --backend pagedllm")
+    EngineArgs.from_cli_args(args).validate()   # the first engine's flags, before either loads
     namespaces = [args, compare_namespace(args, args.compare_args)]
     llms = []
     try:

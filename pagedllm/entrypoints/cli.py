@@ -174,14 +174,45 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Flags whose value is itself a string of flags (``bench throughput --compare-args``):
+# argparse takes "--compare-args -q int8" for a flag without its value, so the word after
+# such a flag is attached to it ("--compare-args=-q int8") before parsing.
+_FLAGS_OF_FLAGS = ("--compare-args",)
+
+
+def _attach_flag_values(argv: list[str]) -> list[str]:
+    out, i = [], 0
+    while i < len(argv):
+        if argv[i] in _FLAGS_OF_FLAGS and i + 1 < len(argv):
+            out.append(f"{argv[i]}={argv[i + 1]}")
+            i += 2
+        else:
+            out.append(argv[i])
+            i += 1
+    return out
+
+
+def _engine_flag_prefix(e: Exception) -> str:
+    """"--flag-name: " for an error naming an engine setting (``InvalidParameterError`` whose
+    ``param`` is an ``EngineArgs`` field), so that the CLI's message names the flag; else ""."""
+    import dataclasses
+
+    from pagedllm.config import EngineArgs
+    from pagedllm.errors import InvalidParameterError
+
+    if isinstance(e, InvalidParameterError) and e.param in {f.name for f in dataclasses.fields(EngineArgs)}:
+        return f"--{e.param.replace('_', '-')}: "
+    return ""
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(_attach_flag_values(sys.argv[1:] if argv is None else list(argv)))
     _setup_logging(args.log_level)
     try:
         return int(args.func(args) or 0)
     except (ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {_engine_flag_prefix(e)}{e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

@@ -29,7 +29,9 @@ def test_compare_flags_parse_over_the_first_engines():
 
 
 @pytest.mark.parametrize("flags, words", [("", "empty"), ("--bogus 3", "not engine flags: --bogus 3"),
-                                          ("--max-num-seqs many", "invalid"), ("-q", "expected one argument")])
+                                          ("--max-num-seqs many", "invalid"), ("-q", "expected one argument"),
+                                          ("-q int4x", "--quantization: "),
+                                          ("--max-num-seqs 0", "max_num_seqs must be a positive int")])
 def test_bad_compare_flags_are_value_errors_naming_the_flag(flags, words):
     with pytest.raises(ValueError, match="--compare-args") as e:
         compare_namespace(_args(), flags)
@@ -92,3 +94,20 @@ def test_throughput_cli_reports_each_round(tmp_path, capsys):
     bad = build_parser().parse_args(["bench", "throughput", "--backend", "hf", "--compare-args=-q int8"])
     with pytest.raises(ValueError, match="--backend pagedllm"):
         bad.func(bad)
+
+
+def test_the_cli_takes_the_flags_after_a_space_and_checks_them_before_loading(monkeypatch, capsys):
+    """``--compare-args "-q int4x"`` (a space, not "="): argparse alone would read "-q int4x"
+    as a flag; the CLI attaches it, and both engines' flags are checked before any loads."""
+    import pagedllm
+    from pagedllm.entrypoints import cli
+
+    def load(*a, **k):
+        raise AssertionError("an engine loaded before the flags were checked")
+
+    monkeypatch.setattr(pagedllm, "LLM", load)
+    assert cli.main(["bench", "throughput", "--compare-args", "-q int4x"]) == 2
+    assert "--compare-args '-q int4x': --quantization: " in capsys.readouterr().err
+    assert cli.main(["bench", "throughput", "--max-num-seqs", "0", "--compare-args", "-q int8"]) == 2
+    err = capsys.readouterr().err
+    assert "max_num_seqs must be a positive int" in err and "--compare-args" not in err   # the first engine's
