@@ -306,6 +306,16 @@ def main(args) -> int:
     unknown = [n for n in names if n not in KV_CACHE_DTYPES]
     if not names or unknown:
         raise ValueError(f"--kv-cache-dtypes: unknown {unknown or names}; choose from {', '.join(KV_CACHE_DTYPES)}")
+    # names of one cache type (fp8 = fp8_e4m3; auto = the model's dtype) run once, as the first
+    from pagedllm.config import resolve_kv_cache_dtype
+
+    seen: dict[torch.dtype, str] = {}
+    for n in names:
+        seen.setdefault(resolve_kv_cache_dtype(n, _MODEL_DTYPES[args.dtype]), n)
+    if len(seen) < len(names):
+        dropped = [n for n in names if n not in seen.values()]
+        print(f"--kv-cache-dtypes: {', '.join(dropped)} name a cache type already listed; run once")
+        names = list(seen.values())
     if args.num_heads % args.num_kv_heads:
         raise ValueError("--num-heads must be a multiple of --num-kv-heads")
     if args.num_threads:

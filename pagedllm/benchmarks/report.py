@@ -60,6 +60,25 @@ def json_safe(o: Any) -> Any:
     return o
 
 
+def check_output_file(path: str, flag: str = "--output-json") -> None:
+    """Check, before a benchmark runs, that ``save_json`` can write ``path`` afterwards: not
+    a directory, and its nearest existing parent a writable directory.
+
+    Raises:
+        ValueError: naming ``flag``, where it cannot.
+    """
+    p = os.path.abspath(path)
+    if os.path.isdir(p):
+        raise ValueError(f"{flag} {path!r} is a directory; give a file name")
+    parent = os.path.dirname(p)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise ValueError(f"{flag} {path!r}: {parent!r} is a file, not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"{flag} {path!r}: cannot write in {parent!r}")
+
+
 def save_json(obj: dict, path: str) -> None:
     """Write ``obj`` to ``path`` as strict, indented JSON (see :func:`json_safe`; other
     non-JSON values via ``str``), creating parent directories. Raises ``OSError``."""

@@ -30,6 +30,20 @@ def test_attention_bench_report(tmp_path, capsys):
     assert "ms/step x30" in capsys.readouterr().out
 
 
+def test_names_of_one_cache_type_run_once(tmp_path, capsys):
+    """fp8 is fp8_e4m3, and auto is the model's dtype: each type is timed once, under the
+    first name given."""
+    from pagedllm.entrypoints.cli import build_parser
+
+    out = tmp_path / "attn.json"
+    args = build_parser().parse_args([
+        "bench", "attention", "--kv-cache-dtypes", "fp8,float32,fp8_e4m3,auto", "--num-requests", "2",
+        "--context-len", "20", "--cache-layers", "1", "--iters", "1", "--output-json", str(out)])
+    assert args.func(args) == 0
+    assert [r["kv_cache_dtype"] for r in json.loads(out.read_text())["runs"]] == ["float8_e4m3fn", "float32"]
+    assert "fp8_e4m3, auto name a cache type already listed" in capsys.readouterr().out
+
+
 def test_contiguous_blocks_follow_one_another():
     from pagedllm.benchmarks.attention import _decode_metadata
 

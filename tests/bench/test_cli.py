@@ -112,3 +112,23 @@ def test_sweep_rejects_trace(tmp_path, capsys):
     assert run_cli(["bench", "sweep", "--dataset", "trace", "--dataset-path", str(p), "--concurrencies", "1",
                     "--slo", "ttft:1"]) == 2
     assert "--trace-speedup" in capsys.readouterr().err
+
+
+def test_output_json_is_checked_before_the_benchmark_runs(tmp_path, monkeypatch, capsys):
+    """A result file the run could not write is refused before the run (minutes), naming
+    the flag: a directory, or a path under a file."""
+    from pagedllm.benchmarks import throughput
+    from pagedllm.entrypoints import cli
+
+    def run(*a, **k):
+        raise AssertionError("the benchmark ran before --output-json was checked")
+
+    monkeypatch.setattr(throughput, "throughput_main", run)
+    (tmp_path / "f").write_text("")
+    for bad, words in ((tmp_path, "is a directory"), (tmp_path / "f" / "r.json", "is a file, not a directory")):
+        assert cli.main(["bench", "throughput", "--output-json", str(bad)]) == 2
+        err = capsys.readouterr().err
+        assert "--output-json" in err and words in err, err
+    from pagedllm.benchmarks.report import check_output_file
+
+    check_output_file(str(tmp_path / "new" / "dir" / "r.json"))    # parents to be made: fine
