@@ -24,18 +24,32 @@ import time
 from dataclasses import dataclass, field
 
 
+# Settings of the process, not of an engine: a second engine in the same process cannot
+# have its own (why, for the error message).
+_SHARED_SETTINGS = {
+    "num_threads": "torch's thread count is the process's: the second engine would set it for both",
+    "engine_process": "both engines run their cores in this process here",
+    "profile_dir": "torch's profiler traces one engine a process",
+}
+
+
 def compare_namespace(args: argparse.Namespace, compare_args: str) -> argparse.Namespace:
     """``args`` with the engine flags in ``compare_args`` (a shell-quoted string such as
     ``"--quantization int8"``) parsed over it: the second engine's settings.
 
     Raises:
-        ValueError: ``compare_args`` is empty, or holds something that is not an engine
-            flag, or a value its flag or ``EngineArgs.validate`` refuses (the message
-            names ``--compare-args`` and the flag).
+        ValueError: ``compare_args`` is empty or not shell-quoted right, or holds
+            something that is not an engine flag, a value its flag or
+            ``EngineArgs.validate`` refuses, or a setting of the process
+            (``_SHARED_SETTINGS``: threads, engine process, profile directory) different
+            from the first engine's (the message names ``--compare-args`` and the flag).
     """
     from pagedllm.config import EngineArgs
 
-    words = shlex.split(compare_args)
+    try:
+        words = shlex.split(compare_args)
+    except ValueError as e:        # shlex: "No closing quotation" and the like
+        raise ValueError(f"--compare-args {compare_args!r}: {e}") from None
     if not words:
         raise ValueError("--compare-args is empty: give the second engine's flags, e.g. '--quantization int8'")
 
@@ -49,6 +63,10 @@ def compare_namespace(args: argparse.Namespace, compare_args: str) -> argparse.N
     extra = p.parse_known_args(words, namespace=ns)[1]
     if extra:
         raise ValueError(f"--compare-args {compare_args!r}: not engine flags: {' '.join(extra)}")
+    for name in _SHARED_SETTINGS:
+        if getattr(ns, name) != getattr(args, name):
+            raise ValueError(f"--compare-args {compare_args!r}: --{name.replace('_', '-')} cannot differ between "
+                             f"the two engines ({_SHARED_SETTINGS[name]})")
     try:   # checked now, not after the first engine has loaded
         EngineArgs.from_cli_args(ns).validate()
     except ValueError as e:
@@ -111,27 +129,35 @@ def _one_turn(engine, tally: EngineTally, steps: int) -> None:
 
 
 def run_paired(llms: list, prompts: list[list[int]], sampling_params, rounds: int,
-               interleave_steps: int) -> PairedResult:
+               interleave_steps: int, names: list[str] | None = None) -> PairedResult:
     """Run ``prompts`` (token-id lists) on both ``llms`` (two ``LLM`` objects, already
     warmed up) ``rounds`` times, the engines taking turns of ``interleave_steps`` steps;
     the first engine starts odd rounds and the second even ones. Each round resets both
     prefix caches first, so no round reuses another's KV blocks.
 
     Raises:
-        ValueError: not two engines, or a round count or turn length below 1.
+        ValueError: not two engines, or a round count or turn length below 1; or an engine
+            refuses the prompts (e.g. longer than its ``max_model_len``): the message
+            starts with that engine's entry of ``names`` (default "engine A" / "engine B").
     """
     if len(llms) != 2:
         raise ValueError(f"run_paired compares two engines, got {len(llms)}")
     if rounds < 1 or interleave_steps < 1:
         raise ValueError("rounds and interleave_steps must be >= 1")
+    names = names or ["engine A", "engine B"]
     result = PairedResult()
     for r in range(rounds):
         tallies = [EngineTally(), EngineTally()]
         engines = [llm.llm_engine for llm in llms]
-        for llm, eng in zip(llms, engines):
+        for name, llm, eng in zip(names, llms, engines):
             llm.reset_prefix_cache()
-            for p in prompts:
-                eng.add_request(eng.next_request_id(), {"prompt_token_ids": p}, sampling_params)
+            try:
+                for p in prompts:
+                    eng.add_request(eng.next_request_id(), {"prompt_token_ids": p}, sampling_params)
+            except ValueError as e:
+                for e2 in engines:     # nothing left queued in either
+                    e2.abort_request(e2.unfinished_request_ids())
+                raise ValueError(f"{name}: {e}") from e
         order = [0, 1] if r % 2 == 0 else [1, 0]
         while any(e.has_unfinished_requests() for e in engines):
             for j in order:

@@ -38,7 +38,8 @@ def register(subparsers: "argparse._SubParsersAction") -> None:
                         "(e.g. '--quantization int8'); both load at once, in this process, and take "
                         "turns of --interleave-steps steps on the same prompts, so that a machine "
                         "whose speed drifts treats them alike; prints each one's output tokens/s over "
-                        "its own step time, and their ratio per round")
+                        "its own step time, and their ratio per round (--num-threads and --engine-process "
+                        "are the process's and cannot differ; --profile-dir is refused)")
     p.add_argument("--rounds", type=positive_int, default=3, help="rounds of the paired run (--compare-args)")
     p.add_argument("--interleave-steps", type=positive_int, default=4,
                    help="engine steps a turn in the paired run (--compare-args)")
@@ -128,32 +129,52 @@ def _engine_label(ns) -> str:
 
 def paired_main(args, prompts, arch) -> int:
     """``bench throughput --compare-args``: the engine of the command's flags and the one
-    of those flags plus ``--compare-args``, timed in turns (``benchmarks/paired.py``)."""
+    of those flags plus ``--compare-args``, timed in turns (``benchmarks/paired.py``); the
+    report is printed (and saved) before the engines shut down.
+
+    Raises:
+        ValueError: ``--backend`` other than pagedllm; ``--profile-dir`` (one profiler a
+            process); a bad flag of either engine (checked before either loads), or an
+            engine that fails to load or to take the prompts (the message says which).
+    """
     from pagedllm import LLM, SamplingParams
-    from pagedllm.benchmarks.machine import machine_info
     from pagedllm.config import EngineArgs
 
     from .paired import compare_namespace, run_paired
 
     if args.backend != "pagedllm":
         raise ValueError("--compare-args compares two pagedllm engines: use --backend pagedllm")
+    if args.profile_dir:
+        raise ValueError("--profile-dir cannot be used with --compare-args: torch's profiler traces one "
+                         "engine a process; profile each configuration in its own run")
     EngineArgs.from_cli_args(args).validate()   # the first engine's flags, before either loads
     namespaces = [args, compare_namespace(args, args.compare_args)]
+    names = ["the command's engine (A)", f"--compare-args {args.compare_args!r} (B)"]
     llms = []
     try:
-        for ns in namespaces:
+        for name, ns in zip(names, namespaces):
             ea = EngineArgs.from_cli_args(ns)
             kwargs = {k: v for k, v in vars(ea).items() if k not in ("model", "engine_process")}
-            llm = LLM(model=ea.model, engine_process=False, **kwargs)
-            llms.append(llm)
-            llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
-                         use_tqdm=False)
+            try:
+                llm = LLM(model=ea.model, engine_process=False, **kwargs)
+                llms.append(llm)
+                llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                             use_tqdm=False)
+            except (ValueError, FileNotFoundError) as e:
+                raise ValueError(f"{name}: {e}") from e
         sp = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
-        res = run_paired(llms, prompts, sp, args.rounds, args.interleave_steps)
+        res = run_paired(llms, prompts, sp, args.rounds, args.interleave_steps, names)
         dtypes = [str(llm.llm_engine.config.dtype).removeprefix("torch.") for llm in llms]
+        _paired_report(args, namespaces, dtypes, res)
     finally:
         for llm in llms:
             llm.shutdown()
+    return 0
+
+
+def _paired_report(args, namespaces, dtypes, res) -> None:
+    from pagedllm.benchmarks.machine import machine_info
+
     machine = machine_info()
     labels = [f"A: {_engine_label(namespaces[0])} ({dtypes[0]})",
               f"B: {_engine_label(namespaces[1])} ({dtypes[1]}; --compare-args {args.compare_args!r})"]
@@ -165,11 +186,13 @@ def paired_main(args, prompts, arch) -> int:
     rounds = []
     for i, (ta, tb) in enumerate(res.rounds):
         ratio = tb.output_tokens_per_s / ta.output_tokens_per_s
-        rounds.append({"a_output_tokens_per_s": round(ta.output_tokens_per_s, 1), "a_step_s": round(ta.seconds, 2),
-                       "b_output_tokens_per_s": round(tb.output_tokens_per_s, 1), "b_step_s": round(tb.seconds, 2),
-                       "ratio_b_over_a": round(ratio, 3)})
-        print(f"round {i + 1}: A {ta.output_tokens_per_s:.1f} tok/s ({ta.seconds:.2f} s, {ta.steps} steps) | "
-              f"B {tb.output_tokens_per_s:.1f} tok/s ({tb.seconds:.2f} s, {tb.steps} steps) | B/A {ratio:.3f}x")
+        rounds.append({"a_output_tokens": ta.output_tokens, "a_step_s": round(ta.seconds, 4), "a_steps": ta.steps,
+                       "a_output_tokens_per_s": round(ta.output_tokens_per_s, 1),
+                       "b_output_tokens": tb.output_tokens, "b_step_s": round(tb.seconds, 4), "b_steps": tb.steps,
+                       "b_output_tokens_per_s": round(tb.output_tokens_per_s, 1), "ratio_b_over_a": round(ratio, 4)})
+        print(f"round {i + 1}: A {ta.output_tokens_per_s:.1f} tok/s ({ta.output_tokens} tokens, {ta.seconds:.2f} s, "
+              f"{ta.steps} steps) | B {tb.output_tokens_per_s:.1f} tok/s ({tb.output_tokens} tokens, "
+              f"{tb.seconds:.2f} s, {tb.steps} steps) | B/A {ratio:.3f}x")
     ta, tb = res.total(0), res.total(1)
     ratios = res.ratios()
     print(f"all rounds: A {ta.output_tokens_per_s:.1f} | B {tb.output_tokens_per_s:.1f} output tok/s of step time; "
@@ -181,10 +204,9 @@ def paired_main(args, prompts, arch) -> int:
                    "interleave_steps": args.interleave_steps, "engines": labels, "rounds": rounds,
                    "a_output_tokens_per_s": round(ta.output_tokens_per_s, 1),
                    "b_output_tokens_per_s": round(tb.output_tokens_per_s, 1),
-                   "ratio_b_over_a": round(tb.output_tokens_per_s / ta.output_tokens_per_s, 3),
-                   "ratio_geometric_mean_of_rounds": round(res.geometric_mean_ratio(), 3)},
+                   "ratio_b_over_a": round(tb.output_tokens_per_s / ta.output_tokens_per_s, 4),
+                   "ratio_geometric_mean_of_rounds": round(res.geometric_mean_ratio(), 4)},
                   args.output_json)
-    return 0
 
 
 def load_hf_model(args):

@@ -31,7 +31,11 @@ def test_compare_flags_parse_over_the_first_engines():
 @pytest.mark.parametrize("flags, words", [("", "empty"), ("--bogus 3", "not engine flags: --bogus 3"),
                                           ("--max-num-seqs many", "invalid"), ("-q", "expected one argument"),
                                           ("-q int4x", "--quantization: "),
-                                          ("--max-num-seqs 0", "max_num_seqs must be a positive int")])
+                                          ("--max-num-seqs 0", "max_num_seqs must be a positive int"),
+                                          ("'-q int8", "No closing quotation"),
+                                          ("--num-threads 1", "--num-threads cannot differ"),
+                                          ("--no-engine-process", "--engine-process cannot differ"),
+                                          ("--profile-dir /tmp/p", "--profile-dir cannot differ")])
 def test_bad_compare_flags_are_value_errors_naming_the_flag(flags, words):
     with pytest.raises(ValueError, match="--compare-args") as e:
         compare_namespace(_args(), flags)
@@ -111,3 +115,19 @@ def test_the_cli_takes_the_flags_after_a_space_and_checks_them_before_loading(mo
     assert cli.main(["bench", "throughput", "--max-num-seqs", "0", "--compare-args", "-q int8"]) == 2
     err = capsys.readouterr().err
     assert "max_num_seqs must be a positive int" in err and "--compare-args" not in err   # the first engine's
+
+
+def test_an_engine_that_fails_is_named_and_profiling_is_refused(capsys):
+    """An engine that cannot load, or cannot take the prompts, is named in the error (the
+    command's engine or --compare-args's); --profile-dir is refused before anything loads."""
+    from pagedllm.entrypoints import cli
+
+    base = ["bench", "throughput", "--num-prompts", "2", "--input-len", "16", "--output-len", "2", "--dtype",
+            "float32", "--kv-cache-memory", "32MiB", "--max-model-len", "64"]
+    assert cli.main([*base, "--profile-dir", "/tmp/never", "--compare-args=-q int8"]) == 2
+    assert "--profile-dir cannot be used with --compare-args" in capsys.readouterr().err
+    assert cli.main([*base, "--compare-args=--model /nonexistent/m.gguf"]) == 2
+    assert "--compare-args '--model /nonexistent/m.gguf' (B): " in capsys.readouterr().err
+    assert cli.main([*base, "--compare-args=--max-model-len 8"]) == 2
+    err = capsys.readouterr().err
+    assert "--compare-args '--max-model-len 8' (B): " in err and "max_model_len" in err, err
