@@ -27,7 +27,7 @@ import torch
 
 from pagedllm.worker.prefill import calibrate_smoothquant, prefill_logits
 
-from .report import save_json
+from .report import output_file, save_json
 from .serve_options import positive_int
 
 EVAL_TEXT_PATH = os.path.join(os.path.dirname(__file__), "data", "eval_text.txt")
@@ -111,7 +111,7 @@ def register(subparsers: "argparse._SubParsersAction") -> None:
     p.add_argument("--kv-cache-dtype", nargs="*", default=[],
                    help="KV-cache dtypes to compare too (greedy agreement; unquantized weights)")
     p.add_argument("--max-tokens", type=positive_int, default=64, help="greedy tokens per prompt")
-    p.add_argument("--output-json", default=None)
+    p.add_argument("--output-json", default=None, type=output_file)
     p.set_defaults(func=accuracy_main)
 
 

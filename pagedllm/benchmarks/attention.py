@@ -38,7 +38,7 @@ import time
 import numpy as np
 import torch
 
-from pagedllm.benchmarks.report import save_json
+from pagedllm.benchmarks.report import output_file, save_json
 from pagedllm.benchmarks.serve_options import positive_int
 
 # --kv-cache-dtype names this benchmark accepts -> how the model's dtype names them
@@ -173,7 +173,7 @@ def register(subparsers: "argparse._SubParsersAction") -> None:
     p.add_argument("--against", default=None, metavar="REV",
                    help="A/B this tree's C++ kernel against the one at git revision REV (built apart; "
                         "the two take turns call by call)")
-    p.add_argument("--output-json", default=None)
+    p.add_argument("--output-json", default=None, type=output_file)
     p.set_defaults(func=main)
 
 

@@ -22,7 +22,7 @@ import time
 import numpy as np
 import torch
 
-from pagedllm.benchmarks.report import save_json
+from pagedllm.benchmarks.report import output_file, save_json
 from pagedllm.benchmarks.serve_options import positive_int
 
 
@@ -117,7 +117,7 @@ def register(subparsers: "argparse._SubParsersAction") -> None:
     p.add_argument("--output-len", type=positive_int, default=64)
     p.add_argument("--repeats", type=positive_int, default=3, help="runs; the best (lowest host time) is kept")
     p.add_argument("--num-threads", type=positive_int, default=None)
-    p.add_argument("--output-json", default=None)
+    p.add_argument("--output-json", default=None, type=output_file)
     p.set_defaults(func=main)
 
 

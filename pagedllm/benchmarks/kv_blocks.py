@@ -21,7 +21,7 @@ import time
 
 import numpy as np
 
-from pagedllm.benchmarks.report import save_json
+from pagedllm.benchmarks.report import output_file, save_json
 from pagedllm.benchmarks.serve_options import positive_int
 
 
@@ -117,5 +117,5 @@ def register(subparsers: "argparse._SubParsersAction") -> None:
     p.add_argument("--kv-cache-memory", default="2GiB")
     p.add_argument("--max-num-batched-tokens", type=positive_int, default=2048)
     p.add_argument("--num-threads", type=positive_int, default=None)
-    p.add_argument("--output-json", default=None)
+    p.add_argument("--output-json", default=None, type=output_file)
     p.set_defaults(func=main)

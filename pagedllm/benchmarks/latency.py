@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from .report import save_json
+from .report import output_file, save_json
 from .serve_options import positive_int
 
 
@@ -41,7 +41,7 @@ def register(subparsers: "argparse._SubParsersAction") -> None:
     p.add_argument("--rounds", type=positive_int, default=1,
                    help="rounds taking the backends in turn, all loaded at once (a machine whose speed "
                         "drifts then treats them alike; the ratio of each round is printed)")
-    p.add_argument("--output-json", default=None)
+    p.add_argument("--output-json", default=None, type=output_file)
     EngineArgs.add_cli_args(p)
     p.set_defaults(func=latency_main)
 

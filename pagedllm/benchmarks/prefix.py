@@ -14,7 +14,7 @@ import time
 
 import numpy as np
 
-from .report import save_json
+from .report import output_file, save_json
 from .serve_options import positive_int
 
 
@@ -29,7 +29,7 @@ def register(subparsers: "argparse._SubParsersAction") -> None:
     p.add_argument("--suffix-len", type=int, default=20)
     p.add_argument("--output-len", type=positive_int, default=32)
     p.add_argument("--modes", default="on,off", help="which runs, in order: on, off or both")
-    p.add_argument("--output-json", default=None)
+    p.add_argument("--output-json", default=None, type=output_file)
     EngineArgs.add_cli_args(p)
     p.set_defaults(func=prefix_main)
 

@@ -60,23 +60,27 @@ def json_safe(o: Any) -> Any:
     return o
 
 
-def check_output_file(path: str, flag: str = "--output-json") -> None:
-    """Check, before a benchmark runs, that ``save_json`` can write ``path`` afterwards: not
-    a directory, and its nearest existing parent a writable directory.
+def output_file(path: str) -> str:
+    """The ``--output-json`` argparse type: ``path``, once it is clear that ``save_json`` can
+    write it after the benchmark has run: not a directory, and its nearest existing parent a
+    writable directory (a bad path is then refused before a run of minutes, not after it).
 
     Raises:
-        ValueError: naming ``flag``, where it cannot.
+        argparse.ArgumentTypeError: where it cannot (argparse names the flag).
     """
+    import argparse
+
     p = os.path.abspath(path)
     if os.path.isdir(p):
-        raise ValueError(f"{flag} {path!r} is a directory; give a file name")
+        raise argparse.ArgumentTypeError(f"{path!r} is a directory; give a file name")
     parent = os.path.dirname(p)
     while not os.path.exists(parent):
         parent = os.path.dirname(parent)
     if not os.path.isdir(parent):
-        raise ValueError(f"{flag} {path!r}: {parent!r} is a file, not a directory")
+        raise argparse.ArgumentTypeError(f"{path!r}: {parent!r} is a file, not a directory")
     if not os.access(parent, os.W_OK | os.X_OK):
-        raise ValueError(f"{flag} {path!r}: cannot write in {parent!r}")
+        raise argparse.ArgumentTypeError(f"{path!r}: cannot write in {parent!r}")
+    return path
 
 
 def save_json(obj: dict, path: str) -> None:

@@ -22,7 +22,7 @@ import argparse
 import statistics
 import time
 
-from .report import save_json
+from .report import output_file, save_json
 from .serve_options import positive_int
 
 MODES = ("greedy", "sampling", "json")
@@ -129,5 +129,5 @@ def register(subparsers: "argparse._SubParsersAction") -> None:
     p.add_argument("--num-prompts", type=positive_int, default=32, help="concurrent requests")
     p.add_argument("--output-len", type=positive_int, default=128)
     p.add_argument("--repeats", type=positive_int, default=3, help="rounds of all modes (median reported)")
-    p.add_argument("--output-json", default=None)
+    p.add_argument("--output-json", default=None, type=output_file)
     p.set_defaults(func=sampling_main)

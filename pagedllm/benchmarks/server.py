@@ -23,7 +23,7 @@ import subprocess
 import sys
 import time
 
-from .report import save_json
+from .report import output_file, save_json
 from .serve_options import positive_int
 
 MODES = ("process", "inprocess")
@@ -44,7 +44,7 @@ def register(subparsers: "argparse._SubParsersAction") -> None:
     p.add_argument("--output-len", type=positive_int, default=128)
     p.add_argument("--health-interval", type=float, default=0.05, help="seconds between /health probes")
     p.add_argument("--no-offline", action="store_true", help="skip the offline LLM run")
-    p.add_argument("--output-json", default=None)
+    p.add_argument("--output-json", default=None, type=output_file)
     EngineArgs.add_cli_args(p)
     p.set_defaults(func=server_main)
 

@@ -25,7 +25,7 @@ import argparse
 import json
 import time
 
-from .report import save_json
+from .report import output_file, save_json
 from .serve_options import positive_int
 
 _CODE = [
@@ -138,7 +138,7 @@ def register(subparsers: "argparse._SubParsersAction") -> None:
     p.add_argument("--workloads", nargs="+", default=["copy", "random"], choices=list(WORKLOADS))
     p.add_argument("--concurrency", nargs="+", type=positive_int, default=[1, 8])
     p.add_argument("--output-len", type=positive_int, default=128)
-    p.add_argument("--output-json", default=None)
+    p.add_argument("--output-json", default=None, type=output_file)
     EngineArgs.add_cli_args(p)
     p.set_defaults(func=spec_main)
 

@@ -15,7 +15,7 @@ import time
 import numpy as np
 import torch
 
-from .report import save_json
+from .report import output_file, save_json
 from .serve_options import positive_int
 
 
@@ -43,7 +43,7 @@ def register(subparsers: "argparse._SubParsersAction") -> None:
     p.add_argument("--rounds", type=positive_int, default=3, help="rounds of the paired run (--compare-args)")
     p.add_argument("--interleave-steps", type=positive_int, default=4,
                    help="engine steps a turn in the paired run (--compare-args)")
-    p.add_argument("--output-json", default=None)
+    p.add_argument("--output-json", default=None, type=output_file)
     EngineArgs.add_cli_args(p)
     p.set_defaults(func=throughput_main)
 

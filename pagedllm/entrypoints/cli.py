@@ -210,10 +210,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(_attach_flag_values(sys.argv[1:] if argv is None else list(argv)))
     _setup_logging(args.log_level)
     try:
-        if getattr(args, "output_json", None):   # a benchmark's result file, checked before it runs
-            from pagedllm.benchmarks.report import check_output_file
-
-            check_output_file(args.output_json)
         return int(args.func(args) or 0)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {_engine_flag_prefix(e)}{e}", file=sys.stderr)

@@ -115,9 +115,10 @@ def test_sweep_rejects_trace(tmp_path, capsys):
 
 
 def test_output_json_is_checked_before_the_benchmark_runs(tmp_path, monkeypatch, capsys):
-    """A result file the run could not write is refused before the run (minutes), naming
-    the flag: a directory, or a path under a file."""
+    """A result file the run could not write is refused when the flags are parsed, before
+    the run (minutes), naming the flag: a directory, or a path under a file."""
     from pagedllm.benchmarks import throughput
+    from pagedllm.benchmarks.report import output_file
     from pagedllm.entrypoints import cli
 
     def run(*a, **k):
@@ -126,9 +127,10 @@ def test_output_json_is_checked_before_the_benchmark_runs(tmp_path, monkeypatch,
     monkeypatch.setattr(throughput, "throughput_main", run)
     (tmp_path / "f").write_text("")
     for bad, words in ((tmp_path, "is a directory"), (tmp_path / "f" / "r.json", "is a file, not a directory")):
-        assert cli.main(["bench", "throughput", "--output-json", str(bad)]) == 2
+        with pytest.raises(SystemExit) as e:
+            cli.main(["bench", "throughput", "--output-json", str(bad)])
+        assert e.value.code == 2
         err = capsys.readouterr().err
-        assert "--output-json" in err and words in err, err
-    from pagedllm.benchmarks.report import check_output_file
-
-    check_output_file(str(tmp_path / "new" / "dir" / "r.json"))    # parents to be made: fine
+        assert "argument --output-json" in err and words in err, err
+    new = str(tmp_path / "new" / "dir" / "r.json")
+    assert output_file(new) == new    # parents to be made: fine
