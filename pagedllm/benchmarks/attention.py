@@ -316,6 +316,11 @@ def main(args) -> int:
         dropped = [n for n in names if n not in seen.values()]
         print(f"--kv-cache-dtypes: {', '.join(dropped)} name a cache type already listed; run once")
         names = list(seen.values())
+    if args.against is not None and not args.against.strip():
+        raise ValueError("--against needs a git revision (e.g. HEAD~1), got an empty one")
+    if args.against is not None and args.attention_backend != "cpu_kernel":
+        raise ValueError(f"--against compares two builds of the C++ kernel; --attention-backend "
+                         f"{args.attention_backend!r} does not apply to it")
     if args.num_heads % args.num_kv_heads:
         raise ValueError("--num-heads must be a multiple of --num-kv-heads")
     if args.num_threads:

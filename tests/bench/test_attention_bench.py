@@ -126,3 +126,14 @@ def test_against_a_kernel_with_other_arguments_is_one_clear_line():
     with pytest.raises(ValueError) as e:
         measure_against(Old(), "old", ["float32"], num_requests=2, context_len=17, cache_layers=1, iters=1)
     assert "takes other arguments" in str(e.value) and "\n" not in str(e.value) and "Invoked" not in str(e.value)
+
+
+@pytest.mark.parametrize("extra, words", [(["--against", " "], "needs a git revision"),
+                                          (["--against", "HEAD", "--attention-backend", "torch"], "does not apply")])
+def test_against_refuses_what_it_cannot_honour(extra, words):
+    """An empty revision ran the plain bench, and another backend was ignored: both are errors."""
+    from pagedllm.entrypoints.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "attention", *extra])
+    with pytest.raises(ValueError, match=words):
+        args.func(args)
