@@ -401,6 +401,15 @@ class EngineArgs:
                                  "keeps it in this one, for debugging")
         return parser
 
+    @staticmethod
+    def flag_prefix(error: Exception) -> str:
+        """``"--flag-name: "`` for an error naming an engine setting (an
+        ``InvalidParameterError`` whose ``param`` is a field here: the CLI flag is its name
+        in kebab case), so that a CLI message can name the flag; else ``""``."""
+        if isinstance(error, InvalidParameterError) and error.param in {f.name for f in dataclasses.fields(EngineArgs)}:
+            return f"--{error.param.replace('_', '-')}: "
+        return ""
+
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
         names = {f.name for f in dataclasses.fields(cls)}

@@ -70,9 +70,7 @@ def compare_namespace(args: argparse.Namespace, compare_args: str) -> argparse.N
     try:   # checked now, not after the first engine has loaded
         EngineArgs.from_cli_args(ns).validate()
     except ValueError as e:
-        flag = getattr(e, "param", None)
-        raise ValueError(f"--compare-args {compare_args!r}: "
-                         + (f"--{flag.replace('_', '-')}: " if flag else "") + str(e)) from e
+        raise ValueError(f"--compare-args {compare_args!r}: {EngineArgs.flag_prefix(e)}{e}") from e
     return ns
 
 
@@ -145,10 +143,10 @@ def run_paired(llms: list, prompts: list[list[int]], sampling_params, rounds: in
     if rounds < 1 or interleave_steps < 1:
         raise ValueError("rounds and interleave_steps must be >= 1")
     names = names or ["engine A", "engine B"]
+    engines = [llm.llm_engine for llm in llms]
     result = PairedResult()
     for r in range(rounds):
         tallies = [EngineTally(), EngineTally()]
-        engines = [llm.llm_engine for llm in llms]
         for name, llm, eng in zip(names, llms, engines):
             llm.reset_prefix_cache()
             try:

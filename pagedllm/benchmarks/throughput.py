@@ -127,7 +127,7 @@ def _engine_label(ns) -> str:
     return f"dtype {ns.dtype}, {q}, kv {ns.kv_cache_dtype}"
 
 
-def paired_main(args, prompts, arch) -> int:
+def paired_main(args, prompts) -> int:
     """``bench throughput --compare-args``: the engine of the command's flags and the one
     of those flags plus ``--compare-args``, timed in turns (``benchmarks/paired.py``); the
     report is printed (and saved) before the engines shut down.
@@ -184,8 +184,8 @@ def _paired_report(args, namespaces, dtypes, res) -> None:
     for lab in labels:
         print("  " + lab)
     rounds = []
-    for i, (ta, tb) in enumerate(res.rounds):
-        ratio = tb.output_tokens_per_s / ta.output_tokens_per_s
+    ratios = res.ratios()
+    for i, ((ta, tb), ratio) in enumerate(zip(res.rounds, ratios)):
         rounds.append({"a_output_tokens": ta.output_tokens, "a_step_s": round(ta.seconds, 4), "a_steps": ta.steps,
                        "a_output_tokens_per_s": round(ta.output_tokens_per_s, 1),
                        "b_output_tokens": tb.output_tokens, "b_step_s": round(tb.seconds, 4), "b_steps": tb.steps,
@@ -194,9 +194,9 @@ def _paired_report(args, namespaces, dtypes, res) -> None:
               f"{ta.steps} steps) | B {tb.output_tokens_per_s:.1f} tok/s ({tb.output_tokens} tokens, "
               f"{tb.seconds:.2f} s, {tb.steps} steps) | B/A {ratio:.3f}x")
     ta, tb = res.total(0), res.total(1)
-    ratios = res.ratios()
+    overall = tb.output_tokens_per_s / ta.output_tokens_per_s
     print(f"all rounds: A {ta.output_tokens_per_s:.1f} | B {tb.output_tokens_per_s:.1f} output tok/s of step time; "
-          f"B/A {tb.output_tokens_per_s / ta.output_tokens_per_s:.3f}x (geometric mean of rounds "
+          f"B/A {overall:.3f}x (geometric mean of rounds "
           f"{res.geometric_mean_ratio():.3f}x, range {min(ratios):.3f}-{max(ratios):.3f}x)")
     if args.output_json:
         save_json({"machine": machine, "num_prompts": args.num_prompts, "input_len": args.input_len,
@@ -204,7 +204,7 @@ def _paired_report(args, namespaces, dtypes, res) -> None:
                    "interleave_steps": args.interleave_steps, "engines": labels, "rounds": rounds,
                    "a_output_tokens_per_s": round(ta.output_tokens_per_s, 1),
                    "b_output_tokens_per_s": round(tb.output_tokens_per_s, 1),
-                   "ratio_b_over_a": round(tb.output_tokens_per_s / ta.output_tokens_per_s, 4),
+                   "ratio_b_over_a": round(overall, 4),
                    "ratio_geometric_mean_of_rounds": round(res.geometric_mean_ratio(), 4)},
                   args.output_json)
 
@@ -265,7 +265,7 @@ def throughput_main(args) -> int:
     arch = load_arch_config(args.model or default_model_path())
     prompts = random_prompts(args.num_prompts, args.input_len, arch.vocab_size, args.seed)
     if args.compare_args is not None:
-        return paired_main(args, prompts, arch)
+        return paired_main(args, prompts)
     results = []
     backends = ["hf", "pagedllm"] if args.backend == "both" else [args.backend]
     for b in backends:

@@ -192,19 +192,6 @@ def _attach_flag_values(argv: list[str]) -> list[str]:
     return out
 
 
-def _engine_flag_prefix(e: Exception) -> str:
-    """"--flag-name: " for an error naming an engine setting (``InvalidParameterError`` whose
-    ``param`` is an ``EngineArgs`` field), so that the CLI's message names the flag; else ""."""
-    import dataclasses
-
-    from pagedllm.config import EngineArgs
-    from pagedllm.errors import InvalidParameterError
-
-    if isinstance(e, InvalidParameterError) and e.param in {f.name for f in dataclasses.fields(EngineArgs)}:
-        return f"--{e.param.replace('_', '-')}: "
-    return ""
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(_attach_flag_values(sys.argv[1:] if argv is None else list(argv)))
@@ -212,7 +199,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except (ValueError, FileNotFoundError) as e:
-        print(f"error: {_engine_flag_prefix(e)}{e}", file=sys.stderr)
+        from pagedllm.config import EngineArgs
+
+        print(f"error: {EngineArgs.flag_prefix(e)}{e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
