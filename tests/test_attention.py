@@ -9,9 +9,9 @@ import torch
 from pagedllm.attention.backend import CommonAttentionMetadata, get_attention_backend
 
 
-def _batch(seed=0, nh=9, nkv=3, hd=64):
+def _batch(seed=0, nh=9, nkv=3, hd=64, bs=16):
     rng = np.random.default_rng(seed)
-    bs, nblocks = 16, 300
+    nblocks = 300 * 16 // bs
     seq_prev = [5, 40, 17, 290, 1, 64]            # decodes: context before this step
     qlens = [1] * len(seq_prev) + [7, 12, 33]      # + chunk on context, fresh prompt, chunk
     ctx = seq_prev + [20, 0, 47]
@@ -180,3 +180,66 @@ def test_attention_layer_bound_to_its_layer_cache(name):
         out = model[1](q, k, v)
     assert (out - ref).abs().max().item() < 1e-5
     assert torch.equal(kv_cache[1], ref_cache) and torch.equal(kv_cache[0], layer_cache)
+
+
+def _kernels_bf16():
+    from pagedllm.kernels.cpu import kernels_for
+    k = kernels_for(torch.device("cpu"), torch.bfloat16)
+    if k is None:
+        pytest.skip("the C++ kernels did not build")
+    return k
+
+
+def test_amx_scores_apply_only_where_they_can():
+    """The AMX q.k path is taken for a bf16 model over a bf16 cache with head_dim % 32 == 0,
+    block_size % 16 == 0 and no sliding window, on a CPU with AMX-BF16, and never else."""
+    k = _kernels_bf16()
+    bf, f32 = torch.bfloat16, torch.float32
+    on_this_cpu = k.amx_bf16_available()
+    assert k.paged_attention_amx_applies(bf, bf, 64, 16, 0) == on_this_cpu
+    assert k.paged_attention_amx_applies(bf, bf, 96, 32, 0) == on_this_cpu
+    for args in [(f32, f32, 64, 16, 0), (bf, f32, 64, 16, 0), (f32, bf, 64, 16, 0),
+                 (bf, torch.float8_e4m3fn, 64, 16, 0), (bf, bf, 48, 16, 0), (bf, bf, 64, 8, 0),
+                 (bf, bf, 64, 16, 128)]:
+        assert not k.paged_attention_amx_applies(*args), args
+    k.paged_attention_set_amx(False)
+    try:
+        assert not k.paged_attention_amx_applies(bf, bf, 64, 16, 0)
+    finally:
+        k.paged_attention_set_amx(True)
+
+
+@pytest.mark.parametrize("bs", [16, 32])
+def test_bf16_scores_paths_agree_with_reference_and_are_invariant(bs):
+    """bf16 over a bf16 cache, with the AMX scores on (where the CPU has AMX-BF16) and off:
+    each matches the float32 reference; and with blocks of 32 (two 16-key tiles a block),
+    a decode alone equals it among neighbours and a chunk split any way equals the whole,
+    bit for bit."""
+    k = _kernels_bf16()
+    c, layer_cache, q, kn, vn, info = _batch(seed=2, bs=bs)
+    layer_cache, q, kn, vn = _as(torch.bfloat16, layer_cache, q, kn, vn)
+    backend = get_attention_backend("cpu_kernel", torch.device("cpu"), torch.bfloat16)
+    ref, _ = _naive(*_as(torch.float32, layer_cache, q, kn, vn), c, info, 0.125)
+    outs = {}
+    for amx in (True, False):
+        k.paged_attention_set_amx(amx)
+        try:
+            outs[amx] = backend.forward(q, kn, vn, layer_cache.clone(), backend.build_metadata(c), 0.125)
+        finally:
+            k.paged_attention_set_amx(True)
+        assert (outs[amx].float() - ref).abs().max().item() < TOL[torch.bfloat16], amx
+    full = outs[True]
+    bt, seq, ctx, qlens, qsl, bs_ = info
+    i = 3
+    alone = backend.forward(q[i:i + 1], kn[i:i + 1], vn[i:i + 1], layer_cache.clone(),
+                            backend.build_metadata(_one_request(c, info, i, 0, 1)), 0.125)
+    assert torch.equal(alone[0], full[i])
+    i = 8
+    for splits in ([0, 5, 21, 33], list(range(34))):
+        cache = layer_cache.clone()
+        parts = []
+        for a, b in zip(splits, splits[1:]):
+            t0 = qsl[i]
+            md = backend.build_metadata(_one_request(c, info, i, a, b))
+            parts.append(backend.forward(q[t0 + a:t0 + b], kn[t0 + a:t0 + b], vn[t0 + a:t0 + b], cache, md, 0.125))
+        assert torch.equal(torch.cat(parts), full[qsl[i]:qsl[i + 1]])

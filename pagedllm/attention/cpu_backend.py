@@ -6,7 +6,8 @@ One kernel call per layer covers the whole flattened batch (decodes, prompts, pr
 chunks over a cached prefix, several query tokens per request) and reads K/V in place
 through the block tables: no gather into contiguous copies and no Python loop over
 requests. Each (query, head) is computed alone in a fixed order, with float32 scores,
-softmax and accumulation, so a token's attention output never depends on the batch it
+softmax and accumulation (on a CPU with AMX-BF16, a bf16 model over a bf16 cache takes
+its q.k scores from AMX tile products, for every query alike), so a token's attention output never depends on the batch it
 ran in, on how its prompt was chunked, or on whether its prefix came from the cache.
 
 The cache layout is the torch backend's (``[layers, 2, slots, kv_heads, head_dim]``), so
@@ -66,6 +67,10 @@ class CpuKernelAttentionBackend(TorchAttentionBackend):
         kv_name = str(kv).removeprefix("torch.")
         if self.kernels is not None:
             self._why = f"C++ paged attention, {name}"
+            # AMX scores follow PAGEDLLM_AMX as the AMX linears do (a process-wide switch)
+            self.kernels.paged_attention_set_amx(envs.amx_enabled())
+            if self.kernels.paged_attention_amx_applies(dtype, kv, 64, 16, 0):
+                self._why += ", AMX-BF16 q.k scores (head_dim % 32 == 0, block_size % 16 == 0, no sliding window)"
         elif not self.on_cpu:
             self._why = "not on the CPU: torch ops"
         elif dtype not in KERNEL_DTYPES:

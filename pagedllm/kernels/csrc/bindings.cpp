@@ -16,6 +16,22 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("query_start_loc"), py::arg("seq_lens"), py::arg("block_size"), py::arg("scale"),
         py::arg("k_scale") = 1.0, py::arg("v_scale") = 1.0, py::arg("sliding_window") = 0,
         py::call_guard<py::gil_scoped_release>());
+  m.def("paged_attention_amx_applies",
+        [](py::object q_dtype, py::object cache_dtype, int64_t head_dim, int64_t block_size,
+           int64_t sliding_window) {
+          for (const auto& d : {q_dtype, cache_dtype})
+            TORCH_CHECK(THPDtype_Check(d.ptr()), "q_dtype and cache_dtype must be torch dtypes");
+          return paged_attention_amx_applies(reinterpret_cast<THPDtype*>(q_dtype.ptr())->scalar_type,
+                                             reinterpret_cast<THPDtype*>(cache_dtype.ptr())->scalar_type,
+                                             head_dim, block_size, sliding_window);
+        },
+        "Whether paged_attention takes its scores from AMX-BF16 tiles: bf16 q over a bf16 cache, "
+        "head_dim % 32 == 0, block_size % 16 == 0, no sliding window, AMX-BF16 present and not turned off",
+        py::arg("q_dtype"), py::arg("cache_dtype"), py::arg("head_dim"), py::arg("block_size"),
+        py::arg("sliding_window") = 0);
+  m.def("paged_attention_set_amx", &paged_attention_set_amx,
+        "Let paged_attention use AMX-BF16 for its scores where it applies (on by default; PAGEDLLM_AMX=0: off)",
+        py::arg("on"));
   m.def("reshape_and_cache", &reshape_and_cache,
         "Write K/V rows [T, kv_heads, head_dim] into the paged cache at slot_mapping, as key / k_scale "
         "and value / v_scale in the caches' dtype",

@@ -15,6 +15,13 @@ void paged_attention(at::Tensor out, at::Tensor q, at::Tensor key_cache,
                      at::Tensor value_cache, at::Tensor block_table,
                      at::Tensor query_start_loc, at::Tensor seq_lens, int64_t block_size,
                      double scale, double k_scale, double v_scale, int64_t sliding_window);
+// Whether paged_attention takes its scores from AMX-BF16 tiles for these settings (a
+// bf16 model over a bf16 cache, head_dim % 32 == 0, block_size % 16 == 0, no sliding
+// window, a CPU with AMX-BF16 and the kernels built for it, and not turned off).
+bool paged_attention_amx_applies(at::ScalarType q_dtype, at::ScalarType cache_dtype, int64_t head_dim,
+                                 int64_t block_size, int64_t sliding_window);
+// Turn the AMX scores on or off for the process (PAGEDLLM_AMX; on by default).
+void paged_attention_set_amx(bool on);
 
 // cpu_ops.cpp
 void reshape_and_cache(at::Tensor key, at::Tensor value, at::Tensor key_cache,

@@ -48,9 +48,17 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <cstdint>
 #include <math.h>
+#include <type_traits>
 #include <vector>
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__)
+#define PAGEDLLM_AMX_ATTN 1
+#include <immintrin.h>
+#endif
 
 using pagedllm::bf16;
 using pagedllm::from_f32;
@@ -76,7 +84,12 @@ struct Args {
   int64_t window;  // sliding window in keys, 0 = the whole context
   float scale;   // softmax scale * k_scale * kRawScale<TC>: applied to q . raw k
   float vscale;  // v_scale * kRawScale<TC>: applied with 1 / sum to sum p * raw v
+  bool amx = false;  // scores by AMX tile products (scores_amx; bf16 q and cache only)
 };
+
+// paged_attention_set_amx: whether a bf16 model over a bf16 cache may take its scores from
+// AMX tiles (where the CPU has AMX-BF16); PAGEDLLM_AMX=0 turns it off with the linears.
+std::atomic<bool> g_amx_scores{true};
 
 // Whether the AVX2 path can read cache type TC (fp8 needs F16C; every AVX2 CPU has it).
 template <typename TC> constexpr bool kAvxCache = true;
@@ -104,11 +117,52 @@ struct Item {
   int32_t req, kh0, kh1, j0, j1;  // request, kv heads [kh0, kh1), queries [j0, j1)
 };
 
-// Softmax numerators in place over s[0, L): s[i] = exp(s[i] - max); returns 1 / sum.
+#ifdef PAGEDLLM_AVX2
+// exp(x) of 8 lanes for the softmax numerators (x = s - max <= 0): Cephes' expf (S. L.
+// Moshier, Cephes Math Library, expf.c): n = round(x log2 e), r = x - n ln 2 (ln 2 in two
+// parts), exp(r) ~ 1 + r + r^2 P(r) (P of degree 5), times 2^n through the exponent
+// bits; about 1 ulp. Lanes below -87.33 (2^n would leave the normal range; -inf: a key
+// outside a window) give 0. A lane's result depends on that lane only, so a score's
+// numerator does not depend on where it falls in the row, and scalar glibc expf (~25 %
+// of a prompt's attention time) is no longer called.
+inline __m256 exp8_avx(__m256 x) {
+  const __m256 lo = _mm256_set1_ps(-87.33654f);
+  const __m256 xc = _mm256_max_ps(x, lo);
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(xc, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), xc);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  __m256 y = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  y = _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+  return _mm256_blendv_ps(y, _mm256_setzero_ps(), _mm256_cmp_ps(x, lo, _CMP_LT_OQ));
+}
+#endif
+
+// Softmax numerators in place over s[0, L): s[i] = exp(s[i] - max); returns 1 / sum. With
+// AVX2 every element goes through exp8_avx, the last partial vector through a padded copy.
 inline float softmax_numerators(float* s, int64_t L) {
   float m = -INFINITY;
   for (int64_t i = 0; i < L; ++i) m = std::max(m, s[i]);
+#ifdef PAGEDLLM_AVX2
+  const __m256 mv = _mm256_set1_ps(m);
+  int64_t i = 0;
+  for (; i + 8 <= L; i += 8) _mm256_storeu_ps(s + i, exp8_avx(_mm256_sub_ps(_mm256_loadu_ps(s + i), mv)));
+  if (i < L) {
+    alignas(32) float t[8];
+    for (int u = 0; u < 8; ++u) t[u] = i + u < L ? s[i + u] : m;
+    _mm256_store_ps(t, exp8_avx(_mm256_sub_ps(_mm256_load_ps(t), mv)));
+    for (int64_t u = 0; i + u < L; ++u) s[i + u] = t[u];
+  }
+#else
   for (int64_t i = 0; i < L; ++i) s[i] = expf(s[i] - m);
+#endif
   return 1.f / pagedllm::sum_f32(s, L);
 }
 
@@ -118,6 +172,9 @@ struct Scratch {
   std::vector<int64_t> slots;
   std::vector<float> acc;   // weighted sums of V, one hd row per (query, head) row
   std::vector<float> inv;   // 1 / softmax sum (times v_scale) per row
+  std::vector<uint16_t> qb;  // scores_amx: the item's queries as AMX B tiles
+  std::vector<int64_t> colrow;  // scores_amx: each B column's score row offset
+  bool tiles = false;        // scores_amx: this thread's tile configuration is loaded
 };
 
 #ifdef PAGEDLLM_AVX2
@@ -309,6 +366,126 @@ inline void accumulate_generic(const float* p, const int64_t* slots, int64_t n, 
   }
 }
 
+#ifdef PAGEDLLM_AMX_ATTN
+// Scores by AMX-BF16 tile products (Intel Architecture Instruction Set Extensions
+// Programming Reference, "Intel AMX", TDPBF16PS), for a bf16 model over a bf16 cache:
+// S^T = K Q^T a kv head at a time. A tile: 16 keys of one block (16 cache rows of 32 dims,
+// read in place at the slot stride); B tile: 16 (query, head) rows of the item as the
+// columns, in the VNNI pair layout (row r holds, per column n, dims 2r and 2r + 1 of the
+// 32); C: 16 keys x 16 columns in float32. Each score is one chain of TDPBF16PS over
+// head_dim in 32-dim steps from zero (every bf16 product exact in float32), then times
+// the scale, as the vector paths' dot product is: a column's result depends on its own
+// query and the keys only, never on the other columns of the tile (padding columns are
+// zeros), nor on the item's query count. So decodes, prompt chunks, speculative
+// verification and cached prefixes all give the same bits, and every item on a CPU with
+// AMX-BF16 takes this path. Keys past the item's last (a partial last tile) compute
+// scores that are never read. Needs head_dim % 32 == 0 and block_size % 16 == 0 (a tile's
+// 16 keys lie in one block), and no sliding window (the tiles start at key 0).
+// Tiles: 0-2 accumulators (three column groups of 16 per A tile), 4 A, 5-7 B.
+struct alignas(64) AttnTileConfig {
+  uint8_t palette_id = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+inline void attn_tile_config() {
+  AttnTileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.colsb[t] = 64;
+    cfg.rows[t] = 16;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// Up to three column groups (NG) of one key tile: c[gi] receives 16 keys x 16 columns.
+template <int NG>
+inline void key_tile_scores(const bf16* krow, int64_t k_stride_bytes, const uint16_t* qb, int64_t kbn,
+                            float (*c)[256]) {
+  _tile_zero(0);
+  if constexpr (NG > 1) _tile_zero(1);
+  if constexpr (NG > 2) _tile_zero(2);
+  for (int64_t kb = 0; kb < kbn; ++kb) {
+    _tile_loadd(4, krow + 32 * kb, k_stride_bytes);
+    _tile_loadd(5, qb + kb * 512, 64);
+    _tile_dpbf16ps(0, 4, 5);
+    if constexpr (NG > 1) {
+      _tile_loadd(6, qb + (kbn + kb) * 512, 64);
+      _tile_dpbf16ps(1, 4, 6);
+    }
+    if constexpr (NG > 2) {
+      _tile_loadd(7, qb + (2 * kbn + kb) * 512, 64);
+      _tile_dpbf16ps(2, 4, 7);
+    }
+  }
+  _tile_stored(0, c[0], 64);
+  if constexpr (NG > 1) _tile_stored(1, c[1], 64);
+  if constexpr (NG > 2) _tile_stored(2, c[2], 64);
+}
+
+// The scores of an item (as the vector paths write them: row r of sc.scores, keys from 0,
+// row stride Lp), for keys [0, Lw).
+template <typename TQ, typename TC>
+void scores_amx(const Args<TQ, TC>& a, const Item& it, Scratch& sc, int64_t q0, int64_t Lw, int64_t Lp) {
+  if (!sc.tiles) {
+    attn_tile_config();
+    sc.tiles = true;
+  }
+  const int64_t g = a.g, hd = a.hd, kbn = hd / 32, nkh = it.kh1 - it.kh0, nq = it.j1 - it.j0;
+  const int64_t cols = nq * g, groups = (cols + 15) / 16;   // columns a kv head, 16 a group
+  // qb[((kh - kh0) * groups + group) * kbn + kb]: one 16 x 32 B tile (512 bf16)
+  sc.qb.assign(nkh * groups * kbn * 512, 0);
+  for (int64_t kh = it.kh0; kh < it.kh1; ++kh)
+    for (int64_t col = 0; col < cols; ++col) {
+      const int64_t j = it.j0 + col / g, hh = col % g;
+      const uint16_t* qr = reinterpret_cast<const uint16_t*>(a.q + (q0 + j) * a.q_tok + (kh * g + hh) * hd);
+      uint16_t* t = sc.qb.data() + ((kh - it.kh0) * groups + col / 16) * kbn * 512 + 2 * (col % 16);
+      for (int64_t kb = 0; kb < kbn; ++kb)
+        for (int64_t r = 0; r < 16; ++r) {
+          t[kb * 512 + r * 32] = qr[32 * kb + 2 * r];
+          t[kb * 512 + r * 32 + 1] = qr[32 * kb + 2 * r + 1];
+        }
+    }
+  // score row of each column, kv head kh0 (+ (kh - kh0) * g * Lp for the others)
+  sc.colrow.resize(cols);
+  for (int64_t col = 0; col < cols; ++col) sc.colrow[col] = ((col / g) * nkh * g + col % g) * Lp;
+  const int32_t* brow = a.bt + it.req * a.mb;
+  const int64_t kstride = a.k_slot * static_cast<int64_t>(sizeof(TC));
+  const __m512i key_idx = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                             _mm512_set1_epi32(16));
+  const __m512 scale = _mm512_set1_ps(a.scale);
+  const int64_t head_bytes = hd * static_cast<int64_t>(sizeof(TC));
+  alignas(64) float c[3][256];
+  for (int64_t kh = it.kh0; kh < it.kh1; ++kh) {
+    const bf16* kbase = reinterpret_cast<const bf16*>(a.k) + kh * a.k_head;
+    for (int64_t t0 = 0; t0 < Lw; t0 += 16) {
+      const bf16* krow = kbase + (static_cast<int64_t>(brow[t0 / a.bs]) * a.bs + t0 % a.bs) * a.k_slot;
+      if (t0 + 16 < Lw) {   // the next tile's K rows of this head (a decode's come from memory)
+        const int64_t t1 = t0 + 16;
+        const char* nrow = reinterpret_cast<const char*>(
+            kbase + (static_cast<int64_t>(brow[t1 / a.bs]) * a.bs + t1 % a.bs) * a.k_slot);
+        for (int u = 0; u < 16; ++u) prefetch_span(nrow + u * kstride, head_bytes);
+      }
+      const __mmask16 keys = static_cast<__mmask16>((1u << std::min<int64_t>(16, Lw - t0)) - 1);
+      float* srow = sc.scores.data() + (kh - it.kh0) * g * Lp + t0;
+      for (int64_t g0 = 0; g0 < groups; g0 += 3) {
+        const int ng = static_cast<int>(std::min<int64_t>(3, groups - g0));
+        const uint16_t* qb = sc.qb.data() + ((kh - it.kh0) * groups + g0) * kbn * 512;
+        if (ng == 3) key_tile_scores<3>(krow, kstride, qb, kbn, c);
+        else if (ng == 2) key_tile_scores<2>(krow, kstride, qb, kbn, c);
+        else key_tile_scores<1>(krow, kstride, qb, kbn, c);
+        // column n of c[gi] (its 16 keys, 16 floats apart) times the scale, into its row
+        for (int gi = 0; gi < ng; ++gi)
+          for (int64_t n = 0, col = (g0 + gi) * 16; n < 16 && col < cols; ++n, ++col)
+            _mm512_mask_storeu_ps(srow + sc.colrow[col], keys,
+                                  _mm512_mul_ps(_mm512_i32gather_ps(key_idx, c[gi] + n, 4), scale));
+      }
+    }
+  }
+}
+#endif
+
 template <typename TQ, typename TC>
 void attend(const Args<TQ, TC>& a, const Item& it, Scratch& sc) {
   const int64_t n = it.req;
@@ -350,8 +527,16 @@ void attend(const Args<TQ, TC>& a, const Item& it, Scratch& sc) {
     return a.q + (q0 + j) * a.q_tok + (kh * g + hh) * hd;
   };
   // ---- 1. scores, 8 keys at a time: K rows read once per chunk for all rows ----
+  bool scored = false;
+#ifdef PAGEDLLM_AMX_ATTN
+  if constexpr (std::is_same_v<TQ, bf16> && std::is_same_v<TC, bf16>)
+    if (a.amx) {
+      scores_amx(a, it, sc, q0, Lw, Lp);
+      scored = true;
+    }
+#endif
   const int64_t k_head_bytes = hd * static_cast<int64_t>(sizeof(TC));
-  for (int64_t t0 = 0; t0 < Lw; t0 += 8) {
+  for (int64_t t0 = 0; t0 < Lw && !scored; t0 += 8) {
     const TC* kr[8];
     for (int64_t u = 0; u < 8; ++u) kr[u] = a.k + slots[t0 + u] * a.k_slot;
     // the K rows of the chunk kPrefetchKeys ahead (a decode's keys come from memory: one
@@ -519,6 +704,9 @@ void run(const Args<TQ, TC>& a, int64_t num_reqs) {
     Scratch sc;
     for (int64_t t = begin; t < end; ++t)
       for (int64_t w = t; w < count; w += nt) attend(a, items[w], sc);
+#ifdef PAGEDLLM_AMX_ATTN
+    if (sc.tiles) _tile_release();
+#endif
   });
 }
 
@@ -539,6 +727,7 @@ void launch(at::Tensor out, at::Tensor q, at::Tensor key_cache, at::Tensor value
   a.qsl = query_start_loc.data_ptr<int32_t>(); a.sl = seq_lens.data_ptr<int32_t>();
   a.scale = static_cast<float>(scale * k_scale * pagedllm::kRawScale<TC>);
   a.vscale = static_cast<float>(v_scale * pagedllm::kRawScale<TC>);
+  a.amx = paged_attention_amx_applies(q.scalar_type(), key_cache.scalar_type(), a.hd, block_size, window);
   run(a, num_reqs);
 }
 
@@ -566,6 +755,18 @@ void launch_for_cache(at::Tensor out, at::Tensor q, at::Tensor key_cache, at::Te
 }
 
 }  // namespace
+
+void paged_attention_set_amx(bool on) { g_amx_scores = on; }
+
+bool paged_attention_amx_applies(at::ScalarType q_dtype, at::ScalarType cache_dtype, int64_t head_dim,
+                                 int64_t block_size, int64_t sliding_window) {
+#ifdef PAGEDLLM_AMX_ATTN
+  return g_amx_scores && q_dtype == at::kBFloat16 && cache_dtype == at::kBFloat16 && head_dim % 32 == 0 &&
+         block_size % 16 == 0 && sliding_window == 0 && amx_bf16_available();
+#else
+  return false;
+#endif
+}
 
 void paged_attention(at::Tensor out, at::Tensor q, at::Tensor key_cache,
                      at::Tensor value_cache, at::Tensor block_table,
