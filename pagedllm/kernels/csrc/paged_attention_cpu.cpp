@@ -145,12 +145,43 @@ inline __m256 exp8_avx(__m256 x) {
 }
 #endif
 
+#ifdef PAGEDLLM_AVX512
+// exp8_avx on 16 lanes, the same operations in the same order (so the same bits a lane).
+inline __m512 exp16_avx512(__m512 x) {
+  const __m512 lo = _mm512_set1_ps(-87.33654f);
+  const __m512 xc = _mm512_max_ps(x, lo);
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(xc, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), xc);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  __m512 y = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  y = _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+  return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, lo, _CMP_NLT_UQ), y);
+}
+#endif
+
 // Softmax numerators in place over s[0, L): s[i] = exp(s[i] - max); returns 1 / sum. With
-// AVX2 every element goes through exp8_avx, the last partial vector through a padded copy.
+// AVX2 every element goes through exp8_avx (AVX-512: exp16_avx512), the last partial
+// vector through a padded copy (a masked load).
 inline float softmax_numerators(float* s, int64_t L) {
   float m = -INFINITY;
   for (int64_t i = 0; i < L; ++i) m = std::max(m, s[i]);
-#ifdef PAGEDLLM_AVX2
+#if defined(PAGEDLLM_AVX512)
+  const __m512 mv = _mm512_set1_ps(m);
+  int64_t i = 0;
+  for (; i + 16 <= L; i += 16) _mm512_storeu_ps(s + i, exp16_avx512(_mm512_sub_ps(_mm512_loadu_ps(s + i), mv)));
+  if (i < L) {   // the last lanes; the others compute exp(m - m)
+    const __mmask16 k = static_cast<__mmask16>((1u << (L - i)) - 1);
+    _mm512_mask_storeu_ps(s + i, k, exp16_avx512(_mm512_sub_ps(_mm512_mask_loadu_ps(mv, k, s + i), mv)));
+  }
+#elif defined(PAGEDLLM_AVX2)
   const __m256 mv = _mm256_set1_ps(m);
   int64_t i = 0;
   for (; i + 8 <= L; i += 8) _mm256_storeu_ps(s + i, exp8_avx(_mm256_sub_ps(_mm256_loadu_ps(s + i), mv)));
