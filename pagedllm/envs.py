@@ -12,7 +12,7 @@ it before the engine starts. Names, defaults and meanings:
 | ``PAGEDLLM_KERNEL_BUILD_WAIT_S`` | ``1200`` | seconds to wait for another process's kernel build |
 | ``TORCH_EXTENSIONS_DIR`` | ``~/.cache/torch_extensions`` | where the kernels are built (torch's own variable) |
 | ``PAGEDLLM_ONEDNN`` | ``1`` | ``0``: CPU float32 linear layers use ``F.linear`` instead of oneDNN-packed weights |
-| ``PAGEDLLM_AMX`` | ``1`` | ``0``: the AMX kernels are not used: CPU bfloat16 linear layers and ``--quantization int8``'s matmuls go to oneDNN |
+| ``PAGEDLLM_AMX`` | ``1`` | ``0``: the AMX kernels are not used: CPU bfloat16 linear layers and ``--quantization int8``'s matmuls go to oneDNN, and bf16 paged attention computes its q.k scores with vector FMAs |
 | ``PAGEDLLM_AVX2_INT8`` | ``1`` | ``0``: ``--quantization int8`` on a CPU without AMX-INT8 or VNNI multiplies through oneDNN (7-bit weights) instead of the project's AVX2 kernel |
 | ``PAGEDLLM_FUSED_DECODER`` | ``1`` | ``0``: a Llama-family model whose linears have a C++ stack form (GGUF blocks, int8 W8A8 on AVX2 or AMX) runs its decoder layers one Python module call at a time instead of as one C++ call a step (``models/fused_decoder.py``; the same kernels and bits) |
 | ``PAGEDLLM_BATCH_INVARIANT_PROBE`` | ``1`` | ``0``: skip the load-time check that each linear layer's rows are independent of the batch size (and the row-chunk wrapping of layers whose are not; ``layers/batch_invariance.py``) |
@@ -65,7 +65,8 @@ def onednn_enabled() -> bool:
 
 
 def amx_enabled() -> bool:
-    """``PAGEDLLM_AMX=0`` turns the AMX kernels off (bf16 linears and int8 W8A8: oneDNN computes instead)."""
+    """``PAGEDLLM_AMX=0`` turns the AMX kernels off (bf16 linears and int8 W8A8: oneDNN computes instead;
+    bf16 paged attention: q.k scores by vector FMAs)."""
     return _get("PAGEDLLM_AMX", "1") != "0"
 
 
