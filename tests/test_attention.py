@@ -126,14 +126,20 @@ def test_kernel_result_does_not_depend_on_batch_or_chunking(dtype):
     backend = get_attention_backend("cpu_kernel", torch.device("cpu"), dtype)
     full_cache = layer_cache.clone()
     full = backend.forward(q, k, v, full_cache, backend.build_metadata(c), 0.125)
-    bt, seq, ctx, qlens, qsl, bs = info
     i = 3  # the 290-token decode, alone
     one = _one_request(c, info, i, 0, 1)
     alone = backend.forward(q[i:i + 1], k[i:i + 1], v[i:i + 1], layer_cache.clone(),
                             backend.build_metadata(one), 0.125)
     assert torch.equal(alone[0], full[i])
-    i = 8  # the 33-token chunk over 47 cached tokens: split as 1 + 15 + 17, and one by one
-    for splits in ([0, 1, 16, 33], list(range(34))):
+    # the 33-token chunk over 47 cached tokens: split as 1 + 15 + 17, and one by one
+    _assert_chunk_splits_equal(backend, c, info, layer_cache, q, k, v, full, 8, ([0, 1, 16, 33], list(range(34))))
+
+
+def _assert_chunk_splits_equal(backend, c, info, layer_cache, q, k, v, full, i, all_splits):
+    """Request i of ``_batch`` run in pieces (each list of ``all_splits`` gives the query
+    boundaries, later pieces over the K/V the earlier wrote) equals ``full``'s rows."""
+    qsl = info[4]
+    for splits in all_splits:
         cache = layer_cache.clone()
         parts = []
         for a, b in zip(splits, splits[1:]):
@@ -229,17 +235,8 @@ def test_bf16_scores_paths_agree_with_reference_and_are_invariant(bs):
             k.paged_attention_set_amx(True)
         assert (outs[amx].float() - ref).abs().max().item() < TOL[torch.bfloat16], amx
     full = outs[True]
-    bt, seq, ctx, qlens, qsl, bs_ = info
     i = 3
     alone = backend.forward(q[i:i + 1], kn[i:i + 1], vn[i:i + 1], layer_cache.clone(),
                             backend.build_metadata(_one_request(c, info, i, 0, 1)), 0.125)
     assert torch.equal(alone[0], full[i])
-    i = 8
-    for splits in ([0, 5, 21, 33], list(range(34))):
-        cache = layer_cache.clone()
-        parts = []
-        for a, b in zip(splits, splits[1:]):
-            t0 = qsl[i]
-            md = backend.build_metadata(_one_request(c, info, i, a, b))
-            parts.append(backend.forward(q[t0 + a:t0 + b], kn[t0 + a:t0 + b], vn[t0 + a:t0 + b], cache, md, 0.125))
-        assert torch.equal(torch.cat(parts), full[qsl[i]:qsl[i + 1]])
+    _assert_chunk_splits_equal(backend, c, info, layer_cache, q, kn, vn, full, 8, ([0, 5, 21, 33], list(range(34))))

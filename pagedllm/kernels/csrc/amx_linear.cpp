@@ -82,6 +82,9 @@ void load_config() {
     cfg.colsb[t] = 64;
     cfg.rows[t] = 16;
   }
+  // GCC does not see that LDTILECFG reads the struct: out of line (amx_load_tile_config), -O3
+  // dropped the stores of colsb and rows and loaded 0-row tiles (the next tile op: SIGILL).
+  asm volatile("" : : "m"(cfg) : "memory");
   _tile_loadconfig(&cfg);
 }
 
@@ -269,6 +272,14 @@ void run(const char* x, int64_t M, int64_t row_bytes, const char* w, int64_t N, 
 
 }  // namespace
 #endif
+
+void amx_load_tile_config() {
+#ifdef PAGEDLLM_AMX
+  load_config();
+#else
+  TORCH_CHECK(false, "amx_load_tile_config: the kernels were built without AMX (not this CPU)");
+#endif
+}
 
 bool amx_int8_available() {
 #ifdef PAGEDLLM_AMX_INT8

@@ -44,6 +44,9 @@ std::vector<at::Tensor> block_quant_quantize_act(at::Tensor x, bool portable);
 std::string block_quant_isa();
 // amx_linear.cpp
 bool amx_bf16_available();
+// Load the tile configuration the AMX kernels use (palette 1, tiles 0-7 each 16 rows x 64
+// bytes) into the calling thread; after amx_bf16_available() said yes.
+void amx_load_tile_config();
 at::Tensor amx_bf16_linear(at::Tensor x, at::Tensor w_packed, std::optional<at::Tensor> bias,
                               bool out_float32);
 bool amx_int8_available();

@@ -413,22 +413,6 @@ inline void accumulate_generic(const float* p, const int64_t* slots, int64_t n, 
 // scores that are never read. Needs head_dim % 32 == 0 and block_size % 16 == 0 (a tile's
 // 16 keys lie in one block), and no sliding window (the tiles start at key 0).
 // Tiles: 0-2 accumulators (three column groups of 16 per A tile), 4 A, 5-7 B.
-struct alignas(64) AttnTileConfig {
-  uint8_t palette_id = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-inline void attn_tile_config() {
-  AttnTileConfig cfg;
-  for (int t = 0; t < 8; ++t) {
-    cfg.colsb[t] = 64;
-    cfg.rows[t] = 16;
-  }
-  _tile_loadconfig(&cfg);
-}
 
 // Up to three column groups (NG) of one key tile: c[gi] receives 16 keys x 16 columns.
 template <int NG>
@@ -460,7 +444,7 @@ inline void key_tile_scores(const bf16* krow, int64_t k_stride_bytes, const uint
 template <typename TQ, typename TC>
 void scores_amx(const Args<TQ, TC>& a, const Item& it, Scratch& sc, int64_t q0, int64_t Lw, int64_t Lp) {
   if (!sc.tiles) {
-    attn_tile_config();
+    amx_load_tile_config();   // every tile 16 rows x 64 bytes, as the AMX linears use them
     sc.tiles = true;
   }
   const int64_t g = a.g, hd = a.hd, kbn = hd / 32, nkh = it.kh1 - it.kh0, nq = it.j1 - it.j0;
