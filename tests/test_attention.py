@@ -213,6 +213,16 @@ def test_amx_scores_apply_only_where_they_can():
         assert not k.paged_attention_amx_applies(bf, bf, 64, 16, 0)
     finally:
         k.paged_attention_set_amx(True)
+    # the start-up line names the AMX scores only for the layers that get them
+    backend = get_attention_backend("cpu_kernel", torch.device("cpu"), bf)
+    label = "AMX-BF16 q.k scores"
+    assert (label in backend.describe(64, 16, [None, None])) == on_this_cpu
+    assert label not in backend.describe(64, 8, [None]) and label not in backend.describe(48, 16, [None])
+    assert label not in backend.describe()
+    assert ("in the 1 of 2 layers without a sliding window" in backend.describe(64, 16, [512, None])) == on_this_cpu
+    assert backend.amx_layers(64, 16, [None, 512, None]) == (2 if on_this_cpu else 0)
+    f32 = get_attention_backend("cpu_kernel", torch.device("cpu"), torch.float32)
+    assert label not in f32.describe(64, 16, [None]) and f32.amx_layers(64, 16, [None]) == 0
 
 
 @pytest.mark.parametrize("bs", [16, 32])

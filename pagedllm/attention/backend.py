@@ -13,6 +13,7 @@ what it needs from it once per step (``build_metadata``), never per layer.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -112,8 +113,11 @@ class AttentionBackend(ABC):
         self.device, self.dtype = device, dtype
         self.kv_cache_dtype = kv_cache_dtype or dtype
 
-    def describe(self) -> str:
-        """How this backend computes, for the start-up log (default: its name)."""
+    def describe(self, head_dim: int | None = None, block_size: int | None = None,
+                 sliding_windows: Sequence[int | None] = ()) -> str:
+        """How this backend computes, for the start-up log (default: its name). The model's
+        ``head_dim``, the cache's ``block_size`` (tokens) and each layer's sliding window
+        (None: full attention), where known, let a backend say which kernel those layers get."""
         return self.name
 
     @staticmethod

@@ -17,6 +17,7 @@ backend's ops instead, and says so in the start-up log (``describe``).
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -69,8 +70,6 @@ class CpuKernelAttentionBackend(TorchAttentionBackend):
             self._why = f"C++ paged attention, {name}"
             # AMX scores follow PAGEDLLM_AMX as the AMX linears do (a process-wide switch)
             self.kernels.paged_attention_set_amx(envs.amx_enabled())
-            if self.kernels.paged_attention_amx_applies(dtype, kv, 64, 16, 0):
-                self._why += ", AMX-BF16 q.k scores (head_dim % 32 == 0, block_size % 16 == 0, no sliding window)"
         elif not self.on_cpu:
             self._why = "not on the CPU: torch ops"
         elif dtype not in KERNEL_DTYPES:
@@ -84,10 +83,30 @@ class CpuKernelAttentionBackend(TorchAttentionBackend):
         if kv != dtype:
             self._why += f", {kv_name} KV cache"
 
-    def describe(self) -> str:
+    def describe(self, head_dim=None, block_size=None, sliding_windows=()) -> str:
         """``cpu_kernel`` and what computes it, or why it fell back to torch ops (for the
-        start-up log)."""
-        return f"{self.name} ({self._why})"
+        start-up log); given the model's ``head_dim`` and the cache's ``block_size``, also
+        whether the layers take their q.k scores from AMX tiles (``amx_layers``)."""
+        why = self._why
+        if head_dim is not None and block_size is not None:
+            windows = list(sliding_windows) or [None]
+            n = self.amx_layers(head_dim, block_size, windows)
+            if n == len(windows):
+                why += ", AMX-BF16 q.k scores"
+            elif n:
+                why += f", AMX-BF16 q.k scores in the {n} of {len(windows)} layers without a sliding window"
+        return f"{self.name} ({why})"
+
+    def amx_layers(self, head_dim: int, block_size: int, sliding_windows: Sequence[int | None]) -> int:
+        """How many of the layers (one sliding window each, None or 0 for full attention)
+        the kernel computes with AMX-BF16 q.k scores (``paged_attention_amx_applies``: a bf16
+        model over a bf16 cache, head_dim % 32 == 0, block_size % 16 == 0, no window, AMX-BF16
+        present, ``PAGEDLLM_AMX`` not 0); 0 without the kernels."""
+        if self.kernels is None:
+            return 0
+        return sum(bool(self.kernels.paged_attention_amx_applies(self.dtype, self.kv_cache_dtype, head_dim,
+                                                                  block_size, w or 0))
+                   for w in sliding_windows)
 
     def build_metadata(self, c: CommonAttentionMetadata, sliding_window: int | None = None):
         if self.kernels is None:

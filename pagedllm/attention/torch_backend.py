@@ -107,7 +107,7 @@ class TorchAttentionBackend(AttentionBackend):
         self.on_cpu = device is None or torch.device(device).type == "cpu"
         self.compute_dtype = torch.float32 if self.on_cpu else dtype
 
-    def describe(self) -> str:
+    def describe(self, head_dim=None, block_size=None, sliding_windows=()) -> str:
         """``torch``, and the KV cache's dtype where it is not the model's."""
         if self.kv_cache_dtype == self.dtype:
             return self.name

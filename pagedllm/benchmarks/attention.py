@@ -100,6 +100,7 @@ class _Case:
         self.scale = head_dim ** -0.5
         self.name = str(kv_dtype).removeprefix("torch.")
         self.kv_bytes = 2 * num_requests * (context_len + 1) * num_kv_heads * head_dim * cache.element_size()
+        self.layout = (head_dim, block_size)
         self.times: list[float] = []
 
     def time(self) -> None:
@@ -111,7 +112,7 @@ class _Case:
 
     def result(self) -> dict:
         ms = 1000 * statistics.median(self.times)
-        return {"kv_cache_dtype": self.name, "backend": self.attn.describe(), "layer_ms": round(ms, 3),
+        return {"kv_cache_dtype": self.name, "backend": self.attn.describe(*self.layout), "layer_ms": round(ms, 3),
                 "layer_ms_min": round(1000 * min(self.times), 3), "kv_bytes_per_layer": self.kv_bytes,
                 "gb_per_s": round(self.kv_bytes / ms / 1e6, 2)}
 
@@ -179,6 +180,8 @@ def register(subparsers: "argparse._SubParsersAction") -> None:
 
 # the files the paged-attention kernel is built from, and a binding of it alone
 _KERNEL_FILES = ("paged_attention_cpu.cpp", "ops.h", "vec.h")
+# built with it where the revision has them: the AMX tile helpers its q.k scores call
+_KERNEL_FILES_SINCE = ("amx_linear.cpp",)
 _BINDING = """#include <torch/extension.h>
 #include "ops.h"
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -189,7 +192,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 
 def kernel_at_revision(rev: str):
     """The C++ paged-attention kernel (``paged_attention_cpu.cpp`` with its ``ops.h`` and
-    ``vec.h``) as it was at git revision ``rev`` of the checkout this package runs from,
+    ``vec.h``, and ``amx_linear.cpp`` where the revision has it) as it was at git revision ``rev`` of the checkout this package runs from,
     built on its own with the package's compiler flags (``kernels.cpu.compile_module``)
     in the torch extensions directory (once per revision and CPU); a module with one
     function, ``paged_attention``, for ``measure_against``.
@@ -202,17 +205,19 @@ def kernel_at_revision(rev: str):
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     texts = {}
-    for name in _KERNEL_FILES:
+    for name in _KERNEL_FILES + _KERNEL_FILES_SINCE:
         try:
             r = subprocess.run(["git", "-C", root, "show", f"{rev}:pagedllm/kernels/csrc/{name}"],
                                capture_output=True, text=True, timeout=60)
         except (OSError, subprocess.TimeoutExpired) as e:
             raise ValueError(f"--against {rev!r}: cannot run git in {root} ({e})") from None
         if r.returncode != 0:
+            if name in _KERNEL_FILES_SINCE:
+                continue                # a revision from before the kernel needed it
             raise ValueError(f"--against {rev!r}: git cannot read pagedllm/kernels/csrc/{name} at that "
                              f"revision: {' '.join(r.stderr.split())}")
         texts[name] = r.stdout
-    digest = hashlib.sha1("".join(texts[n] for n in _KERNEL_FILES).encode() + torch.__version__.encode())
+    digest = hashlib.sha1("".join(texts[n] for n in texts).encode() + torch.__version__.encode())
     name = f"pagedllm_attn_ab_{digest.hexdigest()[:10]}_{_cpu_tag()}"
     build_dir = os.path.join(_extensions_root(), name)
     os.makedirs(build_dir, exist_ok=True)
@@ -227,8 +232,8 @@ def kernel_at_revision(rev: str):
     if not os.path.exists(os.path.join(build_dir, f"{name}.so")):
         print(f"building the paged-attention kernel at {rev} in {build_dir} (once: ~30 s)", flush=True)
     try:
-        return compile_module(name, [os.path.join(build_dir, "binding.cpp"),
-                                     os.path.join(build_dir, "paged_attention_cpu.cpp")], build_dir, build_dir)
+        sources = ["binding.cpp"] + [n for n in texts if n.endswith(".cpp")]
+        return compile_module(name, [os.path.join(build_dir, n) for n in sources], build_dir, build_dir)
     except Exception as e:   # a compile error: cpp_extension's message carries the compiler output
         first = next((ln for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
         raise ValueError(f"--against {rev!r}: the kernel at that revision does not build here ({first}; "

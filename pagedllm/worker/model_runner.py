@@ -104,7 +104,9 @@ class ModelRunner:
         implementation this runner uses (so fallbacks are visible)."""
         scales = f", {describe_kv_scales(self.model)}" if self.kv_cache_dtype in FP8_DTYPES else ""
         spec = f", speculative decoding: {self.proposer.describe()}" if self.proposer is not None else ""
-        return f"attention backend {self.attn.describe()}{scales}, {describe_compute_path(self.model)}{spec}"
+        attn = self.attn.describe(self.config.arch.head_dim, self.block_size,
+                                  list(self.kv_cache_config.layer_windows))
+        return f"attention backend {attn}{scales}, {describe_compute_path(self.model)}{spec}"
 
     def describe_decoder(self) -> str | None:
         """How the decoder layers run, once the KV cache is bound: e.g. "one C++ stack call
