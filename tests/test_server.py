@@ -431,6 +431,7 @@ def _post(server, endpoint: str, body: dict) -> httpx.Response:
     ("chat", "logit_bias", {"1_0": 5}),           # int() reads these three as 10, 1 and 3
     ("completions", "logit_bias", {" 1": 5}),
     ("completions", "logit_bias", {"\u0663": 5}),
+    ("completions", "logit_bias", {"1": 5, "01": -5}),   # one token, two biases
     ("completions", "best_of", 2),                # vLLM V1: best_of > n is not supported
     ("completions", "suffix", " the end"),
     ("completions", "logprobs", 21),

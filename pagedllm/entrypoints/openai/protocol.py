@@ -185,7 +185,12 @@ class _SamplingFields(_Strict):
             if bad:
                 raise InvalidParameterError("logit_bias", f"logit_bias keys must be token ids (integers written as "
                                                           f"strings), got {bad[0]!r}")
-            bias = {int(k): v for k, v in self.logit_bias.items()}
+            bias = {}
+            for k, v in self.logit_bias.items():
+                if int(k) in bias:   # "1" and "01" (or "-0" and "0"): one token, two biases
+                    raise InvalidParameterError("logit_bias", f"logit_bias gives token {int(k)} twice "
+                                                              f"(keys {k!r} and another spelling of it)")
+                bias[int(k)] = v
         return SamplingParams(
             n=self.n,
             temperature=1.0 if self.temperature is None else self.temperature,
