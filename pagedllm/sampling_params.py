@@ -14,6 +14,10 @@ MAX_N = 128
 MAX_LOGPROBS = 20
 # Temperatures below this are greedy (vLLM's _SAMPLING_EPS).
 GREEDY_TEMPERATURE = 1e-5
+# The largest temperature the sampler can hold: the batch keeps temperatures in float32
+# (a larger one became inf there, with numpy's overflow warning; T -> inf is the uniform
+# distribution, which MAX_TEMPERATURE already gives to float32 precision)
+MAX_TEMPERATURE = 1e38
 
 
 def _is_int(x) -> bool:
@@ -94,7 +98,7 @@ class SamplingParams:
     """How to pick tokens and when to stop.
 
     Attributes:
-        temperature: >= 0; 0 means greedy (argmax).
+        temperature: in [0, 1e38] (MAX_TEMPERATURE, float32); 0 means greedy (argmax).
         top_p: nucleus mass in (0, 1] (Holtzman et al. 2020).
         top_k: keep the k most likely tokens; 0 or -1 disables.
         min_p: drop tokens whose probability is below min_p × the top probability, [0, 1].
@@ -173,6 +177,9 @@ class SamplingParams:
                            "vLLM V1, best_of > n is not supported")
         if not _is_num(self.temperature) or self.temperature < 0:
             raise InvalidParameterError("temperature", f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if self.temperature > MAX_TEMPERATURE:
+            raise InvalidParameterError("temperature", f"temperature must be at most {MAX_TEMPERATURE:g} (it is "
+                                                       f"kept in float32), got {self.temperature!r}")
         if self.temperature < GREEDY_TEMPERATURE:
             # 1/T overflows float32 from T ~ 3e-39 (and bf16 long before): as vLLM, a
             # temperature this small is greedy

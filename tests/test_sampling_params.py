@@ -119,6 +119,7 @@ def test_boundary_values_are_accepted(kw):
     (dict(seed=2**63), "seed must be an int in [-2**63, 2**63), got 9223372036854775808"),
     (dict(seed=-2**63 - 1), "seed must be an int in [-2**63, 2**63), got -9223372036854775809"),
     (dict(temperature=math.inf), "temperature must be a finite number >= 0, got inf"),
+    (dict(temperature=1e300), "temperature must be at most 1e+38 (it is kept in float32), got 1e+300"),
     (dict(max_tokens=0), "max_tokens must be an int >= 1, got 0"),
     (dict(min_tokens=-1), "min_tokens must be an int >= 0, got -1"),
     (dict(max_tokens=4, min_tokens=5), "min_tokens (5) must not exceed max_tokens (4)"),
