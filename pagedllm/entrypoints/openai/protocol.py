@@ -187,10 +187,11 @@ class _SamplingFields(_Strict):
                                                           f"strings), got {bad[0]!r}")
             bias = {}
             for k, v in self.logit_bias.items():
-                if int(k) in bias:   # "1" and "01" (or "-0" and "0"): one token, two biases
-                    raise InvalidParameterError("logit_bias", f"logit_bias gives token {int(k)} twice "
+                tok = int(k)
+                if tok in bias:   # "1" and "01" (or "-0" and "0"): one token, two biases
+                    raise InvalidParameterError("logit_bias", f"logit_bias gives token {tok} twice "
                                                               f"(keys {k!r} and another spelling of it)")
-                bias[int(k)] = v
+                bias[tok] = v
         return SamplingParams(
             n=self.n,
             temperature=1.0 if self.temperature is None else self.temperature,
