@@ -392,12 +392,15 @@ def test_schemathesis_no_5xx_and_openai_shaped_4xx(tiny_server):
 
 @pytest.mark.serial   # timing-sensitive: run alone, after the parallel part of `make test`
 def test_sigterm_drains_a_long_stream_and_exits_0_without_orphans():
+    """SIGTERM to the server's whole process group, as Ctrl-C, ``kill -- -PGID`` or a
+    process supervisor send it: the engine core (in a group of its own) keeps serving
+    while the front end drains, and nothing reports a death."""
     port = _free_port()
     env = {**os.environ, "PAGEDLLM_LOG_LEVEL": "INFO"}
     p = subprocess.Popen([sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--port", str(port),
                           "--dtype", "float32", "--max-model-len", "256", "--kv-cache-memory", "64MiB",
                           "--num-threads", "1", "--shutdown-timeout", "60"],
-                         stderr=subprocess.PIPE, text=True, env=env)
+                         stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
     try:
         engine_pid = None
         deadline = time.time() + 120
@@ -424,7 +427,7 @@ def test_sigterm_drains_a_long_stream_and_exits_0_without_orphans():
                     chunks += 1
                     last = line
                     if chunks == 2:
-                        p.send_signal(signal.SIGTERM)
+                        os.killpg(p.pid, signal.SIGTERM)
                         time.sleep(0.5)
                         with pytest.raises(httpx.ConnectError):   # no longer accepting
                             httpx.get(f"{url}/health", timeout=2)
@@ -433,6 +436,9 @@ def test_sigterm_drains_a_long_stream_and_exits_0_without_orphans():
         assert done and '"completion_tokens": 40' in last
         assert p.wait(60) == 0
         assert _wait_gone(engine_pid, 5), "the engine process outlived the server"
+        rest = p.stderr.read()
+        assert "ERROR" not in rest and "Traceback" not in rest, rest[-2000:]
+        assert "server stopped" in rest
     finally:
         if p.poll() is None:
             p.kill()

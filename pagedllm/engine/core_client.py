@@ -129,7 +129,9 @@ class MPClient(EngineCoreClient):
     ``EngineDeadError`` naming the exit code, within ``POLL_S`` of the death.
     ``shutdown`` asks the core to stop, then terminates it if it has not within
     ``SHUTDOWN_WAIT_S``; it also runs at interpreter exit, so no engine process is left
-    behind (and the core exits by itself when this process dies: ``engine_proc``).
+    behind (and the core exits by itself when this process dies: ``engine_proc``). The
+    core runs in its own process group, so signals to the front end's group (Ctrl-C,
+    ``kill -- -PGID``) stop the front end, which then stops the core, not both at once.
 
     Raises (constructor): the core's start-up error, re-raised as its type where it is a
     ``ValueError`` (``InvalidParameterError`` keeps its ``param``); ``EngineDeadError``
@@ -168,9 +170,12 @@ class MPClient(EngineCoreClient):
         self._stopping = threading.Event()
         self._thread = None
         level = logging.getLogger("pagedllm").getEffectiveLevel()
+        # its own session (so its own process group): a signal sent to the front end's
+        # group (Ctrl-C, `kill -- -PGID`) reaches the front end alone, which drains and
+        # then stops the core with SHUTDOWN; the core still exits when this process dies
         self._proc = subprocess.Popen(
             [sys.executable, "-c", f"from {wire.__name__} import main; main()"],
-            stdin=subprocess.PIPE)
+            stdin=subprocess.PIPE, start_new_session=True)
         self._finalizer = weakref.finalize(self, MPClient._cleanup, self._proc, self._ctx, self._dir,
                                            self._stopping)
         try:
