@@ -153,6 +153,10 @@ def test_tokenize_detokenize_version_models(server):
     assert bad_turn.status_code == 400 and bad_turn.json()["error"]["param"] == "messages", bad_turn.text
     both = httpx.post(f"{u}/tokenize", json={"prompt": "a", "messages": []}, headers=AUTH)
     assert both.status_code == 400 and both.json()["error"]["param"] == "prompt"
+    for field, value in [("tools", tools), ("chat_template_kwargs", {}), ("add_generation_prompt", True)]:
+        r = httpx.post(f"{u}/tokenize", json={"prompt": "a", field: value}, headers=AUTH)
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+        assert "only with messages" in r.json()["error"]["message"]
     assert httpx.get(f"{u}/version", headers=AUTH).json() == {"version": "0.1.0"}
     assert httpx.get(f"{u}/v1/models", headers=AUTH).json()["data"][0]["max_model_len"] == 256
     spec = httpx.get(f"{u}/openapi.json", headers=AUTH).json()

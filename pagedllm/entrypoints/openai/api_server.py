@@ -199,6 +199,11 @@ def build_app(engine: AsyncLLM, prometheus=None, trust_request_chat_template: bo
                 raise InvalidParameterError("chat_template_kwargs" if body.chat_template_kwargs else "messages",
                                             str(e)) from e
         else:
+            # the chat fields shape a rendered conversation; with a bare prompt they
+            # would be silently ignored
+            for field in ("tools", "chat_template_kwargs", "add_generation_prompt"):
+                if field in body.model_fields_set:
+                    raise InvalidParameterError(field, f"{field} applies only with messages, not with prompt")
             check_unicode("prompt", body.prompt)
             ids = await engine.tokenize(body.prompt, body.add_special_tokens)
         return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
