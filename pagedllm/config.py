@@ -402,21 +402,66 @@ class EngineArgs:
         return parser
 
     @staticmethod
-    def flag_prefix(error: Exception) -> str:
-        """``"--flag-name: "`` for an error naming an engine setting (an
-        ``InvalidParameterError`` whose ``param`` is a field here: the CLI flag is its name
-        in kebab case), so that a CLI message can name the flag; else ``""``."""
-        if isinstance(error, InvalidParameterError) and error.param in {f.name for f in dataclasses.fields(EngineArgs)}:
-            return f"--{error.param.replace('_', '-')}: "
-        return ""
+    def cli_message(error: Exception) -> str:
+        """``error``'s message as the CLI shows it: one naming an engine setting (an
+        ``InvalidParameterError`` whose ``param`` is a field here) starts with the flag,
+        ``"--flag-name: ..."``, and a leading mention of the setting's own name is dropped
+        so it is not said twice (``"quantization must be one of ..."`` becomes
+        ``"--quantization: must be one of ..."``); other errors are as they are."""
+        msg = str(error)
+        if not (isinstance(error, InvalidParameterError)
+                and error.param in {f.name for f in dataclasses.fields(EngineArgs)}):
+            return msg
+        flag = f"--{error.param.replace('_', '-')}"
+        for name in (flag, error.param):
+            if msg.startswith(name) and msg[len(name):len(name) + 1] in (":", " "):
+                msg = msg[len(name):].lstrip(": ")
+                break
+        return f"{flag}: {msg}"
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in vars(args).items() if k in names})
 
+    def _check_types(self) -> None:
+        """Each setting has a type its annotation allows (an int for a float, a path
+        object for ``model``/``profile_dir``; never a bool for a number), so a list or a
+        dict passed for a name fails here, naming it, not deep in loading as a TypeError;
+        ``device`` may be a ``torch.device``.
+
+        Raises:
+            InvalidParameterError: naming the first setting of a wrong type.
+        """
+        import types
+        import typing
+
+        hints = typing.get_type_hints(type(self))
+        for f in dataclasses.fields(self):
+            v, hint = getattr(self, f.name), hints[f.name]
+            allowed = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+            if v is None and type(None) in allowed:
+                continue
+            if isinstance(v, bool):
+                ok = bool in allowed
+            elif isinstance(v, int):
+                ok = int in allowed or float in allowed
+            elif isinstance(v, os.PathLike):
+                ok = f.name in ("model", "profile_dir")
+            elif isinstance(v, torch.device):
+                ok = f.name == "device"
+            else:
+                ok = isinstance(v, tuple(t for t in allowed if t is not type(None)))
+            if not ok:
+                names = {str: "a string", int: "an int", float: "a number", bool: "a bool", dict: "a dict",
+                         type(None): "None"}
+                want = " or ".join(names.get(t, t.__name__) for t in allowed)
+                raise InvalidParameterError(f.name, f"{f.name} must be {want}, got {type(v).__name__} {v!r}")
+
     def validate(self) -> None:
-        """Raises ValueError naming the first bad setting."""
+        """Raises ValueError (an ``InvalidParameterError``) naming the first bad setting."""
+        self._check_types()
+
         def pos(name):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
@@ -480,6 +525,8 @@ class EngineConfig:
             raise InvalidParameterError("model", f"--model: {e}") from None
         get_model_class(arch)  # fail early on an unknown architecture
         device = resolve_device(args.device)
+        # before the dtype, whose "auto" may time the machine's matmuls (seconds)
+        quant_config = _quant_config(args.quantization, path, device)
         dtype = resolve_dtype(args.dtype, device, arch)
         max_len = args.max_model_len or arch.max_position_embeddings
         if (arch.max_position_embeddings and max_len > arch.max_position_embeddings
@@ -508,11 +555,10 @@ class EngineConfig:
                     "speculative_config", f"speculative_config: the draft model's vocabulary "
                     f"({draft_arch.vocab_size}) differs from the target's ({arch.vocab_size}); "
                     "a draft model must share the target's tokenizer")
-        return cls(args, path, name, arch, dtype, device, max_len, kv_dtype,
-                   _quant_config(args.quantization, path, device, dtype), spec)
+        return cls(args, path, name, arch, dtype, device, max_len, kv_dtype, quant_config, spec)
 
 
-def _quant_config(method: str | None, path: str, device: torch.device, dtype: torch.dtype):
+def _quant_config(method: str | None, path: str, device: torch.device):
     """The ``QuantizationConfig`` of ``--quantization method`` for the model at ``path``, or
     None. Raises InvalidParameterError("quantization") when it cannot run here."""
     if method is None:
@@ -520,5 +566,5 @@ def _quant_config(method: str | None, path: str, device: torch.device, dtype: to
     from pagedllm.layers.quantization import get_quantization_config
     from pagedllm.models.loader import gguf_tensor_types, is_gguf
 
-    return get_quantization_config(method, device=device, dtype=dtype,
+    return get_quantization_config(method, device=device,
                                    gguf_tensor_types=gguf_tensor_types(path) if is_gguf(path) else None)

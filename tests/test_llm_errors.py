@@ -88,6 +88,47 @@ def test_unknown_engine_argument():
         LLM(no_such_option=1)
 
 
+@pytest.mark.parametrize("kw, param", [
+    (dict(quantization=["int8"]), "quantization"), (dict(kv_cache_dtype={}), "kv_cache_dtype"),
+    (dict(dtype=["bfloat16"]), "dtype"), (dict(device={}), "device"), (dict(attention_backend=[1]), "attention_backend"),
+    (dict(model=5), "model"), (dict(served_model_name=["a"]), "served_model_name"), (dict(profile_dir=3), "profile_dir"),
+    (dict(enable_prefix_caching="no"), "enable_prefix_caching"), (dict(seed="1"), "seed"),
+    (dict(kv_cache_memory=[1]), "kv_cache_memory"), (dict(gpu_memory_utilization="a"), "gpu_memory_utilization"),
+    (dict(max_model_len=True), "max_model_len"), (dict(speculative_config=[1]), "speculative_config"),
+])
+def test_engine_argument_of_a_wrong_type_names_it(kw, param):
+    """A list, dict or string where the setting takes another type is a ValueError naming
+    it before anything loads (a list for ``quantization`` was a TypeError from a dict lookup)."""
+    from pagedllm.config import EngineArgs
+    from pagedllm.errors import InvalidParameterError
+
+    with pytest.raises(InvalidParameterError, match=rf"^{param} must be ") as e:
+        LLM(**kw)
+    assert e.value.param == param
+    import pathlib
+
+    import torch
+
+    EngineArgs(model=pathlib.Path("m.gguf"), device=torch.device("cpu"), gpu_memory_utilization=1,
+               profile_dir=pathlib.Path("p"))._check_types()   # what is allowed passes
+
+
+def test_cli_message_names_the_flag_once():
+    from pagedllm.config import EngineArgs
+    from pagedllm.errors import InvalidParameterError
+
+    assert EngineArgs.cli_message(InvalidParameterError("quantization", "quantization: x is bad")) == \
+        "--quantization: x is bad"
+    assert EngineArgs.cli_message(InvalidParameterError("quantization", "quantization must be one of a")) == \
+        "--quantization: must be one of a"
+    assert EngineArgs.cli_message(InvalidParameterError("kv_cache_dtype", "--kv-cache-dtype: y")) == \
+        "--kv-cache-dtype: y"
+    assert EngineArgs.cli_message(InvalidParameterError("kv_cache_dtype", "fp8 needs z")) == \
+        "--kv-cache-dtype: fp8 needs z"
+    assert EngineArgs.cli_message(InvalidParameterError("quantization_x", "q")) == "q"
+    assert EngineArgs.cli_message(ValueError("plain")) == "plain"
+
+
 def test_duplicate_request_id_and_abort(llm, check_usable, mixed_prompts):
     eng = llm.llm_engine
     eng.add_request("dup", mixed_prompts[5], greedy(8))

@@ -70,7 +70,7 @@ def compare_namespace(args: argparse.Namespace, compare_args: str) -> argparse.N
     try:   # checked now, not after the first engine has loaded
         EngineArgs.from_cli_args(ns).validate()
     except ValueError as e:
-        raise ValueError(f"--compare-args {compare_args!r}: {EngineArgs.flag_prefix(e)}{e}") from e
+        raise ValueError(f"--compare-args {compare_args!r}: {EngineArgs.cli_message(e)}") from e
     return ns
 
 

@@ -201,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:
         from pagedllm.config import EngineArgs
 
-        print(f"error: {EngineArgs.flag_prefix(e)}{e}", file=sys.stderr)
+        print(f"error: {EngineArgs.cli_message(e)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

@@ -35,12 +35,14 @@ def get_quantization_config(name: str, **model_info) -> QuantizationConfig:
     Args:
         name: a key of ``QUANTIZATION_METHODS``.
         **model_info: what the method needs to know about the model and where it runs:
-            ``device``, ``dtype``, ``gguf_tensor_types`` (HF name → GGML type name, for a
-            GGUF file; None for a HF directory).
+            ``device`` and ``gguf_tensor_types`` (HF name → GGML type name, for a GGUF
+            file; None for a HF directory). Not the dtype: the engine makes the config
+            before it resolves ``--dtype auto``, so that a method that cannot run fails
+            before that timing.
 
     Raises:
         InvalidParameterError("quantization"): unknown name, or the method cannot run with
-        this model, dtype or machine (the reason in the message).
+        this model or machine (the reason in the message).
     """
     if name not in QUANTIZATION_METHODS:
         raise unsupported(f"unknown method {name!r}; supported: {', '.join(QUANTIZATION_METHODS)}")

@@ -74,4 +74,4 @@ class QuantizationConfig(ABC):
 def unsupported(message: str) -> InvalidParameterError:
     """The error for a quantization method that cannot run here (HTTP-free: the CLI and
     ``LLM`` show it as a ValueError naming ``quantization``)."""
-    return InvalidParameterError("quantization", f"--quantization: {message}")
+    return InvalidParameterError("quantization", f"quantization: {message}")
