@@ -128,9 +128,39 @@ def test_bench_accuracy_checks_every_value_before_it_runs(monkeypatch):
         accuracy.accuracy_main(args)
 
 
+def test_bench_accuracy_checks_the_model_takes_each_method_before_it_runs(monkeypatch, tiny_dir):  # noqa: F811
+    """A known method the model cannot take (gguf on a HF directory) fails before the
+    float32 reference runs, naming quantization."""
+    import argparse
+
+    from pagedllm.benchmarks import accuracy
+
+    def ran(*a, **k):
+        raise AssertionError("a model ran before the values were checked")
+
+    monkeypatch.setattr(accuracy, "model_perplexity", ran)
+    args = argparse.Namespace(model=tiny_dir, quantization=["q8_0", "gguf"], kv_cache_dtype=[], max_tokens=4,
+                              output_json=None)
+    with pytest.raises(InvalidParameterError, match="not a .gguf file") as e:
+        accuracy.accuracy_main(args)
+    assert e.value.param == "quantization"
+
+
 def test_gguf_needs_a_gguf_file(tiny_dir):   # noqa: F811 (fixture)
     with pytest.raises(InvalidParameterError, match="not a .gguf file"):
         LLM(model=tiny_dir, quantization="gguf")
+
+
+def test_gguf_refuses_a_file_with_no_quantized_tensors():
+    """``-q gguf`` on an all-float GGUF would silently run the float model."""
+    from pagedllm.layers.quantization.gguf_config import GGUFConfig
+
+    floats = {"model.embed_tokens.weight": "F16", "model.layers.0.mlp.down_proj.weight": "F32",
+              "model.layers.0.self_attn.o_proj.weight": "BF16"}
+    with pytest.raises(InvalidParameterError, match="has none .*BF16, F16, F32.*q8_0") as e:
+        GGUFConfig.create("gguf", gguf_tensor_types=floats)
+    assert e.value.param == "quantization"
+    assert GGUFConfig.create("gguf", gguf_tensor_types={**floats, "lm_head.weight": "Q8_0"}).describe() == "gguf (Q8_0)"
 
 
 def test_gguf_config_refuses_types_it_cannot_keep_packed():

@@ -115,14 +115,17 @@ def register(subparsers: "argparse._SubParsersAction") -> None:
     p.set_defaults(func=accuracy_main)
 
 
-def check_variants(quantization: list[str], kv_cache_dtypes: list[str]) -> None:
+def check_variants(quantization: list[str], kv_cache_dtypes: list[str], model: str | None = None) -> None:
     """Check every ``--quantization`` and ``--kv-cache-dtype`` value before anything runs
-    (a full comparison takes minutes).
+    (a full comparison takes minutes): each is a known name, and each engine the
+    comparison will start can start with ``model`` on this machine (``EngineConfig``,
+    which reads the model's config but no weight).
 
     Raises:
-        ValueError: naming the flag and the first unknown value.
+        ValueError: naming the flag and the first unknown value, or the first engine's
+        error (an ``InvalidParameterError`` naming the setting).
     """
-    from pagedllm.config import KV_CACHE_DTYPES
+    from pagedllm.config import KV_CACHE_DTYPES, EngineArgs, EngineConfig
     from pagedllm.layers.quantization import QUANTIZATION_METHODS
 
     for flag, values, known in (("--quantization", quantization, QUANTIZATION_METHODS),
@@ -130,6 +133,10 @@ def check_variants(quantization: list[str], kv_cache_dtypes: list[str]) -> None:
         bad = [v for v in values if v not in known]
         if bad:
             raise ValueError(f"{flag}: unknown {bad[0]!r}; choose from {', '.join(known)}")
+    for q in quantization:
+        EngineConfig.from_args(EngineArgs(model=model, dtype="float32", quantization=q))
+    for k in kv_cache_dtypes:
+        EngineConfig.from_args(EngineArgs(model=model, dtype="float32", kv_cache_dtype=k))
 
 
 def accuracy_main(args) -> int:
@@ -137,7 +144,7 @@ def accuracy_main(args) -> int:
     from pagedllm import LLM
     from pagedllm.benchmarks.machine import machine_info
 
-    check_variants(args.quantization, args.kv_cache_dtype)
+    check_variants(args.quantization, args.kv_cache_dtype, args.model)
     machine = machine_info()
     print(f"{machine['cpu']} ({' '.join(machine['isa'])}); float32 activations; "
           f"{len(AGREEMENT_PROMPTS)} prompts x {args.max_tokens} greedy tokens")

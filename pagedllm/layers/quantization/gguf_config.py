@@ -45,10 +45,17 @@ class GGUFConfig(QuantizationConfig):
 
     @classmethod
     def create(cls, name: str, gguf_tensor_types: dict[str, str] | None = None, **_) -> GGUFConfig:
-        """Raises InvalidParameterError("quantization") for a model that is not a GGUF file."""
+        """Raises InvalidParameterError("quantization") for a model that is not a GGUF file,
+        or a GGUF file whose tensors are all floats (nothing to keep packed: running as
+        if quantized would silently be the float model)."""
         if gguf_tensor_types is None:
             raise unsupported("gguf keeps a GGUF file's quantized blocks, but the model is not a .gguf "
                               "file; use q8_0, q4_0, q4_1 or int8 to quantize float weights at load")
+        if all(t in _FLOAT_TYPES for t in gguf_tensor_types.values()):
+            floats = ", ".join(sorted(set(gguf_tensor_types.values())))
+            raise unsupported(f"gguf keeps a GGUF file's quantized blocks, but this file has none (its tensors "
+                              f"are {floats or 'absent'}); use q8_0, q4_0, q4_1 or int8 to quantize it at load, "
+                              "or run without --quantization")
         return cls(gguf_tensor_types)
 
     def packed_gguf_types(self) -> frozenset[str]:
@@ -62,7 +69,9 @@ class GGUFConfig(QuantizationConfig):
             return None
         if len(types) > 1:
             raise unsupported(f"gguf cannot fuse {prefix}: its parts have different types "
-                              f"({', '.join(f'{n}={self.tensor_types.get(n)}' for n in names)})")
+                              f"({', '.join(f'{n}={self.tensor_types.get(n)}' for n in names)}); run without "
+                              "--quantization to dequantize the file at load, or use q8_0, q4_0 or q4_1 to "
+                              "requantize it into one type")
         (t,) = types
         if t not in FORMATS and t not in _FLOAT_TYPES:
             raise unsupported(f"gguf cannot keep {names[0]} packed: its type {t} is not one of "
