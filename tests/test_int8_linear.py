@@ -468,6 +468,32 @@ def test_amx_backend_falls_back_for_shapes_its_tiles_cannot_hold():
     assert layer(_acts(5, 320, torch.float32, seed=2)).shape == (5, 203)
 
 
+@needs_amx
+@needs_avx2
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_amx_falls_back_to_the_avx2_kernel_without_onednn(monkeypatch, dtype):
+    """Without oneDNN (``PAGEDLLM_ONEDNN=0``, a torch without mkldnn), a layer AMX's tiles
+    cannot hold runs on the AVX2 kernel at the method's 8-bit widths (same bits as the
+    torch reference), not on the far slower torch ops; one whose K is not a multiple of 4
+    takes the torch ops."""
+    from pagedllm.layers.quantization import int8
+
+    monkeypatch.setattr(int8, "onednn_int8_available", lambda device: False)
+    method = Int8W8A8LinearMethod("cpu")
+    assert method.backend == "amx" and method.fallback_backend == "avx2" and method.weight_bits == 8
+    layer = _layer(320, 203, bias=True, dtype=dtype, seed=4)    # N % 16 != 0
+    odd = _layer(30, 20, bias=True, dtype=dtype, seed=5)        # K % 4 != 0 as well
+    refs = [_layer(320, 203, bias=True, dtype=dtype, seed=4, backend="torch"),
+            _layer(30, 20, bias=True, dtype=dtype, seed=5, backend="torch")]
+    for lay in (layer, odd, *refs):
+        lay.linear_method.process_weights_after_loading(lay)
+    assert layer.int8_backend == "avx2" and odd.int8_backend == "torch"
+    assert layer.linear_method.layer_name(layer) == "int8 W8A8 (AVX2 u8s8)"
+    for lay, ref, k in ((layer, refs[0], 320), (odd, refs[1], 30)):
+        x = _acts(7, k, dtype, seed=k)
+        assert torch.equal(lay(x), ref(x))
+
+
 @pytest.mark.parametrize("backend, available, in_odd", [("amx", amx_int8_available, 320),
                                                          ("avx2", avx2_int8_available, 30)])
 def test_start_up_line_names_the_kernel_each_layer_runs(backend, available, in_odd):

@@ -391,8 +391,10 @@ class Int8W8A8LinearMethod(LinearMethod):
             are not exact on this CPU (e.g. 8 and 8 without VNNI or AMX).
 
     Attributes:
-        backend: "amx", "avx2", "onednn" or "torch"; fallback_backend: "onednn" or "torch",
-            for layers the AMX or AVX2 kernel's layout cannot hold.
+        backend: "amx", "avx2", "onednn" or "torch"; fallback_backend: for layers the AMX
+            or AVX2 kernel's layout cannot hold: "onednn" where it is available and exact
+            at these widths, else "avx2" under AMX where that kernel runs (a layer whose
+            K is not a multiple of 4 then takes the torch ops), else "torch".
         weight_bits, act_bits: the widths; weight_qmax: largest |Wq|; qmax, zero_point:
             the activations' range (``ACT_RANGES``).
         name: e.g. "int8 W8A8 (oneDNN u8s8, 7-bit weights)".
@@ -432,6 +434,10 @@ class Int8W8A8LinearMethod(LinearMethod):
             act_bits = act_bits or 8
             if available and not onednn_exact(weight_bits, act_bits):
                 self.fallback_backend = "torch"
+            if self.fallback_backend == "torch" and self.backend == "amx" and avx2_int8_available(device):
+                # the AVX2 kernel multiplies exactly at any width too (8-bit weights by
+                # its sign trick), far faster than the torch reference
+                self.fallback_backend = "avx2"
         elif self.backend == "onednn":
             if weight_bits is None and act_bits is None:
                 weight_bits, act_bits = onednn_exact_bits()
@@ -481,6 +487,8 @@ class Int8W8A8LinearMethod(LinearMethod):
         if ((backend == "amx" and not amx_tiles_fit(*q.shape, torch.int8))
                 or (backend == "avx2" and not avx2_int8_fits(q.shape[1]))):
             backend = self.fallback_backend
+            if backend == "avx2" and not avx2_int8_fits(q.shape[1]):
+                backend = "torch"
         layer.int8_backend = backend
         if backend == "amx":
             layer.int8_amx_weight = pack_amx_tiles(q, torch.int8)
