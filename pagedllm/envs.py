@@ -1,7 +1,9 @@
 """Every environment variable pagedllm reads, in one place.
 
 Each is read when its accessor is called (not at import), so a test or a launcher can set
-it before the engine starts. Names, defaults and meanings:
+it before the engine starts. A switch (default ``1`` or ``0`` below) takes ``1``/``true``/
+``yes``/``on`` or ``0``/``false``/``no``/``off`` in any case, and any other value is a
+``ValueError`` naming the variable. Names, defaults and meanings:
 
 | variable | default | meaning |
 |---|---|---|
@@ -12,8 +14,8 @@ it before the engine starts. Names, defaults and meanings:
 | ``PAGEDLLM_KERNEL_BUILD_WAIT_S`` | ``1200`` | seconds to wait for another process's kernel build |
 | ``TORCH_EXTENSIONS_DIR`` | ``~/.cache/torch_extensions`` | where the kernels are built (torch's own variable) |
 | ``PAGEDLLM_ONEDNN`` | ``1`` | ``0``: CPU float32 linear layers use ``F.linear`` instead of oneDNN-packed weights |
-| ``PAGEDLLM_AMX`` | ``1`` | ``0``: the AMX kernels are not used: CPU bfloat16 linear layers and ``--quantization int8``'s matmuls go to oneDNN, and bf16 paged attention computes its q.k scores with vector FMAs |
-| ``PAGEDLLM_AVX2_INT8`` | ``1`` | ``0``: ``--quantization int8`` on a CPU without AMX-INT8 or VNNI multiplies through oneDNN (7-bit weights) instead of the project's AVX2 kernel |
+| ``PAGEDLLM_AMX`` | ``1`` | ``0``: the AMX kernels are not used: CPU bfloat16 linear layers and ``--quantization int8``'s matmuls go to oneDNN (int8: to the AVX2 kernel where oneDNN is off too), and bf16 paged attention computes its q.k scores with vector FMAs |
+| ``PAGEDLLM_AVX2_INT8`` | ``1`` | ``0``: the project's AVX2 int8 kernel is not used: ``--quantization int8`` where AMX-INT8 does not run multiplies through oneDNN (7-bit weights without VNNI) |
 | ``PAGEDLLM_FUSED_DECODER`` | ``1`` | ``0``: a Llama-family model whose linears have a C++ stack form (GGUF blocks, int8 W8A8 on AVX2 or AMX) runs its decoder layers one Python module call at a time instead of as one C++ call a step (``models/fused_decoder.py``; the same kernels and bits) |
 | ``PAGEDLLM_BATCH_INVARIANT_PROBE`` | ``1`` | ``0``: skip the load-time check that each linear layer's rows are independent of the batch size (and the row-chunk wrapping of layers whose are not; ``layers/batch_invariance.py``) |
 | ``PAGEDLLM_ALLOW_LONG_MAX_MODEL_LEN`` | ``0`` | ``1``: allow ``max_model_len`` past the model's context |
@@ -29,6 +31,27 @@ def _get(name: str, default: str) -> str:
     return os.environ.get(name, default)
 
 
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def _flag(name: str, default: bool) -> bool:
+    """A switch variable: ``1``/``true``/``yes``/``on`` or ``0``/``false``/``no``/``off`` (any
+    case, surrounding spaces ignored); unset or empty: ``default``.
+
+    Raises:
+        ValueError: any other value, naming the variable (a typo must not leave a kernel
+        silently on or off).
+    """
+    raw = os.environ.get(name, "").strip().lower()
+    if not raw:
+        return default
+    if raw in _TRUE:
+        return True
+    if raw in _FALSE:
+        return False
+    raise ValueError(f"{name} must be 1 or 0 (or true/false, yes/no, on/off), got {os.environ[name]!r}")
+
+
 def log_level() -> str:
     return _get("PAGEDLLM_LOG_LEVEL", "INFO")
 
@@ -37,7 +60,7 @@ def configure_logging() -> bool:
     """``PAGEDLLM_CONFIGURE_LOGGING`` (default 1): whether ``LLM``/``AsyncLLM`` give the
     ``pagedllm`` logger a stderr handler when the application has configured none
     (``pagedllm/logger.py``)."""
-    return _get("PAGEDLLM_CONFIGURE_LOGGING", "1") != "0"
+    return _flag("PAGEDLLM_CONFIGURE_LOGGING", True)
 
 
 def cache_root() -> str:
@@ -45,7 +68,7 @@ def cache_root() -> str:
 
 
 def cpu_kernels_enabled() -> bool:
-    return _get("PAGEDLLM_CPU_KERNELS", "1") != "0"
+    return _flag("PAGEDLLM_CPU_KERNELS", True)
 
 
 def kernel_build_wait_raw() -> str | None:
@@ -61,32 +84,32 @@ def torch_extensions_dir() -> str:
 
 
 def onednn_enabled() -> bool:
-    return _get("PAGEDLLM_ONEDNN", "1") != "0"
+    return _flag("PAGEDLLM_ONEDNN", True)
 
 
 def amx_enabled() -> bool:
     """``PAGEDLLM_AMX=0`` turns the AMX kernels off (bf16 linears and int8 W8A8: oneDNN computes instead;
     bf16 paged attention: q.k scores by vector FMAs)."""
-    return _get("PAGEDLLM_AMX", "1") != "0"
+    return _flag("PAGEDLLM_AMX", True)
 
 
 def avx2_int8_enabled() -> bool:
     """``PAGEDLLM_AVX2_INT8=0`` turns the AVX2 int8 W8A8 kernel off (oneDNN computes instead)."""
-    return _get("PAGEDLLM_AVX2_INT8", "1") != "0"
+    return _flag("PAGEDLLM_AVX2_INT8", True)
 
 
 def fused_decoder_enabled() -> bool:
     """``PAGEDLLM_FUSED_DECODER=0`` keeps the per-layer Python path for models the fused
     C++ decoder stack could run."""
-    return _get("PAGEDLLM_FUSED_DECODER", "1") != "0"
+    return _flag("PAGEDLLM_FUSED_DECODER", True)
 
 
 def batch_invariant_probe_enabled() -> bool:
-    return _get("PAGEDLLM_BATCH_INVARIANT_PROBE", "1") != "0"
+    return _flag("PAGEDLLM_BATCH_INVARIANT_PROBE", True)
 
 
 def allow_long_max_model_len() -> bool:
-    return _get("PAGEDLLM_ALLOW_LONG_MAX_MODEL_LEN", "0") == "1"
+    return _flag("PAGEDLLM_ALLOW_LONG_MAX_MODEL_LEN", False)
 
 
 def profile_steps() -> tuple[int, int]:
