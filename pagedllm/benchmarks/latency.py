@@ -214,13 +214,14 @@ def latency_main(args) -> int:
     from pagedllm.models.loader import load_arch_config
     from pagedllm.utils import default_model_path
 
-    from .throughput import random_prompts
+    from .throughput import check_flags_reach_an_engine, random_prompts
 
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
     arch = load_arch_config(args.model or default_model_path())
     prompts = random_prompts(args.batch_size, args.input_len, arch.vocab_size, args.seed)
     backends = [x for b in args.backend for x in (["hf", "pagedllm"] if b == "both" else [b])]
+    check_flags_reach_an_engine(args, backends)
     runners = {"hf": run_hf, "llama.cpp": run_llama_cpp, "pagedllm": run_pagedllm}
     if args.rounds == 1:              # one backend loaded at a time
         results = [best_runs([runners[b](args, prompts)], 1, args.num_iters)[0][0] for b in backends]

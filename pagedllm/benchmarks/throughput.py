@@ -48,6 +48,22 @@ def register(subparsers: "argparse._SubParsersAction") -> None:
     p.set_defaults(func=throughput_main)
 
 
+def check_flags_reach_an_engine(args, backends: list[str]) -> None:
+    """Refuse pagedllm-only flags (``--quantization``, ``--kv-cache-dtype``) when no
+    pagedllm engine runs: a figure for ``--backend hf -q int8`` would silently be HF's
+    unquantized one.
+
+    Raises:
+        ValueError: naming the flag and the backends.
+    """
+    if "pagedllm" in backends:
+        return
+    for flag, value, unset in (("--quantization", args.quantization, None), ("--kv-cache-dtype", args.kv_cache_dtype, "auto")):
+        if value != unset:
+            raise ValueError(f"{flag} {value} applies to pagedllm, which --backend {' '.join(backends)} does not run; "
+                             "add pagedllm (or use both) to compare it")
+
+
 def random_prompts(n: int, input_len: int, vocab_size: int, seed: int = 0) -> list[list[int]]:
     """``n`` prompts of ``input_len`` token ids drawn uniformly from [100, vocab_size)
     (skipping the low ids, where special tokens usually sit)."""
@@ -268,6 +284,7 @@ def throughput_main(args) -> int:
         return paired_main(args, prompts)
     results = []
     backends = ["hf", "pagedllm"] if args.backend == "both" else [args.backend]
+    check_flags_reach_an_engine(args, backends)
     for b in backends:
         results.append(run_hf(args, prompts) if b == "hf" else run_pagedllm(args, prompts))
     from pagedllm.benchmarks.machine import machine_info

@@ -60,6 +60,29 @@ def test_sweep_bad_input_names_flag(argv, flag, capsys):
     assert flag in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv,flag", [
+    (["throughput", "--backend", "hf", "-q", "int8"], "--quantization int8"),
+    (["throughput", "--backend", "hf", "--kv-cache-dtype", "fp8"], "--kv-cache-dtype fp8"),
+    (["latency", "--backend", "hf", "llama.cpp", "-q", "gguf"], "--quantization gguf"),
+])
+def test_engine_flags_without_a_pagedllm_engine_are_refused(argv, flag, capsys, monkeypatch):
+    """HF alone would report its own unquantized figure under the flag's name; refused
+    before any model loads."""
+    from pagedllm.benchmarks import latency, throughput
+
+    def ran(*a, **k):
+        raise AssertionError("a backend ran")
+
+    for mod in (latency, throughput):
+        monkeypatch.setattr(mod, "run_hf", ran)
+    monkeypatch.setattr(latency, "run_llama_cpp", ran)
+    from pagedllm.entrypoints import cli
+
+    assert cli.main(["bench", *argv, "--num-prompts" if argv[0] == "throughput" else "--batch-size", "1"]) == 2
+    err = capsys.readouterr().err
+    assert flag in err and "applies to pagedllm" in err, err
+
+
 def test_sweep_requires_load_and_slo(capsys):
     with pytest.raises(SystemExit):
         run_cli(["bench", "sweep", "--slo", "ttft:1"])
