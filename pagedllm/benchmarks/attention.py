@@ -352,7 +352,7 @@ def main(args) -> int:
         for r in runs:
             r["step_ms"] = round(r["layer_ms"] * args.num_layers, 2)
             print(f"  {r['kv_cache_dtype']:>14} cache: {r['layer_ms']:7.3f} ms/layer (min {r['layer_ms_min']:.3f}), "
-                  f"{r['step_ms']:8.2f} ms/step x{args.num_layers}, K/V {r['kv_bytes_per_layer'] / 1e6:6.1f} "
+                  f"{r['step_ms']:8.2f} ms/step x{args.num_layers}, K/V {r['kv_bytes_per_layer'] / 1e6:6.{1 if r['kv_bytes_per_layer'] >= 1e6 else 3}f} "
                   f"MB/layer = {r['gb_per_s']:.1f} GB/s  [{r['backend']}]")
     if args.output_json:
         save_json({"machine": machine, "args": {k: v for k, v in vars(args).items() if k != "func"},

@@ -113,7 +113,8 @@ def run_pagedllm(args, prompts):
             ttft = max(o.metrics.ttft for o in outs)
             first = max(o.metrics.first_token_time for o in outs)
             decode = max(o.metrics.finished_time for o in outs) - first
-            yield {"backend": "pagedllm", "dtype": str(cfg.dtype).removeprefix("torch."),
+            kv = str(cfg.kv_cache_dtype).removeprefix("torch.")
+            yield {"backend": "pagedllm", "dtype": str(cfg.dtype).removeprefix("torch."), "kv_cache_dtype": kv,
                    **_summary(ttft, decode, len(prompts), args.output_len),
                    "_arch": cfg.arch, "_dtype": cfg.dtype, "_device": cfg.device}
     finally:
@@ -251,7 +252,8 @@ def latency_main(args) -> int:
             if r["other_ms_per_step"] < 0:
                 # measured apart from the steps: on a busy machine the two can disagree
                 extra += " (the matmul pass ran slower than the steps did: the machine is busy, rerun)"
-        print(f"[{r['backend']:>8}] {r['dtype']} | TTFT {r['ttft_s'] * 1e3:.0f} ms | decode "
+        label = r["dtype"] + (f", KV cache {r['kv_cache_dtype']}" if "kv_cache_dtype" in r else "")
+        print(f"[{r['backend']:>8}] {label} | TTFT {r['ttft_s'] * 1e3:.0f} ms | decode "
               f"{r['decode_tokens_per_s']:.1f} tok/s | {r['decode_ms_per_step']:.1f} ms/step{extra}")
     report = {"machine": machine, "batch_size": args.batch_size, "input_len": args.input_len,
               "output_len": args.output_len, "rounds": args.rounds, "results": results,

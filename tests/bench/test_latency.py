@@ -21,14 +21,15 @@ def test_latency_report(tmp_path, capsys):
     rep = json.loads(out.read_text())
     assert rep["machine"]["cpu"] and rep["batch_size"] == 1 and rep["output_len"] == 5
     (r,) = rep["results"]
-    assert r["backend"] == "pagedllm" and r["dtype"] == "float32"
+    assert r["backend"] == "pagedllm" and r["dtype"] == "float32" and r["kv_cache_dtype"] == "float32"
     assert r["decode_ms_per_step"] > 0 and r["ttft_s"] > 0
     # 4 decode steps after the first token, one request
     assert abs(r["decode_tokens_per_s"] - 4 / r["decode_s"]) <= 0.1 + 0.01 * r["decode_tokens_per_s"]
     assert abs(r["decode_ms_per_step"] - 1e3 * r["decode_s"] / 4) < 0.2    # decode_s is rounded to 1 ms
     assert 0 < r["matmul_ms_per_step"]
     assert abs(r["matmul_ms_per_step"] + r["other_ms_per_step"] - r["decode_ms_per_step"]) < 0.02
-    assert "ms/step = matmuls" in capsys.readouterr().out
+    shown = capsys.readouterr().out
+    assert "ms/step = matmuls" in shown and "float32, KV cache float32 | TTFT" in shown
 
 
 def test_matmul_time_grows_with_the_model():
