@@ -428,7 +428,8 @@ class EngineArgs:
         """Each setting has a type its annotation allows (an int for a float, a path
         object for ``model``/``profile_dir``; never a bool for a number), so a list or a
         dict passed for a name fails here, naming it, not deep in loading as a TypeError;
-        ``device`` may be a ``torch.device``.
+        ``device`` may be a ``torch.device``, and a path object given for ``model`` or
+        ``profile_dir`` becomes its string here.
 
         Raises:
             InvalidParameterError: naming the first setting of a wrong type.
@@ -448,6 +449,8 @@ class EngineArgs:
                 ok = int in allowed or float in allowed
             elif isinstance(v, os.PathLike):
                 ok = f.name in ("model", "profile_dir")
+                if ok:
+                    setattr(self, f.name, os.fspath(v))   # the loaders take strings
             elif isinstance(v, torch.device):
                 ok = f.name == "device"
             else:
@@ -456,6 +459,8 @@ class EngineArgs:
                 names = {str: "a string", int: "an int", float: "a number", bool: "a bool", dict: "a dict",
                          type(None): "None"}
                 want = " or ".join(names.get(t, t.__name__) for t in allowed)
+                want += {"model": " (or a path object)", "profile_dir": " (or a path object)",
+                         "device": " (or a torch.device)"}.get(f.name, "")
                 raise InvalidParameterError(f.name, f"{f.name} must be {want}, got {type(v).__name__} {v!r}")
 
     def validate(self) -> None:

@@ -109,8 +109,20 @@ def test_engine_argument_of_a_wrong_type_names_it(kw, param):
 
     import torch
 
-    EngineArgs(model=pathlib.Path("m.gguf"), device=torch.device("cpu"), gpu_memory_utilization=1,
-               profile_dir=pathlib.Path("p"))._check_types()   # what is allowed passes
+    ok = EngineArgs(model=pathlib.Path("m.gguf"), device=torch.device("cpu"), gpu_memory_utilization=1,
+                    profile_dir=pathlib.Path("p"))
+    ok._check_types()   # what is allowed passes; paths become strings (the loaders test str.endswith)
+    assert ok.model == "m.gguf" and ok.profile_dir == "p"
+
+
+def test_model_may_be_a_path_object():
+    import pathlib
+
+    from pagedllm.config import EngineArgs, EngineConfig
+    from pagedllm.utils import default_model_path
+
+    cfg = EngineConfig.from_args(EngineArgs(model=pathlib.Path(default_model_path()), dtype="float32"))
+    assert cfg.model_path == default_model_path() and cfg.arch.architecture == "LlamaForCausalLM"
 
 
 def test_cli_message_names_the_flag_once():
