@@ -470,13 +470,23 @@ class EngineArgs:
         def pos(name):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
-                raise ValueError(f"{name} must be a positive int, got {v!r}")
+                raise InvalidParameterError(name, f"{name} must be a positive int, got {v!r}")
         for n in ("max_model_len", "block_size", "num_gpu_blocks_override",
                   "max_num_batched_tokens", "max_num_seqs", "num_threads"):
             pos(n)
         if not (0 < self.gpu_memory_utilization <= 1):
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        parse_size(self.kv_cache_memory)
+            raise InvalidParameterError("gpu_memory_utilization", f"gpu_memory_utilization must be in (0, 1], "
+                                                                  f"got {self.gpu_memory_utilization}")
+        try:
+            parse_size(self.kv_cache_memory)
+        except ValueError as e:
+            raise InvalidParameterError("kv_cache_memory", f"kv_cache_memory: {e}") from None
+        from pagedllm.attention.backend import attention_backend_class
+
+        try:
+            attention_backend_class(self.attention_backend)
+        except ValueError as e:
+            raise InvalidParameterError("attention_backend", f"attention_backend: {e}") from None
         if self.quantization is not None:
             from pagedllm.layers.quantization import QUANTIZATION_METHODS
 

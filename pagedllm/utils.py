@@ -61,7 +61,12 @@ def default_model_path() -> str:
 
 
 def resolve_device(device: str | None) -> torch.device:
-    """``None``/``"auto"`` → cuda when available, else cpu."""
+    """``None``/``"auto"`` → cuda when available, else cpu.
+
+    Raises:
+        InvalidParameterError("device"): not a device name, a device type other than cpu
+        and cuda (meta, xpu...), or cuda where torch sees no GPU.
+    """
     if device in (None, "auto"):
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     from pagedllm.errors import InvalidParameterError
@@ -70,6 +75,8 @@ def resolve_device(device: str | None) -> torch.device:
         dev = torch.device(device)
     except RuntimeError as e:
         raise InvalidParameterError("device", f"invalid device {device!r}: {e}") from e
+    if dev.type not in ("cpu", "cuda"):
+        raise InvalidParameterError("device", f"device {device!r}: pagedllm runs on cpu or cuda, not {dev.type}")
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise InvalidParameterError("device", f"device {device!r} requested but CUDA is not available "
                                               "(this torch build or machine has no GPU); use --device cpu")

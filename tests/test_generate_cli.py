@@ -23,7 +23,11 @@ def no_model_load(monkeypatch):
     (["--top-p", "0"], "--top-p"),
     (["--top-p", "1.5"], "--top-p"),
     (["--seed-sampling", str(2**63)], "--seed-sampling"),
-    (["--max-model-len", "0"], "max_model_len"),
+    (["--max-model-len", "0"], "--max-model-len: must be a positive int"),
+    (["--block-size", "0"], "--block-size: must be a positive int"),
+    (["--gpu-memory-utilization", "5"], "--gpu-memory-utilization: must be in (0, 1]"),
+    (["--kv-cache-memory", "-1"], "--kv-cache-memory: "),
+    (["--attention-backend", "nope"], "--attention-backend: unknown attention backend 'nope'"),
     (["-q", "int4x"], "--quantization: "),
 ])
 def test_bad_flag_rejected_before_loading(no_model_load, capsys, argv, flag):
@@ -81,3 +85,27 @@ def test_serve_on_busy_port_fails_before_loading(capsys, monkeypatch):
         assert cli.main(["serve", "--host", "127.0.0.1", "--port", str(port)]) == 2
     err = capsys.readouterr().err
     assert f"cannot listen on 127.0.0.1:{port}" in err, err
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--port", "70000"], "--port must be in 0-65535"), (["--port", "-1"], "--port must be in 0-65535"),
+    (["--shutdown-timeout", "nan"], "--shutdown-timeout must be a finite"),
+    (["--shutdown-timeout", "-1"], "--shutdown-timeout must be a finite"),
+])
+def test_serve_flags_checked_before_loading(monkeypatch, capsys, argv, words):
+    from pagedllm.entrypoints.openai import api_server
+
+    def load(*args, **kwargs):
+        raise AssertionError("the model was loaded before the flags were checked")
+
+    monkeypatch.setattr(api_server, "AsyncLLM", load)
+    assert cli.main(["serve", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and words in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("device", ["meta", "xpu"])
+def test_device_other_than_cpu_or_cuda_rejected(no_tokenizer_or_weights, capsys, device):
+    assert cli.main(["generate", "hello", "--device", device]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --device: ") and "runs on cpu or cuda" in err, err

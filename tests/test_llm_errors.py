@@ -60,8 +60,12 @@ def test_one_bad_prompt_queues_nothing(llm, check_usable, mixed_prompts):
 def test_sampling_params_errors(llm, check_usable):
     with pytest.raises(ValueError, match="sampling_params"):
         llm.generate(["a", "b"], [greedy(2)], use_tqdm=False)
-    with pytest.raises(ValueError, match="sampling_params"):
+    with pytest.raises(ValueError, match="sampling_params must be a SamplingParams or a list of them, got list of dict"):
         llm.generate(["a"], [{"temperature": 0}], use_tqdm=False)
+    with pytest.raises(ValueError, match="got dict$"):    # a dict was read as its keys
+        llm.generate(["a"], {"max_tokens": 3}, use_tqdm=False)
+    with pytest.raises(ValueError, match="got list of str"):    # cache_salt read .cache_salt of each first
+        llm.generate(["a"], ["x"], use_tqdm=False, cache_salt="s")
     vocab = llm.llm_engine.config.arch.vocab_size
     with pytest.raises(ValueError, match="stop_token_ids"):
         llm.generate(["a"], SamplingParams(stop_token_ids=[vocab]), use_tqdm=False)

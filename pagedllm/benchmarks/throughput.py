@@ -49,19 +49,28 @@ def register(subparsers: "argparse._SubParsersAction") -> None:
 
 
 def check_flags_reach_an_engine(args, backends: list[str]) -> None:
-    """Refuse pagedllm-only flags (``--quantization``, ``--kv-cache-dtype``) when no
-    pagedllm engine runs: a figure for ``--backend hf -q int8`` would silently be HF's
-    unquantized one.
+    """Refuse pagedllm-only engine flags (``--quantization``, ``--kv-cache-dtype``,
+    ``--speculative-config``, ``--attention-backend``, ... : every engine setting but the
+    model, dtype, device, threads and seed, which the peers take too) set away from their
+    defaults when no pagedllm engine runs: a figure for ``--backend hf -q int8`` would
+    silently be HF's unquantized one.
 
     Raises:
-        ValueError: naming the flag and the backends.
+        ValueError: naming the first such flag and the backends.
     """
+    import dataclasses
+
+    from pagedllm.config import EngineArgs
+
     if "pagedllm" in backends:
         return
-    for flag, value, unset in (("--quantization", args.quantization, None), ("--kv-cache-dtype", args.kv_cache_dtype, "auto")):
-        if value != unset:
-            raise ValueError(f"{flag} {value} applies to pagedllm, which --backend {' '.join(backends)} does not run; "
-                             "add pagedllm (or use both) to compare it")
+    shared = {"model", "dtype", "device", "num_threads", "seed"}
+    for f in dataclasses.fields(EngineArgs):
+        value = getattr(args, f.name, f.default)
+        if f.name not in shared and value != f.default:
+            flag = f"--{f.name.replace('_', '-')}"
+            raise ValueError(f"{flag} {value} applies to pagedllm, which --backend {' '.join(backends)} does not "
+                             "run; run pagedllm too to measure it")
 
 
 def random_prompts(n: int, input_len: int, vocab_size: int, seed: int = 0) -> list[list[int]]:

@@ -70,8 +70,10 @@ def _serve(args) -> int:
         raise ValueError(f"--max-waiting-requests must be >= 1, got {args.max_waiting_requests}")
     if args.api_key is not None and not args.api_key.strip():
         raise ValueError("--api-key must not be empty (leave it out to serve without auth)")
-    if args.shutdown_timeout < 0:
-        raise ValueError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
+    if not 0 <= args.shutdown_timeout < float("inf"):   # nan and inf too
+        raise ValueError(f"--shutdown-timeout must be a finite number of seconds >= 0, got {args.shutdown_timeout}")
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be in 0-65535, got {args.port}")
     run_server(args)
     return 0
 

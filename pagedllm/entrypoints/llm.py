@@ -70,6 +70,12 @@ class LLM:
         if isinstance(sampling_params, SamplingParams):
             params = [sampling_params] * len(prompts)
         else:
+            if not isinstance(sampling_params, (list, tuple)) or not all(
+                    isinstance(p, SamplingParams) for p in sampling_params):
+                raise InvalidParameterError(
+                    "sampling_params", "sampling_params must be a SamplingParams or a list of them, got "
+                    f"{type(sampling_params).__name__}" + (f" of {', '.join(sorted({type(p).__name__ for p in sampling_params}))}"
+                                                         if isinstance(sampling_params, (list, tuple)) else ""))
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")

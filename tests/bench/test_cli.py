@@ -64,6 +64,9 @@ def test_sweep_bad_input_names_flag(argv, flag, capsys):
     (["throughput", "--backend", "hf", "-q", "int8"], "--quantization int8"),
     (["throughput", "--backend", "hf", "--kv-cache-dtype", "fp8"], "--kv-cache-dtype fp8"),
     (["latency", "--backend", "hf", "llama.cpp", "-q", "gguf"], "--quantization gguf"),
+    (["throughput", "--backend", "hf", "--attention-backend", "torch"], "--attention-backend torch"),
+    (["throughput", "--backend", "hf", "--speculative-config", '{"method": "ngram"}'], "--speculative-config"),
+    (["latency", "--backend", "hf", "--max-num-seqs", "4"], "--max-num-seqs 4"),
 ])
 def test_engine_flags_without_a_pagedllm_engine_are_refused(argv, flag, capsys, monkeypatch):
     """HF alone would report its own unquantized figure under the flag's name; refused

@@ -31,7 +31,7 @@ def test_compare_flags_parse_over_the_first_engines():
 @pytest.mark.parametrize("flags, words", [("", "empty"), ("--bogus 3", "not engine flags: --bogus 3"),
                                           ("--max-num-seqs many", "invalid"), ("-q", "expected one argument"),
                                           ("-q int4x", "--quantization: "),
-                                          ("--max-num-seqs 0", "max_num_seqs must be a positive int"),
+                                          ("--max-num-seqs 0", "--max-num-seqs: must be a positive int"),
                                           ("'-q int8", "No closing quotation"),
                                           ("--num-threads 1", "--num-threads cannot differ"),
                                           ("--no-engine-process", "--engine-process cannot differ"),
@@ -114,7 +114,7 @@ def test_the_cli_takes_the_flags_after_a_space_and_checks_them_before_loading(mo
     assert "--compare-args '-q int4x': --quantization: " in capsys.readouterr().err
     assert cli.main(["bench", "throughput", "--max-num-seqs", "0", "--compare-args", "-q int8"]) == 2
     err = capsys.readouterr().err
-    assert "max_num_seqs must be a positive int" in err and "--compare-args" not in err   # the first engine's
+    assert "--max-num-seqs: must be a positive int" in err and "--compare-args" not in err   # the first engine's
 
 
 def test_an_engine_that_fails_is_named_and_profiling_is_refused(capsys):
