@@ -53,3 +53,9 @@ def check_unicode_json(param: str, value, where: str | None = None) -> None:
 class EngineDeadError(RuntimeError):
     """The engine core has died (its loop raised, or its process exited); no request can
     be served any more. The server answers 503 and ``/health`` turns 503."""
+
+
+class ServerShuttingDownError(EngineDeadError):
+    """The server is stopping and its drain time (``--shutdown-timeout``) has run out: the
+    requests still running end with this (an OpenAI-style 503, or a stream's error event
+    and ``[DONE]``), as for a dead engine, rather than being cut off mid-response."""

@@ -448,3 +448,52 @@ def test_sigterm_drains_a_long_stream_and_exits_0_without_orphans():
             p.kill()
         p.stderr.close()
     assert not _alive(engine_pid)
+
+
+@pytest.mark.serial   # timing-sensitive: run alone, after the parallel part of `make test`
+def test_requests_past_the_drain_time_end_with_a_503_not_a_cut():
+    """``--shutdown-timeout 2`` with two requests far longer than that: just before the
+    drain time runs out, the stream gets a 503 error event and ``[DONE]`` and the whole
+    response an OpenAI-style 503 (uvicorn would cancel them: a cut stream, a plain-text
+    500 and tracebacks); the server still exits 0 without an ERROR line."""
+    import threading
+
+    port = _free_port()
+    env = {**os.environ, "PAGEDLLM_LOG_LEVEL": "INFO"}
+    p = subprocess.Popen([sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--port", str(port),
+                          "--dtype", "float32", "--max-model-len", "4096", "--kv-cache-memory", "256MiB",
+                          "--num-threads", "1", "--shutdown-timeout", "2"],
+                         stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    try:
+        url, deadline = f"http://127.0.0.1:{port}", time.time() + 120
+        while time.time() < deadline:
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        body = {"prompt": "Count:", "max_tokens": 3000, "ignore_eos": True, "temperature": 0}
+        whole = {}
+        t = threading.Thread(target=lambda: whole.update(
+            r=httpx.post(f"{url}/v1/completions", json=body, timeout=120)))
+        t.start()
+        lines = []
+        with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    lines.append(line)
+                    if len(lines) == 2:
+                        os.killpg(p.pid, signal.SIGTERM)
+        t.join(60)
+        assert lines[-1] == "data: [DONE]"
+        err = json.loads(lines[-2].removeprefix("data: "))["error"]
+        assert err["code"] == 503 and "shutting down" in err["message"]
+        assert whole["r"].status_code == 503 and whole["r"].json()["error"]["type"] == "service_unavailable"
+        assert p.wait(60) == 0
+        rest = p.stderr.read()
+        assert "ended 2 request(s) still running" in rest and "server stopped" in rest
+        assert "ERROR" not in rest and "Traceback" not in rest, rest[-2000:]
+    finally:
+        if p.poll() is None:
+            p.kill()
+        p.stderr.close()

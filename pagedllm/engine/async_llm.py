@@ -213,6 +213,17 @@ class AsyncLLM:
         with self._lock:
             self._streams.pop(request_id, None)
 
+    def fail_all(self, exc: BaseException) -> int:
+        """End every open request with ``exc`` (thread-safe): each stream raises it and
+        each request is aborted in the engine, freeing its blocks. Returns how many. Used
+        when the server's drain time runs out (``ServerShuttingDownError``)."""
+        with self._lock:
+            rids = list(self._streams)
+        for rid in rids:
+            self._deliver(rid, exc)
+            self._inbox.put(("abort", rid))
+        return len(rids)
+
     def abort(self, request_id: str) -> None:
         """Abort a request (thread-safe); its KV blocks are freed at the next loop turn."""
         self._inbox.put(("abort", request_id))

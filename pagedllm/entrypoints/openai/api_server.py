@@ -34,6 +34,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import threading
 import time
 import uuid
 
@@ -52,7 +53,7 @@ from pagedllm.entrypoints.openai.chat_tools import ChatTools, render_chat_tools
 from pagedllm.entrypoints.openai.responses import CompletionFormat, chat_logprobs, prompt_logprobs, usage
 from pagedllm.entrypoints.openai.tool_calls import get_tool_parser, validate_tool_request
 import pagedllm
-from pagedllm.errors import InvalidParameterError, check_unicode
+from pagedllm.errors import InvalidParameterError, ServerShuttingDownError, check_unicode
 
 logger = logging.getLogger("pagedllm")
 
@@ -525,14 +526,38 @@ def _check_can_listen(host: str, port: int) -> None:
 
 
 class DrainingServer(uvicorn.Server):
-    """uvicorn's server, except that the SIGTERM / SIGINT that began its graceful shutdown
-    is not raised again once the shutdown is done: uvicorn re-raises it, which kills the
-    process (SIGTERM) or raises KeyboardInterrupt (SIGINT) before the engine process is
-    stopped. A second Ctrl-C still forces the exit."""
+    """uvicorn's server, except that:
+
+    - the SIGTERM / SIGINT that began its graceful shutdown is not raised again once the
+      shutdown is done: uvicorn re-raises it, which kills the process (SIGTERM) or raises
+      KeyboardInterrupt (SIGINT) before the engine process is stopped. A second Ctrl-C
+      still forces the exit;
+    - shortly before the drain time (``timeout_graceful_shutdown`` seconds) runs out, the
+      requests still running are ended with ``ServerShuttingDownError`` (``engine.fail_all``):
+      a 503 body, or a stream's error event and ``[DONE]``, where uvicorn would cancel their
+      tasks (a plain-text 500, streams cut mid-response, and tracebacks in the log). The
+      margin is a second, or half the drain time if that is under two seconds.
+    """
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncLLM | None = None):
+        super().__init__(config)
+        self._engine = engine
+        self._drain_timer: threading.Timer | None = None
 
     def handle_exit(self, sig, frame) -> None:
         super().handle_exit(sig, frame)
         self._captured_signals.clear()
+        timeout = self.config.timeout_graceful_shutdown
+        if self._engine is not None and self._drain_timer is None and timeout is not None:
+            self._drain_timer = threading.Timer(max(0.0, timeout - min(1.0, timeout / 2)), self._end_requests)
+            self._drain_timer.daemon = True
+            self._drain_timer.start()
+
+    def _end_requests(self) -> None:
+        n = self._engine.fail_all(ServerShuttingDownError(
+            "the server is shutting down and its drain time (--shutdown-timeout) has run out; retry elsewhere"))
+        if n:
+            logger.warning("shutdown: ended %d request(s) still running after the drain time", n)
 
 
 def run_server(args) -> None:
@@ -563,7 +588,7 @@ def run_server(args) -> None:
                     " (API key required)" if api_key else "")
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                                 timeout_graceful_shutdown=getattr(args, "shutdown_timeout", 30.0))
-        DrainingServer(config).run()
+        DrainingServer(config, engine).run()
     finally:
         engine.shutdown()
     logger.info("server stopped")
