@@ -394,17 +394,32 @@ def test_schemathesis_no_5xx_and_openai_shaped_4xx(tiny_server):
     assert tiny_server.idle_and_free()
 
 
+def _spawn_server(*flags: str) -> tuple[subprocess.Popen, str]:
+    """``pagedllm serve`` in float32 on one thread and a free port, in a session of its own
+    (so a signal can go to its whole process group), stderr piped; (process, base URL)."""
+    port = _free_port()
+    env = {**os.environ, "PAGEDLLM_LOG_LEVEL": "INFO"}
+    p = subprocess.Popen([sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--port", str(port),
+                          "--dtype", "float32", "--num-threads", "1", *flags],
+                         stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    return p, f"http://127.0.0.1:{port}"
+
+
+def _wait_healthy(url: str, deadline: float) -> None:
+    while time.time() < deadline:
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            time.sleep(0.2)
+
+
 @pytest.mark.serial   # timing-sensitive: run alone, after the parallel part of `make test`
 def test_sigterm_drains_a_long_stream_and_exits_0_without_orphans():
     """SIGTERM to the server's whole process group, as Ctrl-C, ``kill -- -PGID`` or a
     process supervisor send it: the engine core (in a group of its own) keeps serving
     while the front end drains, and nothing reports a death."""
-    port = _free_port()
-    env = {**os.environ, "PAGEDLLM_LOG_LEVEL": "INFO"}
-    p = subprocess.Popen([sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--port", str(port),
-                          "--dtype", "float32", "--max-model-len", "256", "--kv-cache-memory", "64MiB",
-                          "--num-threads", "1", "--shutdown-timeout", "60"],
-                         stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    p, url = _spawn_server("--max-model-len", "256", "--kv-cache-memory", "64MiB", "--shutdown-timeout", "60")
     try:
         engine_pid = None
         deadline = time.time() + 120
@@ -415,13 +430,7 @@ def test_sigterm_drains_a_long_stream_and_exits_0_without_orphans():
                 engine_pid = int(m.group(1))
             assert line or p.poll() is None, "the server exited while starting"
         assert engine_pid is not None
-        url = f"http://127.0.0.1:{port}"
-        while time.time() < deadline:
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
+        _wait_healthy(url, deadline)
         body = {"prompt": "Count to a hundred:", "max_tokens": 40, "ignore_eos": True, "temperature": 0,
                 "stream": True, "stream_options": {"include_usage": True}}
         chunks, done, last = 0, False, None
@@ -458,20 +467,9 @@ def test_requests_past_the_drain_time_end_with_a_503_not_a_cut():
     500 and tracebacks); the server still exits 0 without an ERROR line."""
     import threading
 
-    port = _free_port()
-    env = {**os.environ, "PAGEDLLM_LOG_LEVEL": "INFO"}
-    p = subprocess.Popen([sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--port", str(port),
-                          "--dtype", "float32", "--max-model-len", "4096", "--kv-cache-memory", "256MiB",
-                          "--num-threads", "1", "--shutdown-timeout", "2"],
-                         stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    p, url = _spawn_server("--max-model-len", "4096", "--kv-cache-memory", "256MiB", "--shutdown-timeout", "2")
     try:
-        url, deadline = f"http://127.0.0.1:{port}", time.time() + 120
-        while time.time() < deadline:
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
+        _wait_healthy(url, time.time() + 120)
         body = {"prompt": "Count:", "max_tokens": 3000, "ignore_eos": True, "temperature": 0}
         whole = {}
         t = threading.Thread(target=lambda: whole.update(
