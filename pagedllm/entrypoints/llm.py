@@ -70,12 +70,14 @@ class LLM:
         if isinstance(sampling_params, SamplingParams):
             params = [sampling_params] * len(prompts)
         else:
-            if not isinstance(sampling_params, (list, tuple)) or not all(
-                    isinstance(p, SamplingParams) for p in sampling_params):
-                raise InvalidParameterError(
-                    "sampling_params", "sampling_params must be a SamplingParams or a list of them, got "
-                    f"{type(sampling_params).__name__}" + (f" of {', '.join(sorted({type(p).__name__ for p in sampling_params}))}"
-                                                         if isinstance(sampling_params, (list, tuple)) else ""))
+            # checked here, not only per request: cache_salt below reads each one's fields
+            got = type(sampling_params).__name__
+            if isinstance(sampling_params, (list, tuple)):
+                others = {type(p).__name__ for p in sampling_params if not isinstance(p, SamplingParams)}
+                got = f"{got} of {', '.join(sorted(others))}" if others else None
+            if got is not None:
+                raise InvalidParameterError("sampling_params",
+                                            f"sampling_params must be a SamplingParams or a list of them, got {got}")
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
