@@ -93,6 +93,11 @@ def amx_enabled() -> bool:
     return _flag("PAGEDLLM_AMX", True)
 
 
+def avx512_bf16_enabled() -> bool:
+    """``PAGEDLLM_AVX512_BF16=0`` turns the AVX512-BF16 bf16 linear kernel off (oneDNN computes instead)."""
+    return _flag("PAGEDLLM_AVX512_BF16", True)
+
+
 def avx2_int8_enabled() -> bool:
     """``PAGEDLLM_AVX2_INT8=0`` turns the AVX2 int8 W8A8 kernel off (oneDNN computes instead)."""
     return _flag("PAGEDLLM_AVX2_INT8", True)

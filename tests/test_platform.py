@@ -176,9 +176,11 @@ def test_bf16_packed_linear_matches_dense():
     x = torch.randn(5, 64, generator=g).bfloat16()
     layer = linear.ReplicatedLinear(64, 96, True, torch.bfloat16, torch.device("cpu"),
                                     linear.OneDNNPackedLinearMethod())
-    # the default where AMX-BF16 runs is the AMX kernel (tests/test_amx_linear.py), else this
+    # the default where AMX-BF16 or AVX512-BF16 runs is that kernel (tests/test_bf16_tiled_linear.py), else this
     default = linear.ReplicatedLinear(64, 96, True, torch.bfloat16, torch.device("cpu")).linear_method.name
-    assert default == ("AMX bf16 (C++)" if linear.amx_bf16_available("cpu", torch.bfloat16) else "oneDNN-packed")
+    assert default == ("AMX bf16 (C++)" if linear.amx_bf16_available("cpu", torch.bfloat16) else
+                       "AVX512-BF16 (C++)" if linear.avx512_bf16_available("cpu", torch.bfloat16) else
+                       "oneDNN-packed")
     layer.weight_loader(layer.weight, w)
     layer.weight_loader(layer.bias, b)
     layer.linear_method.process_weights_after_loading(layer)

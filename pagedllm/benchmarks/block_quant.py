@@ -36,14 +36,21 @@ def _best_times(fns: list, copies: list[int], min_s: float, min_calls: int = 5) 
     return best
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--fmt", nargs="+", default=["Q4_1", "Q8_0"])
-    p.add_argument("--rows", nargs="+", type=int, default=list(ROWS))
+def timing_parser(doc: str, rows: tuple[int, ...] = ROWS) -> argparse.ArgumentParser:
+    """The options every linear-kernel micro-benchmark takes: --rows, --threads, --hot,
+    --cold-bytes, --min-s (``doc``: the module's description)."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rows", nargs="+", type=int, default=list(rows))
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--hot", action="store_true", help="reuse one weight (cache-resident where it fits)")
     p.add_argument("--cold-bytes", type=float, default=96e6, help="bytes of weight copies to rotate through")
     p.add_argument("--min-s", type=float, default=0.3, help="timing per measurement (s)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = timing_parser(__doc__)
+    p.add_argument("--fmt", nargs="+", default=["Q4_1", "Q8_0"])
     args = p.parse_args(argv)
 
     from pagedllm.kernels.cpu import load_cpu_kernels

@@ -46,7 +46,7 @@ _TOOLCHAIN = ("ninja", "c++", "g++", "gcc", "cc", "cc1plus", "cc1", "as", "ld", 
 
 _CSRC = os.path.join(os.path.dirname(__file__), "csrc")
 _SOURCES = ("bindings.cpp", "paged_attention_cpu.cpp", "cpu_ops.cpp", "quant_act.cpp", "block_quant.cpp",
-            "amx_linear.cpp", "int8_linear_avx2.cpp", "sample_ops.cpp", "decoder_stack.cpp")
+            "amx_linear.cpp", "bf16_linear_avx512.cpp", "int8_linear_avx2.cpp", "sample_ops.cpp", "decoder_stack.cpp")
 
 
 _NO_TRACE = contextlib.nullcontext()

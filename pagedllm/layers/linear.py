@@ -26,6 +26,13 @@ packed vs ~830 with ``F.linear``; on its AVX2 AMD EPYC the reorder raises and
 ``F.linear`` runs. Elsewhere (CUDA, float16, no oneDNN, or ``PAGEDLLM_ONEDNN=0``) the
 plain ``F.linear`` runs.
 
+AVX512-BF16. In bfloat16 on a CPU with AVX512-BF16 and no AMX (AMD Zen 4/5),
+``AVX512BF16LinearMethod`` runs the project's VDPBF16PS kernel over the same packed layout
+as AMX's: batch-invariant by construction and faster than oneDNN (docs/benchmarks.md §11).
+
+Float32 logits. ``LinearMethod.apply_float32`` multiplies from x's dtype and returns the
+float32 accumulator, never rounded to 16 bits; the LM head uses it with every method.
+
 AMX. In bfloat16 on a CPU with AMX-BF16 (the Intel Xeon), ``AMXBF16LinearMethod`` runs
 the project's own tile kernel instead of oneDNN: oneDNN's bf16 rows there depend on the row
 count (<= 32 rows one way, 33-384 another), and the 16-row chunks that made them
@@ -84,6 +91,21 @@ class LinearMethod(ABC):
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``x @ W.T + bias``: x [T, in] → [T, out] in x's dtype; bias [out] or None."""
 
+    def apply_float32(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``x @ W.T + bias`` multiplied from x's dtype and accumulated and returned in
+        float32, never rounded to x's dtype (the LM head's logits: rounded to bfloat16,
+        logits of 16-32 move in steps of 0.125-0.25 nats and near-ties swap).
+
+        x [T, in]; returns float32 [T, out] (possibly a non-contiguous view). This default
+        serves float32 x only (``apply``); methods for other dtypes override it.
+
+        Raises:
+            NotImplementedError: x not float32 and the method has no float32 output.
+        """
+        if x.dtype != torch.float32:
+            raise NotImplementedError(f"{self.name} has no float32-output path for {x.dtype} inputs")
+        return self.apply(layer, x, bias)
+
     def stack_linear(self, layer: nn.Module, kernels) -> object | None:
         """This layer as the C++ decoder stack calls it (``models/fused_decoder.py``): a
         ``kernels.StackLinear`` that runs the same kernel as ``apply`` on the same operands
@@ -105,13 +127,53 @@ class LinearMethod(ABC):
 
 
 class UnquantizedLinearMethod(LinearMethod):
-    """The dense weight and ``F.linear``."""
+    """The dense weight and ``F.linear``. ``apply_float32`` in a 16-bit dtype: on CUDA
+    ``torch.mm`` with a float32 output (``mm_float32_out_works``); elsewhere (or without
+    that op) a float32 product of x and a float32 copy of the weight (bf16 and fp16 values
+    are exact in float32, so only the accumulation differs), the copy kept as
+    ``layer.weight_float32`` from ``process_weights_after_loading`` when the layer has
+    ``float32_out`` set (the LM head), else made per call."""
 
     name = "F.linear"
     float_weight = True
 
+    def process_weights_after_loading(self, layer):
+        dense = layer.weight.data
+        if (getattr(layer, "float32_out", False) and dense.dtype != torch.float32
+                and not mm_float32_out_works(dense.device, dense.dtype)):
+            layer.weight_float32 = dense.float()
+
     def apply(self, layer, x, bias=None):
         return F.linear(x, layer.weight, bias)
+
+    def apply_float32(self, layer, x, bias=None):
+        if x.dtype == torch.float32:
+            return self.apply(layer, x, bias)
+        b = None if bias is None else bias.float()
+        if mm_float32_out_works(x.device, x.dtype):
+            out = torch.mm(x, layer.weight.t(), out_dtype=torch.float32)
+            return out if b is None else out + b
+        w = getattr(layer, "weight_float32", None)
+        return F.linear(x.float(), layer.weight.float() if w is None else w, b)
+
+
+@functools.lru_cache(maxsize=8)
+def mm_float32_out_works(device: torch.device | str, dtype: torch.dtype) -> bool:
+    """Whether ``torch.mm(a, b, out_dtype=torch.float32)`` multiplies ``dtype`` operands on
+    ``device`` (CUDA in 16-bit dtypes; torch has no CPU kernel for it): a one-time probe of a
+    2 x 32 by 32 x 16 product against the float32 product of the same values, cached.
+    Never raises."""
+    device = torch.device(device)
+    if device.type == "cpu" or dtype == torch.float32:
+        return False
+    try:
+        g = torch.Generator().manual_seed(0)
+        a = torch.randn(2, 32, generator=g).to(device=device, dtype=dtype)
+        b = torch.randn(32, 16, generator=g).to(device=device, dtype=dtype)
+        out = torch.mm(a, b, out_dtype=torch.float32)
+        return out.dtype == torch.float32 and bool(torch.allclose(out, a.float() @ b.float(), atol=1e-4))
+    except Exception:  # RuntimeError/TypeError where the op or the dtype is missing
+        return False
 
 
 def onednn_packing_available(device: torch.device | str, dtype: torch.dtype) -> bool:
@@ -161,11 +223,37 @@ class OneDNNPackedLinearMethod(LinearMethod):
 
     def process_weights_after_loading(self, layer):
         layer.packed_weight = torch.ops.mkldnn._reorder_linear_weight(layer.weight.data.contiguous(), None)
+        if getattr(layer, "float32_out", False) and layer.weight.dtype != torch.float32:
+            layer.packed_weight_float32 = _pack_float32_copy(layer)
         if not getattr(layer, "keep_dense_weight", False):
             layer.weight.data = layer.weight.data.new_empty(0)
 
     def apply(self, layer, x, bias=None):
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), layer.packed_weight, bias, "none", [], "")
+
+    def apply_float32(self, layer, x, bias=None):
+        """oneDNN writes x's dtype only (through torch): for bfloat16 x, the float32 product
+        of x and a float32 copy of the weight packed once (``layer.packed_weight_float32``,
+        made when the layer has ``float32_out``, else here on first use). Only CPUs with
+        oneDNN bf16 but neither AVX512-BF16 nor AMX come here in bf16 (others take
+        ``AVX512BF16LinearMethod`` or ``AMXBF16LinearMethod``)."""
+        if x.dtype == torch.float32:
+            return self.apply(layer, x, bias)
+        if getattr(layer, "packed_weight_float32", None) is None:
+            layer.packed_weight_float32 = _pack_float32_copy(layer)
+        return torch.ops.mkldnn._linear_pointwise(x.float().contiguous(), layer.packed_weight_float32,
+                                                  None if bias is None else bias.float(), "none", [], "")
+
+
+def _pack_float32_copy(layer: nn.Module) -> torch.Tensor:
+    """A float32 copy of ``layer``'s dense weight in oneDNN's packed layout.
+
+    Raises:
+        RuntimeError: the dense weight was already released (a layer without
+            ``keep_dense_weight`` or ``float32_out`` set before loading)."""
+    if layer.weight.numel() == 0:
+        raise RuntimeError("a float32 output needs the dense weight: set float32_out before loading")
+    return torch.ops.mkldnn._reorder_linear_weight(layer.weight.data.float().contiguous(), None)
 
 
 def amx_ops(device: torch.device | str, query: str):
@@ -212,57 +300,97 @@ def pack_amx_tiles(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return w.permute(0, 2, 3, 1, 4).contiguous().view(n // 16, k // g, 16, g)
 
 
-class AMXBF16LinearMethod(LinearMethod):
-    """bfloat16 ``x @ W.T + b`` on Intel AMX tiles through the C++ kernel
-    ``amx_bf16_linear`` (``kernels/csrc/amx_linear.cpp``), weights packed once at load by
-    ``pack_amx_tiles``. Each output element is one float32 chain of TDPBF16PS over K in a
-    fixed order, rounded to bfloat16 once, so rows are batch-invariant by construction:
-    oneDNN's bf16 inner product on the project's Intel Xeon gives other bits at <= 32 rows
-    than at 33-384 and needs 16-row chunks to be invariant (2-5x slower at 64-512 rows);
-    this kernel runs level with unwrapped oneDNN (docs/benchmarks.md).
+class _TiledBF16LinearMethod(LinearMethod):
+    """A bfloat16 C++ kernel over weights packed once at load by ``pack_amx_tiles``
+    ([N/16, K/32, 16, 32]), each output element one float32 chain over K in a fixed order
+    from zero, so rows are batch-invariant by construction; ``apply`` rounds it to
+    bfloat16 once, ``apply_float32`` returns it. Layers whose shape the layout cannot hold
+    (out % 16 or in % 32 not 0) compute with ``OneDNNPackedLinearMethod`` (or ``F.linear``
+    where oneDNN cannot pack bf16) instead (``layer.tiled_weight`` is then None), which
+    the batch-invariance probe checks as it checks every layer.
 
-    Layers whose shape the tile layout cannot hold (out % 16 or in % 32 not 0) compute
-    with ``OneDNNPackedLinearMethod`` (or ``F.linear`` where oneDNN cannot pack bf16)
-    instead (``layer.amx_weight`` is then None), which the batch-invariance probe checks as
-    it checks every layer.
+    x: [T, in] bfloat16 (made contiguous); bias [out] or None.
 
-    x: [T, in] bfloat16 (made contiguous); returns [T, out] bfloat16.
+    Subclasses set ``name`` and ``_kernel``, the kernel module's function name (called as
+    ``f(x, w_packed, bias, out_float32)``).
     """
 
-    name = "AMX bf16 (C++)"
     float_weight = True
+    _kernel: str
 
     def __init__(self):
         self._ops = cpu_kernels_for("cpu", torch.bfloat16)
         self._fallback = _dense_linear_method("cpu", torch.bfloat16)
 
     def layer_name(self, layer):
-        return self._fallback.layer_name(layer) if getattr(layer, "amx_weight", True) is None else self.name
+        return self._fallback.layer_name(layer) if getattr(layer, "tiled_weight", True) is None else self.name
 
     def process_weights_after_loading(self, layer):
         if not amx_tiles_fit(*layer.weight.shape, torch.bfloat16):
-            layer.amx_weight = None
+            layer.tiled_weight = None
             self._fallback.process_weights_after_loading(layer)
             return
-        layer.amx_weight = pack_amx_tiles(layer.weight.data, torch.bfloat16)
+        layer.tiled_weight = pack_amx_tiles(layer.weight.data, torch.bfloat16)
         if not getattr(layer, "keep_dense_weight", False):
             layer.weight.data = layer.weight.data.new_empty(0)
 
-    def apply(self, layer, x, bias=None):
-        if layer.amx_weight is None:
-            return self._fallback.apply(layer, x, bias)
+    def _run(self, layer, x, bias, out_float32: bool):
         lead = x.shape[:-1]
-        with trace("pagedllm::amx_bf16_linear"):
-            y = self._ops.amx_bf16_linear(x.reshape(-1, x.shape[-1]).contiguous(), layer.amx_weight, bias, False)
+        with trace(f"pagedllm::{self._kernel}"):
+            y = getattr(self._ops, self._kernel)(x.reshape(-1, x.shape[-1]).contiguous(), layer.tiled_weight,
+                                                 bias, out_float32)
         return y.view(*lead, y.shape[-1])
+
+    def apply(self, layer, x, bias=None):
+        if layer.tiled_weight is None:
+            return self._fallback.apply(layer, x, bias)
+        return self._run(layer, x, bias, False)
+
+    def apply_float32(self, layer, x, bias=None):
+        if layer.tiled_weight is None:
+            return self._fallback.apply_float32(layer, x, bias)
+        return self._run(layer, x, bias, True)
+
+
+class AMXBF16LinearMethod(_TiledBF16LinearMethod):
+    """bfloat16 ``x @ W.T + b`` on Intel AMX tiles (TDPBF16PS) through the C++ kernel
+    ``amx_bf16_linear`` (``kernels/csrc/amx_linear.cpp``). oneDNN's bf16 inner product on
+    an AMX Xeon gives other bits at <= 32 rows than at 33-384 and needs 16-row chunks to
+    be invariant; this kernel needs none (docs/cpu-kernels.md)."""
+
+    name = "AMX bf16 (C++)"
+    _kernel = "amx_bf16_linear"
+
+
+class AVX512BF16LinearMethod(_TiledBF16LinearMethod):
+    """bfloat16 ``x @ W.T + b`` with AVX512-BF16's VDPBF16PS through the C++ kernel
+    ``avx512_bf16_linear`` (``kernels/csrc/bf16_linear_avx512.cpp``), for CPUs with
+    AVX512-BF16 and no AMX (AMD Zen 4/5): batch-invariant without padding or chunks,
+    and as fast as oneDNN's packed bf16 or faster (docs/cpu-kernels.md)."""
+
+    name = "AVX512-BF16 (C++)"
+    _kernel = "avx512_bf16_linear"
+
+
+def avx512_bf16_available(device: torch.device | str, dtype: torch.dtype) -> bool:
+    """Whether ``AVX512BF16LinearMethod`` runs for ``device``/``dtype``: bfloat16 on the
+    CPU, the C++ kernels built with AVX512-BF16 (``-march=native`` on a CPU that has it),
+    unless ``PAGEDLLM_AVX512_BF16=0``. Never raises."""
+    if dtype != torch.bfloat16 or torch.device(device).type != "cpu" or not envs.avx512_bf16_enabled():
+        return False
+    ops = cpu_kernels_for(device, torch.float32)
+    return ops is not None and hasattr(ops, "avx512_bf16_available") and ops.avx512_bf16_available()
 
 
 def get_linear_method(device: torch.device | str, dtype: torch.dtype) -> LinearMethod:
     """The method every linear layer of a model on ``device`` in ``dtype`` uses: the AMX
-    kernel where ``amx_bf16_available``, else oneDNN-packed where
-    ``onednn_packing_available``, else dense ``F.linear``."""
+    kernel where ``amx_bf16_available``, else the AVX512-BF16 kernel where
+    ``avx512_bf16_available``, else oneDNN-packed where ``onednn_packing_available``,
+    else dense ``F.linear``."""
     if amx_bf16_available(device, dtype):
         return AMXBF16LinearMethod()
+    if avx512_bf16_available(device, dtype):
+        return AVX512BF16LinearMethod()
     return _dense_linear_method(device, dtype)
 
 
@@ -293,6 +421,17 @@ class _WrappingLinearMethod(LinearMethod):
     def process_weights_after_loading(self, layer):
         self.inner.process_weights_after_loading(layer)
 
+    def apply(self, layer, x, bias=None):
+        return self._wrap(self.inner.apply, layer, x, bias)
+
+    def apply_float32(self, layer, x, bias=None):
+        return self._wrap(self.inner.apply_float32, layer, x, bias)
+
+    @abstractmethod
+    def _wrap(self, fn, layer, x, bias):
+        """``fn(layer, x, bias)`` (the inner method's ``apply`` or ``apply_float32``) with
+        the wrapper's calls."""
+
 
 class RowChunkedLinearMethod(_WrappingLinearMethod):
     """``inner`` computed in fixed-size row chunks, so that each output row is bitwise
@@ -320,14 +459,14 @@ class RowChunkedLinearMethod(_WrappingLinearMethod):
         super().__init__(inner, f" in {chunk_rows}-row chunks")
         self.chunk_rows = chunk_rows
 
-    def apply(self, layer, x, bias=None):
+    def _wrap(self, fn, layer, x, bias):
         rows, c = x.shape[0], self.chunk_rows
         if rows == c:
-            return self.inner.apply(layer, x, bias)
+            return fn(layer, x, bias)
         pad = -rows % c
         if pad or rows == 0:
             x = torch.cat([x, x.new_zeros(pad or c, x.shape[1])])
-        outs = [self.inner.apply(layer, x[i:i + c], bias) for i in range(0, x.shape[0], c)]
+        outs = [fn(layer, x[i:i + c], bias) for i in range(0, x.shape[0], c)]
         return torch.cat(outs)[:rows]
 
 
@@ -351,12 +490,12 @@ class PaddedRowsLinearMethod(_WrappingLinearMethod):
         super().__init__(inner, f", calls under {min_rows} rows padded")
         self.min_rows = min_rows
 
-    def apply(self, layer, x, bias=None):
+    def _wrap(self, fn, layer, x, bias):
         rows = x.shape[0]
         if rows >= self.min_rows:
-            return self.inner.apply(layer, x, bias)
+            return fn(layer, x, bias)
         x = torch.cat([x, x.new_zeros(self.min_rows - rows, x.shape[1])])
-        return self.inner.apply(layer, x, bias)[:rows]
+        return fn(layer, x, bias)[:rows]
 
 
 def measure_linear_gflops(in_features: int, out_features: int, rows: int, dtype: torch.dtype,

@@ -60,7 +60,9 @@ class DenseLogitsMethod(UnquantizedLinearMethod):
 
 class ParallelLMHead(nn.Module):
     """The output projection to vocabulary logits: hidden [N, embedding_dim] → float32
-    [N, num_embeddings].
+    [N, num_embeddings], accumulated and returned in float32 by every method
+    (``LinearMethod.apply_float32``; the layer's ``float32_out`` tells methods to keep
+    what that needs, such as a float32 copy where a kernel writes only x's dtype).
 
     Its weight [num_embeddings, embedding_dim] is its own parameter, or, with
     ``tied_embedding``, that embedding's table (not a parameter here, so it is loaded once,
@@ -93,6 +95,7 @@ class ParallelLMHead(nn.Module):
         method = linear_method or get_linear_method(device, dtype)
         self.linear_method = DenseLogitsMethod() if type(method) is UnquantizedLinearMethod else method
         self.input_size, self.output_size, self.params_dtype = embedding_dim, num_embeddings, dtype
+        self.float32_out = True         # methods keep what ``apply_float32`` needs
         if tied_embedding is None:
             self.linear_method.create_weights(self, embedding_dim, [num_embeddings], dtype, device)
         else:
@@ -105,4 +108,7 @@ class ParallelLMHead(nn.Module):
         return ("linear", self.linear_method.layer_name(self), "lm_head")
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.linear_method.apply(self, hidden).float().contiguous()
+        """hidden [N, embedding_dim] in the model's dtype → float32 logits [N, num_embeddings],
+        multiplied in the model's dtype and accumulated in float32 (``apply_float32``),
+        never rounded through a 16-bit dtype."""
+        return self.linear_method.apply_float32(self, hidden).contiguous()

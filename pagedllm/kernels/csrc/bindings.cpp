@@ -56,9 +56,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("block_quant_linear", &block_quant_linear,
         "out = x @ dequant(w).T (+ bias) with w in GGUF blocks (fmt: Q4_0 = 2, Q4_1 = 3, Q8_0 = 8), "
         "x quantized per 32-block to int8; portable = the scalar path; out None: a new [M, N] tensor "
-        "in x's dtype; returns out",
+        "in x's dtype (float32 with out_float32); returns out",
         py::arg("out"), py::arg("x"), py::arg("w"), py::arg("fmt"), py::arg("bias") = py::none(),
-        py::arg("portable") = false, py::call_guard<py::gil_scoped_release>());
+        py::arg("portable") = false, py::arg("out_float32") = false, py::call_guard<py::gil_scoped_release>());
   m.def("block_quant_quantize_act", &block_quant_quantize_act,
         "x [M, K] -> (q int8 [M, K], d float32 [M, K/32], sum int32 [M, K/32]) as block_quant_linear quantizes it",
         py::arg("x"), py::arg("portable") = false, py::call_guard<py::gil_scoped_release>());
@@ -67,6 +67,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Whether amx_bf16_linear runs here: built with AMX-TILE/AMX-BF16 and the process granted AMX state");
   m.def("amx_bf16_linear", &amx_bf16_linear,
         "out = x @ w.T (+ bias) on AMX, x bfloat16 [M, K], w packed [N/16, K/32, 16, 32] "
+        "(K % 32 == 0, N % 16 == 0); out bfloat16, or float32 with out_float32; batch-invariant rows",
+        py::arg("x"), py::arg("w_packed"), py::arg("bias") = py::none(), py::arg("out_float32") = false,
+        py::call_guard<py::gil_scoped_release>());
+  m.def("avx512_bf16_available", &avx512_bf16_available,
+        "Whether avx512_bf16_linear runs here: built with AVX512-BF16 (VDPBF16PS)");
+  m.def("avx512_bf16_linear", &avx512_bf16_linear,
+        "out = x @ w.T (+ bias) with VDPBF16PS, x bfloat16 [M, K], w packed as for AMX [N/16, K/32, 16, 32] "
         "(K % 32 == 0, N % 16 == 0); out bfloat16, or float32 with out_float32; batch-invariant rows",
         py::arg("x"), py::arg("w_packed"), py::arg("bias") = py::none(), py::arg("out_float32") = false,
         py::call_guard<py::gil_scoped_release>());

@@ -523,7 +523,7 @@ QuantAct quantize(const at::Tensor& x, bool portable) {
 }  // namespace
 
 at::Tensor block_quant_linear(std::optional<at::Tensor> out_arg, at::Tensor x, at::Tensor w, int64_t fmt,
-                                 std::optional<at::Tensor> bias, bool portable) {
+                                 std::optional<at::Tensor> bias, bool portable, bool out_float32) {
   check_x(x);
   const int64_t bpb = block_bytes(fmt);
   TORCH_CHECK_VALUE(bpb > 0, "fmt = ", fmt, " is not a supported block format (Q4_0 = 2, Q4_1 = 3, Q8_0 = 8)");
@@ -533,12 +533,13 @@ at::Tensor block_quant_linear(std::optional<at::Tensor> out_arg, at::Tensor x, a
   const int64_t N = w.size(0);
   // allocated here when not given: torch.empty from Python costs ~3 us a call, a
   // decode step makes ~120 of these products
-  at::Tensor out = out_arg.has_value() && out_arg->defined() ? *out_arg : at::empty({M, N}, x.options());
+  const at::ScalarType out_type = out_float32 ? at::kFloat : x.scalar_type();
+  at::Tensor out = out_arg.has_value() && out_arg->defined() ? *out_arg : at::empty({M, N}, x.options().dtype(out_type));
   TORCH_CHECK_VALUE(w.size(1) == K / QK * bpb, "w has ", w.size(1), " bytes a row; K = ", K, " needs ",
                     K / QK * bpb);
-  TORCH_CHECK_VALUE(out.scalar_type() == x.scalar_type() && out.dim() == 2 && out.size(0) == M &&
+  TORCH_CHECK_VALUE(out.scalar_type() == out_type && out.dim() == 2 && out.size(0) == M &&
                         out.size(1) == N && out.stride(1) == 1,
-                    "out must be [M, N] in x's dtype with contiguous rows");
+                    "out must be [M, N] in x's dtype (float32 with out_float32) with contiguous rows");
   std::vector<float> bf;
   if (bias.has_value() && bias->defined()) {
     const at::Tensor& b = *bias;
@@ -551,13 +552,9 @@ at::Tensor block_quant_linear(std::optional<at::Tensor> out_arg, at::Tensor x, a
   if (M == 0 || N == 0) return out;
   const float* bp = bf.empty() ? nullptr : bf.data();
   const uint8_t* wp = w.data_ptr<uint8_t>();
-  if (x.scalar_type() == at::kFloat) {
-    const QuantAct a = quantize<float>(x, portable);
-    dispatch(fmt, a, wp, N, bp, out.data_ptr<float>(), out.stride(0), portable);
-  } else {
-    const QuantAct a = quantize<bf16>(x, portable);
-    dispatch(fmt, a, wp, N, bp, out.data_ptr<bf16>(), out.stride(0), portable);
-  }
+  const QuantAct a = x.scalar_type() == at::kFloat ? quantize<float>(x, portable) : quantize<bf16>(x, portable);
+  if (out_type == at::kFloat) dispatch(fmt, a, wp, N, bp, out.data_ptr<float>(), out.stride(0), portable);
+  else dispatch(fmt, a, wp, N, bp, out.data_ptr<bf16>(), out.stride(0), portable);
   return out;
 }
 

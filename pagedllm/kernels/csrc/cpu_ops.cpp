@@ -164,14 +164,14 @@ void silu_and_mul(at::Tensor out, at::Tensor x) {
     silu_and_mul_impl(out.data_ptr<bf16>(), x.data_ptr<bf16>(), T, d, x.stride(0));
 }
 
-template <typename T>
-static void fused_add_rms_norm_impl(T* xp, T* rp, const T* w, int64_t rows, int64_t h, float eps) {
+template <typename T, typename R>
+static void fused_add_rms_norm_impl(T* xp, R* rp, const T* w, int64_t rows, int64_t h, float eps) {
   at::parallel_for(0, rows, 16, [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t) {
       T* xr = xp + t * h;
-      T* rr = rp + t * h;
+      R* rr = rp + t * h;
 #pragma omp simd
-      for (int64_t i = 0; i < h; ++i) rr[i] = from_f32<T>(to_f32(rr[i]) + to_f32(xr[i]));
+      for (int64_t i = 0; i < h; ++i) rr[i] = from_f32<R>(to_f32(rr[i]) + to_f32(xr[i]));
       const float ss = pagedllm::sum_squares(rr, h);
       const float inv = 1.f / std::sqrt(ss / static_cast<float>(h) + eps);
 #pragma omp simd
@@ -182,7 +182,8 @@ static void fused_add_rms_norm_impl(T* xp, T* rp, const T* w, int64_t rows, int6
 
 void fused_add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps) {
   check_model_dtype(x, "x");
-  check_same_dtype(x, residual, "x and residual");
+  TORCH_CHECK(residual.scalar_type() == x.scalar_type() || residual.scalar_type() == at::kFloat,
+              "residual must be in x's dtype or float32");
   check_same_dtype(x, weight, "x and weight");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && residual.is_contiguous() &&
               residual.sizes() == x.sizes() && weight.is_contiguous() && weight.size(0) == x.size(1),
@@ -191,6 +192,9 @@ void fused_add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor weight, do
   const float feps = static_cast<float>(eps);
   if (x.scalar_type() == at::kFloat)
     fused_add_rms_norm_impl(x.data_ptr<float>(), residual.data_ptr<float>(), weight.data_ptr<float>(),
+                            T, h, feps);
+  else if (residual.scalar_type() == at::kFloat)
+    fused_add_rms_norm_impl(x.data_ptr<bf16>(), residual.data_ptr<float>(), weight.data_ptr<bf16>(),
                             T, h, feps);
   else
     fused_add_rms_norm_impl(x.data_ptr<bf16>(), residual.data_ptr<bf16>(), weight.data_ptr<bf16>(),

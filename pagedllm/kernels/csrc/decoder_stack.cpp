@@ -15,7 +15,8 @@
 //              avx2_int8_linear, the epilogue fused (quantization/int8.py);
 //   int8_amx   int8 W8A8 on AMX-INT8: the same quantizer, then amx_int8_linear.
 //
-// Per layer l (x, residual [T, hidden]; layer 0's first RMSNorm is done by the caller):
+// Per layer l (x [T, hidden]; residual [T, hidden] in x's dtype or float32; layer 0's first
+// RMSNorm is done by the caller):
 //   h = rms_norm(residual += x)                     (fused_add_rms_norm, l > 0)
 //   qkv = h @ Wqkv.T (+ b); rope on q|k; write k, v to the cache; o = attention(q)
 //   h = rms_norm(residual += o @ Wo.T)
@@ -133,7 +134,7 @@ std::string StackLinear::kind() const {
 at::Tensor StackLinear::operator()(const at::Tensor& x) const {
   if (kind_ == Kind::kBlock) {
     PAGEDLLM_RANGE("block_quant_linear");
-    return block_quant_linear(std::nullopt, x, w_, fmt_, bias_, false);
+    return block_quant_linear(std::nullopt, x, w_, fmt_, bias_, false, false);
   }
   TORCH_CHECK_VALUE(x.dim() == 2 && x.size(1) == k_, "StackLinear: x must be [T, ", k_, "]");
   const Int8Operands& q = int8_;
@@ -181,8 +182,10 @@ std::vector<at::Tensor> DecoderStack::forward(at::Tensor h, at::Tensor residual,
   PAGEDLLM_RANGE("pagedllm::decoder_stack");
   TORCH_CHECK_VALUE(!layers_.empty(), "DecoderStack.forward: no layers added");
   TORCH_CHECK_VALUE(h.dim() == 2 && h.is_contiguous() && residual.sizes() == h.sizes() &&
-                        residual.is_contiguous() && residual.scalar_type() == h.scalar_type(),
-                    "DecoderStack.forward: h and residual must be contiguous [T, hidden] of one dtype");
+                        residual.is_contiguous() &&
+                        (residual.scalar_type() == h.scalar_type() || residual.scalar_type() == at::kFloat),
+                    "DecoderStack.forward: h and residual must be contiguous [T, hidden], the residual in h's "
+                    "dtype or float32");
   const int64_t T = h.size(0);
   const int64_t q_heads = nh_, qk_heads = nh_ + nkv_, all_heads = nh_ + 2 * nkv_;
   at::Tensor x;   // the previous layer's MLP output

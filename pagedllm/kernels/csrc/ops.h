@@ -39,7 +39,7 @@ void int8_epilogue(at::Tensor out, at::Tensor acc, at::Tensor compensation,
                    c10::optional<at::Tensor> bias);
 // block_quant.cpp
 at::Tensor block_quant_linear(std::optional<at::Tensor> out, at::Tensor x, at::Tensor w, int64_t fmt,
-                                 std::optional<at::Tensor> bias, bool portable);
+                                 std::optional<at::Tensor> bias, bool portable, bool out_float32);
 std::vector<at::Tensor> block_quant_quantize_act(at::Tensor x, bool portable);
 std::string block_quant_isa();
 // amx_linear.cpp
@@ -54,6 +54,10 @@ at::Tensor amx_u8s8_matmul(at::Tensor x, at::Tensor w_packed);
 at::Tensor amx_int8_linear(at::Tensor x, at::Tensor w_packed, at::Tensor compensation,
                               at::Tensor weight_scales, at::Tensor row_scales,
                               std::optional<at::Tensor> bias, bool out_bfloat16);
+// bf16_linear_avx512.cpp
+bool avx512_bf16_available();
+at::Tensor avx512_bf16_linear(at::Tensor x, at::Tensor w_packed, std::optional<at::Tensor> bias,
+                                 bool out_float32);
 // int8_linear_avx2.cpp
 bool avx2_int8_available();
 at::Tensor avx2_int8_linear(at::Tensor x, at::Tensor w_packed, at::Tensor colsum, int64_t zero_point,

@@ -224,12 +224,13 @@ def quantize_activations(x: torch.Tensor):
 
 
 def block_quant_linear_unpacked(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None,
-                                bias: torch.Tensor | None = None) -> torch.Tensor:
+                                bias: torch.Tensor | None = None, out_float32: bool = False) -> torch.Tensor:
     """``block_quant_linear_ref`` on a weight already unpacked by ``unpack_blocks``
     (q int8 [N, K / 32, 32], d and m float32 [N, K / 32] on x's device). Steps 1-3 of
     the module docstring in torch: the per-block integer dots are float32 matmuls of
     integers, exact (|products| <= 128 * 127, sums of 32 < 2**24, inputs exact even in
-    TF32); the blocks are accumulated one at a time in order. Returns [M, N] in x's dtype."""
+    TF32); the blocks are accumulated one at a time in order. Returns [M, N] in x's dtype
+    (float32 with ``out_float32``)."""
     xq, dx, sx = quantize_activations(x)
     nb = q.shape[1]
     qf = q.float()
@@ -245,11 +246,11 @@ def block_quant_linear_unpacked(x: torch.Tensor, q: torch.Tensor, d: torch.Tenso
         acc = acc + accm
     if bias is not None:
         acc = acc + bias.float()
-    return acc.to(x.dtype)
+    return acc if out_float32 else acc.to(x.dtype)
 
 
 def block_quant_linear_ref(x: torch.Tensor, packed: torch.Tensor, fmt, k: int,
-                           bias: torch.Tensor | None = None) -> torch.Tensor:
+                           bias: torch.Tensor | None = None, out_float32: bool = False) -> torch.Tensor:
     """``x @ W.T + bias`` the way the C++ kernel computes it (module docstring), in torch:
     the fallback where the kernels do not run (CUDA, float16, kernels disabled) and the
     reference the kernel is tested against (agreement to float32 rounding of the scale
@@ -260,7 +261,7 @@ def block_quant_linear_ref(x: torch.Tensor, packed: torch.Tensor, fmt, k: int,
         k: K; bias: [N] or None.
 
     Returns:
-        [M, N] in x's dtype.
+        [M, N] in x's dtype (float32 with ``out_float32``).
 
     Raises:
         ValueError: x not [M, K], or as ``unpack_blocks``.
@@ -268,7 +269,7 @@ def block_quant_linear_ref(x: torch.Tensor, packed: torch.Tensor, fmt, k: int,
     if x.dim() != 2 or x.shape[1] != k:
         raise ValueError(f"x must be [M, {k}], got {tuple(x.shape)}")
     q, d, m = unpack_blocks(packed, fmt, k)
-    return block_quant_linear_unpacked(x, q, d, m, bias)
+    return block_quant_linear_unpacked(x, q, d, m, bias, out_float32)
 
 
 def kernel_isa(ops) -> str:
@@ -373,13 +374,21 @@ class BlockQuantLinearMethod(LinearMethod):
         return kernels.StackLinear.block(_weight_tensor(layer), self._fmt_id, layer.bias)
 
     def apply(self, layer, x, bias=None):
+        return self._apply(layer, x, bias, False)
+
+    def apply_float32(self, layer, x, bias=None):
+        return self._apply(layer, x, bias, True)
+
+    def _apply(self, layer, x, bias, out_float32: bool):
         if self._ops is None:
             unpacked = getattr(layer, "block_unpacked", None)
             if unpacked is None:
-                return block_quant_linear_ref(x, layer.weight, self.fmt, layer.input_size, bias)
-            return block_quant_linear_unpacked(x, *unpacked, bias)
+                return block_quant_linear_ref(x, _weight_tensor(layer), self.fmt, layer.input_size, bias,
+                                              out_float32)
+            return block_quant_linear_unpacked(x, *unpacked, bias, out_float32)
         with trace("block_quant_linear"):
-            return self._ops.block_quant_linear(None, x.contiguous(), layer.weight, self._fmt_id, bias)
+            return self._ops.block_quant_linear(None, x.contiguous(), _weight_tensor(layer), self._fmt_id, bias,
+                                                out_float32=out_float32)
 
 
 class BlockQuantEmbeddingMethod:

@@ -525,11 +525,18 @@ class Int8W8A8LinearMethod(LinearMethod):
                                              self.weight_bits == 7, bias)
 
     def apply(self, layer, x, bias=None):
+        return self._apply(layer, x, bias, x.dtype)
+
+    def apply_float32(self, layer, x, bias=None):
+        return self._apply(layer, x, bias, torch.float32)
+
+    def _apply(self, layer, x, bias, out_dtype: torch.dtype):
+        """``apply`` with the epilogue's result in ``out_dtype`` (x's dtype or float32)."""
         if x.dim() != 2:
-            return self.apply(layer, x.reshape(-1, x.shape[-1]), bias).reshape(*x.shape[:-1], -1)
+            return self._apply(layer, x.reshape(-1, x.shape[-1]), bias, out_dtype).reshape(*x.shape[:-1], -1)
         scale = layer.int8_weight_scale
         if x.shape[0] == 0:
-            return x.new_empty(0, scale.shape[0])
+            return x.new_empty(0, scale.shape[0], dtype=out_dtype)
         smooth = getattr(layer, "int8_smooth", None)
         xq, row_scale = quantize_per_token(x, self.qmax, self.zero_point, smooth)
         ops = kernels_for(x.device, x.dtype)
@@ -538,14 +545,14 @@ class Int8W8A8LinearMethod(LinearMethod):
         if backend == "amx" and ops is not None:     # the matmul and the epilogue in one kernel
             with trace("pagedllm::amx_int8_linear"):
                 return ops.amx_int8_linear(xq, layer.int8_amx_weight, comp, scale, row_scale,
-                                           None if bias is None else bias.float(), x.dtype == torch.bfloat16)
+                                           None if bias is None else bias.float(), out_dtype == torch.bfloat16)
         if backend == "avx2":     # the matmul and the epilogue in one kernel
             fused = ops or kernels_for(x.device, torch.float32)   # float16 x: float32 out, rounded below
             with trace("pagedllm::avx2_int8_linear"):
                 out = fused.avx2_int8_linear(xq, layer.int8_avx2_weight, layer.int8_colsum, self.zero_point, comp,
                                              scale, row_scale, None if bias is None else bias.float(),
-                                             x.dtype == torch.bfloat16, self.weight_bits == 7)
-            return out if out.dtype == x.dtype else out.to(x.dtype)
+                                             out_dtype == torch.bfloat16, self.weight_bits == 7)
+            return out if out.dtype == out_dtype else out.to(out_dtype)
         if backend == "amx":
             with trace("pagedllm::amx_u8s8_matmul"):
                 acc = kernels_for(x.device, torch.float32).amx_u8s8_matmul(xq, layer.int8_amx_weight)
@@ -554,8 +561,8 @@ class Int8W8A8LinearMethod(LinearMethod):
         else:
             acc = int8_matmul_ref(xq, layer.int8_weight)
         if ops is None:
-            return epilogue_ref(acc, comp, scale, row_scale, bias, x.dtype)
-        out = acc if x.dtype == torch.float32 else torch.empty(acc.shape, dtype=x.dtype)
+            return epilogue_ref(acc, comp, scale, row_scale, bias, out_dtype)
+        out = acc if out_dtype == torch.float32 else torch.empty(acc.shape, dtype=out_dtype)
         with trace("pagedllm::int8_epilogue"):
             ops.int8_epilogue(out, acc, comp, scale, row_scale, None if bias is None else bias.float())
         return out
