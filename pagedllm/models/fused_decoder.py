@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from pagedllm import envs
+from pagedllm.layers.layernorm import residual_stream
 
 
 class FusedDecoder:
@@ -86,12 +87,13 @@ class FusedDecoder:
 
     def __call__(self, layers: Sequence[nn.Module], x: torch.Tensor,
                  positions: torch.Tensor) -> torch.Tensor | None:
-        """Run every layer on the embeddings ``x`` (contiguous [T, hidden], overwritten:
-        it becomes the residual stream) at ``positions`` (int64 [T]) with the step's
-        attention metadata (the forward context). Returns the hidden states before the
-        final norm, [T, hidden] (the last residual + the last MLP output, as the per-layer
-        path), or None when the stack does not apply (``reason`` says why; ``x`` is then
-        untouched and the caller runs its layers one by one)."""
+        """Run every layer on the embeddings ``x`` (contiguous [T, hidden]; a float32 ``x``
+        is overwritten: it becomes the residual stream, ``residual_stream``) at
+        ``positions`` (int64 [T]) with the step's attention metadata (the forward context).
+        Returns the hidden states before the final norm, float32 [T, hidden] (the last
+        residual + the last MLP output, as the per-layer path), or None when the stack does
+        not apply (``reason`` says why; ``x`` is then untouched and the caller runs its
+        layers one by one)."""
         self.prepare(layers)
         if self._stack is None:
             return None
@@ -102,6 +104,6 @@ class FusedDecoder:
             return None
         h = first.input_layernorm(x)
         cos, sin = first.self_attn.rotary_emb.tables(positions)
-        out, residual = self._stack.forward(h, x, cos, sin, md.slot_mapping, md.block_table,
+        out, residual = self._stack.forward(h, residual_stream(x), cos, sin, md.slot_mapping, md.block_table,
                                             md.query_start_loc, md.seq_lens, md.block_size, md.sliding_window)
         return residual + out

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from pagedllm.layers.activation import GeluAndMul
-from pagedllm.layers.layernorm import GemmaRMSNorm
+from pagedllm.layers.layernorm import GemmaRMSNorm, residual_stream
 from pagedllm.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from pagedllm.layers.rotary_embedding import RotaryEmbedding
 from pagedllm.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
@@ -72,10 +72,11 @@ class Gemma3DecoderLayer(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor,
                 residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """x: [T, hidden], the previous layer's (normed) output; residual: [T, hidden],
-        the running sum before it (None for the first layer). Returns (output, residual)."""
+        """x: [T, hidden], the previous layer's (normed) output; residual: [T, hidden]
+        float32 (``residual_stream``), the running sum before it (None for the first
+        layer). Returns (output, residual)."""
         if residual is None:
-            residual = x
+            residual = residual_stream(x)
             h = self.input_layernorm(x)
         else:
             h, residual = self.input_layernorm(x, residual)

@@ -20,7 +20,7 @@ from torch import nn
 
 from pagedllm.layers.activation import SiluAndMul
 from pagedllm.layers.attention import Attention, kv_scale_target
-from pagedllm.layers.layernorm import RMSNorm
+from pagedllm.layers.layernorm import RMSNorm, residual_stream
 from pagedllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pagedllm.layers.rotary_embedding import RotaryEmbedding
 from pagedllm.layers.utils import default_weight_loader
@@ -129,10 +129,11 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor,
                 residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """x: [T, hidden], the previous layer's output; residual: [T, hidden], the running
-        sum before it (None for the first layer). Returns this layer's (output, residual)."""
+        """x: [T, hidden], the previous layer's output; residual: [T, hidden] float32
+        (``residual_stream``), the running sum before it (None for the first layer).
+        Returns this layer's (output, residual)."""
         if residual is None:
-            residual = x
+            residual = residual_stream(x)
             h = self.input_layernorm(x)
         else:
             h, residual = self.input_layernorm(x, residual)
@@ -205,7 +206,7 @@ class LlamaModel(nn.Module):
         residual = None
         for layer in self.layers:
             x, residual = layer(positions, x, residual)
-        return residual + x
+        return residual + x         # float32 [T, hidden]: the final norm rounds it
 
 
 class LlamaForCausalLM(nn.Module):
