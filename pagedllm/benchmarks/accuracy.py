@@ -1,19 +1,21 @@
-"""``pagedllm bench accuracy``: what a quantization method (``--quantization``) or a KV-cache
-dtype (``--kv-cache-dtype``) costs in accuracy, against the same model unquantized in
-float32, measured in the same run:
+"""``pagedllm bench accuracy``: what a dtype (``--dtype``), a quantization method
+(``--quantization``) or a KV-cache dtype (``--kv-cache-dtype``) costs in accuracy, against
+the same model unquantized in float32, measured in the same run, and the same figures for
+HF transformers on the same weights (``--hf``):
 
 - perplexity on a fixed English text (``data/eval_text.txt``, ~450 tokens, written for
   this project): exp of the mean negative log-likelihood of each token given the ones
   before it, from one prefill pass over the whole text (Jelinek et al. 1977; the usual
   definition, as llama.cpp's ``llama-perplexity`` reports it, without its windowing);
-- greedy agreement: for each prompt of a fixed set, how many leading tokens of the greedy
-  continuation equal the float32 baseline's (``greedy_agreement``).
+- greedy agreement: for each of the chat prompts in ``data/chat_prompts.txt`` (56, one a
+  line, rendered with the model's chat template), how many leading tokens of the greedy
+  continuation equal our float32 engine's (``greedy_agreement``); mean and min.
 
-The perplexity pass builds the model with the engine's own loader and layers
-(``models.registry.build_model`` with the method's ``QuantizationConfig``) and runs it over
-a paged KV cache of its own, through the engine's attention backend for the dtype; the
-greedy continuations run through ``LLM.generate``, so they include everything the engine
-does (scheduling, batching, the KV-cache dtype).
+Ours: the perplexity pass builds the model with the engine's own loader and layers and runs
+it over a paged KV cache of its own (``prefill_logits``); the greedy continuations run
+through ``LLM.generate``, so they include everything the engine does. HF: the model
+through transformers' own loader (a GGUF dequantized by its GGUF reader), one forward over
+the text, and ``generate`` one prompt at a time (no padding) on the same prompt token ids.
 """
 from __future__ import annotations
 
@@ -31,18 +33,20 @@ from .report import output_file, save_json
 from .serve_options import positive_int
 
 EVAL_TEXT_PATH = os.path.join(os.path.dirname(__file__), "data", "eval_text.txt")
+CHAT_PROMPTS_PATH = os.path.join(os.path.dirname(__file__), "data", "chat_prompts.txt")
 
-#: Greedy-agreement prompts: chat turns and plain text, short and long.
-AGREEMENT_PROMPTS = [
-    "The capital of France is",
-    "Write a short poem about the sea.",
-    "def fibonacci(n):",
-    "Explain in two sentences why the sky is blue.",
-    "List three fruits that are red:",
-    "Once upon a time, in a small village by the mountains,",
-    "Translate to French: The weather is nice today.",
-    "What is 12 times 7? Answer:",
-]
+
+def chat_prompts() -> list[str]:
+    """The fixed greedy-agreement prompts (one user turn each), in file order."""
+    with open(CHAT_PROMPTS_PATH, encoding="utf-8") as f:
+        return [line.strip() for line in f if line.strip()]
+
+
+def chat_prompt_ids(llm) -> list[list[int]]:
+    """Each of ``chat_prompts()`` as one user turn rendered with ``llm``'s chat template
+    (generation prompt added): token ids, the same for every engine compared."""
+    eng = llm.llm_engine
+    return [eng.apply_chat_template([{"role": "user", "content": p}], True, None, None) for p in chat_prompts()]
 
 
 def eval_text() -> str:
@@ -93,29 +97,57 @@ def model_perplexity(model_path: str | None, quantization: str | None, dtype: st
         gc.collect()
 
 
-def greedy_outputs(llm, prompts: list[str], max_tokens: int) -> list[list[int]]:
-    """Greedy continuation token ids of each prompt through ``llm`` (an ``LLM``), in order."""
+def greedy_outputs(llm, prompt_ids: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """Greedy continuation token ids (``max_tokens`` each, EOS ignored) of each prompt
+    (token ids) through ``llm`` (an ``LLM``), in order."""
     from pagedllm import SamplingParams
 
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, sp, use_tqdm=False)]
+    return [list(o.outputs[0].token_ids)
+            for o in llm.generate([{"prompt_token_ids": i} for i in prompt_ids], sp, use_tqdm=False)]
+
+
+def hf_perplexity(model, ids: list[int]) -> float:
+    """``perplexity`` of a HF transformers causal LM over ``ids`` (one forward pass)."""
+    with torch.inference_mode():
+        logits = model(torch.tensor([ids], device=model.device)).logits[0].float()
+    return perplexity(logits.cpu(), ids)
+
+
+def hf_greedy_outputs(model, prompt_ids: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """HF ``generate`` greedy continuations, ``max_tokens`` each (EOS ignored), one prompt
+    at a time (padding would change the numbers)."""
+    outs = []
+    with torch.inference_mode():
+        for ids in prompt_ids:
+            x = torch.tensor([ids], device=model.device)
+            y = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=max_tokens,
+                               min_new_tokens=max_tokens, pad_token_id=0)
+            outs.append(y[0, len(ids):].tolist())
+    return outs
 
 
 def register(subparsers: "argparse._SubParsersAction") -> None:
     """Add ``accuracy`` to the ``bench`` sub-parsers; its ``func`` is :func:`accuracy_main`."""
-    p = subparsers.add_parser("accuracy", help="perplexity and greedy agreement of quantization "
-                              "methods against float32", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = subparsers.add_parser("accuracy", help="perplexity and greedy agreement of a dtype, quantization "
+                              "methods and KV-cache dtypes against float32 (and HF transformers with --hf)",
+                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", default=None, help="a .gguf file or HF directory (default: the bundled model)")
-    p.add_argument("--quantization", "-q", nargs="+", default=["int8", "gguf"],
-                   help="methods to compare with the unquantized float32 model")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="the compared engines' dtype (the reference is always our float32 engine)")
+    p.add_argument("--quantization", "-q", nargs="*", default=["int8", "gguf"],
+                   help="methods to compare with the unquantized float32 model (-q alone: none)")
     p.add_argument("--kv-cache-dtype", nargs="*", default=[],
                    help="KV-cache dtypes to compare too (greedy agreement; unquantized weights)")
-    p.add_argument("--max-tokens", type=positive_int, default=64, help="greedy tokens per prompt")
+    p.add_argument("--hf", action="store_true",
+                   help="also HF transformers in --dtype on the same weights (perplexity, greedy generate)")
+    p.add_argument("--max-tokens", type=positive_int, default=32, help="greedy tokens per prompt")
     p.add_argument("--output-json", default=None, type=output_file)
     p.set_defaults(func=accuracy_main)
 
 
-def check_variants(quantization: list[str], kv_cache_dtypes: list[str], model: str | None = None) -> None:
+def check_variants(quantization: list[str], kv_cache_dtypes: list[str], model: str | None = None,
+                   dtype: str = "float32") -> None:
     """Check every ``--quantization`` and ``--kv-cache-dtype`` value before anything runs
     (a full comparison takes minutes): each is a known name, and each engine the
     comparison will start can start with ``model`` on this machine (``EngineConfig``,
@@ -133,39 +165,73 @@ def check_variants(quantization: list[str], kv_cache_dtypes: list[str], model: s
         bad = [v for v in values if v not in known]
         if bad:
             raise ValueError(f"{flag}: unknown {bad[0]!r}; choose from {', '.join(known)}")
+    EngineConfig.from_args(EngineArgs(model=model, dtype=dtype))
     for q in quantization:
-        EngineConfig.from_args(EngineArgs(model=model, dtype="float32", quantization=q))
+        EngineConfig.from_args(EngineArgs(model=model, dtype=dtype, quantization=q))
     for k in kv_cache_dtypes:
-        EngineConfig.from_args(EngineArgs(model=model, dtype="float32", kv_cache_dtype=k))
+        EngineConfig.from_args(EngineArgs(model=model, dtype=dtype, kv_cache_dtype=k))
+
+
+def _ours(args, prompt_ids, quant, kv, dtype) -> tuple[float, list[list[int]]]:
+    """(perplexity or NaN for a KV-cache row, greedy outputs) of our engine."""
+    from pagedllm import LLM
+
+    ppl = model_perplexity(args.model, quant, dtype)[0] if kv == "auto" else float("nan")
+    extra = {} if kv == "auto" else {"kv_cache_dtype": kv}
+    llm = LLM(model=args.model, dtype=dtype, quantization=quant, **extra)
+    try:
+        return ppl, greedy_outputs(llm, prompt_ids, args.max_tokens)
+    finally:
+        llm.shutdown()
+        del llm
+        gc.collect()
+
+
+def _hf(args, prompt_ids, dtype) -> tuple[float, list[list[int]]]:
+    """(perplexity, greedy outputs) of HF transformers in ``dtype`` on the same weights."""
+    from pagedllm.benchmarks.throughput import load_hf_model
+    from pagedllm.tokenizer import get_tokenizer
+    from pagedllm.utils import default_model_path
+
+    model = load_hf_model(argparse.Namespace(model=args.model, dtype=dtype, device="cpu"))[0]
+    try:
+        ids = get_tokenizer(args.model or default_model_path()).encode(eval_text())
+        return hf_perplexity(model, ids), hf_greedy_outputs(model, prompt_ids, args.max_tokens)
+    finally:
+        del model
+        gc.collect()
 
 
 def accuracy_main(args) -> int:
-    """Run the comparison and print one line per method. Returns 0."""
+    """Run the comparison and print one line per variant. Returns 0."""
     from pagedllm import LLM
     from pagedllm.benchmarks.machine import machine_info
 
-    check_variants(args.quantization, args.kv_cache_dtype, args.model)
+    check_variants(args.quantization, args.kv_cache_dtype, args.model, args.dtype)
     machine = machine_info()
-    print(f"{machine['cpu']} ({' '.join(machine['isa'])}); float32 activations; "
-          f"{len(AGREEMENT_PROMPTS)} prompts x {args.max_tokens} greedy tokens")
-    rows = []
-    variants = [("float32", None, "auto")] + [(q, q, "auto") for q in args.quantization] + \
-               [(f"kv {k}", None, k) for k in args.kv_cache_dtype]
-    ref_out = None
-    for label, quant, kv in variants:
+    print(f"{machine['cpu']} ({' '.join(machine['isa'])}); {args.dtype} activations against float32; "
+          f"{len(chat_prompts())} chat prompts x {args.max_tokens} greedy tokens")
+    # (label, engine, quantization, kv-cache dtype, dtype); the first row is the reference
+    variants = [("float32", "ours", None, "auto", "float32")]
+    if args.dtype != "float32":
+        variants.append((args.dtype, "ours", None, "auto", args.dtype))
+    variants += [(q, "ours", q, "auto", args.dtype) for q in args.quantization]
+    variants += [(f"kv {k}", "ours", None, k, args.dtype) for k in args.kv_cache_dtype]
+    if args.hf:
+        variants.append((f"HF {args.dtype}", "hf", None, "auto", args.dtype))
+    llm = LLM(model=args.model, dtype="float32", max_model_len=512, kv_cache_memory="64MiB")
+    try:
+        prompt_ids = chat_prompt_ids(llm)
+    finally:
+        llm.shutdown()
+        del llm
+    rows, ref_out = [], None
+    for label, engine, quant, kv, dtype in variants:
         t = time.perf_counter()
-        ppl = model_perplexity(args.model, quant)[0] if kv == "auto" else float("nan")
-        extra = {} if kv == "auto" else {"kv_cache_dtype": kv}
-        llm = LLM(model=args.model, dtype="float32", quantization=quant, **extra)
-        try:
-            out = greedy_outputs(llm, AGREEMENT_PROMPTS, args.max_tokens)
-        finally:
-            llm.shutdown()
-            del llm
-            gc.collect()
+        ppl, out = _hf(args, prompt_ids, dtype) if engine == "hf" else _ours(args, prompt_ids, quant, kv, dtype)
         ref_out = ref_out or out
         agree = [greedy_agreement(r, o) for r, o in zip(ref_out, out)]
-        row = {"variant": label, "perplexity": ppl, "agreement": agree,
+        row = {"variant": label, "engine": engine, "dtype": dtype, "perplexity": ppl, "agreement": agree,
                "mean_agreement": sum(agree) / len(agree), "min_agreement": min(agree),
                "seconds": time.perf_counter() - t}
         rows.append(row)
@@ -174,9 +240,10 @@ def accuracy_main(args) -> int:
             shown = "not measured (KV-cache row)"
         else:
             shown = f"{ppl:.3f}" + ("" if not rows[1:] else f" ({(ppl / base - 1) * 100:+.2f} %)")
-        print(f"{label:>12}: perplexity {shown} | greedy agreement mean "
+        print(f"{label:>14}: perplexity {shown} | greedy agreement mean "
               f"{row['mean_agreement']:.1f} / {args.max_tokens}, min {row['min_agreement']} "
               f"| {row['seconds']:.0f} s", flush=True)
     if args.output_json:
-        save_json({"machine": machine, "max_tokens": args.max_tokens, "rows": rows}, args.output_json)
+        save_json({"machine": machine, "dtype": args.dtype, "max_tokens": args.max_tokens, "rows": rows},
+                  args.output_json)
     return 0

@@ -1,0 +1,67 @@
+"""``bench accuracy --dtype bfloat16 --hf`` (the fidelity mode) on a tiny random-weight
+Llama: one row per engine in the same run, each scored against our float32 engine over the
+fixed chat prompts, HF transformers on the same weights among them."""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import pytest
+
+from pagedllm.benchmarks import accuracy
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
+    from engine_helpers import tiny_llama
+
+    from pagedllm.tokenizer import get_tokenizer
+
+    path = tmp_path_factory.mktemp("tiny-llama-acc")
+    tiny_llama(49152, rope_theta=10000.0).save_pretrained(path, safe_serialization=True)
+    get_tokenizer().save_pretrained(path)
+    return str(path)
+
+
+def test_fidelity_rows_in_one_run(tiny_dir, tmp_path, capsys):
+    out = tmp_path / "acc.json"
+    args = argparse.Namespace(model=tiny_dir, dtype="bfloat16", quantization=[], kv_cache_dtype=[], hf=True,
+                              max_tokens=4, output_json=str(out))
+    assert accuracy.accuracy_main(args) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["variant"] for r in rows] == ["float32", "bfloat16", "HF bfloat16"]
+    assert [r["engine"] for r in rows] == ["ours", "ours", "hf"]
+    n = len(accuracy.chat_prompts())
+    assert n >= 50
+    for r in rows:
+        assert len(r["agreement"]) == n and all(0 <= a <= 4 for a in r["agreement"])
+        assert math.isfinite(r["perplexity"]) and r["perplexity"] > 1
+        assert r["min_agreement"] == min(r["agreement"])
+    assert rows[0]["mean_agreement"] == 4            # the reference against itself
+    printed = capsys.readouterr().out
+    assert "HF bfloat16: perplexity" in printed and f"{n} chat prompts x 4 greedy tokens" in printed
+
+
+def test_hf_perplexity_and_greedy_agree_with_ours_in_float32(tiny_dir):
+    """The HF row's arithmetic (perplexity from one forward, greedy one prompt at a time)
+    matches our float32 engine on the same tiny weights: the comparison is like for like."""
+    from pagedllm import LLM
+    from pagedllm.benchmarks.throughput import load_hf_model
+    from pagedllm.tokenizer import get_tokenizer
+
+    hf = load_hf_model(argparse.Namespace(model=tiny_dir, dtype="float32", device="cpu"))[0]
+    ids = get_tokenizer(tiny_dir).encode(accuracy.eval_text())
+    ours = accuracy.model_perplexity(tiny_dir, None, "float32")[0]
+    assert accuracy.hf_perplexity(hf, ids) == pytest.approx(ours, rel=1e-3)
+    llm = LLM(model=tiny_dir, dtype="float32", max_model_len=256, kv_cache_memory="32MiB")
+    try:
+        prompts = accuracy.chat_prompt_ids(llm)[:4]
+        mine = accuracy.greedy_outputs(llm, prompts, 6)
+    finally:
+        llm.shutdown()
+    assert accuracy.hf_greedy_outputs(hf, prompts, 6) == mine
