@@ -1,0 +1,107 @@
+"""Chat conversations: OpenAI's message roles, message normalisation, and rendering a
+conversation with a tokenizer's chat template into prompt token ids."""
+from __future__ import annotations
+
+from pagedllm.errors import InvalidParameterError, check_unicode
+
+# Message roles of OpenAI's chat API.
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+
+# Names of transformers' apply_chat_template itself, or variables it sets for the
+# template: a chat_template_kwargs key may not override them.
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length",
+    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
+
+
+def normalize_chat_messages(messages) -> list[dict]:
+    """Check a conversation and give each message string ``content``, as chat templates
+    expect: an array of text parts is joined, and an assistant message without content
+    (as after a tool call in OpenAI's API) gets ``""``. Other keys (``name``,
+    ``tool_calls``, ...) are kept for the template.
+
+    Raises:
+        InvalidParameterError(param="messages"): not a non-empty list of objects; a role
+            outside CHAT_ROLES; content missing or null on a non-assistant message; content
+            neither a string nor an array of text parts; a lone UTF-16 surrogate in it.
+    """
+    if not isinstance(messages, list) or not messages:
+        raise InvalidParameterError("messages", "messages must be a non-empty list")
+    out = []
+    for i, msg in enumerate(messages):
+        if not isinstance(msg, dict):
+            raise InvalidParameterError("messages", f"messages[{i}] must be an object")
+        role = msg.get("role")
+        if role not in CHAT_ROLES:
+            raise InvalidParameterError("messages", f"messages[{i}].role must be one of "
+                                                    f"{', '.join(CHAT_ROLES)}; got {role!r}")
+        content = msg.get("content")
+        if content is None:
+            if role != "assistant":
+                raise InvalidParameterError("messages", f"messages[{i}].content is required for a "
+                                                        f"message with role '{role}'")
+            content = ""
+        elif isinstance(content, list):
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
+                raise InvalidParameterError("messages", f"messages[{i}].content: only text content parts "
+                                                        '({"type": "text", "text": ...}) are supported')
+            content = "".join(p["text"] for p in content)
+        elif not isinstance(content, str):
+            raise InvalidParameterError("messages", f"messages[{i}].content must be a string or an array "
+                                                    f"of text parts, got {type(content).__name__}")
+        check_unicode("messages", content)
+        out.append({**msg, "content": content})
+    return out
+
+
+def apply_chat_template(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
+                        chat_template: str | None = None, chat_template_kwargs: dict | None = None,
+                        tools: list[dict] | None = None) -> list[int]:
+    """Render a conversation with ``tokenizer``'s chat template (or ``chat_template``) and
+    tokenize the text without adding special tokens.
+
+    Args:
+        tokenizer: a ``transformers`` tokenizer (not shared with another thread meanwhile).
+        chat_template_kwargs: extra variables for the template (as vLLM's field of the
+            same name), e.g. ``{"enable_thinking": False}`` for Qwen3's template; a
+            template that does not use a variable ignores it.
+        tools: OpenAI tool definitions, passed to the template as its ``tools`` variable
+            (for a template that can show them; see ``tool_calls.rendering``).
+
+    Returns:
+        The prompt's token ids.
+
+    Raises:
+        ValueError: the tokenizer has no chat template and none is given, or it fails to
+            render.
+        InvalidParameterError: malformed ``messages`` (see normalize_chat_messages);
+            ``chat_template_kwargs`` is not an object with string keys, sets a name in
+            RESERVED_TEMPLATE_KWARGS, or names an argument the renderer rejects.
+    """
+    messages = normalize_chat_messages(messages)
+    if not isinstance(chat_template_kwargs, (dict, type(None))) or not all(
+            isinstance(k, str) for k in chat_template_kwargs or {}):
+        raise InvalidParameterError("chat_template_kwargs", "chat_template_kwargs must be an object "
+                                                            "with string keys")
+    extra = dict(chat_template_kwargs or {})
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS & extra.keys())
+    if reserved:
+        raise InvalidParameterError("chat_template_kwargs",
+                                    f"chat_template_kwargs may not set {', '.join(reserved)}")
+    if chat_template is None and not getattr(tokenizer, "chat_template", None):
+        raise ValueError("this model has no chat template; use the completions endpoint")
+    try:
+        if tools:
+            extra["tools"] = tools
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                             tokenize=False, chat_template=chat_template, **extra)
+    except TypeError as e:   # e.g. a chat_template_kwargs key the renderer takes itself
+        if extra:
+            raise InvalidParameterError("chat_template_kwargs",
+                                        f"cannot apply the chat template with chat_template_kwargs: {e}") from e
+        raise ValueError(f"cannot apply the chat template: {e}") from e
+    except Exception as e:   # jinja2 syntax/undefined errors, a template's raise_exception
+        raise ValueError(f"cannot apply the chat template: {e}") from e
+    return tokenizer.encode(text, add_special_tokens=False)
