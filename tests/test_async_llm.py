@@ -30,6 +30,7 @@ class FakeEngine:
         self.states: dict[str, str] = {}
         self.step_impl = self.finish_all
         self.abort_impl = None
+        self.aborted: list[list[str]] = []   # each abort_request call's ids
         self.stat_loggers = []
 
     def finish_all(self):
@@ -62,7 +63,9 @@ class FakeEngine:
     def abort_request(self, request_ids):
         if self.abort_impl is not None:
             self.abort_impl()
-        for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
+        request_ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        self.aborted.append(request_ids)
+        for rid in request_ids:
             self.states.pop(rid, None)
 
     def reset_prefix_cache(self):
@@ -179,3 +182,40 @@ def test_engine_death_fails_open_streams_and_http_answers_503(engine):
         err = r.json()["error"]
         assert err["type"] == "service_unavailable" and "died" in err["message"]
     assert not engine._streams
+
+
+def test_fail_all_fails_every_stream_and_aborts_them_in_one_message(engine):
+    release = threading.Event()
+
+    def step():
+        release.wait(10)
+        return []
+
+    engine.engine.step_impl = step
+
+    async def go():
+        tasks = [asyncio.ensure_future(_run(engine, rid)) for rid in ("a", "b")]
+        while len(engine._streams) < 2:
+            await asyncio.sleep(0.01)
+        assert engine.fail_all(RuntimeError("draining")) == 2
+        release.set()
+        return await asyncio.wait_for(asyncio.gather(*tasks), timeout=10)
+
+    outs = asyncio.run(go())
+    assert all(isinstance(o, RuntimeError) and str(o) == "draining" for o in outs), outs
+    deadline = time.monotonic() + 5
+    while engine.engine.has_unfinished_requests() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert engine.engine.aborted == [["a", "b"]]
+    assert engine._dead is None and not engine._streams
+
+
+def test_an_unknown_inbox_message_kills_the_engine(engine):
+    """The inbox carries typed messages only; anything else is a bug that stops the loop
+    (every waiter then gets EngineDeadError) instead of being ignored."""
+    engine._inbox.put(("abort", "a"))
+    engine._thread.join(5)
+    assert not engine._thread.is_alive()
+    assert isinstance(engine._dead, TypeError) and "unknown inbox message" in str(engine._dead)
+    with pytest.raises(EngineDeadError):
+        asyncio.run(engine.check_health())

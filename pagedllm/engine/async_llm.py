@@ -1,14 +1,12 @@
 """AsyncLLM: an asyncio front end over the engine, for the HTTP server.
 
 The engine core runs in its own process by default (``MPClient``; ``engine_process=False``
-keeps it in this one), so HTTP, tokenizing and detokenizing never compete with the model
-loop for the GIL. Here, one output thread (``pagedllm-engine``) hands new requests and
-aborts to the core, takes each step's outputs, detokenizes them and puts RequestOutputs
-on per-request asyncio.Queues. Coroutines validate, render chat templates and tokenize in
-a pool of ``TOKENIZER_THREADS`` threads, each with its own copy of the tokenizer (a long
-prompt or a slow template never blocks the event loop, nor the other requests' prompts),
-then hand the request to the output thread through a queue. Aborts (client disconnects)
-go through the same queue and reach the core before its next step.
+keeps it in this one). One output thread (``pagedllm-engine``) owns the LLMEngine: it takes
+typed messages from its inbox (``AddRequest``, ``AbortRequests``, ``ResetPrefixCache``,
+``Shutdown``), takes each step's outputs and puts RequestOutputs on per-request
+asyncio.Queues. Coroutines validate, render chat templates and tokenize in a pool of
+``TOKENIZER_THREADS`` threads, each with its own copy of the tokenizer; aborts reach the
+core before its next step.
 
 Failures: a step that raises fails the requests it scheduled and the engine keeps serving
 the others; after ``MAX_CONSECUTIVE_STEP_FAILURES`` failed steps in a row, or any error
@@ -24,11 +22,13 @@ import queue
 import threading
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 from pagedllm.config import EngineArgs
 from pagedllm.engine.llm_engine import EngineStepError, LLMEngine
 from pagedllm.errors import EngineDeadError  # noqa: F401  (re-exported: the server imports it here)
 from pagedllm.logger import configure_default_logging
+from pagedllm.messages import EngineCoreRequest
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -50,6 +50,35 @@ OUTPUT_WAIT_S = 0.02
 IDLE_WAIT_S = 0.05
 
 
+# -- the output thread's inbox ---------------------------------------------------------
+@dataclass(frozen=True)
+class AddRequest:
+    """A validated, tokenized request for ``LLMEngine.add_processed``."""
+    request: EngineCoreRequest
+    prompt_text: str | None
+
+
+@dataclass(frozen=True)
+class AbortRequests:
+    """Callers' request ids for ``LLMEngine.abort_request``."""
+    request_ids: list[str]
+
+
+@dataclass(frozen=True)
+class ResetPrefixCache:
+    """``LLMEngine.reset_prefix_cache``; its count (or error) completes ``future`` on ``loop``."""
+    future: asyncio.Future
+    loop: asyncio.AbstractEventLoop
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    """Stop the output thread."""
+
+
+InboxMessage = AddRequest | AbortRequests | ResetPrefixCache | Shutdown
+
+
 class AsyncLLM:
     """Args:
         args: EngineArgs; stat_loggers: extra stat loggers (e.g. Prometheus).
@@ -58,7 +87,7 @@ class AsyncLLM:
     def __init__(self, args: EngineArgs, stat_loggers: list | None = None, log_stats: bool = True):
         configure_default_logging()   # the start-up lines reach stderr, as vLLM's do
         self.engine = LLMEngine(args, stat_loggers=stat_loggers, log_stats=log_stats)
-        self._inbox: queue.Queue = queue.Queue()
+        self._inbox: queue.Queue[InboxMessage] = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._lock = threading.Lock()
         self._dead: BaseException | None = None
@@ -187,7 +216,7 @@ class AsyncLLM:
                 self._streams[rid] = (loop, q)
             self._added_since_stats += len(ids)
         for req, text in processed:
-            self._inbox.put(("add", req, text))
+            self._inbox.put(AddRequest(req, text))
         return [RequestStream(self, rid, q) for rid, q in zip(ids, queues)]
 
     async def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
@@ -221,12 +250,13 @@ class AsyncLLM:
             rids = list(self._streams)
         for rid in rids:
             self._deliver(rid, exc)
-            self._inbox.put(("abort", rid))
+        if rids:
+            self._inbox.put(AbortRequests(rids))
         return len(rids)
 
     def abort(self, request_id: str) -> None:
         """Abort a request (thread-safe); its KV blocks are freed at the next loop turn."""
-        self._inbox.put(("abort", request_id))
+        self._inbox.put(AbortRequests([request_id]))
 
     async def reset_prefix_cache(self) -> int:
         """Drop every cached block no request holds; returns how many.
@@ -238,7 +268,7 @@ class AsyncLLM:
         fut = loop.create_future()
         with self._lock:  # _die answers every waiter queued before it marks the engine dead
             self._check_alive()
-            self._inbox.put(("reset", fut, loop))
+            self._inbox.put(ResetPrefixCache(fut, loop))
         return await fut
 
     async def check_health(self) -> None:
@@ -251,7 +281,7 @@ class AsyncLLM:
 
     def shutdown(self) -> None:
         self._stop = True
-        self._inbox.put(("stop",))
+        self._inbox.put(Shutdown())
         self._thread.join(timeout=10)
         self._tokenizer_pool.shutdown(wait=False)
         self.engine.shutdown()
@@ -267,27 +297,27 @@ class AsyncLLM:
             except RuntimeError:  # the loop is closed
                 pass
 
-    def _handle(self, msg) -> None:
-        kind = msg[0]
+    def _handle(self, msg: InboxMessage) -> None:
         eng = self.engine
-        if kind == "add":
-            _, req, text = msg
-            try:
-                eng.add_processed(req, text)
-            except Exception as e:  # e.g. a duplicate id: fail this request only
-                self._deliver(req.request_id, e if isinstance(e, ValueError) else ValueError(str(e)))
-        elif kind == "abort":
-            eng.abort_request(msg[1])
-        elif kind == "reset":
-            _, fut, loop = msg
-            try:
-                n = eng.reset_prefix_cache()
-            except Exception as e:  # answer the waiter, then let the loop die
-                _resolve(loop, fut, exc=e)
-                raise
-            _resolve(loop, fut, result=n)
-        elif kind == "stop":
-            self._stop = True
+        match msg:
+            case AddRequest(request=req, prompt_text=text):
+                try:
+                    eng.add_processed(req, text)
+                except Exception as e:  # e.g. a duplicate id: fail this request only
+                    self._deliver(req.request_id, e if isinstance(e, ValueError) else ValueError(str(e)))
+            case AbortRequests(request_ids=rids):
+                eng.abort_request(rids)
+            case ResetPrefixCache(future=fut, loop=loop):
+                try:
+                    n = eng.reset_prefix_cache()
+                except Exception as e:  # answer the waiter, then let the loop die
+                    _resolve(loop, fut, exc=e)
+                    raise
+                _resolve(loop, fut, result=n)
+            case Shutdown():
+                self._stop = True
+            case _:
+                raise TypeError(f"unknown inbox message {msg!r}")
 
     def _loop(self) -> None:
         try:
@@ -310,8 +340,8 @@ class AsyncLLM:
                 msg = self._inbox.get_nowait()
             except queue.Empty:
                 break
-            if msg[0] == "reset":
-                _resolve(msg[2], msg[1], exc=err)
+            if isinstance(msg, ResetPrefixCache):
+                _resolve(msg.loop, msg.future, exc=err)
 
     def _run(self) -> None:
         eng = self.engine
