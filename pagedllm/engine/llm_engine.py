@@ -8,7 +8,6 @@ step stats) and the stat loggers; ``step()`` runs one core step and returns Requ
 from __future__ import annotations
 
 import copy
-import logging
 
 from pagedllm.config import EngineArgs, EngineConfig
 from pagedllm.engine import chat
@@ -22,8 +21,6 @@ from pagedllm.messages import EngineCoreRequest, SchedulerStats
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.tokenizer import eos_token_ids, get_tokenizer
-
-logger = logging.getLogger("pagedllm")
 
 
 class EngineStepError(RuntimeError):
