@@ -4,99 +4,29 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import logging
 import os
 from dataclasses import dataclass
 
 import torch
 
-from pagedllm import envs
+from pagedllm import envs, platform
 from pagedllm.errors import InvalidParameterError
 from pagedllm.kv_cache_interface import KVCacheConfig, make_kv_cache_config
 from pagedllm.models.arch_config import ModelArchConfig
-from pagedllm.platform import CpuFeatures, cpu_features
 from pagedllm.utils import default_model_path, parse_size, resolve_device
-
-logger = logging.getLogger("pagedllm")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
            "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "half": torch.float16}
 
-
-# ``--dtype auto`` on a CPU with bf16 arithmetic picks bfloat16 when its linear layers run
-# at least this much faster than in float32 (below it, float32's precision wins).
-BF16_MIN_SPEEDUP = 1.2
-AUTO_DTYPE_ROWS = 64                  # rows of the timed linear (a mid-sized decode batch)
 AUTO_DTYPE_SHAPE = (576, 1536)        # in -> out timed when no model shape is given (SmolLM2-135M's MLP)
 
 
-@dataclass(frozen=True)
-class DtypeChoice:
-    """What ``--dtype auto`` picked on the CPU and why (for the start-up log).
-
-    Attributes:
-        dtype: torch.float32 or torch.bfloat16.
-        reason: e.g. "no bf16 arithmetic" or "576->1536 linear, 64 rows: bfloat16
-            oneDNN-packed 1200 GFLOP/s vs float32 oneDNN-packed 260 GFLOP/s".
-    """
-
-    dtype: torch.dtype
-    reason: str
-
-
-def choose_cpu_dtype(features: CpuFeatures, in_features: int, out_features: int, rows: int = AUTO_DTYPE_ROWS,
-                     measure=None) -> DtypeChoice:
-    """float32 or bfloat16 for a model computing on this CPU, decided by measurement.
-
-    Without bf16 arithmetic (``features.has_native_bf16`` false) float32, measuring
-    nothing: bf16 matmuls are converted there and run 5-400x slower (``shared/design.md``,
-    AMD EPYC Zen 3). With it, one ``in_features`` -> ``out_features`` linear of ``rows``
-    rows is timed in both dtypes by ``measure`` (the engine's own method: oneDNN-packed
-    where available); bfloat16 when it reaches ``BF16_MIN_SPEEDUP`` x float32's GFLOP/s.
-    Cost: two short timings (well under a second for models up to ~8B, whose weight
-    ``measure`` caps).
-
-    Args:
-        measure: ``(in, out, rows, dtype) -> (GFLOP/s, method name)``; None:
-            ``layers.linear.measure_linear_gflops`` (imported only then, so that reading a
-            config imports no layer code); tests pass fakes. If it raises, float32 (the
-            reason names the error).
-    """
-    if not features.has_native_bf16:
-        return DtypeChoice(torch.float32, "no bf16 arithmetic")
-    if measure is None:
-        from pagedllm.layers.linear import measure_linear_gflops as measure
-    try:
-        bf16, bf16_method = measure(in_features, out_features, rows, torch.bfloat16)
-        fp32, fp32_method = measure(in_features, out_features, rows, torch.float32)
-    except Exception as e:   # a torch/oneDNN failure in bf16 must not stop start-up
-        return DtypeChoice(torch.float32, f"bf16 timing failed: {type(e).__name__}: {e}")
-    pick = torch.bfloat16 if bf16 >= BF16_MIN_SPEEDUP * fp32 else torch.float32
-    return DtypeChoice(pick, f"{in_features}->{out_features} linear, {rows} rows: bfloat16 {bf16_method} "
-                             f"{bf16:.0f} GFLOP/s vs float32 {fp32_method} {fp32:.0f} GFLOP/s")
-
-
-_AUTO_CPU_DTYPE: dict[tuple[int, int], DtypeChoice] = {}
-
-
-def auto_cpu_dtype(in_features: int, out_features: int) -> DtypeChoice:
-    """``choose_cpu_dtype`` for this machine's CPU, decided once per process and shape
-    (cached), logging one line with the CPU, the choice and why when it decides."""
-    key = (in_features, out_features)
-    if key not in _AUTO_CPU_DTYPE:
-        features = cpu_features()
-        choice = choose_cpu_dtype(features, in_features, out_features)
-        _AUTO_CPU_DTYPE[key] = choice
-        logger.info("dtype auto on %s: %s (%s)", features.describe(), str(choice.dtype).replace("torch.", ""),
-                    choice.reason)
-    return _AUTO_CPU_DTYPE[key]
-
-
 def resolve_dtype(dtype: str, device: torch.device, arch: ModelArchConfig | None = None) -> torch.dtype:
-    """``auto`` → bfloat16 on CUDA with bf16 support (else float16); on CPU
-    ``auto_cpu_dtype`` at ``arch``'s MLP shape (hidden_size → intermediate_size;
-    ``AUTO_DTYPE_SHAPE`` without ``arch``): float32 without bf16 arithmetic, else the
-    faster by measurement. An ``auto`` choice the architecture does not run in (float16
+    """``auto`` → bfloat16 on CUDA with bf16 support (else float16); on CPU what
+    ``platform.auto_cpu_dtype`` answers at ``arch``'s MLP shape (hidden_size →
+    intermediate_size; ``AUTO_DTYPE_SHAPE`` without ``arch``), timing the engine's own
+    linear layers (``layers.linear.measure_linear_gflops``, imported only then): float32
+    without bf16 arithmetic, else the faster. An ``auto`` choice the architecture does not run in (float16
     for Gemma 3: the registry's ``ArchInfo.dtypes``) becomes float32.
 
     Raises:
@@ -107,8 +37,10 @@ def resolve_dtype(dtype: str, device: torch.device, arch: ModelArchConfig | None
         if device.type == "cuda":
             chosen = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
         else:
+            from pagedllm.layers.linear import measure_linear_gflops
+
             shape = (arch.hidden_size, arch.intermediate_size) if arch is not None else AUTO_DTYPE_SHAPE
-            chosen = auto_cpu_dtype(*shape).dtype
+            chosen = platform.auto_cpu_dtype(*shape, measure=measure_linear_gflops).dtype
         if arch is not None and str(chosen).replace("torch.", "") not in _arch_dtypes(arch):
             return torch.float32
         return chosen

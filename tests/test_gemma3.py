@@ -227,7 +227,7 @@ def test_tiny_gemma3_invariant_to_batching_chunking_caching_and_preemption(tiny_
 def test_gemma3_refuses_float16_and_auto_never_picks_it(tiny_gemma, monkeypatch):
     # Gemma 3's activations overflow float16 (vLLM refuses it too): asked for, a clear
     # error naming the dtype; under "auto", float32 where float16 would have been chosen
-    from pagedllm import config
+    from pagedllm import config, platform
     from pagedllm.models.loader import load_arch_config
     from pagedllm.models.registry import describe_architectures
 
@@ -238,7 +238,7 @@ def test_gemma3_refuses_float16_and_auto_never_picks_it(tiny_gemma, monkeypatch)
     with pytest.raises(ValueError, match="float16"):
         _llm(path, dtype="float16")
     assert config.resolve_dtype("bfloat16", torch.device("cpu"), arch) == torch.bfloat16
-    monkeypatch.setattr(config, "auto_cpu_dtype", lambda *a: config.DtypeChoice(torch.float16, "test"))
+    monkeypatch.setattr(platform, "auto_cpu_dtype", lambda *a, **k: platform.DtypeChoice(torch.float16, "test"))
     assert config.resolve_dtype("auto", torch.device("cpu"), arch) == torch.float32
     rows = {r["architecture"]: r for r in describe_architectures()}
     assert rows["Gemma3ForCausalLM"]["dtypes"] == "float32, bfloat16"
