@@ -175,7 +175,7 @@ def _llm(path, **kw):
 def test_tiny_gemma3_prefill_logits_match_transformers(tiny_gemma):
     from pagedllm.benchmarks.accuracy import prefill_logits
     from pagedllm.models.loader import load_arch_config
-    from pagedllm.models.registry import build_model
+    from pagedllm.models.loader import build_model
 
     path, ref = tiny_gemma
     cfg = load_arch_config(path)

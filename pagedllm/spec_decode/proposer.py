@@ -77,7 +77,7 @@ class DraftModelProposer:
 
     def __init__(self, config: EngineConfig):
         from pagedllm.models.loader import load_arch_config
-        from pagedllm.models.registry import build_model
+        from pagedllm.models.loader import build_model
 
         spec = config.speculative_config
         self.path = spec.model

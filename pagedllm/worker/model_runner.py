@@ -57,7 +57,7 @@ class ModelRunner:
     sampler on one device."""
 
     def __init__(self, config: EngineConfig):
-        from pagedllm.models.registry import build_model
+        from pagedllm.models.loader import build_model
 
         self.config = config
         self.device = config.device
