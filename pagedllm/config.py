@@ -7,6 +7,7 @@ import dataclasses
 import os
 from dataclasses import dataclass
 
+import msgspec
 import torch
 
 from pagedllm import envs, platform
@@ -107,9 +108,9 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype, device
 SPECULATIVE_METHODS = ("ngram", "suffix", "draft_model")
 
 
-@dataclass(frozen=True)
-class SpeculativeConfig:
-    """``--speculative-config`` (JSON, as vLLM's) resolved.
+class SpeculativeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """``--speculative-config`` (JSON, as vLLM's) resolved; made by ``parse``, which
+    rejects a key that is not a field here (or is ``draft_arch``).
 
     Methods: ``ngram`` (prompt lookup over the request's own tokens), ``suffix``
     (SuffixDecoding, Oliaro et al. 2024: suffix trees over the request's tokens and over
@@ -131,6 +132,9 @@ class SpeculativeConfig:
             10000 responses of 500 tokens would hold 1-2.5 GB of host memory).
         adaptive: lower a request's k when its drafts are rejected (see
             ``spec_decode.adaptive``); off: always propose k.
+        draft_arch: the draft model's architecture, read from ``model`` once, by
+            ``EngineConfig.from_args`` (None before that and for the other methods); not
+            a key of the JSON.
     """
 
     method: str
@@ -143,77 +147,76 @@ class SpeculativeConfig:
     suffix_decoding_max_spec_factor: float = 1.0
     suffix_decoding_min_token_prob: float = 0.1
     adaptive: bool = True
+    draft_arch: ModelArchConfig | None = None
 
     @classmethod
     def parse(cls, value) -> SpeculativeConfig | None:
         """From a JSON string, a dict or a SpeculativeConfig (None stays None).
 
         Raises:
-            InvalidParameterError("speculative_config"): bad JSON, unknown key or method,
+            InvalidParameterError("speculative_config"): bad JSON, an unknown key (named,
+                with the known ones) or method, a value of the wrong type (its key named),
                 a missing or non-positive ``num_speculative_tokens``, bad n-gram bounds, a
-                draft model without ``model``.
+                key of another method, a draft model without ``model``.
         """
         if value is None or isinstance(value, SpeculativeConfig):
             return value
-        import json
 
         def bad(msg):
             return InvalidParameterError("speculative_config", f"speculative_config: {msg}")
-        if isinstance(value, str):
+        if isinstance(value, (str, bytes)):
             try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
+                value = msgspec.json.decode(value)
+            except msgspec.DecodeError as e:
                 raise bad(f"not valid JSON ({e})") from None
         if not isinstance(value, dict):
             raise bad(f"must be a JSON object, got {type(value).__name__}")
+        keys = [f for f in cls.__struct_fields__ if f != "draft_arch"]
+        if "draft_arch" in value:
+            raise bad(f"unknown key 'draft_arch' (the draft model's architecture is read from 'model'); "
+                      f"known keys: {', '.join(keys)}")
         d = dict(value)
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - names)
-        if unknown:
-            raise bad(f"unknown key(s) {unknown}; known: {sorted(names)}")
         method = d.get("method")
         if method not in SPECULATIVE_METHODS:
             raise bad(f"method must be one of {', '.join(SPECULATIVE_METHODS)}; got {method!r}")
-        if method == "suffix":
-            d.setdefault("num_speculative_tokens", d.get("suffix_decoding_max_tree_depth", 24))
+        # vLLM's defaults that depend on other keys
+        if method == "suffix" and "num_speculative_tokens" not in d:
+            d["num_speculative_tokens"] = d.get("suffix_decoding_max_tree_depth", 24)
         if method == "ngram":
             lo, hi = d.get("prompt_lookup_min"), d.get("prompt_lookup_max")
             if lo is None and hi is None:
                 lo, hi = 2, 5
-            lo, hi = (hi if lo is None else lo), (lo if hi is None else hi)
-            for name, v in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
-                if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                    raise bad(f"{name} must be a positive int, got {v!r}")
-            if lo > hi:
-                raise bad(f"prompt_lookup_min ({lo}) > prompt_lookup_max ({hi})")
-            d["prompt_lookup_min"], d["prompt_lookup_max"] = lo, hi
-        k = d.get("num_speculative_tokens")
-        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
-            raise bad(f"num_speculative_tokens must be a positive int, got {k!r}")
+            d["prompt_lookup_min"], d["prompt_lookup_max"] = (hi if lo is None else lo), (lo if hi is None else hi)
+        try:
+            spec = msgspec.convert(d, cls)   # unknown keys, types, required keys
+        except msgspec.ValidationError as e:
+            msg = str(e)
+            if "unknown field" in msg:
+                msg += f"; known keys: {', '.join(keys)}"
+            raise bad(msg) from None
         only = {"ngram": ("prompt_lookup_min", "prompt_lookup_max"), "draft_model": ("model",),
-                "suffix": tuple(n for n in names if n.startswith("suffix_decoding_"))}
-        for m, keys in only.items():
-            stray = sorted(k for k in keys if k in value and m != method)
+                "suffix": tuple(k for k in keys if k.startswith("suffix_decoding_"))}
+        for m, names in only.items():
+            stray = sorted(k for k in names if k in value and m != method)
             if stray:
                 raise bad(f"{', '.join(stray)} only apply to method {m!r}, not {method!r}")
-        if not isinstance(d.get("adaptive", True), bool):
-            raise bad(f"adaptive must be true or false, got {d['adaptive']!r}")
-        if method == "draft_model":
-            if not d.get("model"):
-                raise bad("method draft_model needs 'model' (the draft model's path)")
-            if not isinstance(d["model"], str):
-                raise bad(f"model must be the draft model's path (a string), got {d['model']!r}")
-            if not os.path.exists(d["model"]):
-                raise bad(f"draft model path {d['model']!r} does not exist")
-        for name, lo in (("suffix_decoding_max_tree_depth", 1), ("suffix_decoding_max_cached_requests", 0)):
-            v = d.get(name, 1)
-            if not isinstance(v, int) or isinstance(v, bool) or v < lo:
+        for name, lo in (("num_speculative_tokens", 1), ("prompt_lookup_min", 1), ("prompt_lookup_max", 1),
+                         ("suffix_decoding_max_tree_depth", 1), ("suffix_decoding_max_cached_requests", 0)):
+            v = getattr(spec, name)
+            if v < lo:
                 raise bad(f"{name} must be an int >= {lo}, got {v!r}")
+        if spec.prompt_lookup_min > spec.prompt_lookup_max:
+            raise bad(f"prompt_lookup_min ({spec.prompt_lookup_min}) > prompt_lookup_max ({spec.prompt_lookup_max})")
         for name, hi in (("suffix_decoding_max_spec_factor", float("inf")), ("suffix_decoding_min_token_prob", 1.0)):
-            v = d.get(name, 0.0)
-            if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 <= v <= hi:
+            v = getattr(spec, name)
+            if not 0 <= v <= hi:
                 raise bad(f"{name} must be a number in [0, {hi}], got {v!r}")
-        return cls(**d)
+        if method == "draft_model":
+            if not spec.model:
+                raise bad("method draft_model needs 'model' (the draft model's path)")
+            if not os.path.exists(spec.model):
+                raise bad(f"draft model path {spec.model!r} does not exist")
+        return spec
 
     @property
     def num_lookahead_slots(self) -> int:
@@ -502,6 +505,7 @@ class EngineConfig:
                     "speculative_config", f"speculative_config: the draft model's vocabulary "
                     f"({draft_arch.vocab_size}) differs from the target's ({arch.vocab_size}); "
                     "a draft model must share the target's tokenizer")
+            spec = msgspec.structs.replace(spec, draft_arch=draft_arch)   # read once, here
         return cls(args, path, name, arch, dtype, device, max_len, kv_dtype, quant_config, spec)
 
 
