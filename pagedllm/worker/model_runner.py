@@ -43,6 +43,7 @@ from pagedllm.sample.logits_processors import LogitsProcessorInputs, RawLogitsSa
 from pagedllm.sample.logprobs import gather_logprobs
 from pagedllm.sample.rejection_sampler import RejectionSampler
 from pagedllm.sample.sampler import Sampler, SamplingMetadata
+from pagedllm.sampling_params import is_greedy
 from pagedllm.spec_decode.adaptive import AdaptiveDraftLength
 from pagedllm.structured_output import apply_token_bitmask, unpack_bitmask
 from pagedllm.utils import cdiv
@@ -262,7 +263,7 @@ class ModelRunner:
         dev = self.device
         temp = b.temperature[rows]
         top_k, top_p, min_p = b.top_k[rows], b.top_p[rows], b.min_p[rows]
-        random = (temp > 0) & (top_k != 1)   # top_k=1 is greedy (see Sampler)
+        random = ~is_greedy(temp, top_k)
         to = lambda a: torch.from_numpy(a).to(dev)  # noqa: E731
         return SamplingMetadata(
             temperature=to(temp), top_k=to(top_k), top_p=to(top_p), min_p=to(min_p),
@@ -488,7 +489,8 @@ class ModelRunner:
         prow = rows[want_i]
         ids = [req_ids[i] for i in want_i]
         # seeded sampled requests: their draft count must not depend on the batch
-        independent = [r in b.generators and b.temperature[r] > 0 for r in prow.tolist()]
+        independent = [r in b.generators and not is_greedy(b.temperature[r], b.top_k[r])
+                       for r in prow.tolist()]
         tokens = [b.token_ids[r, : b.num_tokens[r]] for r in prow.tolist()]
         if self.proposer.is_model:
             # a draft model costs a forward per draft depth: decide before proposing
