@@ -174,8 +174,9 @@ def _llm(path, **kw):
 
 def test_tiny_gemma3_prefill_logits_match_transformers(tiny_gemma):
     from pagedllm.benchmarks.accuracy import prefill_logits
-    from pagedllm.models.loader import load_arch_config
-    from pagedllm.models.loader import build_model
+    from pagedllm.layers.activation import GeluAndMul
+    from pagedllm.models.llama import LlamaMLP
+    from pagedllm.models.loader import build_model, load_arch_config
 
     path, ref = tiny_gemma
     cfg = load_arch_config(path)
@@ -183,6 +184,8 @@ def test_tiny_gemma3_prefill_logits_match_transformers(tiny_gemma):
     assert cfg.layer_windows() == [WINDOW, WINDOW, None] * 2 and cfg.rope_local_theta == 1e4
     ids = np.random.default_rng(0).integers(3, VOCAB, size=80).tolist()    # 5 windows long
     model = build_model(path, cfg, torch.float32, torch.device("cpu"), 512)
+    mlps = [m for m in model.modules() if isinstance(m, LlamaMLP)]     # GeGLU: Llama's MLP with gelu-tanh
+    assert len(mlps) == 6 and all(type(m.act_fn) is GeluAndMul and m.act_fn.approximate == "tanh" for m in mlps)
     with torch.no_grad():
         want = ref(torch.tensor([ids])).logits[0].float()
     for backend in ("torch", "cpu_kernel"):
