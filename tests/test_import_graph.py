@@ -107,6 +107,19 @@ def test_model_files_import_only_layers():
                 f"{path.name}:{line} imports {module}: models are built from layers/ only")
 
 
+def test_layers_reach_attention_through_its_interface():
+    """layers/ (the Attention layer above all) knows the attention backends only through
+    ``pagedllm/attention/backend.py``'s interface; which backend computes is the runner's
+    choice (``bind_kv_cache``), so no layer imports a backend module (cpu_backend,
+    torch_backend, or any later one)."""
+    bad = []
+    for path in sorted((ROOT / "layers").rglob("*.py")):
+        for module, line in _imports(path):
+            if module.startswith("pagedllm.attention") and module != "pagedllm.attention.backend":
+                bad.append(f"{path.relative_to(ROOT.parent)}:{line} imports {module}")
+    assert not bad, "layers/ imports attention backends (use attention/backend.py):\n" + "\n".join(bad)
+
+
 def _runtime_imports(path: pathlib.Path) -> set[str]:
     """The pagedllm modules ``path`` imports when it runs (module level or inside a
     function; not under ``if TYPE_CHECKING:``), ``from pkg import mod`` naming ``pkg.mod``."""
