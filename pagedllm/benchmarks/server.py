@@ -164,10 +164,18 @@ def _prompts(args, n: int, tok) -> list[list[int]]:
 
 
 def server_main(args) -> int:
-    """Entry point of ``pagedllm bench server``; returns 0."""
+    """Entry point of ``pagedllm bench server``; returns 0.
+
+    Raises:
+        MissingBenchPackageError (a ValueError): aiohttp is not installed (before any
+            server starts).
+    """
     from pagedllm.benchmarks.machine import machine_info
     from pagedllm.config import EngineArgs
 
+    from .extras import require_bench_packages
+
+    require_bench_packages("aiohttp", purpose="bench server")
     ea = EngineArgs.from_cli_args(args)
     flags = engine_cli_args(ea)
     from .serve_options import load_tokenizer
