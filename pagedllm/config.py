@@ -4,99 +4,30 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import logging
 import os
 from dataclasses import dataclass
 
+import msgspec
 import torch
 
-from pagedllm import envs
+from pagedllm import envs, platform
 from pagedllm.errors import InvalidParameterError
 from pagedllm.kv_cache_interface import KVCacheConfig, make_kv_cache_config
 from pagedllm.models.arch_config import ModelArchConfig
-from pagedllm.platform import CpuFeatures, cpu_features
 from pagedllm.utils import default_model_path, parse_size, resolve_device
-
-logger = logging.getLogger("pagedllm")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
            "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "half": torch.float16}
 
-
-# ``--dtype auto`` on a CPU with bf16 arithmetic picks bfloat16 when its linear layers run
-# at least this much faster than in float32 (below it, float32's precision wins).
-BF16_MIN_SPEEDUP = 1.2
-AUTO_DTYPE_ROWS = 64                  # rows of the timed linear (a mid-sized decode batch)
 AUTO_DTYPE_SHAPE = (576, 1536)        # in -> out timed when no model shape is given (SmolLM2-135M's MLP)
 
 
-@dataclass(frozen=True)
-class DtypeChoice:
-    """What ``--dtype auto`` picked on the CPU and why (for the start-up log).
-
-    Attributes:
-        dtype: torch.float32 or torch.bfloat16.
-        reason: e.g. "no bf16 arithmetic" or "576->1536 linear, 64 rows: bfloat16
-            oneDNN-packed 1200 GFLOP/s vs float32 oneDNN-packed 260 GFLOP/s".
-    """
-
-    dtype: torch.dtype
-    reason: str
-
-
-def choose_cpu_dtype(features: CpuFeatures, in_features: int, out_features: int, rows: int = AUTO_DTYPE_ROWS,
-                     measure=None) -> DtypeChoice:
-    """float32 or bfloat16 for a model computing on this CPU, decided by measurement.
-
-    Without bf16 arithmetic (``features.has_native_bf16`` false) float32, measuring
-    nothing: bf16 matmuls are converted there and run 5-400x slower (``shared/design.md``,
-    AMD EPYC Zen 3). With it, one ``in_features`` -> ``out_features`` linear of ``rows``
-    rows is timed in both dtypes by ``measure`` (the engine's own method: oneDNN-packed
-    where available); bfloat16 when it reaches ``BF16_MIN_SPEEDUP`` x float32's GFLOP/s.
-    Cost: two short timings (well under a second for models up to ~8B, whose weight
-    ``measure`` caps).
-
-    Args:
-        measure: ``(in, out, rows, dtype) -> (GFLOP/s, method name)``; None:
-            ``layers.linear.measure_linear_gflops`` (imported only then, so that reading a
-            config imports no layer code); tests pass fakes. If it raises, float32 (the
-            reason names the error).
-    """
-    if not features.has_native_bf16:
-        return DtypeChoice(torch.float32, "no bf16 arithmetic")
-    if measure is None:
-        from pagedllm.layers.linear import measure_linear_gflops as measure
-    try:
-        bf16, bf16_method = measure(in_features, out_features, rows, torch.bfloat16)
-        fp32, fp32_method = measure(in_features, out_features, rows, torch.float32)
-    except Exception as e:   # a torch/oneDNN failure in bf16 must not stop start-up
-        return DtypeChoice(torch.float32, f"bf16 timing failed: {type(e).__name__}: {e}")
-    pick = torch.bfloat16 if bf16 >= BF16_MIN_SPEEDUP * fp32 else torch.float32
-    return DtypeChoice(pick, f"{in_features}->{out_features} linear, {rows} rows: bfloat16 {bf16_method} "
-                             f"{bf16:.0f} GFLOP/s vs float32 {fp32_method} {fp32:.0f} GFLOP/s")
-
-
-_AUTO_CPU_DTYPE: dict[tuple[int, int], DtypeChoice] = {}
-
-
-def auto_cpu_dtype(in_features: int, out_features: int) -> DtypeChoice:
-    """``choose_cpu_dtype`` for this machine's CPU, decided once per process and shape
-    (cached), logging one line with the CPU, the choice and why when it decides."""
-    key = (in_features, out_features)
-    if key not in _AUTO_CPU_DTYPE:
-        features = cpu_features()
-        choice = choose_cpu_dtype(features, in_features, out_features)
-        _AUTO_CPU_DTYPE[key] = choice
-        logger.info("dtype auto on %s: %s (%s)", features.describe(), str(choice.dtype).replace("torch.", ""),
-                    choice.reason)
-    return _AUTO_CPU_DTYPE[key]
-
-
 def resolve_dtype(dtype: str, device: torch.device, arch: ModelArchConfig | None = None) -> torch.dtype:
-    """``auto`` → bfloat16 on CUDA with bf16 support (else float16); on CPU
-    ``auto_cpu_dtype`` at ``arch``'s MLP shape (hidden_size → intermediate_size;
-    ``AUTO_DTYPE_SHAPE`` without ``arch``): float32 without bf16 arithmetic, else the
-    faster by measurement. An ``auto`` choice the architecture does not run in (float16
+    """``auto`` → bfloat16 on CUDA with bf16 support (else float16); on CPU what
+    ``platform.auto_cpu_dtype`` answers at ``arch``'s MLP shape (hidden_size →
+    intermediate_size; ``AUTO_DTYPE_SHAPE`` without ``arch``), timing the engine's own
+    linear layers (``layers.linear.measure_linear_gflops``, imported only then): float32
+    without bf16 arithmetic, else the faster. An ``auto`` choice the architecture does not run in (float16
     for Gemma 3: the registry's ``ArchInfo.dtypes``) becomes float32.
 
     Raises:
@@ -107,8 +38,10 @@ def resolve_dtype(dtype: str, device: torch.device, arch: ModelArchConfig | None
         if device.type == "cuda":
             chosen = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
         else:
+            from pagedllm.layers.linear import measure_linear_gflops
+
             shape = (arch.hidden_size, arch.intermediate_size) if arch is not None else AUTO_DTYPE_SHAPE
-            chosen = auto_cpu_dtype(*shape).dtype
+            chosen = platform.auto_cpu_dtype(*shape, measure=measure_linear_gflops).dtype
         if arch is not None and str(chosen).replace("torch.", "") not in _arch_dtypes(arch):
             return torch.float32
         return chosen
@@ -175,9 +108,9 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype, device
 SPECULATIVE_METHODS = ("ngram", "suffix", "draft_model")
 
 
-@dataclass(frozen=True)
-class SpeculativeConfig:
-    """``--speculative-config`` (JSON, as vLLM's) resolved.
+class SpeculativeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """``--speculative-config`` (JSON, as vLLM's) resolved; made by ``parse``, which
+    rejects a key that is not a field here (or is ``draft_arch``).
 
     Methods: ``ngram`` (prompt lookup over the request's own tokens), ``suffix``
     (SuffixDecoding, Oliaro et al. 2024: suffix trees over the request's tokens and over
@@ -199,6 +132,9 @@ class SpeculativeConfig:
             10000 responses of 500 tokens would hold 1-2.5 GB of host memory).
         adaptive: lower a request's k when its drafts are rejected (see
             ``spec_decode.adaptive``); off: always propose k.
+        draft_arch: the draft model's architecture, read from ``model`` once, by
+            ``EngineConfig.from_args`` (None before that and for the other methods); not
+            a key of the JSON.
     """
 
     method: str
@@ -211,77 +147,76 @@ class SpeculativeConfig:
     suffix_decoding_max_spec_factor: float = 1.0
     suffix_decoding_min_token_prob: float = 0.1
     adaptive: bool = True
+    draft_arch: ModelArchConfig | None = None
 
     @classmethod
     def parse(cls, value) -> SpeculativeConfig | None:
         """From a JSON string, a dict or a SpeculativeConfig (None stays None).
 
         Raises:
-            InvalidParameterError("speculative_config"): bad JSON, unknown key or method,
+            InvalidParameterError("speculative_config"): bad JSON, an unknown key (named,
+                with the known ones) or method, a value of the wrong type (its key named),
                 a missing or non-positive ``num_speculative_tokens``, bad n-gram bounds, a
-                draft model without ``model``.
+                key of another method, a draft model without ``model``.
         """
         if value is None or isinstance(value, SpeculativeConfig):
             return value
-        import json
 
         def bad(msg):
             return InvalidParameterError("speculative_config", f"speculative_config: {msg}")
-        if isinstance(value, str):
+        if isinstance(value, (str, bytes)):
             try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
+                value = msgspec.json.decode(value)
+            except msgspec.DecodeError as e:
                 raise bad(f"not valid JSON ({e})") from None
         if not isinstance(value, dict):
             raise bad(f"must be a JSON object, got {type(value).__name__}")
+        keys = [f for f in cls.__struct_fields__ if f != "draft_arch"]
+        if "draft_arch" in value:
+            raise bad(f"unknown key 'draft_arch' (the draft model's architecture is read from 'model'); "
+                      f"known keys: {', '.join(keys)}")
         d = dict(value)
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - names)
-        if unknown:
-            raise bad(f"unknown key(s) {unknown}; known: {sorted(names)}")
         method = d.get("method")
         if method not in SPECULATIVE_METHODS:
             raise bad(f"method must be one of {', '.join(SPECULATIVE_METHODS)}; got {method!r}")
-        if method == "suffix":
-            d.setdefault("num_speculative_tokens", d.get("suffix_decoding_max_tree_depth", 24))
+        # vLLM's defaults that depend on other keys
+        if method == "suffix" and "num_speculative_tokens" not in d:
+            d["num_speculative_tokens"] = d.get("suffix_decoding_max_tree_depth", 24)
         if method == "ngram":
             lo, hi = d.get("prompt_lookup_min"), d.get("prompt_lookup_max")
             if lo is None and hi is None:
                 lo, hi = 2, 5
-            lo, hi = (hi if lo is None else lo), (lo if hi is None else hi)
-            for name, v in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
-                if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                    raise bad(f"{name} must be a positive int, got {v!r}")
-            if lo > hi:
-                raise bad(f"prompt_lookup_min ({lo}) > prompt_lookup_max ({hi})")
-            d["prompt_lookup_min"], d["prompt_lookup_max"] = lo, hi
-        k = d.get("num_speculative_tokens")
-        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
-            raise bad(f"num_speculative_tokens must be a positive int, got {k!r}")
+            d["prompt_lookup_min"], d["prompt_lookup_max"] = (hi if lo is None else lo), (lo if hi is None else hi)
+        try:
+            spec = msgspec.convert(d, cls)   # unknown keys, types, required keys
+        except msgspec.ValidationError as e:
+            msg = str(e)
+            if "unknown field" in msg:
+                msg += f"; known keys: {', '.join(keys)}"
+            raise bad(msg) from None
         only = {"ngram": ("prompt_lookup_min", "prompt_lookup_max"), "draft_model": ("model",),
-                "suffix": tuple(n for n in names if n.startswith("suffix_decoding_"))}
-        for m, keys in only.items():
-            stray = sorted(k for k in keys if k in value and m != method)
+                "suffix": tuple(k for k in keys if k.startswith("suffix_decoding_"))}
+        for m, names in only.items():
+            stray = sorted(k for k in names if k in value and m != method)
             if stray:
                 raise bad(f"{', '.join(stray)} only apply to method {m!r}, not {method!r}")
-        if not isinstance(d.get("adaptive", True), bool):
-            raise bad(f"adaptive must be true or false, got {d['adaptive']!r}")
-        if method == "draft_model":
-            if not d.get("model"):
-                raise bad("method draft_model needs 'model' (the draft model's path)")
-            if not isinstance(d["model"], str):
-                raise bad(f"model must be the draft model's path (a string), got {d['model']!r}")
-            if not os.path.exists(d["model"]):
-                raise bad(f"draft model path {d['model']!r} does not exist")
-        for name, lo in (("suffix_decoding_max_tree_depth", 1), ("suffix_decoding_max_cached_requests", 0)):
-            v = d.get(name, 1)
-            if not isinstance(v, int) or isinstance(v, bool) or v < lo:
+        for name, lo in (("num_speculative_tokens", 1), ("prompt_lookup_min", 1), ("prompt_lookup_max", 1),
+                         ("suffix_decoding_max_tree_depth", 1), ("suffix_decoding_max_cached_requests", 0)):
+            v = getattr(spec, name)
+            if v < lo:
                 raise bad(f"{name} must be an int >= {lo}, got {v!r}")
+        if spec.prompt_lookup_min > spec.prompt_lookup_max:
+            raise bad(f"prompt_lookup_min ({spec.prompt_lookup_min}) > prompt_lookup_max ({spec.prompt_lookup_max})")
         for name, hi in (("suffix_decoding_max_spec_factor", float("inf")), ("suffix_decoding_min_token_prob", 1.0)):
-            v = d.get(name, 0.0)
-            if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 <= v <= hi:
+            v = getattr(spec, name)
+            if not 0 <= v <= hi:
                 raise bad(f"{name} must be a number in [0, {hi}], got {v!r}")
-        return cls(**d)
+        if method == "draft_model":
+            if not spec.model:
+                raise bad("method draft_model needs 'model' (the draft model's path)")
+            if not os.path.exists(spec.model):
+                raise bad(f"draft model path {spec.model!r} does not exist")
+        return spec
 
     @property
     def num_lookahead_slots(self) -> int:
@@ -570,6 +505,7 @@ class EngineConfig:
                     "speculative_config", f"speculative_config: the draft model's vocabulary "
                     f"({draft_arch.vocab_size}) differs from the target's ({arch.vocab_size}); "
                     "a draft model must share the target's tokenizer")
+            spec = msgspec.structs.replace(spec, draft_arch=draft_arch)   # read once, here
         return cls(args, path, name, arch, dtype, device, max_len, kv_dtype, quant_config, spec)
 
 

@@ -8,13 +8,21 @@ matmuls run 4-5x faster than fp32; and an AMD EPYC of family 26 with AVX-512,
 AVX512-BF16, AVX512-VNNI and AVX-VNNI but no AMX. Code that picks a dtype or a kernel asks here instead of reading /proc/cpuinfo
 itself. Sources: the flag names are the Linux kernel's (``arch/x86/include/asm/cpufeatures.h``,
 as /proc/cpuinfo and ``lscpu`` print them).
+
+``--dtype auto`` on the CPU is answered here too (``auto_cpu_dtype``): float32 without
+bf16 arithmetic, else whichever of bfloat16 and float32 a timed linear layer finds
+faster on this machine.
 """
 from __future__ import annotations
 
 import functools
+import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+logger = logging.getLogger("pagedllm")
 
 CPUINFO_PATH = "/proc/cpuinfo"
 
@@ -121,4 +129,72 @@ def describe() -> str:
     return cpu_features().describe()
 
 
-__all__ = ["CpuFeatures", "FLAGS", "cpu_features", "describe", "has_native_bf16"]
+# ``--dtype auto`` on a CPU with bf16 arithmetic picks bfloat16 when its linear layers run
+# at least this much faster than in float32 (below it, float32's precision wins).
+BF16_MIN_SPEEDUP = 1.2
+AUTO_DTYPE_ROWS = 64                  # rows of the timed linear (a mid-sized decode batch)
+
+
+@dataclass(frozen=True)
+class DtypeChoice:
+    """What ``--dtype auto`` picked on the CPU and why (for the start-up log).
+
+    Attributes:
+        dtype: torch.float32 or torch.bfloat16.
+        reason: e.g. "no bf16 arithmetic" or "576->1536 linear, 64 rows: bfloat16
+            oneDNN-packed 1200 GFLOP/s vs float32 oneDNN-packed 260 GFLOP/s".
+    """
+
+    dtype: torch.dtype
+    reason: str
+
+
+# ``(in_features, out_features, rows, dtype) -> (GFLOP/s, method name)``: how one linear
+# layer of that shape runs in ``dtype`` (the engine's ``layers.linear.measure_linear_gflops``).
+MeasureLinear = Callable[[int, int, int, torch.dtype], tuple[float, str]]
+
+
+def choose_cpu_dtype(features: CpuFeatures, in_features: int, out_features: int, measure: MeasureLinear,
+                     rows: int = AUTO_DTYPE_ROWS) -> DtypeChoice:
+    """float32 or bfloat16 for a model computing on a CPU with ``features``, decided by
+    measurement.
+
+    Without bf16 arithmetic (``features.has_native_bf16`` false) float32, measuring
+    nothing: bf16 matmuls are converted there and run 5-400x slower (``shared/design.md``,
+    AMD EPYC Zen 3). With it, one ``in_features`` -> ``out_features`` linear of ``rows``
+    rows is timed in both dtypes by ``measure`` (the caller passes the engine's own
+    method, so that this module imports no layer code; tests pass fakes); bfloat16 when
+    it reaches ``BF16_MIN_SPEEDUP`` x float32's GFLOP/s. If ``measure`` raises, float32
+    (the reason names the error).
+    """
+    if not features.has_native_bf16:
+        return DtypeChoice(torch.float32, "no bf16 arithmetic")
+    try:
+        bf16, bf16_method = measure(in_features, out_features, rows, torch.bfloat16)
+        fp32, fp32_method = measure(in_features, out_features, rows, torch.float32)
+    except Exception as e:   # a torch/oneDNN failure in bf16 must not stop start-up
+        return DtypeChoice(torch.float32, f"bf16 timing failed: {type(e).__name__}: {e}")
+    pick = torch.bfloat16 if bf16 >= BF16_MIN_SPEEDUP * fp32 else torch.float32
+    return DtypeChoice(pick, f"{in_features}->{out_features} linear, {rows} rows: bfloat16 {bf16_method} "
+                             f"{bf16:.0f} GFLOP/s vs float32 {fp32_method} {fp32:.0f} GFLOP/s")
+
+
+_AUTO_CPU_DTYPE: dict[tuple[int, int], DtypeChoice] = {}
+
+
+def auto_cpu_dtype(in_features: int, out_features: int, measure: MeasureLinear) -> DtypeChoice:
+    """``choose_cpu_dtype`` for this machine's CPU (``cpu_features()``), decided once per
+    process and shape (cached: ``measure`` runs only the first time), logging one line
+    with the CPU, the choice and why when it decides."""
+    key = (in_features, out_features)
+    if key not in _AUTO_CPU_DTYPE:
+        features = cpu_features()
+        choice = choose_cpu_dtype(features, in_features, out_features, measure)
+        _AUTO_CPU_DTYPE[key] = choice
+        logger.info("dtype auto on %s: %s (%s)", features.describe(), str(choice.dtype).replace("torch.", ""),
+                    choice.reason)
+    return _AUTO_CPU_DTYPE[key]
+
+
+__all__ = ["BF16_MIN_SPEEDUP", "CpuFeatures", "DtypeChoice", "FLAGS", "auto_cpu_dtype", "choose_cpu_dtype",
+           "cpu_features", "describe", "has_native_bf16"]

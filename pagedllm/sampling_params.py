@@ -20,6 +20,20 @@ GREEDY_TEMPERATURE = 1e-5
 MAX_TEMPERATURE = 1e38
 
 
+def is_greedy(temperature, top_k):
+    """Whether a request samples greedily (argmax, the first index on ties): a
+    ``temperature`` below ``GREEDY_TEMPERATURE`` (0 included), or ``top_k == 1`` (one
+    candidate: sampling among tied top tokens would make it random). The one statement of
+    the rule: ``SamplingParams.greedy``, the runner's sampling metadata, ``Sampler`` and
+    ``RejectionSampler`` all ask here.
+
+    Args:
+        temperature, top_k: numbers (returns a bool), or numpy arrays / torch tensors of
+            one shape (returns a bool array / tensor, elementwise).
+    """
+    return (temperature < GREEDY_TEMPERATURE) | (top_k == 1)
+
+
 def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
@@ -98,7 +112,8 @@ class SamplingParams:
     """How to pick tokens and when to stop.
 
     Attributes:
-        temperature: in [0, 1e38] (MAX_TEMPERATURE, float32); 0 means greedy (argmax).
+        temperature: in [0, 1e38] (MAX_TEMPERATURE, float32); 0 (or below 1e-5, which
+            becomes 0) means greedy (argmax), as does ``top_k`` 1 (``is_greedy``).
         top_p: nucleus mass in (0, 1] (Holtzman et al. 2020).
         top_k: keep the k most likely tokens; 0 or -1 disables.
         min_p: drop tokens whose probability is below min_p × the top probability, [0, 1].
@@ -273,4 +288,5 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        """Whether this request samples greedily (``is_greedy``)."""
+        return bool(is_greedy(self.temperature, self.top_k))

@@ -1,10 +1,11 @@
-"""Small shared helpers: size parsing, the bundled model's path, devices, huge-page buffers.
-(CPU feature detection lives in ``pagedllm/platform.py``.)"""
+"""Small shared helpers: size parsing, the bundled model's path, devices, stopping a
+child process. (CPU feature detection lives in ``pagedllm/platform.py``.)"""
 from __future__ import annotations
 
 import importlib.util
 import os
 import re
+import subprocess
 
 import torch
 
@@ -86,3 +87,24 @@ def resolve_device(device: str | None) -> torch.device:
 def cdiv(a: int, b: int) -> int:
     """Ceiling division for non-negative ints."""
     return -(-a // b)
+
+
+def stop_process(proc: subprocess.Popen, timeout: float) -> int:
+    """Stop the child ``proc`` and reap it: SIGTERM, wait up to ``timeout`` seconds, then
+    SIGKILL and wait up to ``timeout`` seconds again. One that has already exited is
+    only reaped.
+
+    Returns:
+        its exit status (``Popen.returncode``: negative for the signal that ended it).
+
+    Raises:
+        subprocess.TimeoutExpired: still there ``timeout`` s after SIGKILL (a process
+            stuck in the kernel).
+    """
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            return proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    return proc.wait(timeout)

@@ -132,9 +132,9 @@ def _share_weights(monkeypatch: pytest.MonkeyPatch) -> None:
     ~10 s GGUF load. Each engine gets its own copy of the modules (``_module_copy``), to
     which it binds its KV cache; a model built for more positions serves engines that
     need fewer."""
-    from pagedllm.models import registry
+    from pagedllm.models import loader
 
-    original = getattr(registry, "build_model", None)
+    original = getattr(loader, "build_model", None)
     if original is None:
         return
     built: dict[tuple, tuple[int, torch.nn.Module]] = {}
@@ -145,7 +145,7 @@ def _share_weights(monkeypatch: pytest.MonkeyPatch) -> None:
             built[key] = (max_positions, original(path, cfg, dtype, device, max_positions, *args, **kwargs))
         return _module_copy(built[key][1], {})
 
-    monkeypatch.setattr(registry, "build_model", build_model)
+    monkeypatch.setattr(loader, "build_model", build_model)
 
 
 @pytest.fixture(scope="session")

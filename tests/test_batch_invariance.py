@@ -265,7 +265,7 @@ def test_dense_methods_end_invariant_after_the_probe(dtype):
 
 
 def test_build_model_probes_unless_disabled(monkeypatch):
-    from pagedllm.models import loader, registry
+    from pagedllm.models import loader
 
     class FakeModel(nn.Module):
         def __init__(self, *a):
@@ -276,12 +276,12 @@ def test_build_model_probes_unless_disabled(monkeypatch):
             self.proj.weight.data.fill_(0.5)
 
     probed = []
-    monkeypatch.setattr(registry, "get_model_class", lambda cfg: FakeModel)
+    monkeypatch.setattr(loader, "get_model_class", lambda cfg: FakeModel)
     monkeypatch.setattr(loader, "iter_weights", lambda path, cfg: [])
     monkeypatch.setattr(bi, "ensure_batch_invariant_linears", lambda model: probed.append(model))
     # distinct paths: the suite's conftest may wrap build_model to share built models
-    model = registry.build_model("unused-1", None, F32, CPU, 16)
+    model = loader.build_model("unused-1", None, F32, CPU, 16)
     assert len(probed) == 1 and isinstance(probed[0], FakeModel) and isinstance(model, FakeModel)
     monkeypatch.setenv("PAGEDLLM_BATCH_INVARIANT_PROBE", "0")
-    registry.build_model("unused-2", None, F32, CPU, 16)
+    loader.build_model("unused-2", None, F32, CPU, 16)
     assert len(probed) == 1

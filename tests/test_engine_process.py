@@ -165,3 +165,33 @@ def test_engine_exits_when_its_front_end_is_killed():
     finally:
         if p.poll() is None:
             p.kill()
+
+
+@pytest.mark.parametrize("ignores_sigterm", [False, True])
+def test_stop_process_terminates_then_kills(ignores_sigterm):
+    from pagedllm.utils import stop_process
+
+    code = ("import signal, sys, time\n"
+            f"if {ignores_sigterm}: signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+            "print('ready', flush=True); time.sleep(60)\n")
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline() == "ready\n"
+        t0 = time.monotonic()
+        status = stop_process(p, 1.0)
+        assert status == (-signal.SIGKILL if ignores_sigterm else -signal.SIGTERM)
+        assert time.monotonic() - t0 < 5
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+        p.stdout.close()
+
+
+def test_stop_process_only_reaps_one_that_exited():
+    from pagedllm.utils import stop_process
+
+    p = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    while p.poll() is None:
+        time.sleep(0.01)
+    assert stop_process(p, 1.0) == 3

@@ -174,8 +174,9 @@ def _llm(path, **kw):
 
 def test_tiny_gemma3_prefill_logits_match_transformers(tiny_gemma):
     from pagedllm.benchmarks.accuracy import prefill_logits
-    from pagedllm.models.loader import load_arch_config
-    from pagedllm.models.registry import build_model
+    from pagedllm.layers.activation import GeluAndMul
+    from pagedllm.models.llama import LlamaMLP
+    from pagedllm.models.loader import build_model, load_arch_config
 
     path, ref = tiny_gemma
     cfg = load_arch_config(path)
@@ -183,6 +184,8 @@ def test_tiny_gemma3_prefill_logits_match_transformers(tiny_gemma):
     assert cfg.layer_windows() == [WINDOW, WINDOW, None] * 2 and cfg.rope_local_theta == 1e4
     ids = np.random.default_rng(0).integers(3, VOCAB, size=80).tolist()    # 5 windows long
     model = build_model(path, cfg, torch.float32, torch.device("cpu"), 512)
+    mlps = [m for m in model.modules() if isinstance(m, LlamaMLP)]     # GeGLU: Llama's MLP with gelu-tanh
+    assert len(mlps) == 6 and all(type(m.act_fn) is GeluAndMul and m.act_fn.approximate == "tanh" for m in mlps)
     with torch.no_grad():
         want = ref(torch.tensor([ids])).logits[0].float()
     for backend in ("torch", "cpu_kernel"):
@@ -227,7 +230,7 @@ def test_tiny_gemma3_invariant_to_batching_chunking_caching_and_preemption(tiny_
 def test_gemma3_refuses_float16_and_auto_never_picks_it(tiny_gemma, monkeypatch):
     # Gemma 3's activations overflow float16 (vLLM refuses it too): asked for, a clear
     # error naming the dtype; under "auto", float32 where float16 would have been chosen
-    from pagedllm import config
+    from pagedllm import config, platform
     from pagedllm.models.loader import load_arch_config
     from pagedllm.models.registry import describe_architectures
 
@@ -238,7 +241,7 @@ def test_gemma3_refuses_float16_and_auto_never_picks_it(tiny_gemma, monkeypatch)
     with pytest.raises(ValueError, match="float16"):
         _llm(path, dtype="float16")
     assert config.resolve_dtype("bfloat16", torch.device("cpu"), arch) == torch.bfloat16
-    monkeypatch.setattr(config, "auto_cpu_dtype", lambda *a: config.DtypeChoice(torch.float16, "test"))
+    monkeypatch.setattr(platform, "auto_cpu_dtype", lambda *a, **k: platform.DtypeChoice(torch.float16, "test"))
     assert config.resolve_dtype("auto", torch.device("cpu"), arch) == torch.float32
     rows = {r["architecture"]: r for r in describe_architectures()}
     assert rows["Gemma3ForCausalLM"]["dtypes"] == "float32, bfloat16"

@@ -45,13 +45,13 @@ def test_empty_prompt_rejected_before_loading(no_model_load, capsys):
 def no_tokenizer_or_weights(monkeypatch):
     """LLM may read the model's config, but neither its tokenizer nor its weights."""
     from pagedllm.engine import llm_engine
-    from pagedllm.models import registry
+    from pagedllm.models import loader
 
     def load(*args, **kwargs):
         raise AssertionError("the tokenizer or weights were loaded before the flags were checked")
 
     monkeypatch.setattr(llm_engine, "get_tokenizer", load)
-    monkeypatch.setattr(registry, "build_model", load)
+    monkeypatch.setattr(loader, "build_model", load)
 
 
 def test_max_model_len_over_model_context_rejected(no_tokenizer_or_weights, capsys, monkeypatch):

@@ -107,6 +107,64 @@ def test_model_files_import_only_layers():
                 f"{path.name}:{line} imports {module}: models are built from layers/ only")
 
 
+def test_layers_reach_attention_through_its_interface():
+    """layers/ (the Attention layer above all) knows the attention backends only through
+    ``pagedllm/attention/backend.py``'s interface; which backend computes is the runner's
+    choice (``bind_kv_cache``), so no layer imports a backend module (cpu_backend,
+    torch_backend, or any later one)."""
+    bad = []
+    for path in sorted((ROOT / "layers").rglob("*.py")):
+        for module, line in _imports(path):
+            if module.startswith("pagedllm.attention") and module != "pagedllm.attention.backend":
+                bad.append(f"{path.relative_to(ROOT.parent)}:{line} imports {module}")
+    assert not bad, "layers/ imports attention backends (use attention/backend.py):\n" + "\n".join(bad)
+
+
+def _runtime_imports(path: pathlib.Path) -> set[str]:
+    """The pagedllm modules ``path`` imports when it runs (module level or inside a
+    function; not under ``if TYPE_CHECKING:``), ``from pkg import mod`` naming ``pkg.mod``."""
+    tree = ast.parse(path.read_text())
+    typing_only = {id(n) for block in ast.walk(tree)
+                   if isinstance(block, ast.If) and "TYPE_CHECKING" in ast.unparse(block.test)
+                   for n in ast.walk(block)}
+    mod = _module_name(path)
+    package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
+    out = set()
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            module = node.module
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                module = ".".join(base + ([node.module] if node.module else []))
+            for a in node.names:
+                sub = f"{module}.{a.name}"
+                out.add(sub if (ROOT.parent / (sub.replace(".", "/") + ".py")).exists() else module)
+    return {m for m in out if m.startswith("pagedllm.") and m != mod}
+
+
+def test_models_modules_form_no_cycle():
+    """registry (what each architecture is) sits below arch_config and loader (which ask
+    it); build_model lives in loader, so no module of models/ imports one that imports it
+    back, even from inside a function."""
+    graph = {_module_name(p): _runtime_imports(p) for p in (ROOT / "models").glob("*.py")}
+    graph = {m: {d for d in deps if d in graph} for m, deps in graph.items()}
+    cycles = []
+
+    def visit(m, stack):
+        if m in stack:
+            cycles.append(" -> ".join(stack[stack.index(m):] + [m]))
+            return
+        for d in sorted(graph[m]):
+            visit(d, stack + [m])
+    for m in sorted(graph):
+        visit(m, [])
+    assert not cycles, "import cycles in models/:\n" + "\n".join(sorted(set(cycles)))
+
+
 def test_tool_calls_stay_pure():
     """entrypoints/openai/tool_calls/ is pure functions over JSON values and text: it
     needs only the error type, never the engine or the server (which use it)."""

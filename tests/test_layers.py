@@ -67,6 +67,19 @@ def test_silu_and_mul_cpp_matches_torch(kernels, monkeypatch):
     torch.testing.assert_close(out, ref(x), rtol=1e-5, atol=1e-6)
 
 
+def test_act_and_mul_by_hf_name():
+    import torch.nn.functional as F
+
+    assert type(activation.get_act_and_mul("silu", F32, CPU)) is activation.SiluAndMul
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(0))
+    for name, approximate in (("gelu_pytorch_tanh", "tanh"), ("gelu", "none")):
+        act = activation.get_act_and_mul(name, F32, CPU)
+        assert type(act) is activation.GeluAndMul
+        torch.testing.assert_close(act(x), F.gelu(x[:, :4], approximate=approximate) * x[:, 4:])
+    with pytest.raises(ValueError, match="unsupported hidden activation 'relu'; supported: silu, "):
+        activation.get_act_and_mul("relu", F32, CPU)
+
+
 @pytest.mark.parametrize("adjacent", [True, False], ids=["qk-one-view", "qk-separate"])
 def test_rotary_cpp_matches_torch(kernels, monkeypatch, adjacent):
     make = lambda: rotary_embedding.RotaryEmbedding(64, 128, 10000.0, None, F32, CPU)  # noqa: E731

@@ -8,7 +8,7 @@ import torch
 
 from pagedllm.benchmarks.accuracy import prefill_logits
 from pagedllm.models.loader import load_arch_config
-from pagedllm.models.registry import build_model
+from pagedllm.models.loader import build_model
 
 VOCAB = 49152  # the bundled tokenizer's, so the directory can carry it
 

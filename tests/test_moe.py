@@ -34,7 +34,7 @@ from pagedllm.worker.prefill import calibrate_smoothquant, prefill_logits
 from pagedllm.layers.fused_moe import FusedMoE, select_experts
 from pagedllm.layers.linear import ReplicatedLinear
 from pagedllm.models.loader import load_arch_config
-from pagedllm.models.registry import build_model
+from pagedllm.models.loader import build_model
 from pagedllm.platform import has_native_bf16
 
 VOCAB = 512

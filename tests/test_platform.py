@@ -1,5 +1,5 @@
 """CPU feature detection (pagedllm/platform.py), ``--dtype auto`` on the CPU (measured,
-config.choose_cpu_dtype) and oneDNN bf16 weight packing where the CPU supports it."""
+platform.choose_cpu_dtype, asked by config.resolve_dtype) and oneDNN bf16 weight packing where the CPU supports it."""
 from __future__ import annotations
 
 import logging
@@ -80,7 +80,7 @@ AMD_F = platform.CpuFeatures.from_cpuinfo(AMD, "AVX2")
 
 def test_no_bf16_arithmetic_picks_float32_without_measuring():
     calls = []
-    choice = config.choose_cpu_dtype(AMD_F, 576, 1536, measure=_fake_measure({}, calls))
+    choice = platform.choose_cpu_dtype(AMD_F, 576, 1536, measure=_fake_measure({}, calls))
     assert (choice.dtype, choice.reason, calls) == (torch.float32, "no bf16 arithmetic", [])
 
 
@@ -90,8 +90,8 @@ def test_no_bf16_arithmetic_picks_float32_without_measuring():
                                                    (15.0, 100.0, torch.float32)])
 def test_native_bf16_measures_both_dtypes_at_the_model_shape(bf16, fp32, expected):
     calls = []
-    choice = config.choose_cpu_dtype(INTEL_F, 576, 1536,
-                                     measure=_fake_measure({torch.bfloat16: bf16, torch.float32: fp32}, calls))
+    choice = platform.choose_cpu_dtype(INTEL_F, 576, 1536,
+                                       measure=_fake_measure({torch.bfloat16: bf16, torch.float32: fp32}, calls))
     assert choice.dtype == expected
     assert sorted(calls, key=str) == [(576, 1536, 64, torch.bfloat16), (576, 1536, 64, torch.float32)]
     assert choice.reason == (f"576->1536 linear, 64 rows: bfloat16 fake-method {bf16:.0f} GFLOP/s "
@@ -101,18 +101,18 @@ def test_native_bf16_measures_both_dtypes_at_the_model_shape(bf16, fp32, expecte
 def test_a_failing_measurement_falls_back_to_float32():
     def boom(*a):
         raise RuntimeError("oneDNN says no")
-    choice = config.choose_cpu_dtype(INTEL_F, 64, 128, measure=boom)
+    choice = platform.choose_cpu_dtype(INTEL_F, 64, 128, measure=boom)
     assert choice.dtype == torch.float32 and choice.reason == "bf16 timing failed: RuntimeError: oneDNN says no"
 
 
 @pytest.fixture
 def fresh_auto_cache(monkeypatch):
-    monkeypatch.setattr(config, "_AUTO_CPU_DTYPE", {})
+    monkeypatch.setattr(platform, "_AUTO_CPU_DTYPE", {})
 
 
 def test_resolve_dtype_auto_uses_the_arch_shape_once_and_logs_one_line(monkeypatch, fresh_auto_cache, caplog):
     calls = []
-    monkeypatch.setattr(config, "cpu_features", lambda: INTEL_F)
+    monkeypatch.setattr(platform, "cpu_features", lambda: INTEL_F)
     monkeypatch.setattr(linear, "measure_linear_gflops",
                         _fake_measure({torch.bfloat16: 1000.0, torch.float32: 250.0}, calls))
     arch = ModelArchConfig(architecture="LlamaForCausalLM", hidden_size=96, intermediate_size=256,

@@ -104,6 +104,24 @@ def test_defaults_and_normalisation():
     assert SamplingParams(temperature=0.0, top_p=1, min_p=1, top_k=1).top_p == 1
 
 
+@pytest.mark.parametrize("temperature,top_k,greedy", [
+    (0, 0, True), (5e-6, 0, True), (1e-5, 0, False), (0.7, 0, False), (0.7, 1, True), (0.7, 2, False),
+    (0, 50, True)])
+def test_greedy_is_one_rule(temperature, top_k, greedy):
+    """``SamplingParams.greedy`` and ``is_greedy`` over the runner's float32 / int64 rows
+    and the samplers' tensors agree: temperature below 1e-5 (the README's rule) or top_k 1."""
+    import numpy as np
+    import torch
+
+    from pagedllm.sampling_params import is_greedy
+
+    assert SamplingParams(temperature=temperature, top_k=top_k).greedy is greedy
+    sp = SamplingParams(temperature=temperature, top_k=top_k)
+    rows = np.array([sp.temperature], dtype=np.float32), np.array([sp.top_k], dtype=np.int64)
+    assert is_greedy(*rows).tolist() == [greedy]
+    assert is_greedy(*(torch.from_numpy(a) for a in rows)).tolist() == [greedy]
+
+
 @pytest.mark.parametrize("kw", [
     dict(temperature=0), dict(temperature=2), dict(top_p=1e-9), dict(top_p=1), dict(min_p=0),
     dict(min_p=1), dict(top_k=0), dict(top_k=50), dict(seed=0), dict(seed=-5), dict(max_tokens=1),

@@ -98,7 +98,7 @@ def test_calibration_text_ships():
 def test_build_model_runs_the_calibration_it_is_given(monkeypatch):
     from pagedllm.errors import InvalidParameterError
     from pagedllm.layers.quantization.int8_config import Int8Config
-    from pagedllm.models import loader, registry
+    from pagedllm.models import loader
 
     class FakeModel(nn.Module):
         def __init__(self, *a, quant_config=None):
@@ -108,10 +108,10 @@ def test_build_model_runs_the_calibration_it_is_given(monkeypatch):
         def load_weights(self, weights):
             self.proj.weight.data.normal_()
 
-    monkeypatch.setattr(registry, "get_model_class", lambda cfg: FakeModel)
+    monkeypatch.setattr(loader, "get_model_class", lambda cfg: FakeModel)
     monkeypatch.setattr(loader, "iter_weights", lambda path, cfg, **kw: [])
     with pytest.raises(InvalidParameterError, match="calibration"):
-        registry.build_model("unused", None, torch.float32, CPU, 16, quant_config=Int8Config(CPU))
+        loader.build_model("unused", None, torch.float32, CPU, 16, quant_config=Int8Config(CPU))
     seen = []
 
     def calibrate(model, layers, *rest):
@@ -119,11 +119,11 @@ def test_build_model_runs_the_calibration_it_is_given(monkeypatch):
         for layer in layers:
             layer.int8_act_amax = torch.full((16,), 4.0)
 
-    model = registry.build_model("unused", None, torch.float32, CPU, 16, quant_config=Int8Config(CPU),
-                                 calibrate=calibrate)
+    model = loader.build_model("unused", None, torch.float32, CPU, 16, quant_config=Int8Config(CPU),
+                               calibrate=calibrate)
     assert seen == [["proj"]] and model.proj.int8_smooth.shape == (16,)
-    model = registry.build_model("unused", None, torch.float32, CPU, 16,
-                                 quant_config=Int8Config(CPU, smooth_alpha=None))   # no smoothing: none needed
+    model = loader.build_model("unused", None, torch.float32, CPU, 16,
+                               quant_config=Int8Config(CPU, smooth_alpha=None))   # no smoothing: none needed
     assert not hasattr(model.proj, "int8_smooth")
 
 

@@ -235,20 +235,35 @@ def test_greedy_output_unchanged_in_bfloat16(make_llm, prompts, model_path, tiny
     ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens"),
     ('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 5, "prompt_lookup_max": 2}',
      "prompt_lookup_min"),
-    ('{"method": "ngram", "num_speculative_tokens": 3, "typo": 1}', "unknown key"),
+    ('{"method": "ngram", "num_speculative_tokens": 3, "typo": 1}', "unknown field `typo`; known keys: method, "),
+    ('{"method": "ngram", "num_speculative_tokens": 3, "draft_arch": {}}', "unknown key 'draft_arch'"),
+    ('{"method": "ngram", "num_speculative_tokens": "3"}', r"Expected `int`, got `str` - at `\$.num_speculative_tokens`"),
     ('{"method": "draft_model", "num_speculative_tokens": 3}', "needs 'model'"),
     ('{"method": "draft_model", "model": "/nonexistent", "num_speculative_tokens": 3}', "does not exist"),
-    ('{"method": "draft_model", "model": ["/tmp"], "num_speculative_tokens": 3}', "model must be the draft model's path"),
+    ('{"method": "draft_model", "model": ["/tmp"], "num_speculative_tokens": 3}', r"got `array` - at `\$.model`"),
     ("[1, 2]", "JSON object"),
     ('{"method": "ngram", "num_speculative_tokens": 3, "model": "/x"}', "only apply to method 'draft_model'"),
     ('{"method": "suffix", "prompt_lookup_min": 2}', "only apply to method 'ngram'"),
-    ('{"method": "ngram", "num_speculative_tokens": 3, "adaptive": "no"}', "adaptive must be true or false"),
+    ('{"method": "ngram", "num_speculative_tokens": 3, "adaptive": "no"}', r"Expected `bool`, got `str` - at `\$.adaptive`"),
     ('{"method": "suffix", "suffix_decoding_min_token_prob": 2.0}', "min_token_prob must be a number in"),
 ])
 def test_bad_speculative_config_names_the_flag(value, match):
     with pytest.raises(InvalidParameterError, match=match) as e:
         EngineArgs(speculative_config=value).validate()
     assert e.value.param == "speculative_config"
+
+
+def test_bad_speculative_config_names_the_cli_flag():
+    with pytest.raises(InvalidParameterError) as e:
+        EngineArgs(speculative_config='{"method": "ngram", "num_speculative_tokens": 3, "typo": 1}').validate()
+    assert EngineArgs.cli_message(e.value).startswith("--speculative-config: Object contains unknown field `typo`")
+
+
+def test_speculative_config_struct_rejects_unknown_keys():
+    import msgspec
+
+    with pytest.raises(msgspec.ValidationError, match="unknown field `typo`"):
+        msgspec.convert({"method": "ngram", "num_speculative_tokens": 2, "typo": 1}, SpeculativeConfig)
 
 
 def test_speculative_config_defaults_follow_vllm():
@@ -267,6 +282,23 @@ def test_unloadable_draft_model_names_speculative_config(path):
         EngineConfig.from_args(EngineArgs(dtype="float32", device="cpu", speculative_config=spec))
     assert e.value.param == "speculative_config"
     assert "--model" not in str(e.value)     # the draft's path is not the --model flag's
+
+
+def test_the_draft_architecture_is_read_once(tiny_draft, monkeypatch):
+    from pagedllm.config import EngineConfig
+    from pagedllm.models import loader
+    from pagedllm.spec_decode.proposer import DraftModelProposer
+
+    real, reads = loader.load_arch_config, []
+    monkeypatch.setattr(loader, "load_arch_config", lambda path: reads.append(path) or real(path))
+    spec = json.dumps({"method": "draft_model", "model": tiny_draft, "num_speculative_tokens": 2})
+    cfg = EngineConfig.from_args(EngineArgs(dtype="float32", device="cpu", speculative_config=spec))
+    draft_arch = cfg.speculative_config.draft_arch
+    assert (draft_arch.num_hidden_layers, draft_arch.hidden_size, draft_arch.vocab_size) == (2, 64, 49152)
+    assert SpeculativeConfig.parse(spec).draft_arch is None      # the JSON alone reads nothing
+    proposer = DraftModelProposer(cfg)
+    assert proposer.arch is draft_arch
+    assert reads.count(tiny_draft) == 1
 
 
 def test_draft_with_another_vocabulary_is_refused(tmp_path):

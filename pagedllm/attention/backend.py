@@ -103,10 +103,14 @@ class AttentionBackend(ABC):
         name: the ``--attention-backend`` name.
         kv_cache_dtypes: the KV-cache element types it can write and read.
         dtype: the model's dtype (q, k, v, output); kv_cache_dtype: the cache's.
+        kernels: the compiled C++ kernel module this backend computes with, which a
+            fused caller may call in its place (``models/fused_decoder.py``); None for
+            a backend without one.
     """
 
     name: str = "abstract"
     kv_cache_dtypes: tuple[torch.dtype, ...] = ()
+    kernels: Any = None
 
     def __init__(self, device: torch.device | None = None, dtype: torch.dtype = torch.float32,
                  kv_cache_dtype: torch.dtype | None = None):
@@ -137,6 +141,12 @@ class AttentionBackend(ABC):
         attend over ``sliding_window`` tokens (None: the whole context; else query
         position p sees keys p - sliding_window + 1 .. p, and the keys before that are
         never read, so their blocks may have been released)."""
+
+    def kernel_metadata(self, metadata: Any) -> Any | None:
+        """``metadata`` (what ``build_metadata`` returned, or a list of those) when it is
+        what ``kernels`` read, so a fused caller may hand it to them; else None (the
+        default: a backend without kernels)."""
+        return None
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -119,6 +119,11 @@ class CpuKernelAttentionBackend(TorchAttentionBackend):
             torch.from_numpy(np.ascontiguousarray(c.seq_lens_np[:B], dtype=np.int32)),
             c.block_size, sliding_window or 0)
 
+    def kernel_metadata(self, metadata) -> CpuAttentionMetadata | None:
+        """``metadata`` when it is one ``CpuAttentionMetadata`` (not a list per KV-cache
+        group, nor the torch ops' metadata) and the kernels are built, else None."""
+        return metadata if type(metadata) is CpuAttentionMetadata and self.kernels is not None else None
+
     def forward(self, q, k, v, layer_cache, md, scale, k_scale=1.0, v_scale=1.0):
         if not isinstance(md, CpuAttentionMetadata):
             return super().forward(q, k, v, layer_cache, md, scale, k_scale, v_scale)

@@ -82,7 +82,7 @@ def model_perplexity(model_path: str | None, quantization: str | None, dtype: st
     ``--quantization quantization`` in ``dtype`` on the CPU over ``text`` (default: the
     fixed text). Returns (perplexity, tokens scored + 1). Builds the model and frees it."""
     from pagedllm.config import EngineArgs, EngineConfig
-    from pagedllm.models.registry import build_model
+    from pagedllm.models.loader import build_model
     from pagedllm.tokenizer import get_tokenizer
 
     cfg = EngineConfig.from_args(EngineArgs(model=model_path, quantization=quantization, dtype=dtype,

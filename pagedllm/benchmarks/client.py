@@ -20,6 +20,7 @@ import time
 from typing import Any
 
 from .datasets import TokenSource
+from .extras import import_bench_package
 from .metrics import RequestResult, parse_prometheus_text
 from .serve_options import BenchConfig
 
@@ -69,7 +70,7 @@ class OpenAIStreamClient:
         self.http = None
 
     async def __aenter__(self) -> "OpenAIStreamClient":
-        import aiohttp
+        aiohttp = import_bench_package("aiohttp", "the benchmark client")
 
         self.http = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300),
@@ -83,7 +84,7 @@ class OpenAIStreamClient:
 
     async def get_json(self, path: str, timeout_s: float = 10.0) -> Any:
         """GET ``root_url + path`` as JSON; raises on HTTP or network errors."""
-        import aiohttp
+        aiohttp = import_bench_package("aiohttp", "the benchmark client")
 
         async with self.http.get(self.cfg.root_url + path,
                                  timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
@@ -92,7 +93,7 @@ class OpenAIStreamClient:
 
     async def scrape_metrics(self) -> dict | None:
         """Parsed Prometheus snapshot from ``/metrics`` (or ``metrics_url``); ``None`` if unavailable."""
-        import aiohttp
+        aiohttp = import_bench_package("aiohttp", "the benchmark client")
 
         if not self.cfg.scrape_metrics:
             return None
@@ -130,7 +131,7 @@ class OpenAIStreamClient:
 
     async def _attempt(self, url: str, body: dict, t_start: float, st: _Attempt) -> tuple[str, str | None, int | None]:
         """One HTTP attempt; returns (outcome, error, status) with outcome in ok/retry/fail."""
-        import aiohttp
+        aiohttp = import_bench_package("aiohttp", "the benchmark client")
 
         status = None
         try:

@@ -11,6 +11,8 @@ from typing import Sequence
 
 import numpy as np
 
+from .extras import import_bench_package
+
 __all__ = ["plot_latency_cdfs", "plot_timeline", "plot_serve_result", "plot_sweep"]
 
 _COLORS = {
@@ -24,11 +26,9 @@ _COLORS = {
 
 
 def _figure(w: float, h: float):
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(w, h), dpi=100)
-    FigureCanvasAgg(fig)
+    backend_agg = import_bench_package("matplotlib.backends.backend_agg", "--plot")
+    fig = import_bench_package("matplotlib.figure", "--plot").Figure(figsize=(w, h), dpi=100)
+    backend_agg.FigureCanvasAgg(fig)
     return fig
 
 

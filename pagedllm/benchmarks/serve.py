@@ -18,6 +18,7 @@ import asyncio
 import sys
 from typing import Any
 
+from .extras import require_bench_packages
 from .report import format_report, save_json
 from .runner import run_benchmark
 from .serve_options import BenchError, add_serve_arguments, prepare
@@ -42,6 +43,7 @@ def serve_main(args: Any, tokenizer: Any = "load") -> int:
     ``tokenizer="load"`` loads ``--tokenizer``; tests pass a tokenizer object (or None).
     """
     try:
+        require_bench_packages("aiohttp", *(["matplotlib"] if args.plot else []), purpose="bench serve")
         cfg, dataset, tokens = prepare(args, tokenizer)
     except (BenchError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -23,6 +23,8 @@ import subprocess
 import sys
 import time
 
+from pagedllm.utils import stop_process
+
 from .report import output_file, save_json
 from .serve_options import positive_int
 
@@ -91,17 +93,8 @@ def _start_server(engine_flags: list[str], engine_process: bool) -> tuple[subpro
         except httpx.HTTPError:
             pass
         time.sleep(0.5)
-    proc.kill()
+    stop_process(proc, 10)
     raise RuntimeError("the server did not start in 600 s")
-
-
-def _stop_server(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(10)
 
 
 async def _probe_health(url: str, interval: float, stop: asyncio.Event) -> list[float]:
@@ -164,10 +157,18 @@ def _prompts(args, n: int, tok) -> list[list[int]]:
 
 
 def server_main(args) -> int:
-    """Entry point of ``pagedllm bench server``; returns 0."""
+    """Entry point of ``pagedllm bench server``; returns 0.
+
+    Raises:
+        MissingBenchPackageError (a ValueError): aiohttp is not installed (before any
+            server starts).
+    """
     from pagedllm.benchmarks.machine import machine_info
     from pagedllm.config import EngineArgs
 
+    from .extras import require_bench_packages
+
+    require_bench_packages("aiohttp", purpose="bench server")
     ea = EngineArgs.from_cli_args(args)
     flags = engine_cli_args(ea)
     from .serve_options import load_tokenizer
@@ -189,7 +190,7 @@ def server_main(args) -> int:
                       f"failed {row['failed']}", flush=True)
             result["runs"][mode] = rows
         finally:
-            _stop_server(proc)
+            stop_process(proc, 60)
     if not args.no_offline:
         from pagedllm import LLM, SamplingParams
 

@@ -28,6 +28,7 @@ import sys
 from typing import Any, Sequence
 
 from .datasets import Dataset, TokenSource
+from .extras import require_bench_packages
 from .metrics import parse_slos, pct_key
 from .report import fmt_value, save_json
 from .runner import run_benchmark
@@ -310,6 +311,7 @@ def add_sweep_arguments(p: Any) -> None:
 def sweep_main(args: Any, tokenizer: Any = "load") -> int:
     """Entry point of ``pagedllm bench sweep``; returns the exit code (0 ok, 2 bad options, 1 failure)."""
     try:
+        require_bench_packages("aiohttp", *(["matplotlib"] if args.plot else []), purpose="bench sweep")
         slos = parse_slos(args.slo, "--slo")
         if not 0 < args.slo_percentile <= 100:
             raise ValueError(f"--slo-percentile must be in (0, 100], got {args.slo_percentile}")

@@ -26,14 +26,33 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from dataclasses import dataclass, field
 
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request, RequestStatus
-from pagedllm.messages import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput, NewRequestData,
-                               SchedulerOutput, SchedulerStats)
+from pagedllm.messages import (CachedRequestData, EngineCoreOutput, GrammarBitmask, ModelRunnerOutput,
+                               NewRequestData, SchedulerOutput, SchedulerStats)
 from pagedllm.structured_output import GrammarCompileError, StructuredOutputManager
 
 logger = logging.getLogger("pagedllm")
+
+
+@dataclass
+class _StepPlan:
+    """What ``Scheduler.schedule`` has decided so far this step.
+
+    Attributes:
+        budget: tokens of ``max_num_batched_tokens`` still free.
+        scheduled: (request, tokens to compute, its new block ids per KV-cache group,
+            admitted from the queue this step) in scheduling order.
+        spec_tokens: request id -> the drafts it verifies this step.
+        num_preempted: requests preempted this step.
+    """
+
+    budget: int
+    scheduled: list[tuple[Request, int, list[list[int]], bool]] = field(default_factory=list)
+    spec_tokens: dict[str, list[int]] = field(default_factory=dict)
+    num_preempted: int = 0
 
 
 class Scheduler:
@@ -131,97 +150,130 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     def schedule(self) -> SchedulerOutput:
-        """Form this step's batch (never over the token budget or max_num_seqs).
+        """Form this step's batch (never over the token budget or max_num_seqs): running
+        requests first (``_schedule_running``), then, if none was preempted, waiting ones
+        (``_schedule_waiting``).
 
         A request the runner has not seen goes out whole (``NewRequestData``); one it
         holds goes out as deltas: the blocks allocated since it last ran, or, when it
-        resumes after a preemption, its whole new block table."""
+        resumes after a preemption, its whole new block table (``_scheduler_output``)."""
         # The runner forgets finished requests at the start of this step, so an id that
         # is reused after finishing must be sent as new (with its sampling params).
         self.runner_known.difference_update(self.finished_req_ids)
-        budget = self.max_num_batched_tokens
-        # (request, tokens to compute, new block ids, resumed after preemption)
-        scheduled: list[tuple[Request, int, list[int], bool]] = []
-        spec_tokens: dict[str, list[int]] = {}
-        num_preempted = 0
+        plan = _StepPlan(budget=self.max_num_batched_tokens)
+        self._schedule_running(plan)
+        if plan.num_preempted == 0:
+            self._schedule_waiting(plan)
+        out = self._scheduler_output(plan)
+        self.finished_req_ids = set()
+        return out
+
+    def _schedule_running(self, plan: _StepPlan) -> None:
+        """Running requests in admission order, each for its tokens not yet computed (and
+        its drafts, ``_drafts_to_verify``) up to the budget left; stops when the budget is
+        spent or a request had to preempt itself (``_allocate_or_preempt``)."""
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and plan.budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget,
+            n = min(req.num_tokens - req.num_computed_tokens, plan.budget,
                     self.max_model_len - req.num_computed_tokens)
             if n <= 0:
                 i += 1
                 continue
-            spec = req.spec_token_ids
-            if spec and n == 1 and req.num_computed_tokens + 1 == req.num_tokens:
-                if req.sampling_params.structured_outputs is not None:
-                    spec = self.structured_output.validate_drafts(req.request_id, spec)
-                # every draft accepted plus the target's own token must stay in bounds
-                room = min(req.sampling_params.max_tokens - req.num_output_tokens,
-                           self.max_model_len - req.num_tokens, budget) - 1
-                spec = spec[:max(room, 0)]
-                n += len(spec)
-            else:
-                spec = []
+            spec = self._drafts_to_verify(req, n, plan.budget)
+            n += len(spec)
             lookahead = self.num_lookahead_slots if req.num_computed_tokens + n >= req.num_tokens else 0
             n_before = self.kv.num_table_entries(req.request_id)
-            while True:
-                new_blocks = self.kv.allocate_slots(req, n, num_lookahead_tokens=lookahead)
-                if new_blocks is not None:
-                    break
-                victim = self.running.pop()
-                self._preempt(victim)
-                num_preempted += 1
-                if victim is req:
-                    break
-            if new_blocks is None:
+            if not self._allocate_or_preempt(req, n, lookahead, plan):
                 break
             if spec:
-                spec_tokens[req.request_id] = spec
-            scheduled.append((req, n, self.kv.group_block_ids_from(req.request_id, n_before), False))
-            budget -= n
+                plan.spec_tokens[req.request_id] = spec
+            plan.scheduled.append((req, n, self.kv.group_block_ids_from(req.request_id, n_before), False))
+            plan.budget -= n
             i += 1
 
-        if num_preempted == 0:
-            skipped: list[Request] = []   # grammars still compiling: they keep their place
-            while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-                req = self.waiting[0]
-                if req.sampling_params.structured_outputs is not None and not self._grammar_ready(req):
-                    if req.status != RequestStatus.FINISHED_ABORTED:
-                        skipped.append(req)
-                    self.waiting.popleft()
-                    continue
-                hit_blocks, n_hit = self.kv.get_computed_blocks(req)
-                n = req.num_tokens - n_hit
-                # Without chunked prefill a prompt waits until it fits the budget whole
-                # (the Processor rejects prompts over the whole budget). A preempted
-                # request may have grown past the budget with its outputs: its
-                # recomputation is chunked, or it would never run again.
-                if not self.enable_chunked_prefill and n > budget and req.num_preemptions == 0:
-                    break
-                n = min(n, budget)
-                lookahead = self.num_lookahead_slots if n_hit + n >= req.num_tokens else 0
-                if self.kv.allocate_slots(req, n, hit_blocks, n_hit, lookahead) is None:
-                    break
-                self.waiting.popleft()
-                req.num_computed_tokens = n_hit
-                if req.num_cached_tokens < 0:
-                    req.num_cached_tokens = n_hit
-                if req.scheduled_time is None:
-                    req.scheduled_time = time.time()
-                req.status = RequestStatus.RUNNING
-                self.running.append(req)
-                scheduled.append((req, n, self.kv.get_group_block_ids(req.request_id), True))
-                budget -= n
-            self.waiting.extendleft(reversed(skipped))
+    def _drafts_to_verify(self, req: Request, n: int, budget: int) -> list[int]:
+        """The drafts running ``req`` is scheduled with this step: none unless it decodes
+        (``n`` == 1, its known tokens computed but the last); else its proposals, cut to
+        the prefix its grammar accepts (structured outputs) and so that accepting all of
+        them plus the target's own token stays within ``max_tokens``, ``max_model_len``
+        and ``budget``."""
+        spec = req.spec_token_ids
+        if not (spec and n == 1 and req.num_computed_tokens + 1 == req.num_tokens):
+            return []
+        if req.sampling_params.structured_outputs is not None:
+            spec = self.structured_output.validate_drafts(req.request_id, spec)
+        room = min(req.sampling_params.max_tokens - req.num_output_tokens,
+                   self.max_model_len - req.num_tokens, budget) - 1
+        return spec[:max(room, 0)]
 
+    def _allocate_or_preempt(self, req: Request, n: int, lookahead: int, plan: _StepPlan) -> bool:
+        """Slots for ``n`` more tokens (and ``lookahead``) of running ``req``, preempting
+        the newest running requests until they fit. False when ``req`` itself was
+        preempted (it holds no slots then)."""
+        while self.kv.allocate_slots(req, n, num_lookahead_tokens=lookahead) is None:
+            victim = self.running.pop()
+            self._preempt(victim)
+            plan.num_preempted += 1
+            if victim is req:
+                return False
+        return True
+
+    def _schedule_waiting(self, plan: _StepPlan) -> None:
+        """Waiting requests in queue order (``_admit``) while budget and room for running
+        requests are left; one whose grammar is still compiling keeps its place in the
+        queue without blocking the requests behind it."""
+        skipped: list[Request] = []   # grammars still compiling: they keep their place
+        while self.waiting and plan.budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            if req.sampling_params.structured_outputs is not None and not self._grammar_ready(req):
+                if req.status != RequestStatus.FINISHED_ABORTED:
+                    skipped.append(req)
+                self.waiting.popleft()
+                continue
+            n = self._admit(req, plan.budget)
+            if n is None:
+                break
+            plan.scheduled.append((req, n, self.kv.get_group_block_ids(req.request_id), True))
+            plan.budget -= n
+        self.waiting.extendleft(reversed(skipped))
+
+    def _admit(self, req: Request, budget: int) -> int | None:
+        """Move ``req`` (the queue's first) to the running requests with its prefix-cache
+        hit and up to ``budget`` further tokens allocated; returns those tokens, or None
+        (nothing changed) when they do not fit."""
+        hit_blocks, n_hit = self.kv.get_computed_blocks(req)
+        n = req.num_tokens - n_hit
+        # Without chunked prefill a prompt waits until it fits the budget whole
+        # (the Processor rejects prompts over the whole budget). A preempted
+        # request may have grown past the budget with its outputs: its
+        # recomputation is chunked, or it would never run again.
+        if not self.enable_chunked_prefill and n > budget and req.num_preemptions == 0:
+            return None
+        n = min(n, budget)
+        lookahead = self.num_lookahead_slots if n_hit + n >= req.num_tokens else 0
+        if self.kv.allocate_slots(req, n, hit_blocks, n_hit, lookahead) is None:
+            return None
+        self.waiting.popleft()
+        req.num_computed_tokens = n_hit
+        if req.num_cached_tokens < 0:
+            req.num_cached_tokens = n_hit
+        if req.scheduled_time is None:
+            req.scheduled_time = time.time()
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        return n
+
+    def _scheduler_output(self, plan: _StepPlan) -> SchedulerOutput:
+        """The step's ``SchedulerOutput``: each scheduled request whole the first time the
+        runner sees it, as deltas after that, and the grammar bitmask."""
         new_reqs: list[NewRequestData] = []
         cached = CachedRequestData()
         num_scheduled: dict[str, int] = {}
-        out = SchedulerOutput(new_reqs, cached, num_scheduled, self.max_num_batched_tokens - budget,
-                              scheduled_spec_decode_tokens=spec_tokens,
-                              finished_req_ids=self.finished_req_ids, num_preempted=num_preempted)
-        for req, n, block_ids, admitted in scheduled:
+        out = SchedulerOutput(new_reqs, cached, num_scheduled, self.max_num_batched_tokens - plan.budget,
+                              scheduled_spec_decode_tokens=plan.spec_tokens,
+                              finished_req_ids=self.finished_req_ids, num_preempted=plan.num_preempted)
+        for req, n, block_ids, admitted in plan.scheduled:
             rid = req.request_id
             num_scheduled[rid] = n
             if rid not in self.runner_known:
@@ -240,12 +292,17 @@ class Scheduler:
             else:
                 out.num_prefill_tokens += n
         if self.structured_output is not None:
-            out.grammar_bitmask = self.structured_output.grammar_bitmask(
-                [(req.request_id, spec_tokens.get(req.request_id, [])) for req, n, _, _ in scheduled
-                 if req.sampling_params.structured_outputs is not None
-                 and req.num_computed_tokens + n - len(spec_tokens.get(req.request_id, ())) >= req.num_tokens])
-        self.finished_req_ids = set()
+            out.grammar_bitmask = self._grammar_bitmask(plan)
         return out
+
+    def _grammar_bitmask(self, plan: _StepPlan) -> GrammarBitmask | None:
+        """The bitmask rows of the constrained requests that sample this step (those that
+        reach the end of their known tokens), their drafts included."""
+        spec = plan.spec_tokens
+        return self.structured_output.grammar_bitmask(
+            [(req.request_id, spec.get(req.request_id, [])) for req, n, _, _ in plan.scheduled
+             if req.sampling_params.structured_outputs is not None
+             and req.num_computed_tokens + n - len(spec.get(req.request_id, ())) >= req.num_tokens])
 
     def _grammar_ready(self, req: Request) -> bool:
         """Whether ``req``'s grammar has compiled; a failed compile aborts it (its output

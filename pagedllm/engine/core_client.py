@@ -337,16 +337,10 @@ class MPClient(EngineCoreClient):
     @staticmethod
     def _cleanup(proc, ctx, path: str, stopping: threading.Event) -> None:
         """Stop the process if it still runs, close the sockets, remove their folder."""
-        import subprocess
+        from pagedllm.utils import stop_process
 
         stopping.set()
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(2)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(2)
+        stop_process(proc, 2)
         ctx.destroy(linger=0)
         shutil.rmtree(path, ignore_errors=True)
 

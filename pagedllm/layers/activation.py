@@ -45,3 +45,22 @@ class GeluAndMul(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         d = x.shape[-1] // 2
         return F.gelu(x[:, :d], approximate=self.approximate) * x[:, d:]
+
+
+# HF's ``hidden_act`` names of the gated MLPs' activations -> GeluAndMul's approximation
+# (None: SiLU).
+_ACT_AND_MUL = {"silu": None, "gelu_pytorch_tanh": "tanh", "gelu": "none"}
+
+
+def get_act_and_mul(name: str, dtype: torch.dtype, device: torch.device) -> nn.Module:
+    """The gated activation called ``name`` in a HF config (``hidden_act`` /
+    ``hidden_activation``): ``"silu"`` -> ``SiluAndMul`` (SwiGLU), ``"gelu_pytorch_tanh"``
+    -> ``GeluAndMul("tanh")``, ``"gelu"`` -> ``GeluAndMul("none")`` (GeGLU).
+
+    Raises:
+        ValueError: another name (named, with the supported ones).
+    """
+    if name not in _ACT_AND_MUL:
+        raise ValueError(f"unsupported hidden activation {name!r}; supported: {', '.join(_ACT_AND_MUL)}")
+    approximate = _ACT_AND_MUL[name]
+    return SiluAndMul(dtype, device) if approximate is None else GeluAndMul(approximate)

@@ -21,7 +21,6 @@ import torch
 from torch import nn
 
 from pagedllm.attention.backend import FP8_DTYPES
-from pagedllm.attention.cpu_backend import CpuAttentionMetadata
 from pagedllm.forward_context import get_forward_context
 from pagedllm.layers.utils import cpu_kernels_for
 
@@ -85,18 +84,21 @@ class Attention(nn.Module):
         return self.backend.forward(q, k, v, self.kv_cache, md, self.scale, *self._scales)
 
     def kernel_module(self):
-        """The compiled C++ kernel module this layer's attention runs on (the ``cpu_kernel``
-        backend with its kernels, bound to a cache), else None: what a fused caller may
-        call in its place (``models/fused_decoder.py``)."""
-        kernels = getattr(self.backend, "kernels", None)
-        return kernels if kernels is not None and self.kv_cache is not None else None
+        """The compiled C++ kernel module this layer's attention runs on (its backend's
+        ``kernels``, bound to a cache), else None: what a fused caller may call in its
+        place (``models/fused_decoder.py``)."""
+        if self.backend is None or self.kv_cache is None:
+            return None
+        return self.backend.kernels
 
-    def kernel_metadata(self) -> CpuAttentionMetadata | None:
-        """The step's attention metadata (forward context) when it is one
-        ``CpuAttentionMetadata`` that this layer's C++ kernels read, else None (a list per
-        KV-cache group, or the torch ops' metadata)."""
-        md = get_forward_context().attn_metadata
-        return md if type(md) is CpuAttentionMetadata and self.kernel_module() is not None else None
+    def kernel_metadata(self) -> Any | None:
+        """The step's attention metadata (forward context) when this layer's kernels read
+        it as it is (the backend's ``kernel_metadata``: one ``CpuAttentionMetadata`` for
+        ``cpu_kernel``), else None (a list per KV-cache group, or the torch ops'
+        metadata)."""
+        if self.kernel_module() is None:
+            return None
+        return self.backend.kernel_metadata(get_forward_context().attn_metadata)
 
     def set_kv_scale(self, which: str, value: torch.Tensor, name: str) -> None:
         """Set ``k_scale`` or ``v_scale`` (``which``) from the checkpoint tensor ``value``

@@ -14,7 +14,7 @@ on the batch. The probe runs at the engine's thread count (the worker sets it fi
 since the kernels' choices depend on it.
 
 So once per model load (``ensure_batch_invariant_linears``, called by
-``models.registry.build_model`` unless ``PAGEDLLM_BATCH_INVARIANT_PROBE=0``) every distinct
+``models.loader.build_model`` unless ``PAGEDLLM_BATCH_INVARIANT_PROBE=0``) every distinct
 (method, dtype, in, out) shape is probed with its first layer's real weights
 (``probe_row_invariance``) and, for methods that take a dense float weight, with a stand-in
 layer of the same shape and method holding cancellation weights (``cancellation_probe``):

@@ -21,13 +21,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagedllm.layers.activation import GeluAndMul
 from pagedllm.layers.layernorm import GemmaRMSNorm, residual_stream
-from pagedllm.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from pagedllm.layers.rotary_embedding import RotaryEmbedding
 from pagedllm.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedllm.models.arch_config import ModelArchConfig
-from pagedllm.models.llama import LlamaAttention, LlamaForCausalLM
+from pagedllm.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
 
 
 def _gemma3_attention(cfg: ModelArchConfig, layer_idx: int, rotary_emb: RotaryEmbedding,
@@ -37,24 +35,6 @@ def _gemma3_attention(cfg: ModelArchConfig, layer_idx: int, rotary_emb: RotaryEm
     scalar = cfg.query_pre_attn_scalar or cfg.head_dim
     return LlamaAttention(cfg, layer_idx, rotary_emb, dtype, device, prefix, quant_config, norm_class=GemmaRMSNorm,
                           scale=float(scalar) ** -0.5, sliding_window=cfg.layer_window(layer_idx))
-
-
-class Gemma3MLP(nn.Module):
-    def __init__(self, cfg: ModelArchConfig, dtype: torch.dtype, device: torch.device, prefix: str,
-                 quant_config=None):
-        super().__init__()
-        if cfg.hidden_activation not in ("gelu_pytorch_tanh", "gelu"):
-            raise ValueError(f"Gemma 3: unsupported hidden_activation {cfg.hidden_activation!r}")
-        h, inter = cfg.hidden_size, cfg.intermediate_size
-        self.gate_up_proj = MergedColumnParallelLinear(h, [inter, inter], False, dtype, device,
-                                                       prefix=f"{prefix}.gate_up_proj", quant_config=quant_config)
-        self.down_proj = RowParallelLinear(inter, h, False, dtype, device, prefix=f"{prefix}.down_proj",
-                                           quant_config=quant_config)
-        self.act_fn = GeluAndMul("tanh" if cfg.hidden_activation == "gelu_pytorch_tanh" else "none")
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, hidden] → [T, hidden] (GeGLU)."""
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
 class Gemma3DecoderLayer(nn.Module):
@@ -67,7 +47,8 @@ class Gemma3DecoderLayer(nn.Module):
                                            quant_config)
         self.post_attention_layernorm = GemmaRMSNorm(h, eps, dtype, device)
         self.pre_feedforward_layernorm = GemmaRMSNorm(h, eps, dtype, device)
-        self.mlp = Gemma3MLP(cfg, dtype, device, f"{prefix}.mlp", quant_config)
+        # GeGLU: Llama's MLP with the config's gelu (``gelu_pytorch_tanh``)
+        self.mlp = LlamaMLP(cfg, dtype, device, f"{prefix}.mlp", quant_config, activation=cfg.hidden_activation)
         self.post_feedforward_layernorm = GemmaRMSNorm(h, eps, dtype, device)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor,

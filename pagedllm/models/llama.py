@@ -18,7 +18,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from pagedllm.layers.activation import SiluAndMul
+from pagedllm.layers.activation import get_act_and_mul
 from pagedllm.layers.attention import Attention, kv_scale_target
 from pagedllm.layers.layernorm import RMSNorm, residual_stream
 from pagedllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -94,18 +94,29 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
+    """The gated MLP, ``down(act(gate(x)) * up(x))`` with gate|up fused in one matmul.
+
+    Args:
+        activation: the gate's activation, a HF ``hidden_act`` name
+            (``layers.activation.get_act_and_mul``): ``"silu"`` (SwiGLU, Llama's),
+            ``"gelu_pytorch_tanh"`` or ``"gelu"`` (GeGLU, Gemma's).
+
+    Raises:
+        ValueError: an unsupported ``activation`` (named).
+    """
+
     def __init__(self, cfg: ModelArchConfig, dtype: torch.dtype, device: torch.device, prefix: str,
-                 quant_config=None):
+                 quant_config=None, activation: str = "silu"):
         super().__init__()
         h, inter = cfg.hidden_size, cfg.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(h, [inter, inter], False, dtype, device,
                                                        prefix=f"{prefix}.gate_up_proj", quant_config=quant_config)
         self.down_proj = RowParallelLinear(inter, h, False, dtype, device, prefix=f"{prefix}.down_proj",
                                            quant_config=quant_config)
-        self.act_fn = SiluAndMul(dtype, device)
+        self.act_fn = get_act_and_mul(activation, dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, hidden] → [T, hidden] (SwiGLU)."""
+        """x [T, hidden] → [T, hidden]."""
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 

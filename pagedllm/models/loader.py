@@ -1,6 +1,7 @@
-"""Weight loading: GGUF files (read and dequantized with the ``gguf`` package) and HF
-directories of ``*.safetensors``. Both yield HF parameter names so one ``load_weights``
-per model serves both formats."""
+"""Model loading: the architecture config of a GGUF file or HF directory, its weights
+(GGUF read and dequantized with the ``gguf`` package, or ``*.safetensors``; both yield HF
+parameter names so one ``load_weights`` per model serves both formats), and
+``build_model``, which makes the registered model class and loads it."""
 from __future__ import annotations
 
 import functools
@@ -12,8 +13,9 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
+from pagedllm.errors import InvalidParameterError
 from pagedllm.models.arch_config import ModelArchConfig, config_from_gguf, config_from_hf_dir
-from pagedllm.models.registry import arch_info
+from pagedllm.models.registry import arch_info, get_model_class
 
 _GGUF_LAYER_MAP = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -193,3 +195,57 @@ def iter_weights(path: str, cfg: ModelArchConfig,
     if is_gguf(path):
         return iter_gguf_weights(path, cfg, packed_types)
     return iter_safetensors_weights(path)
+
+
+def build_model(path: str, cfg: ModelArchConfig, dtype: torch.dtype, device: torch.device,
+                max_positions: int, quant_config=None, calibrate=None) -> torch.nn.Module:
+    """Instantiate the registered class, load weights from a GGUF file or HF dir, let
+    every linear method prepare its layer's loaded weights (e.g. oneDNN packing), then
+    make sure each linear layer's output rows do not depend on the batch size (probe and,
+    where needed, row-chunk wrapping: ``layers/batch_invariance.py``) unless
+    ``PAGEDLLM_BATCH_INVARIANT_PROBE=0``.
+
+    With a ``quant_config`` (``--quantization``) the model's layers take their methods from
+    it, and the GGUF tensors of the types it keeps packed arrive as raw blocks. Layers whose
+    method ``needs_calibration`` (int8 with SmoothQuant) are prepared last, after
+    ``calibrate(model, layers, path, cfg, dtype, device, max_positions)`` has run the model
+    with them in float and set their statistics (``worker.prefill.calibrate_smoothquant``:
+    a model here is built, not run, so the caller hands in what runs it).
+
+    Raises:
+        ValueError: missing or mis-shaped weights; InvalidParameterError("quantization"):
+        a layer the method cannot compute, or a method that needs calibration and no
+        ``calibrate``.
+    """
+    from pagedllm import envs
+    from pagedllm.layers.batch_invariance import ensure_batch_invariant_linears
+
+    model_class = get_model_class(cfg)
+    if quant_config is None:
+        model = model_class(cfg, dtype, device, max_positions)
+        model.load_weights(iter_weights(path, cfg))
+    else:
+        quant_config.packed_modules_mapping = getattr(model_class, "packed_modules_mapping", {})
+        model = model_class(cfg, dtype, device, max_positions, quant_config=quant_config)
+        model.load_weights(iter_weights(path, cfg, packed_types=quant_config.packed_gguf_types()))
+    calibrated = []      # layers whose method needs activation statistics first (SmoothQuant)
+    for module in model.modules():
+        for attr in ("embedding_method", "linear_method"):
+            method = getattr(module, attr, None)
+            if method is None:
+                continue
+            if attr == "linear_method" and getattr(method, "needs_calibration", False):
+                calibrated.append(module)
+            else:
+                method.process_weights_after_loading(module)
+    if calibrated:
+        if calibrate is None:
+            raise InvalidParameterError(
+                "quantization", f"{calibrated[0].linear_method.name} needs a calibration pass at load, "
+                                "and build_model was given no calibrate function")
+        calibrate(model, calibrated, path, cfg, dtype, device, max_positions)
+        for module in calibrated:
+            module.linear_method.process_weights_after_loading(module)
+    if envs.batch_invariant_probe_enabled():
+        ensure_batch_invariant_linears(model)
+    return model.eval()

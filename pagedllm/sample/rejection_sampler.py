@@ -6,6 +6,7 @@ import torch
 
 from pagedllm.sample.sampler import SamplingMetadata, _probs, fill_exponential_
 from pagedllm.sample.topk import argmax_rows
+from pagedllm.sampling_params import is_greedy
 
 
 def _per_position(md: SamplingMetadata, req_of_pos: torch.Tensor) -> SamplingMetadata:
@@ -28,10 +29,10 @@ class RejectionSampler:
     target's next-token logits after the ``j`` first drafts, the last row is the bonus
     position after all of them.
 
-    Greedy requests (temperature 0 or ``top_k == 1``, the Sampler's rule): the drafts are
-    accepted while they equal the target argmax (``torch.argmax``, first index on ties),
-    then the argmax at the first mismatch (or at the bonus position) is appended: exactly
-    the tokens plain greedy decoding produces.
+    Greedy requests (``sampling_params.is_greedy``: temperature 0 or ``top_k == 1``): the
+    drafts are accepted while they equal the target argmax (``torch.argmax``, first index
+    on ties), then the argmax at the first mismatch (or at the bonus position) is
+    appended: exactly the tokens plain greedy decoding produces.
 
     Random requests (Leviathan et al. 2023, "Fast Inference from Transformers via
     Speculative Decoding", ICML, Algorithm 1; Chen et al. 2023, "Accelerating Large
@@ -106,7 +107,7 @@ class RejectionSampler:
             n_acc = self._prefix_len(accepted, req_of_draft, j_of_draft, k_t)
             tokens = greedy_ids[starts + n_acc]
         else:
-            random = (md.temperature > 0) & (md.top_k != 1)                      # [N]
+            random = ~is_greedy(md.temperature, md.top_k)                         # [N]
             p_raw = _probs(target_logits, _per_position(md, req_of_pos), renormalize=False)
             p = p_raw / p_raw.sum(dim=-1, keepdim=True) if md.need_min_p else p_raw
             rand_list = random.tolist()

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedllm.sample.topk import argmax_rows, topk_rows
+from pagedllm.sampling_params import is_greedy
 
 
 @dataclass
@@ -14,7 +15,7 @@ class SamplingMetadata:
     """Per-row sampling settings for one step (N rows = requests sampled this step).
 
     Attributes:
-        temperature: float32 [N]; rows with 0 are greedy.
+        temperature: float32 [N]; which rows are greedy: ``sampling_params.is_greedy``.
         top_k: int64 [N], 0 = off; top_p, min_p: float32 [N] (1.0 / 0.0 = off).
         generators: per-row ``torch.Generator`` for seeded requests, else None.
         all_greedy: every row greedy (argmax only, nothing else computed).
@@ -178,7 +179,7 @@ def compute_probs(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
     (``_apply_top_k_top_p``), each only if some row uses it, then softmax. The caller
     has already applied ``process_logits`` to ``logits``.
 
-    Greedy rows (temperature 0 or ``top_k == 1``) are not sampled from, so their rows
+    Greedy rows (``sampling_params.is_greedy``) are not sampled from, so their rows
     are only guaranteed finite: temperature 0 is treated as 1, and the filters apply as
     for any other row.
 
@@ -192,8 +193,8 @@ def compute_probs(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
 class Sampler:
     """Turns float32 logits [N, V] into token ids int64 [N].
 
-    Rows with temperature 0, or with ``top_k == 1`` (one candidate: the argmax), are
-    greedy: argmax, whose first-index rule also settles ties, which low-precision logits
+    Greedy rows (``sampling_params.is_greedy``: temperature 0, or ``top_k == 1``) take
+    the argmax, whose first-index rule also settles ties, which low-precision logits
     make common (sampling among tied top tokens would make top_k=1 random).
 
     Random rows draw with the exponential-race trick: argmax(p_i / E_i) with E_i ~ Exp(1)
@@ -209,7 +210,7 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         if md.all_greedy:
             return argmax_rows(logits)
-        random = ((md.temperature > 0) & (md.top_k != 1)).tolist()
+        random = (~is_greedy(md.temperature, md.top_k)).tolist()
         N, V = logits.shape
         # the greedy rows' argmax (all rows' when some are greedy: one pass either way)
         out = (argmax_rows(logits) if not all(random) else

@@ -70,19 +70,27 @@ class DraftModelProposer:
     requests too (Leviathan et al. 2023, any q works), at some cost in acceptance.
 
     Args:
-        config: the target's engine config (device, dtypes, attention backend, lengths).
+        config: the target's engine config (device, dtypes, attention backend, lengths);
+            its ``speculative_config`` carries the draft's path and architecture
+            (``draft_arch``, read by ``EngineConfig.from_args``).
+
+    Raises:
+        ValueError: ``speculative_config.draft_arch`` is None (a config not made by
+            ``EngineConfig.from_args``).
     """
 
     is_model = True   # each draft depth is a forward: the runner sizes proposals first
 
     def __init__(self, config: EngineConfig):
-        from pagedllm.models.loader import load_arch_config
-        from pagedllm.models.registry import build_model
+        from pagedllm.models.loader import build_model
 
         spec = config.speculative_config
+        if spec.draft_arch is None:
+            raise ValueError("speculative_config.draft_arch is not set: EngineConfig.from_args reads the "
+                             "draft model's architecture")
         self.path = spec.model
         self.k = spec.num_speculative_tokens
-        self.arch = load_arch_config(spec.model)
+        self.arch = spec.draft_arch
         self.device = config.device
         self.kv_cache_dtype = config.kv_cache_dtype
         self.attn = get_attention_backend(config.args.attention_backend, self.device, config.dtype,

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -43,6 +44,7 @@ from pagedllm.sample.logits_processors import LogitsProcessorInputs, RawLogitsSa
 from pagedllm.sample.logprobs import gather_logprobs
 from pagedllm.sample.rejection_sampler import RejectionSampler
 from pagedllm.sample.sampler import Sampler, SamplingMetadata
+from pagedllm.sampling_params import is_greedy
 from pagedllm.spec_decode.adaptive import AdaptiveDraftLength
 from pagedllm.structured_output import apply_token_bitmask, unpack_bitmask
 from pagedllm.utils import cdiv
@@ -52,12 +54,45 @@ from pagedllm.worker.prefill import calibrate_smoothquant
 logger = logging.getLogger("pagedllm")
 
 
+@dataclass
+class SamplingStep:
+    """What one step's sampling needs (``ModelRunner._sample``), and what it fills.
+
+    Attributes:
+        scheduler_output: the step's ``SchedulerOutput`` (its drafts and grammar bitmask).
+        hidden: the model's output for the step's T tokens, [T, hidden_size].
+        req_ids: the B scheduled requests in the step's order (decodes first).
+        rows: int64 [B], each request's row in the persistent batch.
+        query_start_loc: int64 [B+1], where each request's tokens start in ``hidden``.
+        sample_idx: int64 [S], the requests (indices into ``req_ids``) that reach the end
+            of their known tokens and so sample.
+        num_draft: int64 [B], the drafts each request verifies (0: none).
+        sampled: per request, the tokens it produced (filled; [] for a request that does
+            not sample).
+        logprobs: request id -> one logprobs entry per produced token, for requests that
+            asked for logprobs (filled).
+    """
+
+    scheduler_output: SchedulerOutput
+    hidden: torch.Tensor
+    req_ids: list[str]
+    rows: np.ndarray
+    query_start_loc: np.ndarray
+    sample_idx: np.ndarray
+    num_draft: np.ndarray
+    sampled: list[list[int]] = field(init=False)
+    logprobs: dict[str, list] = field(default_factory=dict)
+
+    def __post_init__(self):
+        self.sampled = [[] for _ in self.req_ids]
+
+
 class ModelRunner:
     """Owns the model weights, the KV-cache tensor (in ``config.kv_cache_dtype``) and the
     sampler on one device."""
 
     def __init__(self, config: EngineConfig):
-        from pagedllm.models.registry import build_model
+        from pagedllm.models.loader import build_model
 
         self.config = config
         self.device = config.device
@@ -262,7 +297,7 @@ class ModelRunner:
         dev = self.device
         temp = b.temperature[rows]
         top_k, top_p, min_p = b.top_k[rows], b.top_p[rows], b.min_p[rows]
-        random = (temp > 0) & (top_k != 1)   # top_k=1 is greedy (see Sampler)
+        random = ~is_greedy(temp, top_k)
         to = lambda a: torch.from_numpy(a).to(dev)  # noqa: E731
         return SamplingMetadata(
             temperature=to(temp), top_k=to(top_k), top_p=to(top_p), min_p=to(min_p),
@@ -316,12 +351,11 @@ class ModelRunner:
         with set_forward_context(attn_md):
             hidden = self.model(to(ids), to(pos))
 
-        sampled: list[list[int]] = [[] for _ in range(B)]
         qsl = common.query_start_loc_np
         sample_idx = np.flatnonzero(common.seq_lens_np >= b.num_tokens[rows])
-        logprobs_out: dict[str, list] = {}
+        step = SamplingStep(so, hidden, req_ids, rows, qsl, sample_idx, num_draft)
         if len(sample_idx):
-            self._sample(so, hidden, req_ids, rows, qsl, sample_idx, num_draft, spec, sampled, logprobs_out)
+            self._sample(step)
         prompt_lp = self._prompt_logprobs(hidden, req_ids, rows, qsl, ctx, q_lens)
         spec_out = []
         if self.proposer is not None:
@@ -331,7 +365,7 @@ class ModelRunner:
                 # a decode step (no prompt chunk): what T scored tokens cost
                 self.draft_length.cost_model.record(common.num_tokens, step_s)
             spec_out = self._propose(req_ids, rows, sample_idx)
-        return ModelRunnerOutput(req_ids, sampled, spec_out, logprobs_out, prompt_lp)
+        return ModelRunnerOutput(req_ids, step.sampled, spec_out, step.logprobs, prompt_lp)
 
     def _attention_metadata(self, common, ctx, q_lens, rows, max_blocks):
         """The backend's metadata for the step: one object with a single attention group,
@@ -347,16 +381,18 @@ class ModelRunner:
             out.append(self.attn.build_metadata(commons[g], window))
         return out
 
-    def _sample(self, so, hidden, req_ids, rows, qsl, sample_idx, num_draft, spec, sampled, logprobs_out) -> None:
-        """Sample the requests of ``sample_idx`` (indices into this step's order): one
-        logit row per plain request, k + 1 per request verifying k drafts. What
-        ``process_logits`` will overwrite in the logprob rows is saved first, then the
-        processing, ``Sampler`` / ``RejectionSampler``, the raw values written back and the
-        logprobs read from them; fills
-        ``sampled`` and ``logprobs_out`` and appends the tokens to the batch."""
+    def _sample(self, step: SamplingStep) -> None:
+        """Sample the requests of ``step.sample_idx``: one logit row per plain request,
+        k + 1 per request verifying k drafts. What ``process_logits`` will overwrite in the
+        logprob rows is saved first, then the processing, ``Sampler`` /
+        ``RejectionSampler``, the raw values written back and the logprobs read from them;
+        fills ``step.sampled`` and ``step.logprobs`` and appends the tokens to the batch."""
         b = self.input_batch
         dev = self.device
-        ends = qsl[1:][sample_idx]
+        so, hidden, req_ids, rows = step.scheduler_output, step.hidden, step.req_ids, step.rows
+        sample_idx, num_draft, sampled = step.sample_idx, step.num_draft, step.sampled
+        spec = so.scheduled_spec_decode_tokens
+        ends = step.query_start_loc[1:][sample_idx]
         nd = num_draft[sample_idx]
         counts = nd + 1
         first = np.cumsum(counts) - counts            # first logit row of each request
@@ -416,7 +452,7 @@ class ModelRunner:
                                       n_lp[lp_rows][keep].tolist())
                 owner = np.repeat(sample_idx, counts)[lp_rows][keep]
                 for i, e in zip(owner.tolist(), ent):
-                    logprobs_out.setdefault(req_ids[i], []).append(e)
+                    step.logprobs.setdefault(req_ids[i], []).append(e)
 
     def _prompt_logprobs(self, hidden, req_ids, rows, qsl, ctx, q_lens) -> dict[str, list]:
         """Logprobs of the prompt tokens whose predecessors were computed this step, for
@@ -488,7 +524,8 @@ class ModelRunner:
         prow = rows[want_i]
         ids = [req_ids[i] for i in want_i]
         # seeded sampled requests: their draft count must not depend on the batch
-        independent = [r in b.generators and b.temperature[r] > 0 for r in prow.tolist()]
+        independent = [r in b.generators and not is_greedy(b.temperature[r], b.top_k[r])
+                       for r in prow.tolist()]
         tokens = [b.token_ids[r, : b.num_tokens[r]] for r in prow.tolist()]
         if self.proposer.is_model:
             # a draft model costs a forward per draft depth: decide before proposing

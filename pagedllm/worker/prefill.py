@@ -1,7 +1,7 @@
 """One prefill pass of a built model over a paged KV cache made for the call, outside the
 engine's scheduler and runner: the logits at every position (perplexity, reference checks),
 and the calibration pass of SmoothQuant (``layers/quantization/smoothquant.py``), which
-``models.registry.build_model`` runs through ``calibrate_smoothquant``."""
+``models.loader.build_model`` runs through ``calibrate_smoothquant``."""
 from __future__ import annotations
 
 import numpy as np

@@ -160,3 +160,61 @@ def test_output_json_is_checked_before_the_benchmark_runs(tmp_path, monkeypatch,
         assert "argument --output-json" in err and words in err, err
     new = str(tmp_path / "new" / "dir" / "r.json")
     assert output_file(new) == new    # parents to be made: fine
+
+
+# -- the bench extra (aiohttp, matplotlib): optional, imported lazily ---------------------
+def _without(monkeypatch, *packages):
+    """Make ``import package`` fail as if it were not installed."""
+    for name in packages:
+        monkeypatch.setitem(sys.modules, name, None)
+
+
+@pytest.mark.parametrize("argv,missing", [
+    (["bench", "serve"], "aiohttp"),
+    (["bench", "serve", "--plot", "plots"], "matplotlib"),
+    (["bench", "sweep", "--concurrencies", "1", "--slo", "ttft:1"], "aiohttp"),
+    (["bench", "sweep", "--concurrencies", "1", "--slo", "ttft:1", "--plot", "plots"], "matplotlib"),
+])
+def test_load_generator_without_the_bench_extra_says_how_to_install_it(argv, missing, monkeypatch, capsys):
+    _without(monkeypatch, missing)
+    assert run_cli(argv) == 2
+    err = capsys.readouterr().err
+    assert f"needs {missing}, which is not installed: pip install 'pagedllm[bench]'" in err
+
+
+def test_bench_server_without_aiohttp_stops_before_starting_a_server(monkeypatch, capsys):
+    from pagedllm.benchmarks import server
+    from pagedllm.entrypoints import cli
+
+    _without(monkeypatch, "aiohttp")
+    monkeypatch.setattr(server, "_start_server", lambda *a: pytest.fail("a server was started"))
+    assert cli.main(["bench", "server", "--no-offline"]) == 2
+    assert ("error: bench server needs aiohttp, which is not installed: pip install 'pagedllm[bench]'"
+            in capsys.readouterr().err)
+
+
+def test_bench_modules_and_the_cli_import_without_the_bench_extra():
+    code = "\n".join([
+        "import sys; sys.modules['aiohttp'] = sys.modules['matplotlib'] = None",
+        "from pagedllm.benchmarks import client, plots, runner, serve, server, sweep",
+        "from pagedllm.entrypoints.cli import build_parser; build_parser()",
+        "from pagedllm.benchmarks.extras import MissingBenchPackageError",
+        "try:",
+        "    plots.plot_latency_cdfs({'requests': []}, 'unused.png')",
+        "except MissingBenchPackageError as e:",
+        "    print(e)"])
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "--plot needs matplotlib, which is not installed: pip install 'pagedllm[bench]'"
+
+
+def test_the_bench_extra_is_optional_and_make_install_installs_it():
+    import pathlib
+    import tomllib
+
+    root = pathlib.Path(__file__).resolve().parents[2]
+    project = tomllib.loads((root / "pyproject.toml").read_text())["project"]
+    core = " ".join(project["dependencies"])
+    assert "aiohttp" not in core and "matplotlib" not in core
+    assert sorted(d.split(">")[0] for d in project["optional-dependencies"]["bench"]) == ["aiohttp", "matplotlib"]
+    assert "pip install -q -e '.[test,bench]'" in (root / "Makefile").read_text()

@@ -21,7 +21,7 @@ class QuantizationConfig(ABC):
         name: the ``--quantization`` value.
         packed_modules_mapping: the model's fused layers and the checkpoint projections in
             each, e.g. ``{"qkv_proj": ["q_proj", "k_proj", "v_proj"]}`` (set by
-            ``models.registry.build_model`` from the model class before construction), so
+            ``models.loader.build_model`` from the model class before construction), so
             a config keyed by checkpoint names can answer for a fused layer.
     """
 

@@ -377,7 +377,7 @@ class Int8W8A8LinearMethod(LinearMethod):
             choice (oneDNN: ``onednn_exact_bits()``; torch: 8 and 8).
         backend: "amx", "avx2", "onednn" or "torch" to choose instead of by ``device``.
         smooth_alpha: SmoothQuant's migration strength (``smoothquant.py``), or None for
-            none. With it the method ``needs_calibration``: ``models.registry.build_model``
+            none. With it the method ``needs_calibration``: ``models.loader.build_model``
             sets ``layer.int8_act_amax`` (``calibrate_input_amax``) before
             ``process_weights_after_loading``, which then multiplies the weight by the
             smoothing factors s before quantizing it and keeps ``layer.int8_smooth``
