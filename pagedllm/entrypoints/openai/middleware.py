@@ -13,12 +13,14 @@ import logging
 import time
 import uuid
 
+from pagedllm.entrypoints.openai.errors import error_body
+
 logger = logging.getLogger("pagedllm")
 access_logger = logging.getLogger("pagedllm.access")
 
 
 def _error(message: str, code: int, type_: str, extra_headers: list | None = None):
-    body = json.dumps({"error": {"message": message, "type": type_, "param": None, "code": code}}).encode()
+    body = json.dumps(error_body(message, None, code, type_)).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     return body, headers + (extra_headers or [])
 
