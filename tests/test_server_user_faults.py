@@ -1,15 +1,114 @@
 """Inputs a user sent to the server, each with what it must get:
 
+- ``parallel_tool_calls: false`` (with ``tool_choice: "required"`` and two tools, and in
+  the other modes): at most one call, whole or streamed;
 - ``Authorization: bearer KEY``: the scheme is case-insensitive (RFC 9110), the key is
   not."""
 from __future__ import annotations
 
 import asyncio
+import json
+import re
+from types import SimpleNamespace
 
 import httpx
 import pytest
+from test_server import _Server
 
+from pagedllm.entrypoints.openai.chat_tools import ChatTools
 from pagedllm.entrypoints.openai.middleware import ApiKeyMiddleware
+from pagedllm.outputs import CompletionOutput
+
+ID = re.compile(r"call_[A-Za-z0-9]{24}")
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+             "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}},
+         {"type": "function", "function": {"name": "get_time", "parameters": {
+             "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+# --------------------------------------------------------------------------------------
+# parallel_tool_calls: false
+# --------------------------------------------------------------------------------------
+def _tools(choice, parallel: bool) -> ChatTools:
+    body = SimpleNamespace(tools=TOOLS, tool_choice=choice, parallel_tool_calls=parallel, functions=None,
+                           function_call=None, chat_template=None, response_format=None, structured_outputs=None)
+    return ChatTools(body, engine=None, enable_auto_tool_choice=True, tool_call_parser="hermes")
+
+
+def _whole(choice, parallel: bool, text: str) -> tuple[list[tuple[str, str]], str | None, str]:
+    msg, finish = _tools(choice, parallel).message(CompletionOutput(index=0, text=text, token_ids=[],
+                                                                    finish_reason="stop"))
+    return [(t["function"]["name"], t["function"]["arguments"]) for t in msg.get("tool_calls") or []], \
+        msg["content"] or None, finish
+
+
+def _streamed(choice, parallel: bool, text: str) -> tuple[list[tuple[str, str]], str | None, str]:
+    tools = _tools(choice, parallel)
+    half = len(text) // 2
+    deltas = tools.stream(0, text[:half], False) + tools.stream(0, text[half:], True)
+    calls, content = [], ""
+    for d in deltas:
+        if "content" in d:
+            content += d["content"]
+            continue
+        (tc,) = d["tool_calls"]
+        if "id" in tc:
+            assert ID.fullmatch(tc["id"]) and tc["index"] == len(calls)
+            calls.append([tc["function"]["name"], ""])
+        else:
+            calls[tc["index"]][1] += tc["function"]["arguments"]
+    finish = tools.finish_reason(CompletionOutput(index=0, text=text, token_ids=[], finish_reason="stop"))
+    return [tuple(c) for c in calls], content or None, finish
+
+
+TWO_FORCED = '[{"name": "get_weather", "parameters": {"city": "Paris"}}, {"name": "get_time", "parameters": {"city": "Rome"}}]'
+TWO_HERMES = ('<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>\n'
+              '<tool_call>{"name": "get_time", "arguments": {"city": "Rome"}}</tool_call>')
+
+
+@pytest.mark.parametrize("read", [_whole, _streamed])
+@pytest.mark.parametrize("choice,text", [("required", TWO_FORCED), ("auto", TWO_HERMES)])
+def test_parallel_tool_calls_false_keeps_the_first_call(read, choice, text):
+    """An output holding two calls (``required``'s under a looser constraint, ``auto``'s
+    free text) gives one call without parallel tool calls, and both with them."""
+    assert read(choice, False, text) == ([("get_weather", '{"city":"Paris"}' if choice == "required"
+                                           else '{"city": "Paris"}')], None, "tool_calls")
+    calls, _, finish = read(choice, True, text)
+    assert [name for name, _ in calls] == ["get_weather", "get_time"] and finish == "tool_calls"
+
+
+@pytest.mark.parametrize("read", [_whole, _streamed])
+def test_named_tool_choice_is_one_call(read):
+    assert read(NAMED, False, '{"city": "Paris"}') == ([("get_weather", '{"city":"Paris"}')], None, "tool_calls")
+    assert read(NAMED, True, '{"city": "Paris"}') == ([("get_weather", '{"city":"Paris"}')], None, "tool_calls")
+
+
+@pytest.fixture(scope="module")
+def tool_server():
+    s = _Server(enable_auto_tool_choice=True, tool_call_parser="hermes")
+    yield s
+    s.stop()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_required_without_parallel_calls_over_http(tool_server, stream):
+    """Two tools, ``tool_choice: "required"``, ``parallel_tool_calls: false`` and a
+    question that asks for four calls: one call."""
+    body = {"messages": [{"role": "user", "content": "What is the weather and the time in Paris and in Rome? "
+                                                     "Call both tools for both cities."}],
+            "tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": False, "max_tokens": 80,
+            "temperature": 0, "stream": stream}
+    r = httpx.post(f"{tool_server.url}/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    if stream:
+        indices = {tc["index"] for line in r.text.splitlines() if line.startswith("data: {")
+                   for ch in json.loads(line[6:])["choices"] for tc in ch["delta"].get("tool_calls") or []}
+        assert indices == {0}
+    else:
+        calls = r.json()["choices"][0]["message"]["tool_calls"]
+        assert len(calls) == 1 and calls[0]["function"]["name"] in ("get_weather", "get_time")
+    assert tool_server.idle_and_free()
 
 
 # --------------------------------------------------------------------------------------
