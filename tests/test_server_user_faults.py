@@ -2,6 +2,9 @@
 
 - ``parallel_tool_calls: false`` (with ``tool_choice: "required"`` and two tools, and in
   the other modes): at most one call, whole or streamed;
+- six requests at once to ``--max-waiting-requests 1 --max-num-seqs 1``: requests that
+  arrive within one engine step see each other (``admission.py``); those past the limit
+  get 503 with ``Retry-After`` and are counted nowhere;
 - ``Authorization: bearer KEY``: the scheme is case-insensitive (RFC 9110), the key is
   not."""
 from __future__ import annotations
@@ -9,12 +12,16 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import threading
+import time
 from types import SimpleNamespace
 
 import httpx
 import pytest
+from test_dtype_invariance import tiny_dir  # noqa: F401 (fixture)
 from test_server import _Server
 
+from pagedllm.entrypoints.openai.admission import AdmissionControl
 from pagedllm.entrypoints.openai.chat_tools import ChatTools
 from pagedllm.entrypoints.openai.middleware import ApiKeyMiddleware
 from pagedllm.outputs import CompletionOutput
@@ -109,6 +116,96 @@ def test_required_without_parallel_calls_over_http(tool_server, stream):
         calls = r.json()["choices"][0]["message"]["tool_calls"]
         assert len(calls) == 1 and calls[0]["function"]["name"] in ("get_weather", "get_time")
     assert tool_server.idle_and_free()
+
+
+# --------------------------------------------------------------------------------------
+# --max-waiting-requests: requests within one engine step
+# --------------------------------------------------------------------------------------
+def _stats(running: int, waiting: int):
+    return SimpleNamespace(num_running=running, num_waiting=waiting)
+
+
+def test_admission_counts_each_request_as_it_arrives():
+    a = AdmissionControl(max_waiting_requests=1, max_num_seqs=1)
+    first, second = a.try_admit(1), a.try_admit(1)   # no step in between: one runs, one waits
+    assert first is not None and second is not None and a.in_flight == 2 and a.num_waiting() == 1
+    assert a.try_admit(1) is None and a.in_flight == 2   # refused: counted nowhere
+    first.release()
+    first.release()   # once only
+    assert a.in_flight == 1 and a.num_waiting() == 0
+    assert a.try_admit(1) is not None and a.try_admit(1) is None
+    with pytest.raises(ValueError, match="max-waiting-requests"):
+        AdmissionControl(max_waiting_requests=0, max_num_seqs=1)
+
+
+def test_admission_with_a_full_scheduler_and_n_sequences():
+    a = AdmissionControl(max_waiting_requests=3, max_num_seqs=8)
+    held = [a.try_admit(4)]                    # n=4: four sequences, all can run
+    assert a.num_waiting() == 0
+    a.record(_stats(running=3, waiting=1), None)   # the KV cache holds only 3
+    assert a.num_waiting() == 1                # full: only those running run
+    held.append(a.try_admit(1))                # 5 in flight, 3 running: 2 wait
+    assert a.num_waiting() == 2 and held[-1] is not None
+    held.append(a.try_admit(1))
+    assert a.num_waiting() == 3 and a.try_admit(1) is None
+    for h in held:
+        h.release()
+    assert a.in_flight == 0 and a.num_waiting() == 0   # a stale count never exceeds what is in flight
+    assert a.try_admit(1) is not None
+
+
+def test_six_requests_within_one_step(tiny_dir, monkeypatch):  # noqa: F811 (fixture)
+    """``--max-waiting-requests 1 --max-num-seqs 1``, six requests sent at once while the
+    engine takes no step: one may run and one wait; the four others get 503 with
+    Retry-After, and reach neither the engine nor the count."""
+    s = _Server(engine_kw=dict(model=tiny_dir, max_model_len=256, max_num_seqs=1), max_waiting_requests=1)
+    try:
+        gate = threading.Event()
+        step = s.engine.engine.step
+
+        def held_step(*args, **kwargs):
+            gate.wait(60)
+            return step(*args, **kwargs)
+
+        queued = []
+        add_requests = s.engine.add_requests
+
+        async def counted_add_requests(requests):
+            queued.extend(rid for rid, _, _ in requests)
+            return await add_requests(requests)
+
+        monkeypatch.setattr(s.engine.engine, "step", held_step)
+        monkeypatch.setattr(s.engine, "add_requests", counted_add_requests)
+        completion = ("/v1/completions", {"prompt": "Count:", "max_tokens": 4, "temperature": 0})
+        chat = ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+
+        async def go():
+            async with httpx.AsyncClient(base_url=s.url, timeout=120) as c:
+                tasks = [asyncio.ensure_future(c.post(path, json=body))
+                         for path, body in [completion, chat] * 3]
+                deadline = time.monotonic() + 15   # (all admitted: none answers until the gate opens)
+                while sum(t.done() for t in tasks) < 4 and time.monotonic() < deadline:
+                    await asyncio.sleep(0.02)
+                gate.set()
+                return await asyncio.gather(*tasks)
+
+        responses = asyncio.run(go())
+        assert sorted(r.status_code for r in responses) == [200, 200, 503, 503, 503, 503]
+        for r in responses:
+            if r.status_code == 503:
+                assert r.headers["retry-after"] == "1" and "max-waiting-requests" in r.json()["error"]["message"]
+        admission = s.server.config.app.state.openai_serving_completion.admission
+        deadline = time.monotonic() + 10
+        while admission.in_flight and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert admission.in_flight == 0
+        assert len(queued) == 2
+        ok = httpx.post(f"{s.url}/v1/completions", json=completion[1], timeout=60)
+        assert ok.status_code == 200
+        assert s.idle_and_free()
+    finally:
+        gate.set()
+        s.stop()
 
 
 # --------------------------------------------------------------------------------------

@@ -7,11 +7,12 @@ POST /tokenize and POST /detokenize (vLLM's), GET /metrics (Prometheus, vLLM nam
 POST /reset_prefix_cache, and GET /openapi.json describing them.
 A client that disconnects mid-request aborts it; its KV blocks are freed at once.
 
-Production behaviour (``middleware.py``, ``run_server``):
+Production behaviour (``middleware.py``, ``admission.py``, ``run_server``):
 - ``--api-key`` (or ``PAGEDLLM_API_KEY``): Bearer auth on every route but /health (and
   /metrics with ``--metrics-without-auth``); 401 in OpenAI's error shape.
 - ``--max-waiting-requests N``: a completion or chat request that finds N requests
-  already waiting for the engine gets 503 with ``Retry-After``, instead of queueing.
+  already waiting for the engine gets 503 with ``Retry-After``, instead of queueing
+  (requests count from their arrival, so those within one engine step see each other).
 - ``X-Request-Id``: honoured (the response ids are built from it) and echoed; the
   engine's id for the request always adds a fresh suffix, so a reused id (in flight
   twice, or retried right after a disconnect) never crosses streams. One
@@ -32,13 +33,13 @@ Layout (vLLM's): ``router.py`` holds the routes; each hands its request to a ser
 object on ``app.state``: ``serving_completion.OpenAIServingCompletion``,
 ``serving_chat.OpenAIServingChat``, ``serving_tokenization.OpenAIServingTokenization``,
 ``serving_models.OpenAIServingModels`` (the model card and the ``model`` check). What
-they share (request ids, the capacity check, disconnects, merged streams, the access log's usage,
-SSE) is ``serving_engine.OpenAIServing``; OpenAI's error shape and the exception
+they share (request ids, admission, disconnects, merged streams, the access log's
+usage, SSE) is ``serving_engine.OpenAIServing``; OpenAI's error shape and the exception
 handlers are ``errors.py``.
 
 A new API is one serving class and its routes:
 1. ``serving_<api>.py``: a subclass of ``OpenAIServing`` with the API's request checks
-   and its whole and streamed paths (``self.check_capacity``, ``self.request_ids``,
+   and its whole and streamed paths (``self.admit``, ``self.request_ids``,
    ``self.engine.add_request``, ``self.with_disconnect``, ``sse_event``...); its request
    bodies beside the others in ``protocol.py``;
 2. its routes in ``router.py``, each taking the object from ``app.state``;
@@ -54,6 +55,7 @@ from fastapi import FastAPI
 
 import pagedllm
 from pagedllm.engine.async_llm import AsyncLLM
+from pagedllm.entrypoints.openai.admission import AdmissionControl
 from pagedllm.entrypoints.openai.errors import register_error_handlers
 from pagedllm.entrypoints.openai.middleware import ApiKeyMiddleware, InternalErrorMiddleware, RequestIdMiddleware
 from pagedllm.entrypoints.openai.router import router
@@ -81,11 +83,11 @@ def build_app(engine: AsyncLLM, prometheus=None, trust_request_chat_template: bo
         ValueError: ``enable_auto_tool_choice`` without a known ``tool_call_parser``;
             ``max_waiting_requests`` < 1."""
     models = OpenAIServingModels(engine)
-    chat = OpenAIServingChat(engine, models, max_waiting_requests,
-                             trust_request_chat_template=trust_request_chat_template,
+    admission = None
+    if max_waiting_requests is not None:
+        admission = AdmissionControl(max_waiting_requests, engine.engine.config.args.max_num_seqs)
+    chat = OpenAIServingChat(engine, models, admission, trust_request_chat_template=trust_request_chat_template,
                              enable_auto_tool_choice=enable_auto_tool_choice, tool_call_parser=tool_call_parser)
-    if max_waiting_requests is not None and max_waiting_requests < 1:
-        raise ValueError(f"--max-waiting-requests must be >= 1, got {max_waiting_requests}")
 
     app = FastAPI(title="pagedllm", version=pagedllm.__version__)
     app.add_middleware(InternalErrorMiddleware)   # innermost: inside the access log and auth
@@ -98,11 +100,13 @@ def build_app(engine: AsyncLLM, prometheus=None, trust_request_chat_template: bo
     state.engine = engine
     state.prometheus = prometheus
     state.openai_serving_models = models
-    state.openai_serving_completion = OpenAIServingCompletion(engine, models, max_waiting_requests)
+    state.openai_serving_completion = OpenAIServingCompletion(engine, models, admission)
     state.openai_serving_chat = chat
     state.openai_serving_tokenization = OpenAIServingTokenization(engine, models)
     for route in router.routes:   # each on the app itself: app.routes lists them (include_router nests them)
         app.add_api_route(route.path, route.endpoint, methods=list(route.methods), name=route.name)
+    if admission is not None:
+        engine.add_stat_logger(admission)   # the scheduler's counts after each step
     return app
 
 

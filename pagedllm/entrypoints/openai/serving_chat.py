@@ -9,6 +9,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from pagedllm.engine.async_llm import AsyncLLM
+from pagedllm.entrypoints.openai.admission import AdmissionControl
 from pagedllm.entrypoints.openai.chat_tools import ChatTools
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
 from pagedllm.entrypoints.openai.responses import chat_logprobs, prompt_logprobs, usage
@@ -16,13 +17,14 @@ from pagedllm.entrypoints.openai.serving_engine import SSE_DONE, OpenAIServing, 
 from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
 from pagedllm.entrypoints.openai.tool_calls import get_tool_parser
 from pagedllm.errors import EngineDeadError, InvalidParameterError
+from pagedllm.sampling_params import MAX_N
 
 
 class OpenAIServingChat(OpenAIServing):
     """The chat completions API over the engine.
 
     Args:
-        engine, models, max_waiting_requests: as ``OpenAIServing``'s.
+        engine, models, admission: as ``OpenAIServing``'s.
         trust_request_chat_template: honour a request's ``chat_template`` field (a
             template is a program, and a slow one would hold a tokenizer thread).
         enable_auto_tool_choice / tool_call_parser: ``tool_choice: "auto"`` reads calls
@@ -32,10 +34,10 @@ class OpenAIServingChat(OpenAIServing):
         ValueError: ``enable_auto_tool_choice`` without a known ``tool_call_parser``.
     """
 
-    def __init__(self, engine: AsyncLLM, models: OpenAIServingModels, max_waiting_requests: int | None = None,
+    def __init__(self, engine: AsyncLLM, models: OpenAIServingModels, admission: AdmissionControl | None = None,
                  trust_request_chat_template: bool = False, enable_auto_tool_choice: bool = False,
                  tool_call_parser: str | None = None):
-        super().__init__(engine, models, max_waiting_requests)
+        super().__init__(engine, models, admission)
         if enable_auto_tool_choice:
             if tool_call_parser is None:
                 raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
@@ -58,7 +60,7 @@ class OpenAIServingChat(OpenAIServing):
                 "chat_template", "chat_template in a request is refused: start the server with "
                                  "--trust-request-chat-template to allow it")
         body.check_supported()
-        if (r := self.check_capacity()) is not None:
+        if (r := self.admit(raw, min(max(body.n, 1), MAX_N))) is not None:
             return r
         rid, engine_rid = self.request_ids(raw, "chatcmpl")
         self.log_user(body, rid)

@@ -46,7 +46,7 @@ class OpenAIServingCompletion(OpenAIServing):
             prompts = list(p)
             if not prompts:
                 raise InvalidParameterError("prompt", "prompt must not be empty")
-        if (r := self.check_capacity()) is not None:
+        if (r := self.admit(raw, len(prompts) * params.n)) is not None:
             return r
         base, engine_base = self.request_ids(raw, "cmpl")
         self.log_user(body, base)

@@ -1,5 +1,5 @@
 """What every API's serving class shares (vLLM's ``OpenAIServing``): the engine and the
-served model's checks, and a request's life on this server: its ids, the capacity check
+served model's checks, and a request's life on this server: its ids, its admission
 (``--max-waiting-requests``), the client's disconnect, several streams merged into one,
 the usage the access log reports, and server-sent events."""
 from __future__ import annotations
@@ -14,6 +14,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from pagedllm.engine.async_llm import AsyncLLM, RequestStream
+from pagedllm.entrypoints.openai.admission import AdmissionControl
 from pagedllm.entrypoints.openai.errors import error_response, stream_error_body
 from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
 from pagedllm.outputs import RequestOutput
@@ -38,14 +39,13 @@ class OpenAIServing:
 
     Args:
         engine: the AsyncLLM; models: the served model's card and name check;
-        max_waiting_requests: refuse new generation requests with 503 while that many
-            wait for the engine (None: never).
+        admission: the backpressure of ``--max-waiting-requests`` (None: admit all).
     """
 
-    def __init__(self, engine: AsyncLLM, models: OpenAIServingModels, max_waiting_requests: int | None = None):
+    def __init__(self, engine: AsyncLLM, models: OpenAIServingModels, admission: AdmissionControl | None = None):
         self.engine = engine
         self.models = models
-        self.max_waiting_requests = max_waiting_requests
+        self.admission = admission
 
     @staticmethod
     def request_ids(raw: Request, prefix: str) -> tuple[str, str]:
@@ -56,13 +56,19 @@ class OpenAIServing:
         public = f"{prefix}-{raw.state.request_id}"
         return public, f"{public}-{uuid.uuid4().hex[:12]}"
 
-    def check_capacity(self) -> JSONResponse | None:
-        """503 with Retry-After when ``max_waiting_requests`` requests wait already."""
-        limit = self.max_waiting_requests
-        if limit is not None and self.engine.num_waiting() >= limit:
-            return error_response(f"the server is at capacity ({self.engine.num_waiting()} requests waiting, "
-                                  f"--max-waiting-requests {limit}); retry later", None, 503,
+    def admit(self, raw: Request, num_seqs: int) -> JSONResponse | None:
+        """None when the request may go on: its ``num_seqs`` sequences count as in flight
+        until its response has ended (``RequestIdMiddleware``'s ``on_end``). Else the 503
+        with ``Retry-After`` to answer, and nothing is counted."""
+        if self.admission is None:
+            return None
+        admitted = self.admission.try_admit(num_seqs)
+        if admitted is None:
+            a = self.admission
+            return error_response(f"the server is at capacity ({a.num_waiting()} requests waiting, "
+                                  f"--max-waiting-requests {a.max_waiting_requests}); retry later", None, 503,
                                   "service_unavailable", headers={"Retry-After": "1"})
+        raw.scope.setdefault("state", {}).setdefault("on_end", []).append(admitted.release)
         return None
 
     @staticmethod

@@ -10,7 +10,7 @@ from pagedllm.errors import EngineDeadError, InvalidParameterError, check_unicod
 
 
 class OpenAIServingTokenization(OpenAIServing):
-    """The tokenizer routes (``OpenAIServing``'s arguments; no capacity check: they queue no
+    """The tokenizer routes (``OpenAIServing``'s arguments; no admission: they queue no
     generation)."""
 
     async def create_tokenize(self, body: TokenizeRequest):
