@@ -24,10 +24,12 @@ Production behaviour (``middleware.py``, ``admission.py``, ``run_server``):
 - SIGTERM / Ctrl-C: stop accepting, let in-flight requests finish for up to
   ``--shutdown-timeout`` seconds, abort the rest, stop the engine process, exit 0.
 
-Chat templates are rendered and prompts tokenized in AsyncLLM's tokenizer thread, never on
-the event loop. A request's own ``chat_template`` is honoured only when the server was
-started with ``--trust-request-chat-template`` (as vLLM): a template is a program, and a
-slow one would hold the tokenizer thread.
+Chat templates are rendered, prompts tokenized and token ids decoded in AsyncLLM's
+tokenizer threads (each with its own copy of the tokenizer), never on the event loop nor
+with the engine's own tokenizer, which its output thread uses. A request's own
+``chat_template`` is honoured only when the server was started with
+``--trust-request-chat-template`` (as vLLM): a template is a program, and a slow one
+would hold a tokenizer thread.
 
 Layout (vLLM's): ``router.py`` holds the routes; each hands its request to a serving
 object on ``app.state``: ``serving_completion.OpenAIServingCompletion``,

@@ -57,7 +57,7 @@ class OpenAIServingCompletion(OpenAIServing):
                                                       for i, pr in enumerate(prompts)])
         except InvalidParameterError as e:
             raise body.to_api_error(e) from e
-        fmt = CompletionFormat(body, params, self.engine.engine, prompt_only)
+        fmt = CompletionFormat(body, params, self.engine, prompt_only)
         if body.stream:
             return StreamingResponse(self._stream(streams, base, created, body, fmt, raw.state),
                                      media_type="text/event-stream")
@@ -69,7 +69,7 @@ class OpenAIServingCompletion(OpenAIServing):
         choices, pt, ct, cached = [], 0, 0, 0
         for i, f in enumerate(finals):
             for c in f.outputs:
-                choices.append(fmt.choice(i * fmt.n + c.index, f, c))
+                choices.append(await fmt.choice(i * fmt.n + c.index, f, c))
                 ct += len(c.token_ids)
             pt += len(f.prompt_token_ids)
             cached += f.num_cached_tokens
@@ -100,11 +100,11 @@ class OpenAIServingCompletion(OpenAIServing):
                 first = key not in echoed
                 echoed.add(key)
                 if first and body.echo:
-                    text = fmt.prompt_text(out) + text
+                    text = await fmt.prompt_text(out) + text
                 if fmt.k is not None:
                     n0 = sent_lp.get(key, 0)
                     part = dataclasses.replace(c, token_ids=c.token_ids[n0:], logprobs=(c.logprobs or [])[n0:])
-                    lp = fmt.logprobs(out, part, first and body.echo, sent_chars.get(key, 0))
+                    lp = await fmt.logprobs(out, part, first and body.echo, sent_chars.get(key, 0))
                     sent_lp[key] = len(c.token_ids)
                 sent_chars[key] = sent_chars.get(key, 0) + len(text)
                 done = c.finish_reason is not None
