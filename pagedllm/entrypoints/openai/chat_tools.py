@@ -18,6 +18,11 @@ Modes, from the checked ``tool_choice`` (``tool_calls.request``):
   whose chat template cannot show tools gets them in Hermes format in its system prompt
   (``tool_calls.rendering``), so its output is read with the ``hermes`` parser, and the
   client is told in the ``X-PagedLLM-Warning`` response header.
+
+``parallel_tool_calls: false``: at most one call comes back, the first the output makes,
+in every mode and whole or streamed alike (``required``'s constraint allows one call; a
+parser reading ``auto``'s free output may find several, as may a model given a looser
+constraint).
 """
 from __future__ import annotations
 
@@ -123,11 +128,18 @@ class ChatTools:
             calls = self._constrained_calls(c)
             if calls is None:
                 return {"role": "assistant", "content": c.text}, c.finish_reason
-            return self._calls_message(None, calls), "tool_calls"
+            return self._calls_message(None, self._allowed(calls)), "tool_calls"
         got = self._auto_calls(c.text)
         if got is None:
             return {"role": "assistant", "content": c.text}, c.finish_reason
-        return self._calls_message(got.content, got.tool_calls), "tool_calls"
+        return self._calls_message(got.content, self._allowed(got.tool_calls)), "tool_calls"
+
+    def _allowed(self, calls: list[ToolCall]) -> list[ToolCall]:
+        """``calls``, or only the first when ``parallel_tool_calls`` is false."""
+        if self.req.parallel_tool_calls or len(calls) <= 1:
+            return calls
+        logger.info("parallel_tool_calls is false: %d further tool call(s) left out", len(calls) - 1)
+        return calls[:1]
 
     def _auto_calls(self, text: str) -> ExtractedToolCalls | None:
         """The calls parser P reads in a whole completion ``text`` (an ``ExtractedToolCalls``
@@ -182,7 +194,7 @@ class ChatTools:
             except ConstrainedOutputError:   # cut by max_tokens before the JSON closed
                 return [{"content": text}] if text else []
             self._streamed_calls.add(index)
-            return self._call_deltas(calls)
+            return self._call_deltas(self._allowed(calls))
         st = self._streams.get(index)
         if st is None:
             st = self._streams[index] = _AutoStream(get_tool_parser(self.parser_name)())
@@ -204,7 +216,7 @@ class ChatTools:
         if st.result is None:              # not calls after all: the held text is content
             rest = st.text[len(st.sent):]
             return out + ([{"content": rest}] if rest else [])
-        out += self._call_deltas(st.result.tool_calls)
+        out += self._call_deltas(self._allowed(st.result.tool_calls))
         rest = (st.result.content or "")[len(st.sent):]
         return out + ([{"content": rest}] if rest else [])
 

@@ -13,12 +13,14 @@ import logging
 import time
 import uuid
 
+from pagedllm.entrypoints.openai.errors import error_body
+
 logger = logging.getLogger("pagedllm")
 access_logger = logging.getLogger("pagedllm.access")
 
 
 def _error(message: str, code: int, type_: str, extra_headers: list | None = None):
-    body = json.dumps({"error": {"message": message, "type": type_, "param": None, "code": code}}).encode()
+    body = json.dumps(error_body(message, None, code, type_)).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     return body, headers + (extra_headers or [])
 
@@ -60,9 +62,10 @@ class InternalErrorMiddleware:
 
 class ApiKeyMiddleware:
     """Bearer auth (``Authorization: Bearer KEY``) on every HTTP route except ``/health``
-    (and ``/metrics`` when ``metrics_without_auth``). The key is compared in constant time
-    (``hmac.compare_digest``). A missing or wrong key gets 401 in OpenAI's error shape,
-    with ``WWW-Authenticate: Bearer``.
+    (and ``/metrics`` when ``metrics_without_auth``). The scheme is matched without regard
+    to case and may be followed by several spaces (RFC 9110, section 11.1); the key exactly,
+    in constant time (``hmac.compare_digest``). A missing or wrong key gets 401 in OpenAI's
+    error shape, with ``WWW-Authenticate: Bearer``.
 
     Args:
         app: the ASGI app; api_key: the key (non-empty); metrics_without_auth: serve
@@ -76,7 +79,7 @@ class ApiKeyMiddleware:
         if not api_key:
             raise ValueError("api_key must not be empty")
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.expected = api_key.encode()
         self.open_paths = {"/health"} | ({"/metrics"} if metrics_without_auth else set())
 
     async def __call__(self, scope, receive, send):
@@ -87,7 +90,8 @@ class ApiKeyMiddleware:
             if k == b"authorization":
                 given = v
                 break
-        if hmac.compare_digest(given, self.expected):
+        scheme, _, key = given.partition(b" ")
+        if scheme.lower() == b"bearer" and hmac.compare_digest(key.lstrip(b" "), self.expected):
             return await self.app(scope, receive, send)
         body, headers = _error("Incorrect or missing API key: send 'Authorization: Bearer <key>'", 401,
                                "AuthenticationError", [(b"www-authenticate", b"Bearer")])

@@ -420,8 +420,3 @@ def _describe_json(value) -> str:
             items.append(k)
     return "an array of " + (items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1])
 
-
-def error_body(message: str, param: str | None, code: int = 400,
-               type_: str = "invalid_request_error") -> dict:
-    """OpenAI's error shape: {"error": {"message", "type", "param", "code"}}."""
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}

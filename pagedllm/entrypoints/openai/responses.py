@@ -6,6 +6,7 @@ the top tokens (ranks 1..k).
 """
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 
 from pagedllm.outputs import Logprob
@@ -42,14 +43,14 @@ def chat_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]], k: in
 
 
 def completion_logprobs(token_ids: list[int], entries: list[dict[int, Logprob] | None], k: int,
-                        token_text=str, start: int = 0) -> dict:
+                        token_text=None, start: int = 0) -> dict:
     """``choices[i].logprobs`` of a completion: parallel lists ``tokens``,
     ``token_logprobs``, ``top_logprobs`` (a dict token text -> logprob: the k most likely,
     then the position's own token when it is not among them, so up to k + 1, as OpenAI's
     legacy API and vLLM "always return the logprob of the sampled token") and
-    ``text_offset`` (characters into the choice's text, the first at ``start``). An entry of None (the first
-    prompt token, with ``echo``) has null logprobs; its text comes from ``token_text``
-    (a callable: token id -> text)."""
+    ``text_offset`` (characters into the choice's text, the first at ``start``). An entry
+    of None (the first prompt token, with ``echo``) has null logprobs; its text comes from
+    ``token_text`` (a callable: token id -> text; needed only where an entry is None)."""
     tokens, lps, tops, offsets = [], [], [], []
     pos = start
     for t, e in zip(token_ids, entries):
@@ -86,9 +87,11 @@ class CompletionFormat:
     """The choices of one /v1/completions request (``echo``, ``logprobs``, ``n``).
 
     Args:
-        body: the CompletionRequest; params: its SamplingParams; engine: an LLMEngine
-            (its ``token_text`` and tokenizer); prompt_only: ``echo`` with ``max_tokens`` 0
-            (the engine ran with 1): the generated tokens are left out (``visible``).
+        body: the CompletionRequest; params: its SamplingParams; engine: the AsyncLLM,
+            whose tokenizer threads decode what the outputs do not carry as text (a prompt
+            given as token ids, the echoed prompt's first token); prompt_only: ``echo``
+            with ``max_tokens`` 0 (the engine ran with 1): the generated tokens are left
+            out (``visible``).
     """
 
     def __init__(self, body, params, engine, prompt_only: bool = False):
@@ -98,6 +101,7 @@ class CompletionFormat:
         self.n = params.n
         self.want_prompt_logprobs = body.prompt_logprobs is not None
         self.engine = engine
+        self._prompt_texts: dict[str, str] = {}   # request id -> its decoded prompt
 
     def visible(self, out):
         """``out`` as the response shows it: unchanged, or with ``prompt_only`` every
@@ -111,33 +115,38 @@ class CompletionFormat:
                    for c in out.outputs]
         return dataclasses.replace(out, outputs=outputs, delta_text="", delta_token_ids=[])
 
-    def prompt_text(self, out) -> str:
-        """The prompt as text (decoded when it was given as token ids or truncated)."""
+    async def prompt_text(self, out) -> str:
+        """The prompt as text (decoded, once per prompt, when it was given as token ids or
+        truncated)."""
         if out.prompt is not None:
             return out.prompt
-        return self.engine.tokenizer.decode(out.prompt_token_ids)
+        text = self._prompt_texts.get(out.request_id)
+        if text is None:
+            text = self._prompt_texts[out.request_id] = await self.engine.detokenize(out.prompt_token_ids)
+        return text
 
-    def prompt_lp(self, out) -> dict:
+    async def prompt_lp(self, out) -> dict:
         """The echoed prompt's part of ``logprobs``."""
         entries = out.prompt_logprobs or [None] * len(out.prompt_token_ids)
-        return completion_logprobs(out.prompt_token_ids, entries, self.k, self.engine.token_text)
+        bare = list(dict.fromkeys(t for t, e in zip(out.prompt_token_ids, entries) if e is None))
+        texts = dict(zip(bare, await asyncio.gather(*[self.engine.detokenize([t]) for t in bare])))
+        return completion_logprobs(out.prompt_token_ids, entries, self.k, texts.__getitem__)
 
-    def logprobs(self, out, c, echo: bool, start: int = 0) -> dict | None:
+    async def logprobs(self, out, c, echo: bool, start: int = 0) -> dict | None:
         """``logprobs`` of completion ``c`` of ``out`` (with the prompt's first if ``echo``);
         ``start``: the text offset of ``c``'s first token."""
         if self.k is None:
             return None
         if not echo:
-            return completion_logprobs(c.token_ids, c.logprobs or [], self.k, self.engine.token_text, start)
-        p = self.prompt_lp(out)
-        gen = completion_logprobs(c.token_ids, c.logprobs or [], self.k, self.engine.token_text,
-                                  len(self.prompt_text(out)))
+            return completion_logprobs(c.token_ids, c.logprobs or [], self.k, start=start)
+        p = await self.prompt_lp(out)
+        gen = completion_logprobs(c.token_ids, c.logprobs or [], self.k, start=len(await self.prompt_text(out)))
         return {key: p[key] + gen[key] for key in p}
 
-    def choice(self, index: int, out, c) -> dict:
+    async def choice(self, index: int, out, c) -> dict:
         """A whole choice: ``index`` (prompt i's sequence j is ``i * n + j``)."""
-        text = self.prompt_text(out) + c.text if self.echo else c.text
-        ch = {"index": index, "text": text, "logprobs": self.logprobs(out, c, self.echo),
+        text = await self.prompt_text(out) + c.text if self.echo else c.text
+        ch = {"index": index, "text": text, "logprobs": await self.logprobs(out, c, self.echo),
               "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
         if self.want_prompt_logprobs:
             ch["prompt_logprobs"] = prompt_logprobs(out.prompt_logprobs)
