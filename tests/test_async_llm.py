@@ -219,3 +219,24 @@ def test_an_unknown_inbox_message_kills_the_engine(engine):
     assert isinstance(engine._dead, TypeError) and "unknown inbox message" in str(engine._dead)
     with pytest.raises(EngineDeadError):
         asyncio.run(engine.check_health())
+
+
+def test_tokenizer_copies_are_made_before_the_engine_thread_runs(monkeypatch):
+    """Each tokenizer thread gets a copy made in the constructor, never one deep-copied
+    later from a thread while the output thread may be decoding with the original."""
+    made = []
+    monkeypatch.setattr(async_llm, "LLMEngine", FakeEngine)
+    monkeypatch.setattr(FakeEngine, "tokenizer_copy",
+                        lambda self: made.append(threading.current_thread().name) or (object(), object()))
+    llm = AsyncLLM(EngineArgs(), log_stats=False)
+    try:
+        assert made == [threading.current_thread().name] * async_llm.TOKENIZER_THREADS
+
+        async def use_all():
+            return await asyncio.gather(*[llm._in_tokenizer_thread(llm._thread_tokenizer) for _ in range(32)])
+
+        got = asyncio.run(use_all())
+        assert len(made) == async_llm.TOKENIZER_THREADS           # nothing copied after start
+        assert len({id(t) for t in got}) <= async_llm.TOKENIZER_THREADS
+    finally:
+        llm.shutdown()

@@ -53,7 +53,9 @@ class _OwnedTokenizer:
 @pytest.fixture(scope="module")
 def server(tiny_dir):  # noqa: F811 (fixture)
     s = _Server(engine_kw=dict(model=tiny_dir, max_model_len=256))
-    s.owned = s.engine.engine.tokenizer = _OwnedTokenizer(s.engine.engine.tokenizer)
+    eng = s.engine.engine
+    # the engine's tokenizer, as the engine and its output processor (the output thread) hold it
+    s.owned = eng.tokenizer = eng.output_processor.tokenizer = _OwnedTokenizer(eng.tokenizer)
     yield s
     s.stop()
 

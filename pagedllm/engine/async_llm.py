@@ -96,6 +96,9 @@ class AsyncLLM:
         self._tokenizer_pool = ThreadPoolExecutor(max_workers=TOKENIZER_THREADS,
                                                   thread_name_prefix="pagedllm-tokenizer")
         self._local = threading.local()   # per tokenizer thread: (tokenizer, processor)
+        # the copies are made here, before the output thread starts using the engine's
+        # tokenizer: a deep copy taken while another thread decodes would share it
+        self._spare_tokenizers = [self.engine.tokenizer_copy() for _ in range(TOKENIZER_THREADS)]
         self._multiprocess = args.engine_process
         # requests waiting for the engine: the scheduler's count in the latest stats, plus
         # those handed to the engine thread since (see num_waiting)
@@ -158,10 +161,12 @@ class AsyncLLM:
             self._tokenizer_pool, functools.partial(fn, *args))
 
     def _thread_tokenizer(self):
-        """This tokenizer thread's (tokenizer, processor), copied at its first use."""
+        """This tokenizer thread's (tokenizer, processor): one of the copies made before
+        the output thread started, taken at the thread's first use."""
         tp = getattr(self._local, "tp", None)
         if tp is None:
-            tp = self._local.tp = self.engine.tokenizer_copy()
+            with self._lock:
+                tp = self._local.tp = self._spare_tokenizers.pop()
         return tp
 
     def _process(self, rid, prompt, params):
