@@ -98,6 +98,15 @@ def test_abort_of_a_parent_aborts_every_child(op):
     assert list(op.request_states) == ["q"] and not op.parent_requests
 
 
+def test_abort_of_one_child_aborts_its_whole_parent(op):
+    """A parent with a sequence gone could never finish: aborting a child's id aborts all."""
+    _parent(op, n=3, wait=True)
+    it = IterationStats()
+    assert op.abort_requests(["1_p"], it) == ["0_p", "1_p", "2_p"]
+    assert it.num_aborted == 3
+    assert not op.request_states and not op.parent_requests
+
+
 def test_a_failed_child_fails_its_parent_whole(op):
     _parent(op, n=3, wait=False)
     op.add_request(_request("q"), None)

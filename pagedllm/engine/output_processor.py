@@ -121,7 +121,8 @@ class OutputProcessor:
         return list(dict.fromkeys(st.public_id for st in self.request_states.values()))
 
     def abort_requests(self, request_ids: list[str], it: IterationStats) -> list[str]:
-        """Stop following the callers' ``request_ids`` (a parent's: all its sequences);
+        """Stop following the callers' ``request_ids`` (a parent's: all its sequences; one
+        of a parent's sequences: the whole parent, which could never finish without it);
         ``it.num_aborted`` counts the sequences that were followed.
 
         Returns:
@@ -129,6 +130,9 @@ class OutputProcessor:
         """
         core_ids = []
         for rid in request_ids:
+            st = self.request_states.get(rid)
+            if st is not None and st.parent is not None:
+                rid = st.parent.request_id
             parent = self.parent_requests.pop(rid, None)
             if parent is None:
                 core_ids.append(rid)
