@@ -26,8 +26,9 @@ def resolve_dtype(dtype: str, device: torch.device, arch: ModelArchConfig | None
     """``auto`` → bfloat16 on CUDA with bf16 support (else float16); on CPU what
     ``platform.auto_cpu_dtype`` answers at ``arch``'s MLP shape (hidden_size →
     intermediate_size; ``AUTO_DTYPE_SHAPE`` without ``arch``), timing the engine's own
-    linear layers (``layers.linear.measure_linear_gflops``, imported only then): float32
-    without bf16 arithmetic, else the faster. An ``auto`` choice the architecture does not run in (float16
+    linear layers (``layers.linear.measure_linear_gflops``, imported only then) unless one
+    of the project's bf16 kernels runs (``layers.linear.bf16_kernel_name``): float32
+    without bf16 arithmetic, bfloat16 on those kernels, else the faster. An ``auto`` choice the architecture does not run in (float16
     for Gemma 3: the registry's ``ArchInfo.dtypes``) becomes float32.
 
     Raises:
@@ -38,10 +39,11 @@ def resolve_dtype(dtype: str, device: torch.device, arch: ModelArchConfig | None
         if device.type == "cuda":
             chosen = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
         else:
-            from pagedllm.layers.linear import measure_linear_gflops
+            from pagedllm.layers.linear import bf16_kernel_name, measure_linear_gflops
 
             shape = (arch.hidden_size, arch.intermediate_size) if arch is not None else AUTO_DTYPE_SHAPE
-            chosen = platform.auto_cpu_dtype(*shape, measure=measure_linear_gflops).dtype
+            chosen = platform.auto_cpu_dtype(*shape, measure=measure_linear_gflops,
+                                             bf16_kernel=bf16_kernel_name(device)).dtype
         if arch is not None and str(chosen).replace("torch.", "") not in _arch_dtypes(arch):
             return torch.float32
         return chosen
@@ -477,6 +479,8 @@ class EngineConfig:
         device = resolve_device(args.device)
         # before the dtype, whose "auto" may time the machine's matmuls (seconds)
         quant_config = _quant_config(args.quantization, path, device)
+        if quant_config is not None:   # a layer the method cannot serve: said now, not after loading
+            quant_config.check_model(getattr(get_model_class(arch), "packed_modules_mapping", {}))
         dtype = resolve_dtype(args.dtype, device, arch)
         max_len = args.max_model_len or arch.max_position_embeddings
         if (arch.max_position_embeddings and max_len > arch.max_position_embeddings

@@ -155,20 +155,24 @@ MeasureLinear = Callable[[int, int, int, torch.dtype], tuple[float, str]]
 
 
 def choose_cpu_dtype(features: CpuFeatures, in_features: int, out_features: int, measure: MeasureLinear,
-                     rows: int = AUTO_DTYPE_ROWS) -> DtypeChoice:
-    """float32 or bfloat16 for a model computing on a CPU with ``features``, decided by
-    measurement.
+                     rows: int = AUTO_DTYPE_ROWS, bf16_kernel: str | None = None) -> DtypeChoice:
+    """float32 or bfloat16 for a model computing on a CPU with ``features``.
 
     Without bf16 arithmetic (``features.has_native_bf16`` false) float32, measuring
-    nothing: bf16 matmuls are converted there and run 5-400x slower (``shared/design.md``,
-    AMD EPYC Zen 3). With it, one ``in_features`` -> ``out_features`` linear of ``rows``
-    rows is timed in both dtypes by ``measure`` (the caller passes the engine's own
-    method, so that this module imports no layer code; tests pass fakes); bfloat16 when
-    it reaches ``BF16_MIN_SPEEDUP`` x float32's GFLOP/s. If ``measure`` raises, float32
-    (the reason names the error).
+    nothing: bf16 matmuls are converted there and run 5-400x slower (AVX2-only CPUs).
+    With it and ``bf16_kernel`` (the name of the project's own bf16 linear kernel that
+    runs here: AMX or AVX512-BF16) bfloat16, measuring nothing: those kernels run 2-5x
+    float32 (docs/cpu-kernels.md), and a timing taken while other processes load the
+    cores would pick at random. Otherwise one ``in_features`` -> ``out_features`` linear
+    of ``rows`` rows is timed in both dtypes by ``measure`` (the caller passes the
+    engine's own method, so that this module imports no layer code; tests pass fakes);
+    bfloat16 when it reaches ``BF16_MIN_SPEEDUP`` x float32's GFLOP/s. If ``measure``
+    raises, float32 (the reason names the error).
     """
     if not features.has_native_bf16:
         return DtypeChoice(torch.float32, "no bf16 arithmetic")
+    if bf16_kernel is not None:
+        return DtypeChoice(torch.bfloat16, f"bf16 linears on the {bf16_kernel} kernel")
     try:
         bf16, bf16_method = measure(in_features, out_features, rows, torch.bfloat16)
         fp32, fp32_method = measure(in_features, out_features, rows, torch.float32)
@@ -182,14 +186,15 @@ def choose_cpu_dtype(features: CpuFeatures, in_features: int, out_features: int,
 _AUTO_CPU_DTYPE: dict[tuple[int, int], DtypeChoice] = {}
 
 
-def auto_cpu_dtype(in_features: int, out_features: int, measure: MeasureLinear) -> DtypeChoice:
+def auto_cpu_dtype(in_features: int, out_features: int, measure: MeasureLinear,
+                   bf16_kernel: str | None = None) -> DtypeChoice:
     """``choose_cpu_dtype`` for this machine's CPU (``cpu_features()``), decided once per
     process and shape (cached: ``measure`` runs only the first time), logging one line
     with the CPU, the choice and why when it decides."""
     key = (in_features, out_features)
     if key not in _AUTO_CPU_DTYPE:
         features = cpu_features()
-        choice = choose_cpu_dtype(features, in_features, out_features, measure)
+        choice = choose_cpu_dtype(features, in_features, out_features, measure, bf16_kernel=bf16_kernel)
         _AUTO_CPU_DTYPE[key] = choice
         logger.info("dtype auto on %s: %s (%s)", features.describe(), str(choice.dtype).replace("torch.", ""),
                     choice.reason)

@@ -98,6 +98,25 @@ def test_native_bf16_measures_both_dtypes_at_the_model_shape(bf16, fp32, expecte
                              f"vs float32 fake-method {fp32:.0f} GFLOP/s")
 
 
+def test_the_projects_bf16_kernel_picks_bfloat16_without_measuring():
+    """A timing taken while other processes load the cores picks at random; where the
+    project's AMX or AVX512-BF16 kernel runs, bf16 is chosen from that fact alone."""
+    calls = []
+    choice = platform.choose_cpu_dtype(INTEL_F, 576, 1536, measure=_fake_measure({}, calls),
+                                       bf16_kernel="AVX512-BF16 (C++)")
+    assert (choice.dtype, choice.reason, calls) == (torch.bfloat16, "bf16 linears on the AVX512-BF16 (C++) kernel",
+                                                     [])
+    assert platform.choose_cpu_dtype(AMD_F, 576, 1536, measure=_fake_measure({}, calls),
+                                     bf16_kernel="x").dtype == torch.float32      # no bf16 arithmetic
+
+
+def test_bf16_kernel_name_is_what_get_linear_method_picks():
+    name = linear.bf16_kernel_name("cpu")
+    assert name in (None, "AMX bf16 (C++)", "AVX512-BF16 (C++)")
+    assert (name is None) == (linear.get_linear_method("cpu", torch.bfloat16).name not in
+                              ("AMX bf16 (C++)", "AVX512-BF16 (C++)"))
+
+
 def test_a_failing_measurement_falls_back_to_float32():
     def boom(*a):
         raise RuntimeError("oneDNN says no")
@@ -113,6 +132,7 @@ def fresh_auto_cache(monkeypatch):
 def test_resolve_dtype_auto_uses_the_arch_shape_once_and_logs_one_line(monkeypatch, fresh_auto_cache, caplog):
     calls = []
     monkeypatch.setattr(platform, "cpu_features", lambda: INTEL_F)
+    monkeypatch.setattr(linear, "bf16_kernel_name", lambda device: None)    # oneDNN's bf16: timed
     monkeypatch.setattr(linear, "measure_linear_gflops",
                         _fake_measure({torch.bfloat16: 1000.0, torch.float32: 250.0}, calls))
     arch = ModelArchConfig(architecture="LlamaForCausalLM", hidden_size=96, intermediate_size=256,

@@ -151,6 +151,30 @@ def test_gguf_needs_a_gguf_file(tiny_dir):   # noqa: F811 (fixture)
         LLM(model=tiny_dir, quantization="gguf")
 
 
+def test_gguf_mixed_fused_parts_are_refused_before_any_weight_loads():
+    """A file whose q/k/v (or gate/up) parts have different block types cannot keep a fused
+    layer packed: EngineConfig says so at once (bench accuracy checks every engine with it
+    before minutes of the earlier ones have run), naming the layer and each part's type."""
+    from pagedllm.layers.quantization.gguf_config import GGUFConfig
+    from pagedllm.models.llama import LlamaForCausalLM
+
+    types = {"model.embed_tokens.weight": "Q8_0",
+             "model.layers.0.self_attn.q_proj.weight": "Q4_1", "model.layers.0.self_attn.k_proj.weight": "Q4_1",
+             "model.layers.0.self_attn.v_proj.weight": "Q4_1",
+             "model.layers.1.self_attn.q_proj.weight": "Q5_0", "model.layers.1.self_attn.k_proj.weight": "Q5_0",
+             "model.layers.1.self_attn.v_proj.weight": "Q8_0"}
+    cfg = GGUFConfig.create("gguf", gguf_tensor_types=types)
+    with pytest.raises(InvalidParameterError, match=r"cannot fuse model\.layers\.1\.self_attn\.qkv_proj: .*"
+                                                    r"q_proj\.weight=Q5_0, .*k_proj\.weight=Q5_0, .*v_proj\.weight=Q8_0"):
+        cfg.check_model(LlamaForCausalLM.packed_modules_mapping)
+    del types["model.layers.1.self_attn.v_proj.weight"], types["model.layers.1.self_attn.k_proj.weight"]
+    del types["model.layers.1.self_attn.q_proj.weight"]
+    GGUFConfig.create("gguf", gguf_tensor_types=types).check_model(LlamaForCausalLM.packed_modules_mapping)
+    EngineArgs(quantization="gguf")                                    # the bundled file passes
+    from pagedllm.config import EngineConfig
+    assert EngineConfig.from_args(EngineArgs(quantization="gguf", dtype="float32")).quant_config is not None
+
+
 def test_gguf_refuses_a_file_with_no_quantized_tensors():
     """``-q gguf`` on an all-float GGUF would silently run the float model."""
     from pagedllm.layers.quantization.gguf_config import GGUFConfig

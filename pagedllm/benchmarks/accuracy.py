@@ -9,7 +9,8 @@ HF transformers on the same weights (``--hf``):
   definition, as llama.cpp's ``llama-perplexity`` reports it, without its windowing);
 - greedy agreement: for each of the chat prompts in ``data/chat_prompts.txt`` (56, one a
   line, rendered with the model's chat template), how many leading tokens of the greedy
-  continuation equal our float32 engine's (``greedy_agreement``); mean and min.
+  continuation equal our float32 engine's, up to the first EOS (``greedy_agreement``);
+  mean and min.
 
 Ours: the perplexity pass builds the model with the engine's own loader and layers and runs
 it over a paged KV cache of its own (``prefill_logits``); the greedy continuations run
@@ -44,8 +45,11 @@ def chat_prompts() -> list[str]:
 
 def chat_prompt_ids(llm) -> list[list[int]]:
     """Each of ``chat_prompts()`` as one user turn rendered with ``llm``'s chat template
-    (generation prompt added): token ids, the same for every engine compared."""
+    (generation prompt added), or as plain text for a model without one (a base model):
+    token ids, the same for every engine compared."""
     eng = llm.llm_engine
+    if not getattr(eng.tokenizer, "chat_template", None):
+        return [eng.tokenizer.encode(p) for p in chat_prompts()]
     return [eng.apply_chat_template([{"role": "user", "content": p}], True, None, None) for p in chat_prompts()]
 
 
@@ -65,15 +69,30 @@ def perplexity(logits: torch.Tensor, ids: list[int]) -> float:
     return float(torch.exp(nll))
 
 
-def greedy_agreement(ref: list[int], out: list[int]) -> int:
+def greedy_agreement(ref: list[int], out: list[int], eos_token_ids=(), max_tokens: int | None = None) -> int:
     """Leading tokens of ``out`` equal to ``ref``'s (0 when the first differs; the shorter
-    length when one is a prefix of the other)."""
+    length when one is a prefix of the other). With ``eos_token_ids``, both are cut after
+    their first EOS token, and two continuations equal up to and including it agree in
+    full (``max_tokens``, default ``len(ref)``): what follows an EOS is not an answer, and
+    an engine that stops there (HF ``generate``) agrees with one that went on."""
+    eos = set(eos_token_ids)
+    if eos:
+        ref, out = _cut_after_eos(ref, eos), _cut_after_eos(out, eos)
+        if ref == out and ref and ref[-1] in eos:
+            return max_tokens if max_tokens is not None else len(ref)
     n = 0
     for a, b in zip(ref, out):
         if a != b:
             break
         n += 1
     return n
+
+
+def _cut_after_eos(ids: list[int], eos: set[int]) -> list[int]:
+    for i, t in enumerate(ids):
+        if t in eos:
+            return list(ids[:i + 1])
+    return list(ids)
 
 
 def model_perplexity(model_path: str | None, quantization: str | None, dtype: str = "float32",
@@ -114,15 +133,18 @@ def hf_perplexity(model, ids: list[int]) -> float:
     return perplexity(logits.cpu(), ids)
 
 
-def hf_greedy_outputs(model, prompt_ids: list[list[int]], max_tokens: int) -> list[list[int]]:
-    """HF ``generate`` greedy continuations, ``max_tokens`` each (EOS ignored), one prompt
-    at a time (padding would change the numbers)."""
+def hf_greedy_outputs(model, prompt_ids: list[list[int]], max_tokens: int,
+                      eos_token_ids: list[int] | None = None) -> list[list[int]]:
+    """HF ``generate`` greedy continuations of up to ``max_tokens``, ending at an EOS token
+    (``eos_token_ids``; default the model's own), one prompt at a time (padding would
+    change the numbers). Score them with ``greedy_agreement``'s ``eos_token_ids``."""
     outs = []
+    kw = {} if eos_token_ids is None else {"eos_token_id": list(eos_token_ids)}
     with torch.inference_mode():
         for ids in prompt_ids:
             x = torch.tensor([ids], device=model.device)
             y = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=max_tokens,
-                               min_new_tokens=max_tokens, pad_token_id=0)
+                               pad_token_id=0, **kw)
             outs.append(y[0, len(ids):].tolist())
     return outs
 
@@ -132,7 +154,8 @@ def register(subparsers: "argparse._SubParsersAction") -> None:
     p = subparsers.add_parser("accuracy", help="perplexity and greedy agreement of a dtype, quantization "
                               "methods and KV-cache dtypes against float32 (and HF transformers with --hf)",
                               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", default=None, help="a .gguf file or HF directory (default: the bundled model)")
+    p.add_argument("--model", default=None,
+                   help="a .gguf file or HF directory (default: the bundled model)%(default).0s")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="the compared engines' dtype (the reference is always our float32 engine)")
     p.add_argument("--quantization", "-q", nargs="*", default=["int8", "gguf"],
@@ -140,7 +163,9 @@ def register(subparsers: "argparse._SubParsersAction") -> None:
     p.add_argument("--kv-cache-dtype", nargs="*", default=[],
                    help="KV-cache dtypes to compare too (greedy agreement; unquantized weights)")
     p.add_argument("--hf", action="store_true",
-                   help="also HF transformers in --dtype on the same weights (perplexity, greedy generate)")
+                   help="also HF transformers in --dtype on the same weights (perplexity, greedy generate, one "
+                        "prompt at a time: in bfloat16 on the CPU torch's own bf16 matmuls run it, ~1.5 min on "
+                        "a quiet 2-core Zen 4, far longer on a busy one)")
     p.add_argument("--max-tokens", type=positive_int, default=32, help="greedy tokens per prompt")
     p.add_argument("--output-json", default=None, type=output_file)
     p.set_defaults(func=accuracy_main)
@@ -187,7 +212,7 @@ def _ours(args, prompt_ids, quant, kv, dtype) -> tuple[float, list[list[int]]]:
         gc.collect()
 
 
-def _hf(args, prompt_ids, dtype) -> tuple[float, list[list[int]]]:
+def _hf(args, prompt_ids, dtype, eos_token_ids) -> tuple[float, list[list[int]]]:
     """(perplexity, greedy outputs) of HF transformers in ``dtype`` on the same weights."""
     from pagedllm.benchmarks.throughput import load_hf_model
     from pagedllm.tokenizer import get_tokenizer
@@ -196,7 +221,7 @@ def _hf(args, prompt_ids, dtype) -> tuple[float, list[list[int]]]:
     model = load_hf_model(argparse.Namespace(model=args.model, dtype=dtype, device="cpu"))[0]
     try:
         ids = get_tokenizer(args.model or default_model_path()).encode(eval_text())
-        return hf_perplexity(model, ids), hf_greedy_outputs(model, prompt_ids, args.max_tokens)
+        return hf_perplexity(model, ids), hf_greedy_outputs(model, prompt_ids, args.max_tokens, eos_token_ids)
     finally:
         del model
         gc.collect()
@@ -221,16 +246,17 @@ def accuracy_main(args) -> int:
         variants.append((f"HF {args.dtype}", "hf", None, "auto", args.dtype))
     llm = LLM(model=args.model, dtype="float32", max_model_len=512, kv_cache_memory="64MiB")
     try:
-        prompt_ids = chat_prompt_ids(llm)
+        prompt_ids, eos = chat_prompt_ids(llm), list(llm.llm_engine.eos_token_ids)
     finally:
         llm.shutdown()
         del llm
     rows, ref_out = [], None
     for label, engine, quant, kv, dtype in variants:
         t = time.perf_counter()
-        ppl, out = _hf(args, prompt_ids, dtype) if engine == "hf" else _ours(args, prompt_ids, quant, kv, dtype)
+        ppl, out = (_hf(args, prompt_ids, dtype, eos) if engine == "hf"
+                    else _ours(args, prompt_ids, quant, kv, dtype))
         ref_out = ref_out or out
-        agree = [greedy_agreement(r, o) for r, o in zip(ref_out, out)]
+        agree = [greedy_agreement(r, o, eos, args.max_tokens) for r, o in zip(ref_out, out)]
         row = {"variant": label, "engine": engine, "dtype": dtype, "perplexity": ppl, "agreement": agree,
                "mean_agreement": sum(agree) / len(agree), "min_agreement": min(agree),
                "seconds": time.perf_counter() - t}

@@ -250,8 +250,11 @@ def load_hf_model(args):
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device, load_arch_config(path))
     if is_gguf(path):
+        # dequantized in float32, then cast: asked for bf16, transformers' GGUF loader prints
+        # a note about packed weights that does not apply to a dequantized model
         model = AutoModelForCausalLM.from_pretrained(os.path.dirname(os.path.abspath(path)),
-                                                     gguf_file=os.path.basename(path), dtype=dtype)
+                                                     gguf_file=os.path.basename(path),
+                                                     dtype=torch.float32).to(dtype)
     else:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     return model.to(device).eval(), dtype, device

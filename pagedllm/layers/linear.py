@@ -382,6 +382,17 @@ def avx512_bf16_available(device: torch.device | str, dtype: torch.dtype) -> boo
     return ops is not None and hasattr(ops, "avx512_bf16_available") and ops.avx512_bf16_available()
 
 
+def bf16_kernel_name(device: torch.device | str) -> str | None:
+    """The name of the project's bf16 linear kernel that ``get_linear_method`` would pick
+    for ``device`` in bfloat16 ("AMX bf16 (C++)", "AVX512-BF16 (C++)"), or None. Never
+    raises."""
+    if amx_bf16_available(device, torch.bfloat16):
+        return AMXBF16LinearMethod.name
+    if avx512_bf16_available(device, torch.bfloat16):
+        return AVX512BF16LinearMethod.name
+    return None
+
+
 def get_linear_method(device: torch.device | str, dtype: torch.dtype) -> LinearMethod:
     """The method every linear layer of a model on ``device`` in ``dtype`` uses: the AMX
     kernel where ``amx_bf16_available``, else the AVX512-BF16 kernel where

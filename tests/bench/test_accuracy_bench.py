@@ -65,3 +65,15 @@ def test_hf_perplexity_and_greedy_agree_with_ours_in_float32(tiny_dir):
     finally:
         llm.shutdown()
     assert accuracy.hf_greedy_outputs(hf, prompts, 6) == mine
+
+
+def test_agreement_stops_at_eos():
+    """What follows an EOS is not an answer: two continuations equal up to and including
+    their first EOS agree in full, whether one went on past it (ignore_eos) or stopped."""
+    eos = [2]
+    ref = [5, 6, 2, 9, 9, 9]
+    assert accuracy.greedy_agreement(ref, [5, 6, 2], eos, 6) == 6            # HF stopped at EOS
+    assert accuracy.greedy_agreement(ref, [5, 6, 2, 7, 7, 7], eos, 6) == 6   # differs only after EOS
+    assert accuracy.greedy_agreement(ref, [5, 6, 7, 2], eos, 6) == 2         # diverges before it
+    assert accuracy.greedy_agreement(ref, [5, 6, 7, 2]) == 2                 # no EOS rule: plain prefix
+    assert accuracy.greedy_agreement([5, 6, 7], [5, 6, 7], eos, 6) == 3      # no EOS: the common length

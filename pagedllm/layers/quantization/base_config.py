@@ -60,6 +60,13 @@ class QuantizationConfig(ABC):
         """One phrase for the start-up log."""
         return self.name
 
+    def check_model(self, packed_modules_mapping: dict[str, list[str]]) -> None:
+        """Raise now, before any weight loads, what ``get_linear_method`` would raise for a
+        model with these fused layers (default: nothing to check).
+
+        Raises:
+            InvalidParameterError("quantization"): a layer this method cannot serve."""
+
     def fused_parts(self, prefix: str) -> list[str]:
         """The checkpoint module names behind the layer ``prefix``: the projections fused
         into it (``packed_modules_mapping``), else ``prefix`` itself, e.g.

@@ -79,6 +79,21 @@ class GGUFConfig(QuantizationConfig):
                               "to dequantize the file at load")
         return t
 
+    def check_model(self, packed_modules_mapping):
+        """Every fused layer's parts (e.g. q|k|v of each decoder layer) share one packable
+        type, and the embedding / LM head tables are packable or float."""
+        by_layer: dict[str, list[str]] = {}
+        for fused, parts in packed_modules_mapping.items():
+            for part in parts:                       # the layer's order: q, k, v
+                suffix = f".{part}.weight"
+                for name in self.tensor_types:
+                    if name.endswith(suffix):
+                        by_layer.setdefault(f"{name[:-len(suffix)]}.{fused}", []).append(name)
+        for prefix, names in by_layer.items():
+            self._type_of(prefix, names)
+        for table in ("lm_head.weight", "model.embed_tokens.weight"):
+            self._type_of(table.rpartition(".")[0], [table])
+
     def get_linear_method(self, prefix, input_size, output_sizes, params_dtype, device):
         if prefix == "lm_head":
             names = ["lm_head.weight"] if "lm_head.weight" in self.tensor_types else ["model.embed_tokens.weight"]
