@@ -5,6 +5,14 @@ Models are loaded once per session (``make_llm`` caches engines by their setting
 ``_kv_blocks_released`` fixture checks that every engine built so far is idle with all of
 its KV blocks free, so a test that leaks blocks or leaves requests behind fails.
 
+Tiny random-weight models come from one factory, ``tiny_model_dir`` (model_helpers.py),
+which saves each distinct configuration once per session; ``tiny_dir`` is the tiny Llama
+most tests share.
+
+Helper modules (``engine_helpers``, ``model_helpers``, ``server_helpers``, ...) sit in
+tests/ itself, which this file puts on ``sys.path``, so a test in any subfolder imports
+them by name; tests never import other test modules.
+
 Environment knobs:
     PAGEDLLM_TEST_THREADS: torch intra-op threads (default 1; on a shared 2-core machine
         two OpenMP threads spin against other processes and run ~20x slower).
@@ -13,9 +21,12 @@ from __future__ import annotations
 
 import copy
 import os
+import sys
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# the helper modules next to this file, importable from every subfolder's tests
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -176,6 +187,34 @@ def llm(make_llm):
     """The main engine: defaults (prefix caching, chunked prefill, 2048-token budget) with
     a KV cache large enough (728 blocks) that 32 requests run without preemption."""
     return make_llm(max_model_len=1024, kv_cache_memory="512MiB")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """Factory: ``tiny_model_dir(arch="llama", *, seed=0, std=0.1, std_1d=None,
+    tokenizer="bundled", **config)`` -> the directory of a seeded random-weight HF model
+    (``model_helpers.save_tiny_model``), saved once per distinct setting for the session.
+    Shared: copy it before changing a file in it."""
+    from model_helpers import save_tiny_model, tiny_model_key
+
+    made: dict[str, str] = {}
+
+    def make(arch: str = "llama", **kw) -> str:
+        key = tiny_model_key(arch, **kw)
+        if key not in made:
+            path = tmp_path_factory.mktemp(f"tiny-{arch}")
+            save_tiny_model(path, arch, **kw)
+            made[key] = str(path)
+        return made[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tiny_model_dir) -> str:
+    """The suite's tiny Llama (2 layers, hidden 256, head_dim 64, weights ~N(0, 0.1), seed
+    0, the bundled tokenizer and its 49152-token vocabulary)."""
+    return tiny_model_dir("llama", rope_theta=10000.0)
 
 
 @pytest.fixture(scope="session")

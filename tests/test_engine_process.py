@@ -14,7 +14,7 @@ import time
 
 import httpx
 import pytest
-from test_server import _Server
+from server_helpers import _alive, _Server, _wait_gone
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.errors import EngineDeadError
@@ -25,27 +25,6 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, i
            "up around a river crossing used by traders who carried salt, wine and pottery between the "
            "coast and the mountains. Over the centuries the town"]   # the last fills full blocks
 KW = dict(dtype="float32", device="cpu", max_model_len=256, kv_cache_memory="128MiB", num_threads=1)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:   # a zombie (exited, not yet reaped) counts as gone
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
-def _wait_gone(pid: int, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not _alive(pid):
-            return True
-        time.sleep(0.05)
-    return False
 
 
 def test_same_tokens_as_in_process_and_utilities():

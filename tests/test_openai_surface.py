@@ -12,7 +12,7 @@ import httpx
 import jsonschema
 import pytest
 import torch
-from test_server import _Server
+from server_helpers import _Server
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]}},
            "required": ["city", "unit"], "additionalProperties": False}

@@ -11,7 +11,7 @@ import gc
 
 import pytest
 import torch
-from test_dtype_invariance import _check_invariance, _workload, tiny_dir  # noqa: F401 (fixture)
+from invariance_helpers import _check_invariance, _workload
 
 from pagedllm import LLM
 from pagedllm.benchmarks.accuracy import chat_prompt_ids, greedy_agreement, greedy_outputs, model_perplexity

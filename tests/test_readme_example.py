@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from test_server import _Server
+from server_helpers import _Server
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.platform import has_native_bf16

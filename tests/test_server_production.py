@@ -17,9 +17,7 @@ import time
 
 import httpx
 import pytest
-from test_dtype_invariance import tiny_dir  # noqa: F401 (fixture)
-from test_engine_process import _alive, _wait_gone
-from test_server import _free_port, _Server
+from server_helpers import _alive, _free_port, _Server, _wait_gone
 
 
 KEY = "test-key-123"

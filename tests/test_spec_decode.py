@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 from engine_helpers import engine_core
 
 from pagedllm import SamplingParams
@@ -62,22 +61,12 @@ def reference(make_llm, prompts):
 
 
 @pytest.fixture(scope="module")
-def tiny_draft(tmp_path_factory) -> str:
-    """A random-weight 2-layer Llama with the bundled model's tokenizer (its drafts are
-    almost always rejected)."""
-    import transformers as tf
-
-    from pagedllm.tokenizer import get_tokenizer
-
-    torch.manual_seed(0)
-    cfg = tf.LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-                         tie_word_embeddings=True)
-    model = tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
-    path = tmp_path_factory.mktemp("tiny-draft")
-    model.save_pretrained(path, safe_serialization=True)
-    get_tokenizer().save_pretrained(path)
-    return str(path)
+def tiny_draft(tiny_model_dir) -> str:
+    """A random-weight 2-layer Llama (transformers' default init) with the bundled model's
+    tokenizer (its drafts are almost always rejected)."""
+    return tiny_model_dir("llama", std=None, vocab_size=49152, hidden_size=64, intermediate_size=128,
+                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                          max_position_embeddings=2048, tie_word_embeddings=True)
 
 
 def _spec(method: str, k: int, model_path: str, tiny_draft: str) -> str:
@@ -269,15 +258,12 @@ def test_unloadable_draft_model_names_speculative_config(path):
     assert "--model" not in str(e.value)     # the draft's path is not the --model flag's
 
 
-def test_draft_with_another_vocabulary_is_refused(tmp_path):
-    import transformers as tf
-
-    cfg = tf.LlamaConfig(vocab_size=1000, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1)
-    tf.AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path, safe_serialization=True)
+def test_draft_with_another_vocabulary_is_refused(tiny_model_dir):
+    path = tiny_model_dir("llama", std=None, tokenizer=None, vocab_size=1000, hidden_size=32,
+                          intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
     from pagedllm.config import EngineConfig
 
-    spec = json.dumps({"method": "draft_model", "model": str(tmp_path), "num_speculative_tokens": 2})
+    spec = json.dumps({"method": "draft_model", "model": path, "num_speculative_tokens": 2})
     with pytest.raises(InvalidParameterError, match="vocabulary") as e:
         EngineConfig.from_args(EngineArgs(dtype="float32", device="cpu", speculative_config=spec))
     assert e.value.param == "speculative_config"
