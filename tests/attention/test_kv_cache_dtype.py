@@ -409,6 +409,7 @@ def test_bad_checkpoint_scale_is_an_error(tmp_path):
 # --------------------------------------------------------------------------------------
 # The bundled model with narrower caches
 # --------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_bundled_model_greedy_text_with_narrower_caches(make_llm, mixed_prompts):
     """SmolLM2-135M in float32, greedy, 48 tokens on 8 prompts, KV cache in bfloat16 and
     fp8 E4M3 (scale 1.0: its K/V reach |k| <= ~19, |v| <= ~11 on these prompts, far

@@ -11,6 +11,8 @@ import pytest
 
 from pagedllm.benchmarks import accuracy
 
+pytestmark = pytest.mark.slow   # bench accuracy runs several engines and HF transformers
+
 
 # tiny_dir: the suite's tiny Llama (tests/conftest.py)
 def test_fidelity_rows_in_one_run(tiny_dir, tmp_path, capsys):

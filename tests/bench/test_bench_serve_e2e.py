@@ -19,6 +19,8 @@ from fake_server import free_port
 
 from pagedllm.entrypoints.cli import main
 
+pytestmark = pytest.mark.slow   # a real server in its own process
+
 HEALTH_TIMEOUT_S = 600
 
 

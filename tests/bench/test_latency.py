@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from pagedllm.benchmarks.latency import matmul_seconds_per_step
 from pagedllm.models.arch_config import ModelArchConfig
 
 
+@pytest.mark.slow
 def test_latency_report(tmp_path, capsys):
     out = tmp_path / "lat.json"
     from pagedllm.entrypoints.cli import build_parser
@@ -120,6 +122,7 @@ def test_rounds_take_the_backends_in_turn_and_keep_each_best():
     assert sorted(closed) == ["a", "b"]
 
 
+@pytest.mark.slow
 def test_latency_rounds_report(tmp_path, capsys):
     """--rounds 2 with two pagedllm backends loaded at once: two rounds of figures and a
     ratio per round in the report."""

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 DEVICE = os.environ.get("PAGEDLLM_TEST_DEVICE", "cuda")
-pytestmark = pytest.mark.skipif(DEVICE == "cuda" and not torch.cuda.is_available(),
-                                reason="no CUDA device")
+pytestmark = [pytest.mark.skipif(DEVICE == "cuda" and not torch.cuda.is_available(), reason="no CUDA device"),
+              pytest.mark.slow]   # HF-reference and invariance suites
 
 VOCAB = 1024
 TEXT = ("The history of the city goes back more than two thousand years, when a small settlement "

@@ -22,6 +22,8 @@ from invariance_helpers import _check_invariance, _workload
 
 from pagedllm.platform import has_native_bf16
 
+pytestmark = pytest.mark.slow   # whole-engine invariance sweeps, four engines per case
+
 NATIVE_BF16 = has_native_bf16()
 
 

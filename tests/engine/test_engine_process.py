@@ -52,6 +52,7 @@ def test_same_tokens_as_in_process_and_utilities():
     assert _wait_gone(pid, 5), "the engine process outlived shutdown()"
 
 
+@pytest.mark.slow
 def test_start_up_error_is_raised_in_the_front_end():
     """A cache too small for the asked max_model_len: the core's ValueError, with its text."""
     with pytest.raises(ValueError, match="larger than the KV cache can hold"):
@@ -128,6 +129,7 @@ def test_killed_engine_fails_open_streams_and_health_within_a_second():
         s.stop()
 
 
+@pytest.mark.slow
 def test_engine_exits_when_its_front_end_is_killed():
     """SIGKILL leaves the front end no time to stop its engine: the engine notices its
     parent is gone and exits by itself."""

@@ -14,6 +14,8 @@ import pytest
 import torch
 from server_helpers import _Server
 
+pytestmark = pytest.mark.slow   # server end-to-end suite, HF-reference logprobs
+
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]}},
            "required": ["city", "unit"], "additionalProperties": False}
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",

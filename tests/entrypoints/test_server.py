@@ -16,6 +16,8 @@ from server_helpers import MAX_MODEL_LEN, _Server
 
 from pagedllm.entrypoints.openai.api_server import build_app
 
+pytestmark = pytest.mark.slow   # server end-to-end suite on the bundled model
+
 
 @pytest.fixture(scope="module")
 def server():

@@ -42,6 +42,7 @@ def _run(monkeypatch, fused: bool, **llm_kw):
 
 
 # bfloat16 activations too (every CPU can compare the two paths in it; the kernels widen to float32)
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype,kv_cache_dtype", [("float32", "auto"), ("float32", "bfloat16"),
                                                   ("float32", "fp8_e4m3"), ("bfloat16", "auto")])
 def test_bundled_gguf_fused_equals_per_layer(monkeypatch, dtype, kv_cache_dtype):
@@ -89,6 +90,7 @@ def test_start_up_log_says_how_the_decoder_runs(monkeypatch, caplog, fused):
                                            "per-layer (PAGEDLLM_FUSED_DECODER=0)")]
 
 
+@pytest.mark.slow
 def test_int8_start_up_lines_describe_the_engine_model(monkeypatch, caplog, int8_on_avx2):
     """SmoothQuant's calibration prefills run the model over a cache of their own with the
     linears in float; the start-up lines describe the engine's model, not that pass (the
@@ -146,6 +148,7 @@ def int8_on_avx2(monkeypatch):
 INT8_KERNELS = [("avx2", "AVX2 u8s8"), ("amx", "AMX u8s8")]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend,kernel", INT8_KERNELS)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_bundled_int8_fused_equals_per_layer(monkeypatch, backend, kernel, dtype):

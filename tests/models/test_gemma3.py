@@ -279,6 +279,7 @@ def gemma_gguf():
     return str(mod.assemble())
 
 
+@pytest.mark.slow
 def test_gemma3_270m_gguf_matches_transformers(gemma_gguf):
     from transformers import AutoModelForCausalLM
 
