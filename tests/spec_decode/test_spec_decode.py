@@ -265,12 +265,15 @@ def test_unloadable_draft_model_names_speculative_config(path):
     assert "--model" not in str(e.value)     # the draft's path is not the --model flag's
 
 
-def test_draft_with_another_vocabulary_is_refused(tiny_model_dir):
-    path = tiny_model_dir("llama", std=None, tokenizer=None, vocab_size=1000, hidden_size=32,
-                          intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
+def test_draft_with_another_vocabulary_is_refused(tmp_path):
+    import transformers as tf
+
+    cfg = tf.LlamaConfig(vocab_size=1000, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1)
+    tf.AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path, safe_serialization=True)
     from pagedllm.config import EngineConfig
 
-    spec = json.dumps({"method": "draft_model", "model": path, "num_speculative_tokens": 2})
+    spec = json.dumps({"method": "draft_model", "model": str(tmp_path), "num_speculative_tokens": 2})
     with pytest.raises(InvalidParameterError, match="vocabulary") as e:
         EngineConfig.from_args(EngineArgs(dtype="float32", device="cpu", speculative_config=spec))
     assert e.value.param == "speculative_config"
