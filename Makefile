@@ -6,7 +6,7 @@ STAMP := $(VENV)/.pagedllm-installed
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: install serve test bench
+.PHONY: install serve test test-fast bench
 
 install: $(STAMP)
 
@@ -28,11 +28,18 @@ serve: $(STAMP)
 	$(VENV)/bin/pagedllm serve --host $(HOST) --port $(PORT)
 
 # Two pytest workers (each test file on one worker, one torch thread each: the 2-core
-# machine's two cores), then the timing-sensitive tests (marked serial) alone.
+# machine's two cores), then the timing-sensitive tests (marked serial) alone. `make test`
+# is the whole suite (what CI runs); `make test-fast` leaves out the tests marked slow
+# (HF-reference suites, whole-engine invariance sweeps, server end-to-end suites) and the
+# serial ones: unit tests and a smoke of each subsystem, in under 3 minutes on 2 cores.
+# One folder: `$(PY) -m pytest -q -n 2 --dist loadfile tests/core` (tests/ mirrors pagedllm/).
 TEST_ENV := HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 test: $(STAMP)
 	$(TEST_ENV) $(PY) -m pytest -q -n 2 --dist loadfile -m "not serial" tests
 	$(TEST_ENV) $(PY) -m pytest -q -m serial tests
+
+test-fast: $(STAMP)
+	$(TEST_ENV) $(PY) -m pytest -q -n 2 --dist loadfile -m "not serial and not slow" tests
 
 bench: $(STAMP)
 	$(VENV)/bin/pagedllm bench throughput --num-prompts 64 --input-len 200 --output-len 128

@@ -5,6 +5,14 @@ Models are loaded once per session (``make_llm`` caches engines by their setting
 ``_kv_blocks_released`` fixture checks that every engine built so far is idle with all of
 its KV blocks free, so a test that leaks blocks or leaves requests behind fails.
 
+Tiny random-weight models come from one factory, ``tiny_model_dir`` (model_helpers.py),
+which saves each distinct configuration once per session; ``tiny_dir`` is the tiny Llama
+most tests share.
+
+Helper modules (``engine_helpers``, ``model_helpers``, ``server_helpers``, ...) sit in
+tests/ itself, which this file puts on ``sys.path``, so a test in any subfolder imports
+them by name; tests never import other test modules.
+
 Environment knobs:
     PAGEDLLM_TEST_THREADS: torch intra-op threads (default 1; on a shared 2-core machine
         two OpenMP threads spin against other processes and run ~20x slower).
@@ -12,14 +20,19 @@ Environment knobs:
 from __future__ import annotations
 
 import copy
+import ctypes
+import gc
 import os
+import sys
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# the helper modules next to this file, importable from every subfolder's tests
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from engine_helpers import REF_TOKENS, engine_core, engine_leaks, greedy, run_alone  # noqa: E402,F401
+from engine_helpers import REF_TOKENS, engine_core, engine_leaks, greedy, model_runner, run_alone  # noqa: E402,F401
 
 torch.set_num_threads(int(os.environ.get("PAGEDLLM_TEST_THREADS", "1")))
 
@@ -39,8 +52,14 @@ def pytest_sessionstart(session):
           f"after {time.monotonic() - t0:.1f} s")
 
 
-# Every engine built through ``make_llm`` (checked after each test).
+# Every engine built through ``make_llm`` (checked after each test). Those a test module
+# built are shut down when the module ends (``_release_module_engines``), except the ones
+# whose keys are in ``_KEEP_ENGINES`` (the session's main ``llm``).
 _ENGINES: dict[tuple, object] = {}
+_KEEP_ENGINES: set[tuple] = set()
+
+# Models built through the shared ``build_model`` (``_share_weights``), by their settings.
+_BUILT: dict[tuple, tuple[int, torch.nn.Module]] = {}
 
 # Settings shared by every engine of the suite: float32 so that results can be compared
 # with the float32 transformers reference, and a modest CPU KV cache.
@@ -137,10 +156,15 @@ def _share_weights(monkeypatch: pytest.MonkeyPatch) -> None:
     original = getattr(loader, "build_model", None)
     if original is None:
         return
-    built: dict[tuple, tuple[int, torch.nn.Module]] = {}
+    built = _BUILT
 
     def build_model(path, cfg, dtype, device, max_positions, *args, **kwargs):
-        key = (os.path.abspath(path), str(dtype), str(device), args, tuple(sorted(kwargs.items())))
+        if kwargs.get("quant_config") is not None:
+            # each engine has a config object of its own: the key would never match again
+            return original(path, cfg, dtype, device, max_positions, *args, **kwargs)
+        # unquantized, ``calibrate`` does nothing: a draft model (built without it) is the same model
+        same = {k: v for k, v in kwargs.items() if v is not None and k != "calibrate"}
+        key = (os.path.abspath(path), str(dtype), str(device), args, tuple(sorted(same.items())))
         if key not in built or built[key][0] < max_positions:
             built[key] = (max_positions, original(path, cfg, dtype, device, max_positions, *args, **kwargs))
         return _module_copy(built[key][1], {})
@@ -174,8 +198,39 @@ def make_llm():
 @pytest.fixture(scope="session")
 def llm(make_llm):
     """The main engine: defaults (prefix caching, chunked prefill, 2048-token budget) with
-    a KV cache large enough (728 blocks) that 32 requests run without preemption."""
-    return make_llm(max_model_len=1024, kv_cache_memory="512MiB")
+    a KV cache large enough (728 blocks) that 32 requests run without preemption. Kept for
+    the whole session (other engines last as long as their test module)."""
+    engine = make_llm(max_model_len=1024, kv_cache_memory="512MiB")
+    _KEEP_ENGINES.update(k for k, e in _ENGINES.items() if e is engine)
+    return engine
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """Factory: ``tiny_model_dir(arch="llama", *, seed=0, std=0.1, std_1d=None,
+    tokenizer="bundled", **config)`` -> the directory of a seeded random-weight HF model
+    (``model_helpers.save_tiny_model``), saved once per distinct setting for the session.
+    Shared: copy it before changing a file in it."""
+    from model_helpers import save_tiny_model, tiny_model_key
+
+    made: dict[str, str] = {}
+
+    def make(arch: str = "llama", **kw) -> str:
+        key = tiny_model_key(arch, **kw)
+        if key not in made:
+            path = tmp_path_factory.mktemp(f"tiny-{arch}")
+            save_tiny_model(path, arch, **kw)
+            made[key] = str(path)
+        return made[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tiny_model_dir) -> str:
+    """The suite's tiny Llama (2 layers, hidden 256, head_dim 64, weights ~N(0, 0.1), seed
+    0, the bundled tokenizer and its 49152-token vocabulary)."""
+    return tiny_model_dir("llama", rope_theta=10000.0)
 
 
 @pytest.fixture(scope="session")
@@ -192,9 +247,10 @@ def model_path() -> str:
     return default_model_path()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def hf_model(model_path):
-    """transformers' own implementation on the same GGUF file, float32 (the reference)."""
+    """transformers' own implementation on the same GGUF file, float32 (the reference);
+    loaded per module (~0.6 GiB: not held for the rest of the session)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(
@@ -209,6 +265,45 @@ def greedy_alone(llm, mixed_prompts):
     with an empty prefix cache."""
     llm.reset_prefix_cache()
     return run_alone(llm, mixed_prompts, greedy(REF_TOKENS))
+
+
+# --------------------------------------------------------------------------------------
+# Memory: a test module's engines and models go when it ends.
+# --------------------------------------------------------------------------------------
+def _first_tensor(model: torch.nn.Module):
+    return next((t for t in model.state_dict().values()), None)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _release_module_engines():
+    """After each test module: shut down the engines it built through ``make_llm`` (the
+    session's ``llm`` stays) and drop the shared models no remaining engine uses (except
+    the bundled model in float32, which most modules load again), so that a worker holds
+    one module's engines at a time instead of every engine of the session (two workers
+    once held 9.4 and 8.3 GiB)."""
+    yield
+    from pagedllm.utils import default_model_path
+
+    for key in [k for k in _ENGINES if k not in _KEEP_ENGINES]:
+        _ENGINES.pop(key).shutdown()
+    in_use = set()
+    for llm in _ENGINES.values():
+        try:
+            t = _first_tensor(model_runner(llm.llm_engine).model)
+        except (TypeError, AttributeError):
+            continue
+        if t is not None:
+            in_use.add(t.data_ptr())
+    main_model = (os.path.abspath(default_model_path()), str(torch.float32))
+    for key, (_, model) in list(_BUILT.items()):
+        t = _first_tensor(model)
+        if key[:2] != main_model and (t is None or t.data_ptr() not in in_use):
+            del _BUILT[key]
+    gc.collect()
+    try:   # hand the freed heap back to the OS, so that the next module starts low
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 # --------------------------------------------------------------------------------------

@@ -6,23 +6,13 @@ REF_TOKENS = 16
 
 
 def tiny_llama(vocab_size: int, **config):
-    """A seeded random-weight Llama small enough for unit tests: 2 layers, hidden 256,
-    4 q / 2 kv heads x 64 (head_dim 64, so the attention kernel's vector path runs),
-    float32, weights ~N(0, 0.1) so that logits are far from uniform. ``config``: more
-    ``LlamaConfig`` fields."""
-    import torch
-    import transformers as tf
+    """The suite's tiny random-weight Llama (``model_helpers.build_tiny_model``: 2 layers,
+    hidden 256, 4 q / 2 kv heads x 64, weights ~N(0, 0.1), seed 0) with ``vocab_size`` and
+    ``config`` over it, not saved. To get a saved directory, use the ``tiny_model_dir``
+    fixture (or ``tiny_dir``, the one most tests share)."""
+    from model_helpers import build_tiny_model
 
-    torch.manual_seed(0)
-    cfg = tf.LlamaConfig(vocab_size=vocab_size, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                         rms_norm_eps=1e-6, tie_word_embeddings=False, **config)
-    model = tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
-    with torch.no_grad():   # larger-than-init weights: logits far from uniform
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0, 0.1)
-    return model
+    return build_tiny_model("llama", vocab_size=vocab_size, **config)
 
 
 def greedy(max_tokens: int = 32):

@@ -55,6 +55,7 @@ def test_application_logging_configured_after_takes_over():
     assert len(lines) == 2 and lines[0].endswith("pagedllm: before") and lines[1] == "APP after"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("engine_process", [False, True])
 def test_offline_llm_prints_its_start_up_lines(engine_process):
     """``LLM()`` in a script without logging set up: the start-up lines (dtype, what each

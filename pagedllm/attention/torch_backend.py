@@ -102,7 +102,7 @@ class TorchAttentionBackend(AttentionBackend):
         # On the CPU the attention maths runs in float32 whatever the model's dtype: in
         # bf16, SDPA's rounding depended on the batch (the decode context is padded to the
         # batch's longest), so greedy outputs changed with the batch; in float32 they do
-        # not (tests/test_dtype_invariance.py runs this backend in bf16). On CUDA it runs
+        # not (tests/e2e/test_dtype_invariance.py runs this backend in bf16). On CUDA it runs
         # in the model's dtype (flash kernels).
         self.on_cpu = device is None or torch.device(device).type == "cpu"
         self.compute_dtype = torch.float32 if self.on_cpu else dtype

@@ -9,7 +9,7 @@ single-stream decode step: ~12 module calls, ~10 tensor views and ~4 allocations
 ~90 us a layer against ~170 us of kernels on the project's 2-core EPYC
 (docs/benchmarks.md). ``FusedDecoder`` hands the whole stack to one C++ object that calls
 the same kernels, in the same order, on the same tensors, so outputs are bitwise
-those of the per-layer path (``tests/test_fused_decoder.py`` asserts it), at prefill and
+those of the per-layer path (``tests/models/test_fused_decoder.py`` asserts it), at prefill and
 decode alike. Layers keep their weights and their Python forward, which runs whenever
 the fused stack does not apply: another linear method, a model with q/k norms or another
 MLP, several KV-cache groups (sliding-window models), the torch attention backend,

@@ -3,7 +3,7 @@ over the logit rows of one step (a row per sampled position: one per plain reque
 k + 1 per request verifying k drafts).
 
 Order (after the raw logprobs are taken, before temperature; documented in README.md's
-"Sampling" section and tested in tests/test_logits_processors.py):
+"Sampling" section and tested in tests/sample/test_logits_processors.py):
 
 1. token masks: ``allowed_token_ids``, ``bad_words`` and the grammar bitmask of
    structured outputs (all are -inf masks, so their order among themselves is moot);

@@ -11,23 +11,10 @@ import pytest
 
 from pagedllm.benchmarks import accuracy
 
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    import os
-    import sys
-
-    sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
-    from engine_helpers import tiny_llama
-
-    from pagedllm.tokenizer import get_tokenizer
-
-    path = tmp_path_factory.mktemp("tiny-llama-acc")
-    tiny_llama(49152, rope_theta=10000.0).save_pretrained(path, safe_serialization=True)
-    get_tokenizer().save_pretrained(path)
-    return str(path)
+pytestmark = pytest.mark.slow   # bench accuracy runs several engines and HF transformers
 
 
+# tiny_dir: the suite's tiny Llama (tests/conftest.py)
 def test_fidelity_rows_in_one_run(tiny_dir, tmp_path, capsys):
     out = tmp_path / "acc.json"
     args = argparse.Namespace(model=tiny_dir, dtype="bfloat16", quantization=[], kv_cache_dtype=[], hf=True,

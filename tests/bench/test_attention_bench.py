@@ -62,6 +62,7 @@ def test_attention_bench_rejects_unknown_dtype():
         args.func(args)
 
 
+@pytest.mark.slow
 def test_against_a_revision_builds_that_kernel_and_compares_in_turn(tmp_path, capsys):
     """``--against HEAD``: the kernel at HEAD, built apart, against this tree's on the same
     caches (bitwise equal outputs when the kernel files are unchanged since HEAD)."""

@@ -19,6 +19,8 @@ from fake_server import free_port
 
 from pagedllm.entrypoints.cli import main
 
+pytestmark = pytest.mark.slow   # a real server in its own process
+
 HEALTH_TIMEOUT_S = 600
 
 
@@ -30,7 +32,7 @@ def server(tmp_path_factory):
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     proc = subprocess.Popen(
         [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-         "--max-model-len", "1024"],
+         "--max-model-len", "1024", "--kv-cache-memory", "256MiB"],
         stdout=log, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
 

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from pagedllm.benchmarks.latency import matmul_seconds_per_step
 from pagedllm.models.arch_config import ModelArchConfig
 
 
+@pytest.mark.slow
 def test_latency_report(tmp_path, capsys):
     out = tmp_path / "lat.json"
     from pagedllm.entrypoints.cli import build_parser
@@ -46,19 +48,17 @@ def test_matmul_time_grows_with_the_model():
     assert t8 > 2 * t2 > 0
 
 
-def test_hf_baseline_loads_a_hf_directory(tmp_path):
+def test_hf_baseline_loads_a_hf_directory(tiny_model_dir):
     """The HF side of ``--backend both`` (shared by bench throughput and bench latency)
     loads a HF directory in the dtype ``--dtype`` resolves to, and generates."""
     import argparse
 
-    import transformers as tf
-
     from pagedllm.benchmarks.throughput import load_hf_model
 
-    cfg = tf.LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
-    tf.AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path, safe_serialization=True)
-    args = argparse.Namespace(model=str(tmp_path), device="cpu", dtype="auto")
+    path = tiny_model_dir("llama", std=None, tokenizer=None, vocab_size=512, hidden_size=64, intermediate_size=128,
+                          num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                          max_position_embeddings=128)
+    args = argparse.Namespace(model=path, device="cpu", dtype="auto")
     model, dtype, device = load_hf_model(args)
     assert dtype == torch.float32 or dtype == torch.bfloat16    # auto: what this CPU runs best
     assert next(model.parameters()).dtype == dtype and device.type == "cpu"
@@ -122,6 +122,7 @@ def test_rounds_take_the_backends_in_turn_and_keep_each_best():
     assert sorted(closed) == ["a", "b"]
 
 
+@pytest.mark.slow
 def test_latency_rounds_report(tmp_path, capsys):
     """--rounds 2 with two pagedllm backends loaded at once: two rounds of figures and a
     ratio per round in the report."""

@@ -67,7 +67,7 @@ integer-valued tensors in K-chunks small enough to be exact, at 8 and 8 bits.
 Batch invariance: the integer sums are exact whatever blocking or reduction split the
 matmul picks for a given row count (rounded to float32 only once complete), and the rest
 is per row and per element, so every output row is bitwise independent of the batch
-(``tests/test_int8_linear.py`` checks it).
+(``tests/layers/test_int8_linear.py`` checks it).
 """
 from __future__ import annotations
 

@@ -17,9 +17,7 @@ import time
 
 import httpx
 import pytest
-from test_dtype_invariance import tiny_dir  # noqa: F401 (fixture)
-from test_engine_process import _alive, _wait_gone
-from test_server import _free_port, _Server
+from server_helpers import _alive, _free_port, _Server, _wait_gone
 
 
 KEY = "test-key-123"
@@ -251,6 +249,7 @@ def test_access_log_line_per_request_with_its_tokens(server):
     assert server.idle_and_free(timeout=20)
 
 
+@pytest.mark.slow
 def test_256_streaming_clients_with_30_percent_disconnects(server):
     """Every client that stays gets the greedy text its prompt gets alone; the ones that go
     away (before the first token, or after 1-4 chunks) free everything they held."""
@@ -359,6 +358,7 @@ def test_backpressure_503_with_retry_after(tiny_dir):  # noqa: F811 (fixture)
         s.stop()
 
 
+@pytest.mark.slow
 def test_schemathesis_no_5xx_and_openai_shaped_4xx(tiny_server):
     """A few hundred generated requests over every route of /openapi.json."""
     import schemathesis

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from test_server import _Server
+from server_helpers import _Server
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.platform import has_native_bf16
+
+pytestmark = pytest.mark.slow   # the bundled model offline and over the server, in each native dtype
 
 NATIVE_DTYPES = ["float32"] + (["bfloat16"] if has_native_bf16() else [])
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]

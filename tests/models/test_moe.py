@@ -30,6 +30,7 @@ import pytest
 import torch
 
 from engine_helpers import assert_greedy_invariant, engine_leaks, greedy
+from model_helpers import load_hf
 from pagedllm.worker.prefill import calibrate_smoothquant, prefill_logits
 from pagedllm.layers.fused_moe import FusedMoE, select_experts
 from pagedllm.layers.linear import ReplicatedLinear
@@ -58,28 +59,16 @@ KINDS = {
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    """``tiny(kind)`` → (HF directory, the transformers model), made once per module."""
-    import transformers as tf
-
-    from pagedllm.tokenizer import get_tokenizer
-
+def tiny(tiny_model_dir):
+    """``tiny(kind)`` → (HF directory, the transformers model), made once per module; weights
+    ~N(0, 0.2), so that logits and routing are far from uniform."""
     made: dict[str, tuple[str, torch.nn.Module]] = {}
 
     def make(kind: str):
         if kind not in made:
             cls, kw = KINDS[kind]
-            torch.manual_seed(0)
-            model = tf.AutoModelForCausalLM.from_config(getattr(tf, cls)(**{**_COMMON, **kw}),
-                                                        dtype=torch.float32).eval()
-            with torch.no_grad():   # larger-than-init weights, so logits and routing are far from uniform
-                for p in model.parameters():
-                    if p.dim() > 1:
-                        p.normal_(0, 0.2)
-            path = tmp_path_factory.mktemp(kind) / "hf"
-            model.save_pretrained(path, safe_serialization=True)
-            get_tokenizer().save_pretrained(path)
-            made[kind] = str(path), model
+            path = tiny_model_dir(cls, std=0.2, **{**_COMMON, **kw})
+            made[kind] = path, load_hf(path)
         return made[kind]
 
     return make

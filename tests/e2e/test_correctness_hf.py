@@ -15,6 +15,8 @@ import torch
 
 from engine_helpers import greedy, model_runner
 
+pytestmark = pytest.mark.slow   # HF-reference suite on the bundled model
+
 ATOL = 1e-3
 
 HF_PROMPTS = [

@@ -14,7 +14,7 @@ import time
 
 import httpx
 import pytest
-from test_server import _Server
+from server_helpers import _alive, _Server, _wait_gone
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.errors import EngineDeadError
@@ -25,27 +25,6 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, i
            "up around a river crossing used by traders who carried salt, wine and pottery between the "
            "coast and the mountains. Over the centuries the town"]   # the last fills full blocks
 KW = dict(dtype="float32", device="cpu", max_model_len=256, kv_cache_memory="128MiB", num_threads=1)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:   # a zombie (exited, not yet reaped) counts as gone
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
-def _wait_gone(pid: int, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not _alive(pid):
-            return True
-        time.sleep(0.05)
-    return False
 
 
 def test_same_tokens_as_in_process_and_utilities():
@@ -73,6 +52,7 @@ def test_same_tokens_as_in_process_and_utilities():
     assert _wait_gone(pid, 5), "the engine process outlived shutdown()"
 
 
+@pytest.mark.slow
 def test_start_up_error_is_raised_in_the_front_end():
     """A cache too small for the asked max_model_len: the core's ValueError, with its text."""
     with pytest.raises(ValueError, match="larger than the KV cache can hold"):
@@ -149,6 +129,7 @@ def test_killed_engine_fails_open_streams_and_health_within_a_second():
         s.stop()
 
 
+@pytest.mark.slow
 def test_engine_exits_when_its_front_end_is_killed():
     """SIGKILL leaves the front end no time to stop its engine: the engine notices its
     parent is gone and exits by itself."""

@@ -110,6 +110,7 @@ def test_max_tokens_inside_the_structure_ends_with_length(llm):
 # --------------------------------------------------------------------------------------
 # invariance: batch and speculative decoding
 # --------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_greedy_constrained_output_is_batch_and_spec_invariant(make_llm, llm, mixed_prompts):
     constrained = [_greedy(40, json=PERSON), _greedy(12, regex=r"[0-9]{3}-[a-z]{2}"),
                    _greedy(40, json=PERSON)]
@@ -135,6 +136,7 @@ def test_greedy_constrained_output_is_batch_and_spec_invariant(make_llm, llm, mi
     assert drafted
 
 
+@pytest.mark.slow
 def test_preempted_and_chunked_constrained_requests_keep_their_grammar(make_llm, llm, mixed_prompts):
     """A preempted request recomputes its tokens and goes on from where its matcher was;
     a prompt chunked over steps gets no bitmask row until its last chunk."""

@@ -43,6 +43,7 @@ def reference(make_llm, chat_prompts):
     return [o.outputs[0].token_ids for o in outs]
 
 
+@pytest.mark.slow
 def test_outputs_identical_with_caching_on_and_off(llm, chat_prompts, reference):
     llm.reset_prefix_cache()
     n = len(chat_prompts)
@@ -133,6 +134,7 @@ def test_reset_prefix_cache(llm):
     assert llm.generate([prompt], greedy(2), use_tqdm=False)[0].num_cached_tokens == 0
 
 
+@pytest.mark.slow
 def test_eviction_under_small_cache(make_llm):
     """A cache of 24 blocks (384 tokens) cannot keep every prompt: least recently used
     blocks are evicted, outputs stay equal to the uncached ones, counts stay consistent."""

@@ -5,58 +5,17 @@ from __future__ import annotations
 
 import pytest
 import torch
+from model_helpers import load_hf, tiny_arch_dir
 
 from pagedllm.benchmarks.accuracy import prefill_logits
 from pagedllm.models.loader import load_arch_config
 from pagedllm.models.loader import build_model
-
-VOCAB = 49152  # the bundled tokenizer's, so the directory can carry it
-
-
-def _tiny_config(arch: str):
-    import transformers as tf
-
-    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                  rms_norm_eps=1e-6, tie_word_embeddings=False)
-    if arch == "llama":
-        return tf.LlamaConfig(**common, rope_theta=10000.0)
-    if arch == "llama3-scaled":
-        return tf.LlamaConfig(**common, rope_theta=500000.0, rope_scaling={
-            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 64})
-    if arch == "mistral":
-        return tf.MistralConfig(**common, sliding_window=None)
-    if arch == "qwen2":
-        return tf.Qwen2Config(**{**common, "tie_word_embeddings": True})
-    if arch == "qwen3":
-        return tf.Qwen3Config(**common, head_dim=32)
-    raise ValueError(arch)
-
 
 @pytest.fixture(scope="module")
 def tok():
     from pagedllm.tokenizer import get_tokenizer
 
     return get_tokenizer()
-
-
-def _save_tiny(tmp_path, arch: str, tok):
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    cfg = _tiny_config(arch)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
-    with torch.no_grad():  # larger-than-init weights so logits are far from uniform
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0, 0.2)
-            elif "norm" not in str(p):
-                pass
-    path = tmp_path / arch
-    model.save_pretrained(path, safe_serialization=True)
-    tok.save_pretrained(path)
-    return str(path), model
 
 
 def _our_prefill_logits(path: str, ids: list[int]) -> torch.Tensor:
@@ -66,8 +25,9 @@ def _our_prefill_logits(path: str, ids: list[int]) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("arch", ["llama", "llama3-scaled", "mistral", "qwen2", "qwen3"])
-def test_prefill_logits_match_transformers(tmp_path, tok, arch):
-    path, ref_model = _save_tiny(tmp_path, arch, tok)
+def test_prefill_logits_match_transformers(tiny_model_dir, tok, arch):
+    path = tiny_arch_dir(tiny_model_dir, arch)
+    ref_model = load_hf(path)
     ids = tok.encode("The quick brown fox jumps over the lazy dog. " * 8)[:100]
     ours = _our_prefill_logits(path, ids)
     with torch.no_grad():
@@ -78,12 +38,13 @@ def test_prefill_logits_match_transformers(tmp_path, tok, arch):
     assert torch.equal(ours.argmax(-1), ref.argmax(-1))
 
 
-def test_engine_serves_hf_directory(tmp_path, tok):
+def test_engine_serves_hf_directory(tiny_model_dir, tok):
     """The whole engine on a HF directory (tokenizer and config from the directory): greedy
     tokens equal transformers' greedy generate on the same weights."""
     from pagedllm import LLM, SamplingParams
 
-    path, ref_model = _save_tiny(tmp_path, "qwen3", tok)
+    path = tiny_arch_dir(tiny_model_dir, "qwen3")
+    ref_model = load_hf(path)
     llm = LLM(model=path, dtype="float32", device="cpu", kv_cache_memory="64MiB", max_model_len=256)
     try:
         prompt = "Once upon a time"

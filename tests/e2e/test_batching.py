@@ -11,6 +11,8 @@ import pytest
 
 from engine_helpers import REF_TOKENS, engine_core, greedy, model_runner
 
+pytestmark = pytest.mark.slow   # whole-engine invariance on the bundled model (32 prompts run alone first)
+
 
 class StepRecorder:
     """A stat logger that records, per engine step, the batch the scheduler formed:

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from engine_helpers import assert_greedy_invariant, engine_leaks, greedy, random_prompts
+from model_helpers import load_hf
 from pagedllm.models.arch_config import config_from_hf_dir
 
 WINDOW = 16
@@ -21,24 +22,14 @@ VOCAB = 49152   # the bundled tokenizer's, so the directory can carry it
 
 
 @pytest.fixture(scope="module")
-def tiny_mistral(tmp_path_factory):
-    import transformers as tf
-
-    from pagedllm.tokenizer import get_tokenizer
-
-    torch.manual_seed(0)
-    cfg = tf.MistralConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-                           num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                           max_position_embeddings=1024, sliding_window=WINDOW, rms_norm_eps=1e-6,
-                           bos_token_id=1, eos_token_id=2)
-    model = tf.MistralForCausalLM(cfg).eval()
-    with torch.no_grad():   # larger-than-init weights, so logits are far from uniform
-        for p in model.parameters():
-            p.normal_(0, 0.2 if p.dim() > 1 else 0.1)
-    path = tmp_path_factory.mktemp("mistral") / "tiny"
-    model.save_pretrained(path, safe_serialization=True)
-    get_tokenizer().save_pretrained(path)
-    return str(path), model
+def tiny_mistral(tiny_model_dir):
+    # larger-than-init weights (all of them), so logits are far from uniform
+    path = tiny_model_dir("mistral", std=0.2, std_1d=0.1,
+                          vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                          max_position_embeddings=1024, sliding_window=WINDOW, rms_norm_eps=1e-6,
+                          bos_token_id=1, eos_token_id=2)
+    return path, load_hf(path)
 
 
 def _prompts(n, seed=1):

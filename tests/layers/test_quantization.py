@@ -11,7 +11,7 @@ import gc
 
 import pytest
 import torch
-from test_dtype_invariance import _check_invariance, _workload, tiny_dir  # noqa: F401 (fixture)
+from invariance_helpers import _check_invariance, _workload
 
 from pagedllm import LLM
 from pagedllm.benchmarks.accuracy import chat_prompt_ids, greedy_agreement, greedy_outputs, model_perplexity
@@ -53,6 +53,7 @@ def float32_reference():
     return ppl, n, prompts, outs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", list(MARGINS))
 def test_accuracy_against_float32(float32_reference, method):
     ref_ppl, n, prompts, ref_outs = float32_reference
@@ -71,11 +72,13 @@ def test_accuracy_against_float32(float32_reference, method):
     assert sum(agree) / len(agree) >= min_agree, f"{method}: agreement {agree}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["int8", "q8_0", "q4_1"])   # q4_0: same kernel path as q4_1
 def test_quantized_tiny_model_invariant(tiny_dir, method):   # noqa: F811 (fixture)
     _check_invariance(tiny_dir, "float32", _workload(8, 100, seed=3), max_tokens=12, quantization=method)
 
 
+@pytest.mark.slow
 def test_gguf_packed_bundled_model_invariant():
     _check_invariance(None, "float32", _workload(6, 120, seed=4), max_tokens=12, quantization="gguf")
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from engine_helpers import model_runner, random_prompts
-from test_models_hf import _save_tiny
+from model_helpers import tiny_arch_dir
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.kernels.cpu import load_cpu_kernels
@@ -17,13 +17,6 @@ from pagedllm.layers.quantization.int8 import amx_int8_available, quantize_per_t
 pytestmark = pytest.mark.skipif(load_cpu_kernels() is None, reason="no C++ kernels on this machine")
 
 FUSED = "decoder one C++ stack call a step"
-
-
-@pytest.fixture(scope="module")
-def tok():
-    from pagedllm.tokenizer import get_tokenizer
-
-    return get_tokenizer()
 
 
 def _run(monkeypatch, fused: bool, **llm_kw):
@@ -49,6 +42,7 @@ def _run(monkeypatch, fused: bool, **llm_kw):
 
 
 # bfloat16 activations too (every CPU can compare the two paths in it; the kernels widen to float32)
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype,kv_cache_dtype", [("float32", "auto"), ("float32", "bfloat16"),
                                                   ("float32", "fp8_e4m3"), ("bfloat16", "auto")])
 def test_bundled_gguf_fused_equals_per_layer(monkeypatch, dtype, kv_cache_dtype):
@@ -62,8 +56,8 @@ def test_bundled_gguf_fused_equals_per_layer(monkeypatch, dtype, kv_cache_dtype)
 
 
 @pytest.mark.parametrize("arch,method", [("llama", "q8_0"), ("qwen2", "q4_1")])   # qwen2: a q|k|v bias
-def test_tiny_models_fused_equals_per_layer(monkeypatch, tmp_path, tok, arch, method):
-    path, _ = _save_tiny(tmp_path, arch, tok)
+def test_tiny_models_fused_equals_per_layer(monkeypatch, tiny_model_dir, arch, method):
+    path = tiny_arch_dir(tiny_model_dir, arch)
     path_fused, fused = _run(monkeypatch, True, model=path, quantization=method, vocab=2000)
     _, layers = _run(monkeypatch, False, model=path, quantization=method, vocab=2000)
     assert FUSED in path_fused
@@ -75,8 +69,8 @@ def test_tiny_models_fused_equals_per_layer(monkeypatch, tmp_path, tok, arch, me
     ("llama", {}, "has no C++ stack form"),                                      # dense float32 linears
     ("llama", {"quantization": "q8_0", "attention_backend": "torch"}, "attention not on the C++ kernels"),
 ])
-def test_per_layer_where_the_stack_cannot_apply(monkeypatch, tmp_path, tok, arch, kw, reason):
-    path, _ = _save_tiny(tmp_path, arch, tok)
+def test_per_layer_where_the_stack_cannot_apply(monkeypatch, tiny_model_dir, arch, kw, reason):
+    path = tiny_arch_dir(tiny_model_dir, arch)
     described, outs = _run(monkeypatch, True, model=path, vocab=2000, **kw)
     assert "decoder per-layer (" in described and reason in described
     assert all(len(ids) == 10 for ids, _ in outs)
@@ -96,6 +90,7 @@ def test_start_up_log_says_how_the_decoder_runs(monkeypatch, caplog, fused):
                                            "per-layer (PAGEDLLM_FUSED_DECODER=0)")]
 
 
+@pytest.mark.slow
 def test_int8_start_up_lines_describe_the_engine_model(monkeypatch, caplog, int8_on_avx2):
     """SmoothQuant's calibration prefills run the model over a cache of their own with the
     linears in float; the start-up lines describe the engine's model, not that pass (the
@@ -153,6 +148,7 @@ def int8_on_avx2(monkeypatch):
 INT8_KERNELS = [("avx2", "AVX2 u8s8"), ("amx", "AMX u8s8")]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend,kernel", INT8_KERNELS)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_bundled_int8_fused_equals_per_layer(monkeypatch, backend, kernel, dtype):
@@ -169,9 +165,9 @@ def test_bundled_int8_fused_equals_per_layer(monkeypatch, backend, kernel, dtype
     assert len(fused) == 6 and all(len(ids) == 10 for ids, _ in fused)
 
 
-def test_tiny_qwen2_int8_fused_equals_per_layer(monkeypatch, tmp_path, tok, int8_on_avx2):
+def test_tiny_qwen2_int8_fused_equals_per_layer(monkeypatch, tiny_model_dir, int8_on_avx2):
     """A q|k|v bias through the int8 stack form (added by the kernel's epilogue)."""
-    path, _ = _save_tiny(tmp_path, "qwen2", tok)
+    path = tiny_arch_dir(tiny_model_dir, "qwen2")
     path_fused, fused = _run(monkeypatch, True, model=path, quantization="int8", vocab=2000)
     _, layers = _run(monkeypatch, False, model=path, quantization="int8", vocab=2000)
     assert FUSED in path_fused

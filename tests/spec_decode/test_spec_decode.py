@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 from engine_helpers import engine_core
 
 from pagedllm import SamplingParams
@@ -62,22 +61,12 @@ def reference(make_llm, prompts):
 
 
 @pytest.fixture(scope="module")
-def tiny_draft(tmp_path_factory) -> str:
-    """A random-weight 2-layer Llama with the bundled model's tokenizer (its drafts are
-    almost always rejected)."""
-    import transformers as tf
-
-    from pagedllm.tokenizer import get_tokenizer
-
-    torch.manual_seed(0)
-    cfg = tf.LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-                         tie_word_embeddings=True)
-    model = tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
-    path = tmp_path_factory.mktemp("tiny-draft")
-    model.save_pretrained(path, safe_serialization=True)
-    get_tokenizer().save_pretrained(path)
-    return str(path)
+def tiny_draft(tiny_model_dir) -> str:
+    """A random-weight 2-layer Llama (transformers' default init) with the bundled model's
+    tokenizer (its drafts are almost always rejected)."""
+    return tiny_model_dir("llama", std=None, vocab_size=49152, hidden_size=64, intermediate_size=128,
+                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                          max_position_embeddings=2048, tie_word_embeddings=True)
 
 
 def _spec(method: str, k: int, model_path: str, tiny_draft: str) -> str:
@@ -95,6 +84,7 @@ def _counters(llm):
     return s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method,k", [
     ("ngram", 1), ("ngram", 3), ("ngram", 8), ("suffix", 3), ("suffix", 8),
     ("draft_self", 1), ("draft_self", 3), ("draft_self", 8), ("draft_tiny", 3)])
@@ -111,6 +101,7 @@ def test_greedy_output_unchanged(make_llm, prompts, reference, model_path, tiny_
         assert accepted == draft_tokens
 
 
+@pytest.mark.slow
 def test_batch_mixed_with_sampled_requests_and_staggered_arrivals(make_llm, prompts, reference, model_path,
                                                                    tiny_draft):
     """Greedy requests keep their output when sampled requests (with and without seeds)
@@ -138,6 +129,7 @@ def test_batch_mixed_with_sampled_requests_and_staggered_arrivals(make_llm, prom
         assert len(got[f"s{i}"]) == MAX_TOKENS
 
 
+@pytest.mark.slow
 def test_seeded_sampling_is_reproducible(make_llm, prompts, model_path, tiny_draft):
     """A seeded request's tokens do not depend on the batch, though the step-level draft
     choice does: its draft count follows its own history only."""
@@ -148,6 +140,7 @@ def test_seeded_sampling_is_reproducible(make_llm, prompts, model_path, tiny_dra
     assert alone == batched and len(alone) == 2 * MAX_TOKENS
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["ngram", "draft_self"])
 def test_preemption_and_chunked_prefill(make_llm, prompts, reference, model_path, tiny_draft, method):
     """A KV cache too small for the batch (preemptions) and a 32-token budget (chunked
@@ -163,6 +156,7 @@ def test_preemption_and_chunked_prefill(make_llm, prompts, reference, model_path
     assert _counters(llm)[2] > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["ngram", "draft_self"])
 def test_prefix_caching(make_llm, prompts, reference, model_path, tiny_draft, method):
     llm = make_llm(**PLAIN_KW, speculative_config=_spec(method, 3, model_path, tiny_draft))
@@ -171,6 +165,7 @@ def test_prefix_caching(make_llm, prompts, reference, model_path, tiny_draft, me
     assert got == reference
 
 
+@pytest.mark.slow
 def test_finish_conditions_inside_an_accepted_chunk(make_llm, prompts, model_path, tiny_draft):
     """The bundled model drafting for itself accepts all 4 drafts per step, so each stop
     below lands inside a chunk of 5 tokens: output must be cut exactly as without
@@ -218,6 +213,7 @@ def test_streaming_deltas_concatenate(make_llm, prompts, model_path, tiny_draft)
     assert "".join(deltas) == final.outputs[0].text
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not has_native_bf16(), reason="no bf16 arithmetic on this CPU (float32 is its default)")
 def test_greedy_output_unchanged_in_bfloat16(make_llm, prompts, model_path, tiny_draft):
     plain = make_llm(**PLAIN_KW, dtype="bfloat16")

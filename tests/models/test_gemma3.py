@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from engine_helpers import assert_greedy_invariant, engine_core, engine_leaks, greedy, random_prompts
+from model_helpers import load_hf
 from pagedllm.attention.backend import build_common_metadata, get_attention_backend
 from pagedllm.kv_cache_interface import make_kv_cache_config
 from pagedllm.platform import has_native_bf16
@@ -135,29 +136,19 @@ def test_kv_cache_groups_of_a_hybrid_model():
 
 # -- a small random-weight Gemma 3 ----------------------------------------------------
 @pytest.fixture(scope="module")
-def tiny_gemma(tmp_path_factory):
-    import transformers as tf
-
-    from pagedllm.tokenizer import get_tokenizer
-
-    torch.manual_seed(0)
+def tiny_gemma(tiny_model_dir):
     types = ["sliding_attention", "sliding_attention", "full_attention"] * 2
-    cfg = tf.Gemma3TextConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
-                              num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                              max_position_embeddings=1024, sliding_window=WINDOW, layer_types=types,
-                              query_pre_attn_scalar=24, rms_norm_eps=1e-6, tie_word_embeddings=True,
-                              rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
-                                               "sliding_attention": {"rope_type": "default",
-                                                                     "rope_theta": 1e4}},
-                              bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    model = tf.Gemma3ForCausalLM(cfg).eval()
-    with torch.no_grad():   # larger-than-init weights, so logits are far from uniform
-        for name, p in model.named_parameters():
-            p.normal_(0, 0.2 if p.dim() > 1 else 0.1)
-    path = tmp_path_factory.mktemp("gemma3") / "tiny"
-    model.save_pretrained(path, safe_serialization=True)
-    get_tokenizer().save_pretrained(path)
-    return str(path), model
+    # larger-than-init weights (all of them), so logits are far from uniform
+    path = tiny_model_dir("gemma3", std=0.2, std_1d=0.1,
+                          vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                          max_position_embeddings=1024, sliding_window=WINDOW, layer_types=types,
+                          query_pre_attn_scalar=24, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                          rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                                           "sliding_attention": {"rope_type": "default",
+                                                                 "rope_theta": 1e4}},
+                          bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    return path, load_hf(path)
 
 
 def _prompts(n=12, seed=1):
@@ -291,6 +282,7 @@ def gemma_gguf():
     return str(mod.assemble())
 
 
+@pytest.mark.slow
 def test_gemma3_270m_gguf_matches_transformers(gemma_gguf):
     from transformers import AutoModelForCausalLM
 

@@ -15,11 +15,10 @@ import os
 import numpy as np
 import pytest
 import torch
-from engine_helpers import tiny_llama
 
 DEVICE = os.environ.get("PAGEDLLM_TEST_DEVICE", "cuda")
-pytestmark = pytest.mark.skipif(DEVICE == "cuda" and not torch.cuda.is_available(),
-                                reason="no CUDA device")
+pytestmark = [pytest.mark.skipif(DEVICE == "cuda" and not torch.cuda.is_available(), reason="no CUDA device"),
+              pytest.mark.slow]   # HF-reference and invariance suites
 
 VOCAB = 1024
 TEXT = ("The history of the city goes back more than two thousand years, when a small settlement "
@@ -28,7 +27,7 @@ TEXT = ("The history of the city goes back more than two thousand years, when a 
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
+def tiny_dir(tiny_model_dir):
     """A directory holding a tiny random Llama (2 layers, 4 q / 2 kv heads x 64) in
     float32 safetensors and a BPE tokenizer with a 1024-token vocabulary."""
     import transformers as tf
@@ -40,11 +39,7 @@ def tiny_dir(tmp_path_factory):
     tok.train_from_iterator([TEXT], trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<eos>"],
                                                         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     fast = tf.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
-    model = tiny_llama(VOCAB, eos_token_id=0, bos_token_id=0)
-    path = tmp_path_factory.mktemp("tiny-llama-cuda")
-    model.save_pretrained(path, safe_serialization=True)
-    fast.save_pretrained(path)
-    return str(path)
+    return tiny_model_dir("llama", tokenizer=fast, vocab_size=VOCAB, eos_token_id=0, bos_token_id=0)
 
 
 def _prompts(n: int, seed: int, prefix_len: int = 40) -> list[list[int]]:

@@ -12,7 +12,9 @@ import httpx
 import jsonschema
 import pytest
 import torch
-from test_server import _Server
+from server_helpers import _Server
+
+pytestmark = pytest.mark.slow   # server end-to-end suite, HF-reference logprobs
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]}},
            "required": ["city", "unit"], "additionalProperties": False}

@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from test_attention import _batch, _naive
+from attention_helpers import _batch, _naive
 
 from pagedllm.attention.backend import CommonAttentionMetadata, get_attention_backend
 from pagedllm.attention.torch_backend import dequantize_kv, quantize_kv, write_kv
@@ -231,7 +231,7 @@ def test_kernel_matches_torch_backend_on_the_same_cache(dtype, model_dtype, hd):
 def test_kernel_fp8_cache_is_batch_and_chunk_invariant(dtype):
     """With a quantized cache too, a decode alone equals the same decode in a batch, and a
     prompt chunk computed one query at a time equals the whole chunk, bit for bit."""
-    from test_attention import _one_request
+    from attention_helpers import _one_request
 
     c, layer_cache, q, k, v, info = _batch()
     cache = torch.stack([quantize_kv(layer_cache[0], dtype, 0.5), quantize_kv(layer_cache[1], dtype, 0.5)])
@@ -335,21 +335,15 @@ def test_engine_args_and_cli():
 
 
 @pytest.fixture(scope="module")
-def scaled_tiny_dir(tmp_path_factory):
+def scaled_tiny_dir(tiny_model_dir, tmp_path_factory):
     """A tiny random Llama (2 layers) whose checkpoint carries KV-cache scales in vLLM's
     names: layer 0 as llm-compressor writes them, layer 1 as ModelOpt does."""
-    import transformers as tf
+    import shutil
+
     from safetensors.torch import load_file, save_file
 
-    from pagedllm.tokenizer import get_tokenizer
-
-    torch.manual_seed(0)
-    cfg = tf.LlamaConfig(vocab_size=49152, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                         tie_word_embeddings=False)
-    path = tmp_path_factory.mktemp("tiny-scaled")
-    tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(path, safe_serialization=True)
-    get_tokenizer().save_pretrained(path)
+    path = tmp_path_factory.mktemp("tiny-scaled") / "hf"     # a copy: the factory's directory is shared
+    shutil.copytree(tiny_model_dir("llama", std=None, max_position_embeddings=512), path)
     f = path / "model.safetensors"
     w = load_file(str(f))
     w["model.layers.0.self_attn.k_scale"] = torch.tensor(0.25)
@@ -415,6 +409,7 @@ def test_bad_checkpoint_scale_is_an_error(tmp_path):
 # --------------------------------------------------------------------------------------
 # The bundled model with narrower caches
 # --------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_bundled_model_greedy_text_with_narrower_caches(make_llm, mixed_prompts):
     """SmolLM2-135M in float32, greedy, 48 tokens on 8 prompts, KV cache in bfloat16 and
     fp8 E4M3 (scale 1.0: its K/V reach |k| <= ~19, |v| <= ~11 on these prompts, far

@@ -9,6 +9,8 @@ import torch
 
 from pagedllm.sampling_params import SamplingParams
 
+pytestmark = pytest.mark.slow   # HF-reference suite on the bundled model
+
 ATOL = 2e-3
 PROMPT = ("The history of the city goes back more than two thousand years, when a small settlement "
           "grew up around a river crossing used by traders who carried salt, wine and pottery. The")
