@@ -14,8 +14,7 @@ import threading
 
 import httpx
 import pytest
-from test_dtype_invariance import tiny_dir  # noqa: F401 (fixture)
-from test_server import _Server
+from server_helpers import _Server
 
 
 class _OwnedTokenizer:

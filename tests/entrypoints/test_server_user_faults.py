@@ -18,8 +18,7 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
-from test_dtype_invariance import tiny_dir  # noqa: F401 (fixture)
-from test_server import _Server
+from server_helpers import _Server
 
 from pagedllm.entrypoints.openai.admission import AdmissionControl
 from pagedllm.entrypoints.openai.chat_tools import ChatTools
