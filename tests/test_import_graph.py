@@ -17,7 +17,7 @@ import pagedllm
 # Low to high: an import may only point to a lower rank.
 RANKS = {
     "errors": 0, "envs": 0, "outputs": 0, "forward_context": 0, "platform": 0, "kv_cache_interface": 0,
-    "utils": 1, "sampling_params": 1, "kernels": 1, "logger": 1,
+    "utils": 1, "sampling_params": 1, "kernels": 1, "logger": 1, "distributed": 1,
     "messages": 2, "attention": 2, "tokenizer": 2,
     "layers": 3, "structured_output": 3, "sample": 3,
     "models": 4,
