@@ -227,6 +227,10 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True,
         return self.num_speculative_tokens if self.method == "draft_model" else 0
 
 
+# --distributed-executor-backend: one worker in the engine's process, or one process per rank
+EXECUTOR_BACKENDS = ("uni", "mp")
+
+
 @dataclass
 class EngineArgs:
     """Every engine setting; CLI flags are these names in kebab case (as ``vllm serve``).
@@ -266,6 +270,11 @@ class EngineArgs:
             KV-cache group for all layers, as vLLM's flag of that name); by default a
             model with local layers gets its own groups for them, whose blocks out of
             the window are released (``kv_cache_interface``).
+        tensor_parallel_size: ranks the model's layers are split over (Megatron-style:
+            heads, MLP features and vocabulary), one worker process each.
+        distributed_executor_backend: how the workers run: "uni" (one worker in the
+            engine's process; the default at tp 1) or "mp" (one process per rank; the
+            default when tp > 1).
         engine_process: run the engine core in its own process, reached over ZMQ
             (``engine/core_client.py``'s ``MPClient``); False keeps it in the front end's
             process (``--no-engine-process``: debugging, tests that look inside the core).
@@ -292,6 +301,8 @@ class EngineArgs:
     num_threads: int | None = None
     profile_dir: str | None = None
     disable_hybrid_kv_cache_manager: bool = False
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: str | None = None
     engine_process: bool = True
 
     @staticmethod
@@ -333,6 +344,11 @@ class EngineArgs:
         parser.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",
                             help="keep every KV block of sliding-window layers (one block table for "
                                  "all layers) instead of releasing those out of the window")
+        parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size,
+                            help="split the model over this many ranks (worker processes)")
+        parser.add_argument("--distributed-executor-backend", default=None, choices=list(EXECUTOR_BACKENDS),
+                            help="uni: one worker in the engine process (default at tp 1); mp: one "
+                                 "process per rank (default when tp > 1)")
         parser.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=d.engine_process,
                             help="run the engine core in its own process (default); --no-engine-process "
                                  "keeps it in this one, for debugging")
@@ -409,7 +425,7 @@ class EngineArgs:
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
                 raise InvalidParameterError(name, f"{name} must be a positive int, got {v!r}")
         for n in ("max_model_len", "block_size", "num_gpu_blocks_override",
-                  "max_num_batched_tokens", "max_num_seqs", "num_threads"):
+                  "max_num_batched_tokens", "max_num_seqs", "num_threads", "tensor_parallel_size"):
             pos(n)
         if not (0 < self.gpu_memory_utilization <= 1):
             raise InvalidParameterError("gpu_memory_utilization", f"gpu_memory_utilization must be in (0, 1], "
@@ -434,6 +450,19 @@ class EngineArgs:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             resolve_kv_cache_dtype(self.kv_cache_dtype, torch.float32)   # raises, naming kv_cache_dtype
         SpeculativeConfig.parse(self.speculative_config)   # raises, naming speculative_config
+        if self.distributed_executor_backend not in (None, *EXECUTOR_BACKENDS):
+            raise InvalidParameterError(
+                "distributed_executor_backend", f"distributed_executor_backend must be one of "
+                f"{', '.join(EXECUTOR_BACKENDS)}, got {self.distributed_executor_backend!r}")
+        if self.tensor_parallel_size > 1 and self.distributed_executor_backend == "uni":
+            raise InvalidParameterError(
+                "distributed_executor_backend", "distributed_executor_backend 'uni' runs one worker; "
+                f"tensor_parallel_size {self.tensor_parallel_size} needs 'mp'")
+
+    @property
+    def executor_backend(self) -> str:
+        """The executor that runs the workers: the flag, else "mp" when tp > 1, else "uni"."""
+        return self.distributed_executor_backend or ("mp" if self.tensor_parallel_size > 1 else "uni")
 
 
 @dataclass
@@ -510,7 +539,33 @@ class EngineConfig:
                     f"({draft_arch.vocab_size}) differs from the target's ({arch.vocab_size}); "
                     "a draft model must share the target's tokenizer")
             spec = msgspec.structs.replace(spec, draft_arch=draft_arch)   # read once, here
+        _check_tensor_parallel(args, arch, device, spec)
         return cls(args, path, name, arch, dtype, device, max_len, kv_dtype, quant_config, spec)
+
+
+def _check_tensor_parallel(args: EngineArgs, arch: ModelArchConfig, device: torch.device,
+                           spec: SpeculativeConfig | None) -> None:
+    """Raises InvalidParameterError("tensor_parallel_size") when the model's heads, MLP
+    features or the device count do not split over ``args.tensor_parallel_size`` ranks,
+    before any process starts (the layers check the rest, such as GGUF block
+    boundaries, as they are built)."""
+    tp = args.tensor_parallel_size
+    if tp == 1:
+        return
+    from pagedllm.distributed import divide, kv_head_shard
+
+    divide(arch.num_attention_heads, tp, "attention heads")
+    kv_head_shard(arch.num_key_value_heads, 0, tp)
+    for what, n in (("intermediate size", arch.intermediate_size),
+                    ("MoE intermediate size", getattr(arch, "moe_intermediate_size", None))):
+        if n:
+            divide(n, tp, what)
+    if spec is not None and spec.method == "draft_model":
+        raise InvalidParameterError("tensor_parallel_size", "tensor_parallel_size > 1 does not run a draft "
+                                    "model yet; use the ngram or suffix method")
+    if device.type == "cuda" and torch.cuda.device_count() < tp:
+        raise InvalidParameterError("tensor_parallel_size", f"tensor_parallel_size {tp} needs {tp} GPUs, "
+                                    f"{torch.cuda.device_count()} visible")
 
 
 def _quant_config(method: str | None, path: str, device: torch.device):

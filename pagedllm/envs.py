@@ -21,6 +21,7 @@ it before the engine starts. A switch (default ``1`` or ``0`` below) takes ``1``
 | ``PAGEDLLM_ALLOW_LONG_MAX_MODEL_LEN`` | ``0`` | ``1``: allow ``max_model_len`` past the model's context |
 | ``PAGEDLLM_PROFILE_STEPS`` | ``5,20`` | ``START,NUM``: engine steps the torch.profiler trace covers |
 | ``PAGEDLLM_API_KEY`` | unset | the server's API key when ``--api-key`` is not given (Bearer auth) |
+| ``PAGEDLLM_CPU_OMP_THREADS_BIND`` | unset | each tensor-parallel rank's CPU cores, ranks split by a bar: ``0-31\\|32-63`` (vLLM's ``VLLM_CPU_OMP_THREADS_BIND``) |
 """
 from __future__ import annotations
 
@@ -134,3 +135,10 @@ def profile_steps() -> tuple[int, int]:
 def api_key() -> str | None:
     """``PAGEDLLM_API_KEY``, or None when unset or empty."""
     return os.environ.get("PAGEDLLM_API_KEY") or None
+
+
+def cpu_omp_threads_bind() -> str | None:
+    """``PAGEDLLM_CPU_OMP_THREADS_BIND`` (vLLM's ``VLLM_CPU_OMP_THREADS_BIND``): each
+    tensor-parallel rank's CPU cores, ranks separated by ``|`` (``0-31|32-63``); None when
+    unset (no binding)."""
+    return os.environ.get("PAGEDLLM_CPU_OMP_THREADS_BIND") or None

@@ -14,6 +14,9 @@ class InvalidParameterError(ValueError):
         super().__init__(message)
         self.param = param
 
+    def __reduce__(self):   # pickles (a worker process's start-up error reaches the executor)
+        return type(self), (self.param, str(self))
+
 
 def check_unicode(param: str, text: str, where: str | None = None) -> None:
     """Raises InvalidParameterError naming ``param`` if ``text`` cannot be encoded as UTF-8:
@@ -53,6 +56,12 @@ def check_unicode_json(param: str, value, where: str | None = None) -> None:
 class EngineDeadError(RuntimeError):
     """The engine core has died (its loop raised, or its process exited); no request can
     be served any more. The server answers 503 and ``/health`` turns 503."""
+
+
+class ExecutorDeadError(EngineDeadError):
+    """A worker process of a multi-process executor died, or its ranks fell out of step
+    (an error on some ranks only, different sampled tokens): the tensor-parallel group
+    cannot run another step."""
 
 
 class ServerShuttingDownError(EngineDeadError):

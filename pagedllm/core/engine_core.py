@@ -12,6 +12,7 @@ from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.core.step_profiler import StepProfiler, StepRecord
+from pagedllm.errors import ExecutorDeadError
 from pagedllm.executor.abstract import Executor
 from pagedllm.messages import EngineCoreInfo, EngineCoreOutputs, EngineCoreRequest
 from pagedllm.structured_output import StructuredOutputManager
@@ -116,6 +117,8 @@ class EngineCore:
             return EngineCoreOutputs(failed_grammars, self.scheduler.stats())
         try:
             runner_output = self.executor.execute_model(so)
+        except ExecutorDeadError:
+            raise          # no step can run any more: the loop fails every request
         except Exception as e:  # noqa: BLE001  (fail this step's requests, not the engine)
             logger.exception("engine step failed")
             failed = list(so.num_scheduled_tokens)

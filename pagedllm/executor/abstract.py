@@ -1,6 +1,6 @@
 """The executor interface: what the engine core asks of the workers, whatever their
 number or where they run (vLLM V1's ``Executor``). ``uniproc`` drives one worker in this
-process; a multi-process or Ray executor would fan the same calls out to its workers."""
+process; ``multiproc`` fans the same calls out to one process per tensor-parallel rank."""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
@@ -16,7 +16,12 @@ class Executor(ABC):
 
     @staticmethod
     def get_class(config: EngineConfig) -> type[Executor]:
-        """The executor for ``config`` (today always the single-process one)."""
+        """The executor for ``config.args.executor_backend``: "uni" one worker in this
+        process, "mp" one process per tensor-parallel rank."""
+        if config.args.executor_backend == "mp":
+            from pagedllm.executor.multiproc_executor import MultiprocExecutor
+
+            return MultiprocExecutor
         from pagedllm.executor.uniproc_executor import UniProcExecutor
 
         return UniProcExecutor

@@ -38,6 +38,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from pagedllm.distributed import tensor_model_parallel_all_reduce
 from pagedllm.layers.activation import SiluAndMul
 from pagedllm.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from pagedllm.layers.quantization.base_config import unsupported
@@ -115,8 +116,10 @@ class ExpertMLP(nn.Module):
         self.gate_up_proj = MergedColumnParallelLinear(
             hidden_size, [intermediate_size, intermediate_size], False, dtype, device,
             prefix=f"{prefix}.gate_up_proj", quant_config=quant_config)
+        # partial sums over this rank's intermediate features; FusedMoE reduces once
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, False, dtype, device,
-                                           prefix=f"{prefix}.down_proj", quant_config=quant_config)
+                                           prefix=f"{prefix}.down_proj", quant_config=quant_config,
+                                           reduce_results=False)
 
     def forward(self, x: torch.Tensor, act_fn: nn.Module) -> torch.Tensor:
         return self.down_proj(act_fn(self.gate_up_proj(x)))
@@ -240,4 +243,5 @@ class FusedMoE(nn.Module):
         out = slots[:, 0].clone()
         for j in range(1, k):
             out += slots[:, j]
-        return out.to(hidden_states.dtype)
+        # tensor parallelism: each rank summed its share of every expert's intermediate features
+        return tensor_model_parallel_all_reduce(out).to(hidden_states.dtype)

@@ -57,7 +57,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm import envs
+from pagedllm.distributed import (divide, get_tp_rank, get_tp_size, kv_head_shard,
+                                  tensor_model_parallel_all_reduce)
 from pagedllm.kernels.cpu import trace
+from pagedllm.errors import InvalidParameterError
 from pagedllm.layers.utils import check_shape, cpu_kernels_for, default_weight_loader
 
 
@@ -75,6 +78,14 @@ class LinearMethod(ABC):
 
     name: str
     float_weight: bool = False
+    # Row-parallel layers split the input features; a method storing blocks of several
+    # weights per byte range splits only on block boundaries.
+    input_shard_multiple: int = 1
+
+    def shard_input(self, loaded: torch.Tensor, start: int, size: int) -> torch.Tensor:
+        """Input features [start, start + size) of a checkpoint weight as this method loads
+        it (row-parallel sharding): ``loaded[:, start:start + size]`` for a dense [out, in]."""
+        return loaded.narrow(1, start, size)
 
     def create_weights(self, layer: nn.Module, input_size: int, output_partition_sizes: list[int],
                        params_dtype: torch.dtype, device: torch.device) -> None:
@@ -426,6 +437,13 @@ class _WrappingLinearMethod(LinearMethod):
     def layer_name(self, layer):
         return self.inner.layer_name(layer) + self.suffix
 
+    @property
+    def input_shard_multiple(self) -> int:
+        return self.inner.input_shard_multiple
+
+    def shard_input(self, loaded, start, size):
+        return self.inner.shard_input(loaded, start, size)
+
     def create_weights(self, layer, input_size, output_partition_sizes, params_dtype, device):
         self.inner.create_weights(layer, input_size, output_partition_sizes, params_dtype, device)
 
@@ -546,7 +564,9 @@ def measure_linear_gflops(in_features: int, out_features: int, rows: int, dtype:
 
 class LinearBase(nn.Module):
     """A linear layer y = x @ W.T (+ b): W [output_size, input_size] in ``params_dtype``,
-    optional bias [output_size] (zeros until loaded).
+    optional bias [output_size] (zeros until loaded). The sizes are this tensor-parallel
+    rank's (``distributed``); subclasses take the model's and split them, and their
+    weight loaders narrow each whole checkpoint tensor to this rank's part.
 
     Args:
         input_size: in features; output_sizes: out features of each fused part (one part
@@ -562,6 +582,7 @@ class LinearBase(nn.Module):
     Attributes:
         params_dtype: the dtype of the activations (and of a dense weight); a quantized
             method may store ``weight`` in another dtype.
+        tp_rank, tp_size: this process's tensor-parallel rank and the group's size.
     """
 
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool, params_dtype: torch.dtype,
@@ -570,10 +591,12 @@ class LinearBase(nn.Module):
         super().__init__()
         self.input_size, self.output_sizes, self.prefix = input_size, list(output_sizes), prefix
         self.params_dtype = params_dtype
+        self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
         if linear_method is None and quant_config is not None:
             linear_method = quant_config.get_linear_method(prefix, input_size, self.output_sizes,
                                                            params_dtype, device)
         self.linear_method = linear_method or get_linear_method(device, params_dtype)
+        self._check_shard()
         self.linear_method.create_weights(self, input_size, self.output_sizes, params_dtype, device)
         self.bias = (nn.Parameter(torch.zeros(sum(output_sizes), dtype=params_dtype, device=device),
                                   requires_grad=False) if bias else None)
@@ -581,6 +604,10 @@ class LinearBase(nn.Module):
             if p is not None:
                 p.weight_loader = self.weight_loader
         self.output_size = sum(self.output_sizes)
+
+    def _check_shard(self) -> None:
+        """Raises InvalidParameterError("tensor_parallel_size") where this rank's part cannot
+        be stored by the method (a subclass that splits input features checks it)."""
 
     @property
     def compute_path(self) -> tuple[str, str, str]:
@@ -601,8 +628,13 @@ class LinearBase(nn.Module):
         """
         default_weight_loader(param, loaded_weight, self._param_name(param))
 
-    def _load_shard(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard: int, label) -> None:
-        """Copy ``loaded_weight`` into the rows of part ``shard`` of ``param``."""
+    def _load_shard(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard: int, label,
+                    rows: tuple[int, int, int] | None = None) -> None:
+        """Copy ``loaded_weight``'s rows [start, start + n) (``rows`` = (start, n, the
+        checkpoint's row count); all of them at one rank) into the rows of part ``shard``
+        of ``param``."""
+        if rows is not None and self.tp_size > 1:
+            loaded_weight = _narrow_rows(loaded_weight, *rows, f"{self._param_name(param)} shard {label!r}")
         offset = sum(self.output_sizes[:shard])
         target = param.data.narrow(0, offset, self.output_sizes[shard])
         check_shape(f"{self._param_name(param)} shard {label!r}", target, loaded_weight)
@@ -611,6 +643,14 @@ class LinearBase(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, input_size] → [T, output_size] in x's dtype."""
         return self.linear_method.apply(self, x, self.bias)
+
+
+def _narrow_rows(loaded: torch.Tensor, start: int, n: int, full: int, name: str) -> torch.Tensor:
+    """Rows [start, start + n) of a checkpoint tensor of ``full`` rows; ValueError naming
+    it when it has another number of rows."""
+    if loaded.shape[0] != full:
+        raise ValueError(f"weight {name}: shape {tuple(loaded.shape)} has {loaded.shape[0]} rows, expected {full}")
+    return loaded.narrow(0, start, n)
 
 
 class ReplicatedLinear(LinearBase):
@@ -623,32 +663,100 @@ class ReplicatedLinear(LinearBase):
                          quant_config)
 
 
-class RowParallelLinear(ReplicatedLinear):
-    """A linear layer whose input features would be split over ranks (o_proj, down_proj);
-    with one rank, a ``ReplicatedLinear``."""
+class RowParallelLinear(LinearBase):
+    """A linear layer whose input features are split over the tensor-parallel ranks
+    (o_proj, down_proj): each rank multiplies its ``input_size / tp`` features and the
+    partial outputs are summed by an all-reduce (Megatron-LM's row-parallel layer; the
+    bias is added once, after the sum).
+
+    Args:
+        input_size, output_size: the model's (whole) sizes.
+        reduce_results: all-reduce the output (False: the caller sums several layers'
+            partial outputs once, as ``FusedMoE`` does; the bias is then added on rank 0).
+
+    Raises:
+        InvalidParameterError("tensor_parallel_size"): the split is uneven or falls inside
+            the method's blocks (``LinearMethod.input_shard_multiple``).
+    """
+
+    def __init__(self, input_size: int, output_size: int, bias: bool, params_dtype: torch.dtype,
+                 device: torch.device, linear_method: LinearMethod | None = None, prefix: str = "",
+                 quant_config=None, reduce_results: bool = True):
+        self.reduce_results = reduce_results
+        self.full_input_size = input_size
+        super().__init__(divide(input_size, get_tp_size(), f"{prefix or 'linear'} input features"),
+                         [output_size], bias, params_dtype, device, linear_method, prefix, quant_config)
+
+    def _check_shard(self) -> None:
+        mult = self.linear_method.input_shard_multiple
+        if self.tp_size > 1 and self.input_size % mult:
+            raise InvalidParameterError(
+                "tensor_parallel_size",
+                f"tensor_parallel_size {self.tp_size} splits {self.prefix}'s {self.full_input_size} input "
+                f"features into {self.input_size} per rank, not a multiple of {self.linear_method.name}'s "
+                f"{mult}-weight blocks")
+
+    def weight_loader(self, param, loaded_weight, shard_id=None):
+        """Copy this rank's input features of the checkpoint weight (the whole bias).
+
+        Raises:
+            ValueError: a shape that differs from the layer's (named).
+        """
+        if param is self.weight and self.tp_size > 1:
+            loaded_weight = self.linear_method.shard_input(loaded_weight, self.tp_rank * self.input_size,
+                                                           self.input_size)
+        default_weight_loader(param, loaded_weight, self._param_name(param))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, input_size / tp] → [T, output_size] in x's dtype, summed over the ranks."""
+        if self.tp_size == 1:
+            return self.linear_method.apply(self, x, self.bias)
+        y = self.linear_method.apply(self, x).contiguous()
+        if self.reduce_results:
+            y = tensor_model_parallel_all_reduce(y)
+        if self.bias is not None and (self.reduce_results or self.tp_rank == 0):
+            y = y + self.bias
+        return y
 
 
 class MergedColumnParallelLinear(LinearBase):
     """Several linear layers over the same input with their outputs concatenated (gate|up:
-    one matmul instead of two). Checkpoint tensors are loaded with ``shard_id`` = the
-    part's index (0 for gate, 1 for up)."""
+    one matmul instead of two), each part's output features split over the
+    tensor-parallel ranks. Checkpoint tensors are loaded with ``shard_id`` = the part's
+    index (0 for gate, 1 for up).
+
+    Args:
+        output_sizes: the model's (whole) size of each part.
+    """
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool, params_dtype: torch.dtype,
+                 device: torch.device, linear_method: LinearMethod | None = None, prefix: str = "",
+                 quant_config=None):
+        tp = get_tp_size()
+        super().__init__(input_size, [divide(n, tp, f"{prefix or 'linear'} output features") for n in output_sizes],
+                         bias, params_dtype, device, linear_method, prefix, quant_config)
 
     def weight_loader(self, param, loaded_weight, shard_id=None):
-        """Copy part ``shard_id`` (int index into ``output_sizes``) into its rows of ``param``.
+        """Copy this rank's rows of part ``shard_id`` (int index into ``output_sizes``)
+        into its rows of ``param``.
 
         Raises:
             ValueError: a shape that differs from that part's (layer and shard named).
         """
-        self._load_shard(param, loaded_weight, shard_id, shard_id)
+        n = self.output_sizes[shard_id]
+        self._load_shard(param, loaded_weight, shard_id, shard_id, (self.tp_rank * n, n, n * self.tp_size))
 
 
 class QKVParallelLinear(LinearBase):
-    """The fused q|k|v projection: hidden_size → (num_heads + 2 * num_kv_heads) * head_dim,
-    q's rows first, then k's, then v's. Checkpoint tensors are loaded with ``shard_id``
-    "q", "k" or "v".
+    """The fused q|k|v projection: hidden_size → (heads + 2 * kv_heads) * head_dim of this
+    rank (query heads split over the tensor-parallel ranks; KV heads split, or
+    replicated when there are fewer than ranks: ``distributed.kv_head_shard``), q's rows
+    first, then k's, then v's. Checkpoint tensors are loaded with ``shard_id`` "q", "k"
+    or "v".
 
     Attributes:
-        q_size, kv_size: output features of q and of each of k and v.
+        num_heads, num_kv_heads: this rank's query and KV heads.
+        q_size, kv_size: output features of q and of each of k and v on this rank.
     """
 
     _SHARDS = {"q": 0, "k": 1, "v": 2}
@@ -656,14 +764,24 @@ class QKVParallelLinear(LinearBase):
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool,
                  params_dtype: torch.dtype, device: torch.device, linear_method: LinearMethod | None = None,
                  prefix: str = "", quant_config=None):
-        self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
+        tp, rank = get_tp_size(), get_tp_rank()
+        self.num_heads = divide(num_heads, tp, "attention heads")
+        self.kv_head_start, self.num_kv_heads = kv_head_shard(num_kv_heads, rank, tp)
+        self.total_num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.q_size, self.kv_size = self.num_heads * head_dim, self.num_kv_heads * head_dim
         super().__init__(hidden_size, [self.q_size, self.kv_size, self.kv_size], bias, params_dtype,
                          device, linear_method, prefix, quant_config)
 
     def weight_loader(self, param, loaded_weight, shard_id=None):
-        """Copy the ``shard_id`` ("q", "k" or "v") projection into its rows of ``param``.
+        """Copy this rank's heads of the ``shard_id`` ("q", "k" or "v") projection into
+        its rows of ``param``.
 
         Raises:
             ValueError: a shape that differs from that projection's (layer and shard named).
         """
-        self._load_shard(param, loaded_weight, self._SHARDS[shard_id], shard_id)
+        if shard_id == "q":
+            rows = (self.tp_rank * self.q_size, self.q_size, self.q_size * self.tp_size)
+        else:
+            rows = (self.kv_head_start * self.head_dim, self.kv_size, self.total_num_kv_heads * self.head_dim)
+        self._load_shard(param, loaded_weight, self._SHARDS[shard_id], shard_id, rows)

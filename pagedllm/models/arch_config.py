@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagedllm.distributed import kv_head_shard
 from pagedllm.models.registry import arch_info, architecture_for_gguf
 
 
@@ -96,13 +97,18 @@ class ModelArchConfig:
         """Per layer, the sliding window it attends over (tokens), or None (full)."""
         return [self.layer_window(i) for i in range(self.num_hidden_layers)]
 
-    def kv_bytes_per_block(self, block_size: int, dtype, layers_per_block: int | None = None) -> int:
+    def num_kv_heads_per_rank(self, tp_size: int = 1) -> int:
+        """KV heads one tensor-parallel rank holds (``distributed.kv_head_shard``)."""
+        return kv_head_shard(self.num_key_value_heads, 0, tp_size)[1]
+
+    def kv_bytes_per_block(self, block_size: int, dtype, layers_per_block: int | None = None,
+                           tp_size: int = 1) -> int:
         """Bytes of K and V for one KV-cache block of ``block_size`` tokens across
         ``layers_per_block`` layers (default: all; a KV-cache group's size otherwise:
         ``kv_cache_interface``), with elements of ``dtype`` (a ``torch.dtype``; its
         ``itemsize`` bytes)."""
         n = self.num_hidden_layers if layers_per_block is None else layers_per_block
-        return 2 * n * block_size * self.num_key_value_heads * self.head_dim * dtype.itemsize
+        return 2 * n * block_size * self.num_kv_heads_per_rank(tp_size) * self.head_dim * dtype.itemsize
 
 
 def _arch_flags(architecture: str) -> dict[str, bool]:

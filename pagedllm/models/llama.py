@@ -68,12 +68,12 @@ class LlamaAttention(nn.Module):
                  norm_class: type[RMSNorm] = RMSNorm, scale: float | None = None,
                  sliding_window: int | None = None):
         super().__init__()
-        h, self.nh, self.nkv, self.hd = (cfg.hidden_size, cfg.num_attention_heads,
-                                         cfg.num_key_value_heads, cfg.head_dim)
-        self.qkv_proj = QKVParallelLinear(h, self.hd, self.nh, self.nkv, cfg.attention_bias, dtype, device,
-                                          prefix=f"{prefix}.qkv_proj", quant_config=quant_config)
-        self.o_proj = RowParallelLinear(self.nh * self.hd, h, False, dtype, device, prefix=f"{prefix}.o_proj",
+        h, nh, self.hd = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
+        self.qkv_proj = QKVParallelLinear(h, self.hd, nh, cfg.num_key_value_heads, cfg.attention_bias, dtype,
+                                          device, prefix=f"{prefix}.qkv_proj", quant_config=quant_config)
+        self.o_proj = RowParallelLinear(nh * self.hd, h, False, dtype, device, prefix=f"{prefix}.o_proj",
                                         quant_config=quant_config)
+        self.nh, self.nkv = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads   # this rank's
         self.q_norm = norm_class(self.hd, cfg.rms_norm_eps, dtype, device) if cfg.qk_norm else None
         self.k_norm = norm_class(self.hd, cfg.rms_norm_eps, dtype, device) if cfg.qk_norm else None
         self.rotary_emb = rotary_emb
@@ -161,6 +161,8 @@ class LlamaDecoderLayer(nn.Module):
         if (type(self).forward is not LlamaDecoderLayer.forward or type(at) is not LlamaAttention
                 or type(mlp) is not LlamaMLP or at.q_norm is not None):
             return "not the plain Llama layer (q/k norms, another MLP or forward)"
+        if at.o_proj.tp_size > 1:
+            return f"tensor parallel (tp={at.o_proj.tp_size}): the C++ stack has no all-reduce"
         kernels = at.attn.kernel_module()
         if kernels is None:
             return "attention not on the C++ kernels"

@@ -37,6 +37,7 @@ import torch
 
 from pagedllm.attention.backend import FP8_DTYPES, build_common_metadata, get_attention_backend
 from pagedllm.config import EngineConfig
+from pagedllm.distributed import get_tp_size
 from pagedllm.forward_context import set_forward_context
 from pagedllm.layers import bind_kv_cache, describe_compute_path, describe_kv_scales
 from pagedllm.messages import ModelRunnerOutput, SchedulerOutput
@@ -158,7 +159,7 @@ class ModelRunner:
         one KV-cache group), in the cache's dtype (with a draft model, its own cache's
         block too: both use the same block ids)."""
         own = self.config.arch.kv_bytes_per_block(self.block_size, self.kv_cache_dtype,
-                                                  self.kv_cache_config.layers_per_block)
+                                                  self.kv_cache_config.layers_per_block, get_tp_size())
         return own + (self.proposer.kv_bytes_per_block(self.block_size) if self.proposer is not None else 0)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
@@ -170,7 +171,7 @@ class ModelRunner:
                                       cdiv(max_len, self.block_size), kvc.num_groups)
         a = self.config.arch
         shape = self.attn.kv_cache_shape(kvc.layers_per_block, num_blocks, self.block_size,
-                                         a.num_key_value_heads, a.head_dim)
+                                         a.num_kv_heads_per_rank(get_tp_size()), a.head_dim)
         # Uninitialised on purpose (a 4 GiB zero-fill costs seconds at start-up): the
         # attention backends only read slots that were written. In normal pages, not
         # huge pages: on the project's VMs a fresh 2 MiB page took ~5 ms to fault in

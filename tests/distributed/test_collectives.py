@@ -87,3 +87,14 @@ def test_bad_rank_and_size_are_errors():
         pd.init_distributed_environment(2, 2, "tcp://127.0.0.1:1")
     with pytest.raises(ValueError, match="tensor_parallel_size 2 but the torch.distributed world has 1"):
         pd.initialize_model_parallel(2)
+
+
+def test_cpu_bind_lists():
+    from pagedllm.worker.worker_proc import parse_cpu_bind
+
+    assert parse_cpu_bind("0-1,4|2-3", 0, 2) == {0, 1, 4}
+    assert parse_cpu_bind("0-1,4|2-3", 1, 2) == {2, 3}
+    with pytest.raises(ValueError, match="2 core lists for 3 ranks"):
+        parse_cpu_bind("0|1", 0, 3)
+    with pytest.raises(ValueError, match="'x' is not N or N-M"):
+        parse_cpu_bind("x|1", 0, 2)

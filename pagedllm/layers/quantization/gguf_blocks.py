@@ -325,6 +325,17 @@ class BlockQuantLinearMethod(LinearMethod):
         self._label = f"{self.fmt.name} from float" if from_float else f"gguf {self.fmt.name}"
         self.name = self._label
 
+    @property
+    def input_shard_multiple(self) -> int:
+        return self.fmt.block_size
+
+    def shard_input(self, loaded: torch.Tensor, start: int, size: int) -> torch.Tensor:
+        """Input features [start, start + size) (multiples of 32): whole blocks of each
+        packed row, or the float columns with ``from_float``."""
+        if self.from_float:
+            return loaded.narrow(1, start, size)
+        return loaded.narrow(1, self.fmt.row_bytes(start) if start else 0, self.fmt.row_bytes(size))
+
     def _pick(self, device, dtype) -> None:
         self._ops = kernels_for(device, dtype)
         self._picked = True

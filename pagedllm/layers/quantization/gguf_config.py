@@ -17,6 +17,8 @@ llama.cpp's CPU path). Which layers:
 """
 from __future__ import annotations
 
+from pagedllm.distributed import get_tp_size
+from pagedllm.errors import InvalidParameterError
 from pagedllm.layers.quantization.base_config import QuantizationConfig, unsupported
 from pagedllm.layers.quantization.gguf_blocks import (FORMATS, BlockQuantEmbeddingMethod,
                                                       BlockQuantLinearMethod)
@@ -26,6 +28,11 @@ _FLOAT_TYPES = frozenset({"F32", "F16", "BF16"})
 
 
 def _check_divisible(prefix: str, input_size: int, method: str) -> None:
+    tp = get_tp_size()
+    if input_size % 32 and tp > 1 and (input_size * tp) % 32 == 0:   # whole, it would fit
+        raise InvalidParameterError(
+            "tensor_parallel_size", f"tensor_parallel_size {tp} splits {prefix}'s {input_size * tp} input features "
+            f"into {input_size} per rank, not a multiple of {method}'s 32-weight blocks")
     if input_size % 32:
         raise unsupported(f"{method} needs input features divisible by 32 (the block size); "
                           f"layer {prefix} has {input_size}")

@@ -1,0 +1,228 @@
+"""The multi-process executor (vLLM V1's ``MultiprocExecutor``): one worker process per
+tensor-parallel rank, each with its own threads, joined in a torch.distributed world
+(gloo on the CPU, NCCL on CUDA) over ``tcp://127.0.0.1:<free port>``.
+
+Each step's ``SchedulerOutput`` is published once to every rank (a ZMQ PUB socket over
+IPC, msgpack); every rank runs the same step and samples the same tokens from the same
+gathered logits and seeded generators; rank 0 returns its ``ModelRunnerOutput`` and the
+others a digest of their tokens, which must match rank 0's.
+
+Failure model: a rank's process that exits, or an error on some ranks only (the others
+are then stuck in a collective), or ranks that disagree, raise ``ExecutorDeadError``
+within ``POLL_S`` of being seen; the workers are killed and the engine fails its
+requests. An error raised on every rank (a bad request's step) fails that step only.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import weakref
+
+import msgspec
+
+from pagedllm.config import EngineConfig
+from pagedllm.errors import ExecutorDeadError
+from pagedllm.executor.abstract import Executor
+from pagedllm.messages import ModelRunnerOutput, SchedulerOutput
+from pagedllm.worker import worker_proc as wire
+
+logger = logging.getLogger("pagedllm")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` now (for the torch.distributed rendezvous)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class MultiprocExecutor(Executor):
+    """Args:
+        config: the resolved engine config; ``config.args.tensor_parallel_size`` ranks.
+
+    Raises:
+        the error a rank raised while starting (e.g. ``InvalidParameterError`` naming
+        ``tensor_parallel_size`` when the model's heads do not split), or
+        ``ExecutorDeadError`` when a rank's process exits first.
+    """
+
+    POLL_S = 0.1          # how often a wait checks that every rank's process is alive
+    MISMATCH_WAIT_S = 2.0  # after one rank's error, how long the others get to report theirs
+    START_TIMEOUT_S = 900.0
+
+    def __init__(self, config: EngineConfig):
+        import zmq
+
+        self.world_size = config.args.tensor_parallel_size
+        self._dir = tempfile.mkdtemp(prefix="pagedllm-workers-")
+        call_addr, reply_addr = f"ipc://{self._dir}/calls", f"ipc://{self._dir}/replies"
+        self._ctx = zmq.Context()
+        self._calls = self._ctx.socket(zmq.PUB)
+        self._calls.setsockopt(zmq.LINGER, 0)
+        self._calls.bind(call_addr)
+        self._replies = self._ctx.socket(zmq.PULL)
+        self._replies.setsockopt(zmq.LINGER, 0)
+        self._replies.bind(reply_addr)
+        self._encoder = msgspec.msgpack.Encoder()
+        self._output_decoder = msgspec.msgpack.Decoder(ModelRunnerOutput)
+        self._dead: str | None = None
+        init_method = f"tcp://127.0.0.1:{free_port()}"
+        level = logging.getLogger("pagedllm").getEffectiveLevel()
+        self._procs: list[subprocess.Popen] = []
+        # an executor dropped without shutdown() (or alive at interpreter exit) kills its ranks
+        self._finalizer = weakref.finalize(self, _kill_all, self._procs, self._dir)
+        try:
+            for rank in range(self.world_size):
+                proc = subprocess.Popen([sys.executable, "-c", f"from {wire.__name__} import main; main()"],
+                                        stdin=subprocess.PIPE)
+                self._procs.append(proc)
+                proc.stdin.write(pickle.dumps((config, rank, self.world_size, init_method, call_addr,
+                                               reply_addr, os.getpid(), level)))
+                proc.stdin.close()
+            self._wait_ready()
+        except BaseException:
+            self.shutdown()
+            raise
+        logger.info("tensor parallel: %d worker processes (pids %s), torch.distributed %s",
+                    self.world_size, " ".join(str(p.pid) for p in self._procs), init_method)
+
+    # -- waiting for ranks ---------------------------------------------------------------
+    def _check_alive(self) -> None:
+        for rank, p in enumerate(self._procs):
+            if p.poll() is not None:
+                self._fail(f"tensor-parallel rank {rank}'s process exited (code {p.returncode})")
+
+    def _fail(self, reason: str) -> None:
+        self._dead = reason
+        self._kill()
+        raise ExecutorDeadError(reason)
+
+    def _recv(self, deadline: float | None = None) -> tuple[int, bytes, bytes] | None:
+        """One rank's reply; None at ``deadline``; checks liveness every ``POLL_S``."""
+        while True:
+            if self._replies.poll(int(self.POLL_S * 1000)):
+                rank, status, payload = self._replies.recv_multipart()
+                return int(rank), status, payload
+            self._check_alive()
+            if deadline is not None and time.monotonic() > deadline:
+                return None
+
+    def _wait_ready(self) -> None:
+        ready: set[int] = set()
+        deadline = time.monotonic() + self.START_TIMEOUT_S
+        while len(ready) < self.world_size:
+            got = self._recv(deadline)
+            if got is None:
+                raise ExecutorDeadError(f"tensor-parallel ranks {sorted(set(range(self.world_size)) - ready)} "
+                                        f"did not start within {self.START_TIMEOUT_S:.0f} s")
+            rank, status, payload = got
+            if status == wire.FAILED:
+                raise pickle.loads(payload)
+            ready.add(rank)
+
+    def _call(self, method: str, *args) -> list:
+        """Run ``Worker.<method>(*args)`` on every rank; their results in rank order."""
+        if self._dead:
+            raise ExecutorDeadError(self._dead)
+        self._calls.send_multipart([method.encode(), pickle.dumps(args)])
+        return [pickle.loads(p) for p in self._gather()]
+
+    def _gather(self) -> list[bytes]:
+        """Every rank's OK payload for the call just sent, in rank order.
+
+        Raises:
+            the ranks' error when every rank raised one (the step failed everywhere);
+            ExecutorDeadError when only some did, or a process exited."""
+        payloads: dict[int, bytes] = {}
+        errors: dict[int, BaseException] = {}
+        deadline = None
+        while len(payloads) + len(errors) < self.world_size:
+            got = self._recv(deadline)
+            if got is None:
+                missing = sorted(set(range(self.world_size)) - set(payloads) - set(errors))
+                first = next(iter(errors.values()))
+                self._fail(f"tensor-parallel ranks out of step: {type(first).__name__}: {first} on ranks "
+                           f"{sorted(errors)}, no answer from ranks {missing}")
+            rank, status, payload = got
+            if status == wire.OK:
+                payloads[rank] = payload
+            else:
+                errors[rank] = pickle.loads(payload)
+                deadline = deadline or time.monotonic() + self.MISMATCH_WAIT_S
+        if errors:
+            if len(errors) < self.world_size:
+                first = next(iter(errors.values()))
+                self._fail(f"tensor-parallel ranks out of step: {type(first).__name__}: {first} on ranks "
+                           f"{sorted(errors)} only")
+            raise errors[0]
+        return [payloads[r] for r in range(self.world_size)]
+
+    # -- Executor --------------------------------------------------------------------------
+    def kv_bytes_per_block(self) -> int:
+        return self._call("kv_bytes_per_block")[0]
+
+    def determine_num_kv_blocks(self) -> int:
+        return min(self._call("determine_num_kv_blocks"))
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self._call("initialize_kv_cache", num_blocks)
+
+    def describe_compute_path(self) -> str:
+        return f"{self._call('describe_compute_path')[0]}, tensor parallel {self.world_size} ranks (mp)"
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        if self._dead:
+            raise ExecutorDeadError(self._dead)
+        self._calls.send_multipart([wire.EXECUTE, self._encoder.encode(scheduler_output)])
+        payloads = self._gather()
+        out = self._output_decoder.decode(payloads[0])
+        digest = str(wire.sampled_digest(out.sampled_token_ids)).encode()
+        differ = [r for r in range(1, self.world_size) if payloads[r] != digest]
+        if differ:
+            self._fail(f"tensor-parallel ranks {differ} sampled other tokens than rank 0")
+        return out
+
+    def _kill(self) -> None:
+        _kill_all(self._procs, None)
+
+    def shutdown(self) -> None:
+        """Ask every rank to stop, wait up to 5 s, kill what is left; idempotent."""
+        if getattr(self, "_ctx", None) is None:
+            return
+        try:
+            if self._procs and not self._dead:
+                self._calls.send_multipart([wire.SHUTDOWN, b""])
+                deadline = time.monotonic() + 5
+                for p in self._procs:
+                    try:
+                        p.wait(max(0.0, deadline - time.monotonic()))
+                    except subprocess.TimeoutExpired:
+                        pass
+        finally:
+            self._kill()
+            self._calls.close()
+            self._replies.close()
+            self._ctx.term()
+            self._ctx = None
+            self._finalizer()
+
+
+def _kill_all(procs: list[subprocess.Popen], directory: str | None) -> None:
+    """Kill and reap every rank's process still running; remove the IPC ``directory``."""
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+    for p in procs:
+        try:
+            p.wait(5)
+        except subprocess.TimeoutExpired:
+            pass
+    if directory is not None:
+        shutil.rmtree(directory, ignore_errors=True)

@@ -1,0 +1,154 @@
+"""Tensor parallelism end to end on two loopback worker processes (gloo): greedy tokens at
+tp = 2 equal tp = 1's on the same weights for each kind of split (query and KV heads,
+KV heads replicated, a padded vocabulary shard with tied embeddings, sliding windows and
+q/k norms, MoE experts, GGUF blocks), and stay the same batched, alone and chunked; bad
+splits are errors naming the flag; a dead rank fails the engine at once and leaves no
+process behind."""
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from engine_helpers import engine_core, random_prompts, run_alone
+from pagedllm import LLM, SamplingParams
+from pagedllm.errors import EngineDeadError
+from pagedllm.platform import has_native_bf16
+
+pytestmark = pytest.mark.slow
+
+VOCAB = 512
+SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=False,
+             bos_token_id=1, eos_token_id=2)
+MODELS = {
+    # query heads and KV heads split 2 + 2 / 1 + 1
+    "llama": ("llama", dict(rope_theta=10000.0)),
+    # one KV head, replicated on both ranks; 509 tokens: the second vocabulary shard padded; tied head
+    "llama-kv1-tied": ("llama", dict(rope_theta=10000.0, num_key_value_heads=1, vocab_size=509,
+                                     tie_word_embeddings=True)),
+    "gemma3": ("gemma3", dict(num_hidden_layers=3, head_dim=32, sliding_window=8, query_pre_attn_scalar=24,
+                              layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+                              tie_word_embeddings=True, pad_token_id=0,
+                              rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                                               "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})),
+    "mixtral": ("mixtral", dict(intermediate_size=64, num_local_experts=4, num_experts_per_tok=2,
+                                rope_theta=10000.0)),
+}
+
+
+def _dir(tiny_model_dir, name: str) -> str:
+    arch, kw = MODELS[name]
+    return tiny_model_dir(arch, std=0.2, **{**SMALL, **kw})
+
+
+def _llm(path: str, tp: int, **kw) -> LLM:
+    kw = {"dtype": "float32", "kv_cache_memory": "16MiB", "engine_process": False, "num_threads": 1, **kw}
+    return LLM(model=path, tensor_parallel_size=tp, **kw)
+
+
+def _prompts(n: int = 6, vocab: int = VOCAB) -> list[dict]:
+    return random_prompts(n, 3, vocab, min_len=4, max_len=40)
+
+
+def _greedy(llm: LLM, prompts, max_tokens: int = 12, logprobs: int | None = None):
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=logprobs,
+                                                ignore_eos=True), use_tqdm=False)
+    return [o.outputs[0] for o in outs]
+
+
+def _worker_pids(llm: LLM) -> list[int]:
+    ex = engine_core(llm.llm_engine).executor
+    return [p.pid for p in ex._procs]
+
+
+def _gone(pids: list[int], timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        alive = []
+        for pid in pids:
+            try:
+                os.kill(pid, 0)
+                alive.append(pid)
+            except ProcessLookupError:
+                pass
+        if not alive:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+@pytest.mark.parametrize("name,quant", [("llama", None), ("llama-kv1-tied", None), ("gemma3", None),
+                                        ("mixtral", None), ("llama", "q8_0")])
+def test_tp2_greedy_tokens_equal_tp1(tiny_model_dir, name, quant):
+    path = _dir(tiny_model_dir, name)
+    vocab = MODELS[name][1].get("vocab_size", VOCAB)
+    prompts = _prompts(vocab=vocab)
+    ref_llm = _llm(path, 1, quantization=quant)
+    ref = _greedy(ref_llm, prompts, logprobs=2)
+    ref_llm.shutdown()
+    llm = _llm(path, 2, quantization=quant)
+    pids = _worker_pids(llm)
+    try:
+        out = _greedy(llm, prompts, logprobs=2)
+        assert [o.token_ids for o in out] == [o.token_ids for o in ref]
+        # the same logits up to the order of the partial sums (float32)
+        worst = max(abs(a[t].logprob - b[t].logprob)
+                    for o, r in zip(out, ref) for a, b in zip(o.logprobs, r.logprobs) for t in a if t in b)
+        assert worst < 2e-3, worst
+        if name == "llama" and quant is None:
+            # batched = alone, and chunked prefill (8-token chunks) = whole prompts
+            params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+            assert run_alone(llm, prompts[:3], params) == [o.token_ids for o in out[:3]]
+    finally:
+        llm.shutdown()
+    assert _gone(pids)
+    if name == "llama" and quant is None:
+        chunked = _llm(path, 2, max_num_batched_tokens=8, max_num_seqs=4)
+        try:
+            assert [o.token_ids for o in _greedy(chunked, prompts)] == [o.token_ids for o in ref]
+        finally:
+            chunked.shutdown()
+
+
+@pytest.mark.skipif(not has_native_bf16(), reason="no native bfloat16 on this CPU")
+def test_tp2_bfloat16_is_batch_invariant(tiny_model_dir):
+    path = _dir(tiny_model_dir, "llama")
+    prompts = _prompts()
+    llm = _llm(path, 2, dtype="bfloat16")
+    try:
+        batched = [o.token_ids for o in _greedy(llm, prompts)]
+        params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+        assert run_alone(llm, prompts, params) == batched
+    finally:
+        llm.shutdown()
+
+
+def test_split_the_model_cannot_take_is_an_error_naming_the_flag(tiny_model_dir):
+    path = _dir(tiny_model_dir, "llama")
+    with pytest.raises(ValueError, match="tensor_parallel_size 3 does not divide the model's attention heads"):
+        _llm(path, 3)
+    with pytest.raises(ValueError, match="distributed_executor_backend 'uni' runs one worker"):
+        _llm(path, 2, distributed_executor_backend="uni")
+    # 96 MLP features: 48 per rank, not whole 32-weight blocks (raised in a worker, re-raised here)
+    odd = tiny_model_dir("llama", std=0.2, **{**SMALL, "intermediate_size": 96, "rope_theta": 10000.0})
+    with pytest.raises(ValueError, match=r"tensor_parallel_size 2 splits .*down_proj's 96 input features into 48 "
+                                         r"per rank, not a multiple of .*32-weight blocks"):
+        _llm(odd, 2, quantization="q8_0")
+
+
+def test_a_dead_rank_fails_the_engine_at_once_and_leaves_no_process(tiny_model_dir):
+    path = _dir(tiny_model_dir, "llama")
+    llm = _llm(path, 2)
+    pids = _worker_pids(llm)
+    try:
+        assert len(_greedy(llm, _prompts(2))) == 2
+        os.kill(pids[1], 9)
+        t = time.monotonic()
+        with pytest.raises(EngineDeadError, match="rank 1's process exited"):
+            _greedy(llm, _prompts(2))
+        assert time.monotonic() - t < 3.0
+    finally:
+        llm.shutdown()
+    assert _gone(pids)
