@@ -1,22 +1,9 @@
-"""``pagedllm bench accuracy``: what a dtype (``--dtype``), a quantization method
-(``--quantization``) or a KV-cache dtype (``--kv-cache-dtype``) costs in accuracy, against
-the same model unquantized in float32, measured in the same run, and the same figures for
-HF transformers on the same weights (``--hf``):
-
-- perplexity on a fixed English text (``data/eval_text.txt``, ~450 tokens, written for
-  this project): exp of the mean negative log-likelihood of each token given the ones
-  before it, from one prefill pass over the whole text (Jelinek et al. 1977; the usual
-  definition, as llama.cpp's ``llama-perplexity`` reports it, without its windowing);
-- greedy agreement: for each of the chat prompts in ``data/chat_prompts.txt`` (56, one a
-  line, rendered with the model's chat template), how many leading tokens of the greedy
-  continuation equal our float32 engine's, up to the first EOS (``greedy_agreement``);
-  mean and min.
-
-Ours: the perplexity pass builds the model with the engine's own loader and layers and runs
-it over a paged KV cache of its own (``prefill_logits``); the greedy continuations run
-through ``LLM.generate``, so they include everything the engine does. HF: the model
-through transformers' own loader (a GGUF dequantized by its GGUF reader), one forward over
-the text, and ``generate`` one prompt at a time (no padding) on the same prompt token ids.
+"""``pagedllm bench accuracy``: what a ``--dtype``, a ``--quantization`` or a
+``--kv-cache-dtype`` costs in accuracy against the same model unquantized in float32, in
+the same run, and HF transformers' figures on the same weights (``--hf``): perplexity on
+``data/eval_text.txt`` (one prefill pass; Jelinek et al. 1977, as llama.cpp's
+``llama-perplexity`` without its windowing) and greedy agreement on the chat prompts of
+``data/chat_prompts.txt`` (mean and min). How each engine runs: docs/notes/benchmarks.md.
 """
 from __future__ import annotations
 
@@ -44,9 +31,8 @@ def chat_prompts() -> list[str]:
 
 
 def chat_prompt_ids(llm) -> list[list[int]]:
-    """Each of ``chat_prompts()`` as one user turn rendered with ``llm``'s chat template
-    (generation prompt added), or as plain text for a model without one (a base model):
-    token ids, the same for every engine compared."""
+    """Each of ``chat_prompts()`` as one user turn rendered with ``llm``'s chat template (plain
+    text without one): token ids, the same for every engine compared."""
     eng = llm.llm_engine
     if not getattr(eng.tokenizer, "chat_template", None):
         return [eng.tokenizer.encode(p) for p in chat_prompts()]
@@ -70,11 +56,10 @@ def perplexity(logits: torch.Tensor, ids: list[int]) -> float:
 
 
 def greedy_agreement(ref: list[int], out: list[int], eos_token_ids=(), max_tokens: int | None = None) -> int:
-    """Leading tokens of ``out`` equal to ``ref``'s (0 when the first differs; the shorter
-    length when one is a prefix of the other). With ``eos_token_ids``, both are cut after
-    their first EOS token, and two continuations equal up to and including it agree in
-    full (``max_tokens``, default ``len(ref)``): what follows an EOS is not an answer, and
-    an engine that stops there (HF ``generate``) agrees with one that went on."""
+    """Leading tokens of ``out`` equal to ``ref``'s (the shorter length when one is a prefix of
+    the other). With ``eos_token_ids`` both are cut after their first EOS, and continuations
+    equal up to it agree in full (``max_tokens``, default ``len(ref)``). Why:
+    docs/notes/benchmarks.md."""
     eos = set(eos_token_ids)
     if eos:
         ref, out = _cut_after_eos(ref, eos), _cut_after_eos(out, eos)
@@ -97,9 +82,8 @@ def _cut_after_eos(ids: list[int], eos: set[int]) -> list[int]:
 
 def model_perplexity(model_path: str | None, quantization: str | None, dtype: str = "float32",
                      text: str | None = None) -> tuple[float, int]:
-    """Perplexity of the model at ``model_path`` (None = the bundled one) with
-    ``--quantization quantization`` in ``dtype`` on the CPU over ``text`` (default: the
-    fixed text). Returns (perplexity, tokens scored + 1). Builds the model and frees it."""
+    """(perplexity, tokens scored + 1) of the model at ``model_path`` (None = bundled) with
+    ``quantization`` in ``dtype`` on the CPU over ``text`` (default the fixed text)."""
     from pagedllm.config import EngineArgs, EngineConfig
     from pagedllm.models.loader import build_model
     from pagedllm.tokenizer import get_tokenizer
@@ -135,9 +119,8 @@ def hf_perplexity(model, ids: list[int]) -> float:
 
 def hf_greedy_outputs(model, prompt_ids: list[list[int]], max_tokens: int,
                       eos_token_ids: list[int] | None = None) -> list[list[int]]:
-    """HF ``generate`` greedy continuations of up to ``max_tokens``, ending at an EOS token
-    (``eos_token_ids``; default the model's own), one prompt at a time (padding would
-    change the numbers). Score them with ``greedy_agreement``'s ``eos_token_ids``."""
+    """HF ``generate`` greedy continuations of up to ``max_tokens``, ending at an EOS
+    (``eos_token_ids``; default the model's), one prompt at a time (no padding)."""
     outs = []
     kw = {} if eos_token_ids is None else {"eos_token_id": list(eos_token_ids)}
     with torch.inference_mode():
@@ -150,7 +133,6 @@ def hf_greedy_outputs(model, prompt_ids: list[list[int]], max_tokens: int,
 
 
 def register(subparsers: "argparse._SubParsersAction") -> None:
-    """Add ``accuracy`` to the ``bench`` sub-parsers; its ``func`` is :func:`accuracy_main`."""
     p = subparsers.add_parser("accuracy", help="perplexity and greedy agreement of a dtype, quantization "
                               "methods and KV-cache dtypes against float32 (and HF transformers with --hf)",
                               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -173,14 +155,12 @@ def register(subparsers: "argparse._SubParsersAction") -> None:
 
 def check_variants(quantization: list[str], kv_cache_dtypes: list[str], model: str | None = None,
                    dtype: str = "float32") -> None:
-    """Check every ``--quantization`` and ``--kv-cache-dtype`` value before anything runs
-    (a full comparison takes minutes): each is a known name, and each engine the
-    comparison will start can start with ``model`` on this machine (``EngineConfig``,
-    which reads the model's config but no weight).
+    """Check every ``--quantization`` and ``--kv-cache-dtype`` value before anything runs: a
+    known name, and an engine config (``EngineConfig``, no weights read) that can start.
 
     Raises:
         ValueError: naming the flag and the first unknown value, or the first engine's
-        error (an ``InvalidParameterError`` naming the setting).
+            error (an ``InvalidParameterError`` naming the setting).
     """
     from pagedllm.config import KV_CACHE_DTYPES, EngineArgs, EngineConfig
     from pagedllm.layers.quantization import QUANTIZATION_METHODS

@@ -1,29 +1,11 @@
 """``pagedllm bench attention``: decode attention time per step with the KV cache in each
-``--kv-cache-dtype``, measured in one run.
+``--kv-cache-dtype``, in one run (dtypes interleaved round by round). Reported per dtype:
+median ms per layer, ms per decode step, K/V bytes a layer reads and the implied GB/s.
 
-Method: ``--num-requests`` decodes, each over ``--context-len`` cached tokens plus its new
-one, in the shapes of SmolLM2-135M by default (9 query heads, 3 KV heads, head_dim 64,
-30 layers, block size 16). Each request's blocks are scattered at random over the cache
-(as after the engine has run a while), or with ``--blocks contiguous`` each request's
-blocks follow one another (as a fresh engine mostly allocates them); the cache holds random values converted to the
-cache dtype (``quantize_kv``). Timed: the attention backend's ``forward`` for one layer
-(the new tokens' K/V write plus the attention over the blocks), for ``--cache-layers``
-distinct layer caches in turn, so that each call streams its K/V from memory as in a
-model step rather than finding it in the CPU's caches (4 layers of the default shape
-are ~100 MB in fp8, ~400 MB in float32: above any L3). The dtypes are interleaved: each
-of ``--iters`` rounds times every dtype once, so a change in the machine's load falls on
-all of them alike. Reported per cache dtype: the median per-layer time (milliseconds),
-that times ``--num-layers`` as the attention time of one decode step, the bytes of K/V a
-layer reads, and the rate that implies (GB/s).
+``--against REV``: the C++ kernel against itself at git revision REV, taking turns call by
+call on the same caches; reports both medians, their ratio and bitwise equality.
 
-``--against REV``: an A/B of the C++ kernel against itself as it was at git revision REV
-of this checkout (``kernel_at_revision``), on the same caches and inputs, per dtype. The
-two take turns call by call, in alternating order, and each call reads the next layer
-cache of the rotation, so neither finds K/V that the other has just pulled into the CPU's
-caches. (An A/B that always ran the old kernel first on a layer and then the new one on
-the same layer showed the same kernel against itself as 1.08-1.41x faster on the AMD
-EPYC: docs/benchmarks.md, 2026-12-04 late.) Reported per dtype: both medians, their
-ratio, and whether the outputs are bitwise equal.
+Method: docs/notes/benchmarks.md.
 """
 from __future__ import annotations
 
@@ -47,10 +29,9 @@ _MODEL_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 def _decode_metadata(num_requests: int, context_len: int, block_size: int, seed: int,
                      contiguous: bool = False):
-    """A decode batch: ``num_requests`` requests, each with ``context_len`` cached tokens
-    and one new token, over blocks scattered at random (or, ``contiguous``, request i's
-    blocks one after another, after request i - 1's). Returns (common metadata, number of
-    blocks in the cache)."""
+    """A decode batch of ``num_requests`` x (``context_len`` cached + 1 new) tokens over
+    blocks scattered at random (``contiguous``: request after request). Returns (common
+    metadata, number of blocks in the cache)."""
     from pagedllm.attention.backend import CommonAttentionMetadata
 
     seq = context_len + 1
@@ -122,14 +103,11 @@ def measure(kv_cache_dtypes: list[str], model_dtype: str = "float32", num_reques
             block_size: int = 16, cache_layers: int = 4, iters: int = 5, backend: str = "cpu_kernel",
             seed: int = 0, contiguous: bool = False) -> list[dict]:
     """Time one layer's decode attention with a cache of each of ``kv_cache_dtypes``
-    (``--kv-cache-dtype`` names; ``auto`` = ``model_dtype``), interleaved: every round
-    times each dtype in turn, so that a change in the machine's load touches all alike.
-    ``contiguous``: each request's blocks one after another instead of scattered.
+    (``auto`` = ``model_dtype``), interleaved round by round.
 
     Returns:
-        one dict per dtype: ``{"kv_cache_dtype", "backend" (its describe()), "layer_ms"
-        (median over iters x cache_layers calls), "layer_ms_min", "kv_bytes_per_layer"
-        (K and V read by one layer's step), "gb_per_s"}``.
+        one dict per dtype: ``{"kv_cache_dtype", "backend", "layer_ms" (median),
+        "layer_ms_min", "kv_bytes_per_layer", "gb_per_s"}``.
 
     Raises:
         ValueError: an unknown dtype name.
@@ -148,7 +126,6 @@ def measure(kv_cache_dtypes: list[str], model_dtype: str = "float32", num_reques
 
 
 def register(subparsers: "argparse._SubParsersAction") -> None:
-    """Add ``attention`` to the ``bench`` sub-parsers; its ``func`` is :func:`main`."""
     from pagedllm.config import KV_CACHE_DTYPES
 
     p = subparsers.add_parser("attention", help="decode attention time per step for each KV-cache dtype",
@@ -191,15 +168,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 
 
 def kernel_at_revision(rev: str):
-    """The C++ paged-attention kernel (``paged_attention_cpu.cpp`` with its ``ops.h`` and
-    ``vec.h``, and ``amx_linear.cpp`` where the revision has it) as it was at git revision ``rev`` of the checkout this package runs from,
-    built on its own with the package's compiler flags (``kernels.cpu.compile_module``)
-    in the torch extensions directory (once per revision and CPU); a module with one
-    function, ``paged_attention``, for ``measure_against``.
+    """The C++ paged-attention kernel (and its headers, and ``amx_linear.cpp`` where present)
+    as of git revision ``rev`` of this checkout, compiled with the package's flags
+    (``kernels.cpu.compile_module``, cached per revision and CPU): a module with
+    ``paged_attention``.
 
     Raises:
-        ValueError: the package is not in a git checkout, ``rev`` does not name a
-            revision that has those files, or they do not compile.
+        ValueError: no git checkout, ``rev`` lacks those files, or they do not compile.
     """
     from pagedllm.kernels.cpu import _cpu_tag, _extensions_root, compile_module
 
@@ -244,20 +219,17 @@ def measure_against(reference, reference_name: str, kv_cache_dtypes: list[str], 
                     num_requests: int = 64, context_len: int = 1000, num_heads: int = 9, num_kv_heads: int = 3,
                     head_dim: int = 64, block_size: int = 16, cache_layers: int = 4, iters: int = 5,
                     seed: int = 0, contiguous: bool = False) -> list[dict]:
-    """A/B of this tree's C++ paged attention against ``reference`` (a module with the
-    same ``paged_attention``, e.g. ``kernel_at_revision``), per KV-cache dtype, on one
-    decode batch as ``measure`` builds it: ``iters`` rounds after one warm-up round, each
-    calling both kernels ``cache_layers`` times, taking turns in alternating order, every
-    call on the next layer cache of the rotation (only the attention; no K/V write).
+    """A/B of this tree's C++ paged attention against ``reference`` (a module with the same
+    ``paged_attention``) per dtype, on ``measure``'s batch: both kernels take turns over the
+    layer-cache rotation (attention only, no K/V write).
 
     Returns:
-        one dict per dtype: ``{"kv_cache_dtype", "layer_ms" (this tree, median),
-        "reference": reference_name, "reference_layer_ms", "speedup" (reference / this
-        tree), "bitwise_equal" (outputs on the same layer)}``.
+        one dict per dtype: ``{"kv_cache_dtype", "layer_ms", "reference",
+        "reference_layer_ms", "speedup" (reference / this tree), "bitwise_equal"}``.
 
     Raises:
-        ValueError: an unknown dtype, a dtype this tree's kernels do not cover, or a
-            reference whose ``paged_attention`` takes other arguments.
+        ValueError: an unknown or uncovered dtype, or a ``paged_attention`` with other
+            arguments.
     """
     if model_dtype not in _MODEL_DTYPES:
         raise ValueError(f"model_dtype must be one of {', '.join(_MODEL_DTYPES)}, got {model_dtype!r}")

@@ -3,13 +3,10 @@ one run:
 
     python -m pagedllm.benchmarks.bf16_linear [--rows 1 4 64 512] [--threads 2] [--hot]
 
-For each (K, N) of SmolLM2-135M (the last one its LM head) and row count M: GFLOP/s =
-2 * M * N * K / seconds (best of several calls after a warm-up, the implementations called
-in turn so that a shared machine's load falls on all of them alike) of oneDNN-packed bf16,
-and of each of the project's tiled kernels that runs on this CPU (AVX512-BF16, AMX) with a
-bf16 output and with a float32 one (the LM head's), with its speed-up over oneDNN. Weights
-are rotated through enough copies that each call reads its weight from memory, as a decode
-step does, unless ``--hot``.
+Per (K, N) of SmolLM2-135M (the last its LM head) and row count M: GFLOP/s of oneDNN and
+of each tiled kernel this CPU runs (AVX512-BF16, AMX; bf16 and float32 output), with the
+speed-up over oneDNN. Weights rotate through copies so each call reads from memory, unless
+``--hot``.
 """
 from __future__ import annotations
 

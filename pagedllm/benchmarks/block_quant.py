@@ -3,11 +3,9 @@ float32 oneDNN-packed linears, in one run:
 
     python -m pagedllm.benchmarks.block_quant [--fmt Q4_1 Q8_0] [--threads 2]
 
-For each (K, N) and row count M: equivalent GFLOP/s = 2 * M * N * K / seconds (best of
-several calls after a warm-up, the implementations called in turn so that a shared
-machine's load falls on all of them alike), and the kernel's speed-up over oneDNN. Weights are
-rotated through enough copies that each call reads its weight from memory, not from the
-32 MB L3 (a decode step streams every layer's own weight), unless ``--hot``.
+Per (K, N) and row count M: GFLOP/s = 2 * M * N * K / best seconds per call (the
+implementations in turn), and the speed-up over oneDNN. Weights rotate through copies so
+each call reads from memory, unless ``--hot``.
 """
 from __future__ import annotations
 
@@ -22,7 +20,7 @@ ROWS = (1, 4, 64, 512)
 
 def _best_times(fns: list, copies: list[int], min_s: float, min_calls: int = 5) -> list[float]:
     """Best seconds per call of each ``fns[j](i)`` (i cycling through ``copies[j]``), the
-    functions called in turn so that each sees the same load on a shared machine."""
+    functions called in turn."""
     for fn in fns:
         fn(0)
     best = [float("inf")] * len(fns)

@@ -1,15 +1,10 @@
-"""The HTTP side of ``pagedllm bench serve``: an async client for an
-OpenAI-compatible streaming server. One :meth:`OpenAIStreamClient.send` is one
-request: it streams the answer (SSE over aiohttp) and fills a
-:class:`~pagedllm.benchmarks.metrics.RequestResult` with its timings
-(``time.perf_counter()`` seconds), token counts and error, if any.
+"""The HTTP side of ``pagedllm bench serve``: an async streaming client (SSE over aiohttp)
+for an OpenAI-compatible server; one :meth:`OpenAIStreamClient.send` fills one
+:class:`~pagedllm.benchmarks.metrics.RequestResult`.
 
-Retries: an attempt that fails before any token arrived with a connection
-error, a timeout, HTTP 408/429 or 5xx is retried up to ``max_retries`` times
-with exponential back-off; TTFT and E2E still count from the first attempt.
-Any failure after tokens arrived, HTTP 4xx (other than 408/429) or an error
-event in the stream fails the request without retry. Network errors never
-raise: they are failed requests.
+Retries (up to ``max_retries``, exponential back-off; TTFT and E2E count from the first
+attempt): a failure before any token with a connection error, a timeout, HTTP 408/429 or
+5xx. Other failures fail the request; network errors never raise.
 """
 
 from __future__ import annotations
@@ -59,10 +54,8 @@ def _chunk_text(obj: dict) -> str:
 
 
 class OpenAIStreamClient:
-    """Sends streaming completions/chat requests and times them.
-
-    Use as ``async with OpenAIStreamClient(cfg) as c: await c.send(...)``.
-    """
+    """Sends streaming completions/chat requests and times them
+    (``async with OpenAIStreamClient(cfg) as c: await c.send(...)``)."""
 
     def __init__(self, cfg: BenchConfig, tokens: TokenSource | None = None):
         self.cfg = cfg

@@ -1,22 +1,11 @@
-"""Request generators for ``pagedllm bench serve``.
+"""Request generators for ``pagedllm bench serve``: each dataset yields :class:`Session` s
+(one or more :class:`Turn` s, each sent after the previous reply plus a think time).
 
-Every dataset yields :class:`Session` objects. A session is one or more
-:class:`Turn` s sent one after another (the next turn waits for the previous
-reply plus a think time); single-turn datasets yield one-turn sessions.
-
-* ``random``: prompts of random token ids, lengths drawn uniformly from
-  ``[L*(1-r), L*(1+r)]`` for range ratio ``r`` (sent as token-id prompts, so
-  the server sees exactly that many prompt tokens).
-* ``shared-prefix``: one of ``num_prefixes`` fixed prefixes followed by a
-  random suffix; exercises prefix caching.
-* ``multi-turn``: agent-like chat sessions: a shared system prompt (tool
-  definitions), a first user message, then per turn the assistant's real
-  reply and a tool result are appended and the whole conversation resent.
-* ``sharegpt``: first human/assistant exchange of each conversation in a
-  ShareGPT-format JSON file; the assistant reply's length is the output length.
-* ``trace``: JSONL rows with an arrival timestamp, a prompt (text) or prompt
-  length, an output length and an optional session id, replayed at their own
-  timing divided by a speed-up factor.
+``random`` (token-id prompts, lengths uniform on ``[L*(1-r), L*(1+r)]``),
+``shared-prefix`` (one of ``num_prefixes`` fixed prefixes + a random suffix),
+``multi-turn`` (agent-like chat sessions resending the growing conversation),
+``sharegpt`` (first exchange of each conversation of a ShareGPT JSON file), ``trace``
+(JSONL rows replayed at their own timing divided by a speed-up).
 """
 
 from __future__ import annotations
@@ -49,15 +38,10 @@ class DatasetError(ValueError):
 
 @dataclass
 class Turn:
-    """One request of a session.
-
-    ``prompt`` is the completions prompt (text or token ids); ``message`` is
-    the chat message content appended before this turn (user message for the
-    first turn, tool result afterwards). ``prompt_len`` is the dataset's
-    estimate of prompt tokens (exact for token-id prompts); ``output_len`` is
-    ``max_tokens``; ``think_time_s`` is the pause (seconds) after the
-    previous turn's reply before this turn is sent.
-    """
+    """One request of a session: ``prompt`` (completions: text or token ids), ``message``
+    (chat content appended before this turn), ``prompt_len`` (estimated prompt tokens; exact
+    for token ids), ``output_len`` (``max_tokens``), ``think_time_s`` (pause after the
+    previous reply, seconds)."""
 
     output_len: int
     prompt: str | list[int] | None = None
@@ -68,9 +52,8 @@ class Turn:
 
 @dataclass
 class Session:
-    """A unit of arrival: ``turns`` sent in order. ``kind`` is "completions"
-    or "chat"; ``arrival_s`` (seconds from the run start) is set by timed
-    datasets (trace) and ``None`` otherwise."""
+    """A unit of arrival: ``turns`` sent in order; ``kind`` "completions" or "chat";
+    ``arrival_s`` (seconds from the run start) for timed datasets, else None."""
 
     session_id: str
     turns: list[Turn]
@@ -89,16 +72,9 @@ _WORDS = (
 
 
 class TokenSource:
-    """Token ids and text for synthetic prompts.
-
-    Wraps an optional HF-style tokenizer (``encode``/``decode``, optionally
-    ``all_special_ids``, ``get_added_vocab``, ``__len__``/``vocab_size``).
-    Without one, ids are drawn from [1000, 20000) -- valid and non-special in
-    common vocabularies of >= 20k tokens -- and text is made of English words,
-    counted as one token per word (an estimate). ``id_limit`` keeps random
-    ids below it (used with the default tokenizer, so token-id prompts stay
-    inside the vocabulary of another server's model of >= 32000 tokens).
-    """
+    """Token ids and text for synthetic prompts, from an optional HF-style tokenizer. Without
+    one, ids come from [1000, 20000) and text is English words counted one token each (an
+    estimate); ``id_limit`` keeps random ids below it."""
 
     def __init__(self, tokenizer: Any | None = None, id_limit: int | None = None):
         self.tokenizer = tokenizer
@@ -162,9 +138,7 @@ class TokenSource:
 
 def sample_lengths(mean: int, range_ratio: float, n: int, rng: np.random.Generator, flag: str) -> np.ndarray:
     """``n`` integer lengths uniform on ``[floor(mean*(1-r)), ceil(mean*(1+r))]``, at least 1.
-
-    Raises ``DatasetError`` naming ``flag`` for ``mean < 1`` or ``r`` outside [0, 1).
-    """
+    Raises ``DatasetError`` naming ``flag`` for ``mean < 1`` or ``r`` outside [0, 1)."""
     if mean < 1:
         raise DatasetError(f"{flag} must be >= 1, got {mean}")
     if not 0.0 <= range_ratio < 1.0:
@@ -254,15 +228,10 @@ class SharedPrefixDataset(Dataset):
 
 
 class MultiTurnDataset(Dataset):
-    """Agent-like chat sessions of ``num_turns`` requests each.
-
-    All sessions share one ``system_len``-token system prompt (tool
-    definitions); turn 1 sends it plus a ``input_len``-token user message;
-    every later turn appends the assistant's actual reply and a
-    ``tool_len``-token tool result (sent as a user message starting with
-    "Tool result:", since not every chat template accepts a ``tool`` role)
-    and resends the whole conversation after ``think_time_s`` seconds.
-    """
+    """Agent-like chat sessions of ``num_turns`` requests: a shared ``system_len``-token system
+    prompt, a ``input_len``-token user message, then per turn the assistant's actual reply and
+    a ``tool_len``-token tool result (a user message "Tool result: ...", as not every template
+    has a ``tool`` role), resent after ``think_time_s`` seconds."""
 
     name = "multi-turn"
     kind = "chat"
@@ -315,13 +284,10 @@ _BOT = {"gpt", "assistant", "chatgpt", "bard", "bing", "model"}
 
 
 class ShareGPTDataset(Dataset):
-    """First human -> assistant exchange of each conversation of a ShareGPT
-    JSON file (a list of ``{"conversations": [{"from": ..., "value": ...}]}``).
-
-    Output length = the assistant reply's token count (or ``output_len`` if
-    given). Like vLLM's benchmark, pairs with prompt or reply under 4 tokens,
-    a prompt over ``max_prompt_len`` or a total over ``max_total_len`` are
-    dropped. Conversations are shuffled with the seed and cycled.
+    """First human -> assistant exchange of each conversation of a ShareGPT JSON file
+    (``[{"conversations": [{"from", "value"}]}]``), shuffled with the seed and cycled. Output
+    length: the reply's tokens (or ``output_len``). As vLLM's benchmark, pairs under 4 tokens
+    or over ``max_prompt_len`` / ``max_total_len`` are dropped.
     Raises ``DatasetError`` for a missing/invalid file or no usable pair.
     """
 
@@ -419,22 +385,12 @@ def _first(d: dict, names: Sequence[str]) -> Any:
 
 
 class TraceDataset(Dataset):
-    """Replay of a JSONL trace.
-
-    Each line is an object with:
-
-    * ``timestamp`` (alias ``arrival_time``, ``ts``): arrival time in the unit
-      ``timestamp_unit`` ("s" or "ms"); times are taken relative to the first
-      row and divided by ``speedup`` (2.0 replays twice as fast);
-    * ``prompt`` (text) or ``prompt_len`` (alias ``input_len``,
-      ``input_length``): synthetic prompts of random token ids. Rows with the
-      same ``session_id`` draw their prompts from one growing token stream, so
-      a later turn's prompt extends the earlier one (as when an agent resends
-      its conversation). Mooncake-style ``hash_ids`` (one id per
-      ``block_size``-token block) build prompts that share equal blocks;
-    * ``output_len`` (alias ``output_length``, ``max_tokens``);
-    * optional ``session_id``.
-
+    """Replay of a JSONL trace. Each line: ``timestamp`` (or ``arrival_time``, ``ts``; unit
+    ``timestamp_unit`` "s"/"ms", relative to the first row, divided by ``speedup``);
+    ``prompt`` (text) or ``prompt_len`` (or ``input_len``, ``input_length``); ``output_len``
+    (or ``output_length``, ``max_tokens``); optional ``session_id`` (its rows' random prompts
+    extend one token stream) and Mooncake-style ``hash_ids`` (one per ``block_size`` tokens;
+    equal ids, equal blocks).
     Raises ``DatasetError`` naming the line for malformed rows.
     """
 

@@ -1,8 +1,6 @@
-"""The optional packages of ``pip install 'pagedllm[bench]'``: aiohttp (the load
-generator's HTTP client: ``bench serve``, ``bench sweep``, ``bench server``) and
-matplotlib (their ``--plot``). The engine and the other commands run without them, so
-they are imported only inside the functions that use them, through ``import_bench_package``.
-"""
+"""The optional packages of ``pip install 'pagedllm[bench]'`` (aiohttp for the load
+generator, matplotlib for ``--plot``), imported only where used, through
+``import_bench_package``."""
 from __future__ import annotations
 
 import importlib
@@ -24,11 +22,11 @@ def _missing(names: tuple[str, ...], purpose: str) -> MissingBenchPackageError:
 
 
 def require_bench_packages(*names: str, purpose: str = "this benchmark") -> None:
-    """Check, before any work starts, that the packages ``names`` (top-level names, e.g.
-    ``"aiohttp"``) can be imported.
+    """Check before any work that the packages ``names`` (top-level, e.g. ``"aiohttp"``)
+    import.
 
     Raises:
-        MissingBenchPackageError: naming those that cannot and ``pip install 'pagedllm[bench]'``.
+        MissingBenchPackageError: naming them and ``pip install 'pagedllm[bench]'``.
     """
     missing = tuple(n for n in names if importlib.util.find_spec(n) is None)
     if missing:
@@ -36,13 +34,11 @@ def require_bench_packages(*names: str, purpose: str = "this benchmark") -> None
 
 
 def import_bench_package(name: str, purpose: str = "this benchmark") -> ModuleType:
-    """``importlib.import_module(name)`` for a module of a package of the ``bench`` extra
-    (``"aiohttp"``, ``"matplotlib.figure"``).
+    """``importlib.import_module(name)`` for a module of a ``bench`` extra package.
 
     Raises:
-        MissingBenchPackageError: its package is not installed (named, with
-            ``pip install 'pagedllm[bench]'``); an import error from inside an installed
-            package propagates as it is.
+        MissingBenchPackageError: its package is not installed; an import error from inside
+            an installed package propagates.
     """
     top = name.partition(".")[0]
     try:

@@ -1,15 +1,7 @@
-"""``pagedllm bench host-overhead``: host-side time per decode step, the part of an engine
-step that is not the model's forward pass.
-
-Method: a tiny random-weight Llama (HF directory made in a temporary folder: 2 layers,
-hidden 64, a 512-token vocabulary, so the matmuls cost little and the step's bookkeeping
-shows), ``--num-requests`` requests of ``--input-len`` random prompt tokens decoding
-``--output-len`` greedy tokens each (ignore_eos), all admitted at once
-(``max_num_seqs`` and ``max_num_batched_tokens`` large enough). Each ``LLMEngine.step()``
-is timed, and so are the model's forward (forward hooks on the model module) and its
-``compute_logits``; host-side time = step − forward − logits, i.e. scheduling, batch and
-metadata preparation, sampling, output processing and detokenization. Only steps in which
-every request decodes are counted; the median over them is reported (milliseconds).
+"""``pagedllm bench host-overhead``: host-side time per decode step (step − forward −
+logits: scheduling, batch and metadata preparation, sampling, output processing,
+detokenization), median over all-decode steps (ms), on a tiny random-weight Llama so
+the matmuls cost little. Method: docs/notes/benchmarks.md.
 """
 from __future__ import annotations
 
@@ -28,8 +20,7 @@ from pagedllm.benchmarks.serve_options import positive_int
 
 def make_tiny_llama(path: str, vocab_size: int = 512, seed: int = 0) -> str:
     """Write a random-weight 2-layer Llama (hidden 64, 4 heads, 2 KV heads) and the bundled
-    model's tokenizer into ``path``; returns ``path``. Token ids below ``vocab_size`` decode
-    with that tokenizer."""
+    tokenizer into ``path``; returns ``path``."""
     import transformers as tf
 
     from pagedllm.tokenizer import get_tokenizer
@@ -109,7 +100,6 @@ def measure(num_requests: int, input_len: int, output_len: int, num_threads: int
 
 
 def register(subparsers: "argparse._SubParsersAction") -> None:
-    """Add ``host-overhead`` to the ``bench`` sub-parsers; its ``func`` is :func:`main`."""
     p = subparsers.add_parser("host-overhead", help="host-side time per decode step (tiny random model)",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--num-requests", type=positive_int, default=256)

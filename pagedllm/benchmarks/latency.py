@@ -1,17 +1,8 @@
-"""``pagedllm bench latency``: single-stream (or small-batch) latency, as ``vllm bench
-latency``: time to first token, decode tokens/s and the time per decode step, split into
-the model's matmuls and everything else, beside HF transformers ``generate`` on the same
-prompt in the same run.
-
-The split: ``matmul_ms_per_step`` is the time of one pass through every linear layer of
-the model (all layers' q|k|v, o, gate|up and down projections, then the LM head), built
-with the engine's own ``LinearMethod`` in the run's dtype, random weights of the model's
-shapes, on ``batch_size`` rows, timed alone (best of several passes). Each layer has its
-own weights, as in the model, so a pass streams all of them from memory the way a
-decode step does. The rest of a decode step (attention, norms, RoPE, activation,
-sampling, scheduling, per-op dispatch from Python) is the measured step time minus that;
-both are measured, at different moments, so on a busy machine "rest" can come out
-negative (the report says so instead of hiding it).
+"""``pagedllm bench latency``: single-stream (or small-batch) latency as ``vllm bench
+latency``: TTFT, decode tokens/s and time per decode step split into the model's matmuls
+(``matmul_seconds_per_step``) and the rest, beside HF ``generate`` (and llama.cpp) on the
+same prompt in the same run. "Rest" = measured step minus matmul time, so it can come out
+negative on a busy machine. Method: docs/notes/benchmarks.md.
 """
 from __future__ import annotations
 
@@ -25,7 +16,6 @@ from .serve_options import positive_int
 
 
 def register(subparsers: "argparse._SubParsersAction") -> None:
-    """Add ``latency`` to the ``bench`` sub-parsers; its ``func`` is :func:`latency_main`."""
     from pagedllm.config import EngineArgs
 
     p = subparsers.add_parser("latency", help="single-stream latency: TTFT, decode tok/s, matmul vs rest",
@@ -94,9 +84,8 @@ def _summary(prefill_s: float, decode_s: float, batch: int, output_len: int) -> 
 
 
 def run_pagedllm(args, prompts):
-    """A generator: loads the engine, warms it up, then yields one timed run per ``next``
-    (TTFT and decode time from the requests' own metrics, first token to finish); the
-    engine shuts down when the generator is closed."""
+    """A generator: loads and warms up the engine, then yields one timed run per ``next``
+    (TTFT and decode time from the requests' metrics); shuts the engine down when closed."""
     from pagedllm import LLM, SamplingParams
     from pagedllm.config import EngineArgs
 
@@ -144,14 +133,11 @@ def run_hf(args, prompts):
 
 
 def run_llama_cpp(args, prompts):
-    """Load llama.cpp (``llama-cpp-python``, an optional package) on the same GGUF file,
-    with the same thread count, and return a generator yielding one timed run per
-    ``next``: prefill = ``eval`` of the prompt; decode = ``output_len - 1`` rounds of
-    greedy ``sample`` + ``eval`` of one token.
+    """A generator of timed llama.cpp runs (``llama-cpp-python``) on the same GGUF and thread
+    count: prefill = ``eval`` of the prompt, decode = ``output_len - 1`` greedy steps.
 
     Raises:
-        ValueError: llama-cpp-python is not installed, the model is not a .gguf file, or
-            the batch is larger than 1 (it decodes one sequence).
+        ValueError: llama-cpp-python missing, a model that is not .gguf, or batch > 1.
     """
     from pagedllm.models.loader import is_gguf
     from pagedllm.utils import default_model_path
@@ -188,10 +174,9 @@ def run_llama_cpp(args, prompts):
 
 
 def best_runs(runners, rounds: int, num_iters: int) -> tuple[list[dict], list[list[float]]]:
-    """Time every backend's generator in ``runners`` (all loaded at once) ``rounds`` times
-    in turn, ``num_iters`` runs a turn, so that on a machine whose speed drifts each
-    backend meets the same conditions. Returns each backend's best run (least decode
-    time) and, per round, each backend's best decode tokens/s; closes the generators."""
+    """Run every generator of ``runners`` (all loaded) ``rounds`` times in turn, ``num_iters``
+    runs a turn; returns each backend's best run (least decode time) and per round each one's
+    best decode tokens/s; closes the generators."""
     best: list[dict | None] = [None] * len(runners)
     per_round = []
     try:

@@ -14,9 +14,8 @@ ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_b
 
 
 def machine_info() -> dict:
-    """``{"cpu": model name, "isa": [flags from ISA_FLAGS present], "cores": os.cpu_count(),
-    "torch_threads": ..., "torch": version}``; fields that cannot be read are "unknown"
-    (``isa`` then empty)."""
+    """``{"cpu", "isa" (flags of ISA_FLAGS present), "cores", "torch_threads", "torch"}``;
+    unreadable fields are "unknown" (``isa`` then empty)."""
     cpu = cpu_features()
     return {"cpu": cpu.model_name, "isa": [f for f in ISA_FLAGS if getattr(cpu, f)], "cores": os.cpu_count(),
             "torch_threads": torch.get_num_threads(), "torch": torch.__version__}

@@ -1,25 +1,12 @@
-"""Metric math for ``pagedllm bench``: per-request results, latency statistics,
-goodput, and server-side Prometheus metrics scraped before and after a run.
+"""Metric math for ``pagedllm bench``: per-request results, latency statistics, goodput,
+and server-side Prometheus metrics scraped before and after a run.
 
-Definitions (all latencies are measured on the client, in seconds internally
-and reported in milliseconds):
-
-* **TTFT** (time to first token): from the moment the request was first sent
-  (the first attempt, so retries are included) to the arrival of the first
-  streamed chunk that carries generated text.
-* **ITL** (inter-token latency): the gaps between successive text-bearing
-  chunks of one request. A server that packs several tokens into one chunk
-  yields one (larger) gap for them, as in vLLM's ``benchmark_serving``.
-* **TPOT** (time per output token): ``(E2E - TTFT) / (output_tokens - 1)``,
-  defined only for requests with at least two output tokens.
-* **E2E** (end-to-end latency): from first send to the end of the stream.
-* **Goodput**: completed requests per second that meet *every* given SLO
-  (DistServe, Zhong et al. OSDI'24; the same rule as vLLM's benchmark_serving
-  ``--goodput``). A request with a single output token has no TPOT and is
-  counted as meeting a TPOT SLO.
-
-Percentiles use numpy's default linear interpolation between closest ranks
-(``numpy.percentile(method="linear")``, the same as Excel's PERCENTILE.INC).
+Client-side latencies, in seconds internally and ms in reports: TTFT from the first send
+(retries included) to the first chunk with text; ITL the gaps between text chunks (one gap
+for a multi-token chunk, as vLLM's ``benchmark_serving``); TPOT ``(E2E - TTFT) /
+(output_tokens - 1)``; E2E first send to stream end. Goodput: completed requests/s meeting
+every SLO (DistServe, Zhong et al. OSDI'24; vLLM's ``--goodput``). Percentiles: numpy's
+linear interpolation.
 """
 
 from __future__ import annotations
@@ -59,12 +46,9 @@ SLO_METRICS: dict[str, str] = {
 
 @dataclass
 class RequestResult:
-    """Outcome of one benchmark request.
-
-    Times ``scheduled_time``, ``start_time``, ``first_token_time`` and
-    ``end_time`` are ``time.perf_counter()`` seconds; ``to_dict`` reports them
-    relative to the benchmark start. ``itl`` holds gaps in seconds.
-    """
+    """Outcome of one benchmark request; ``scheduled_time``, ``start_time``,
+    ``first_token_time``, ``end_time`` are ``time.perf_counter()`` seconds, ``itl`` gaps in
+    seconds."""
 
     request_id: int
     success: bool = False
@@ -94,7 +78,7 @@ class RequestResult:
 
     @property
     def client_wait(self) -> float:
-        """Seconds the request waited on the client (concurrency limit) after its scheduled arrival."""
+        """Seconds waited on the client (concurrency limit) after the scheduled arrival."""
         return max(0.0, self.start_time - self.scheduled_time)
 
     def to_dict(self, t0: float) -> dict:
@@ -129,11 +113,8 @@ class RequestResult:
 
 
 def compute_tpot(e2e_s: float, ttft_s: float, output_tokens: int) -> float | None:
-    """TPOT in seconds: ``(e2e_s - ttft_s) / (output_tokens - 1)``.
-
-    Returns ``None`` when ``output_tokens < 2`` (no decode step to time).
-    Raises ``ValueError`` on negative times.
-    """
+    """TPOT in seconds, ``(e2e_s - ttft_s) / (output_tokens - 1)``; None for fewer than 2
+    tokens. Raises ``ValueError`` on negative times."""
     if e2e_s < 0 or ttft_s < 0:
         raise ValueError("latencies must be non-negative")
     if output_tokens < 2:
@@ -160,12 +141,9 @@ def pct_key(q: float) -> str:
 def latency_stats(
     values_s: Sequence[float], percentiles: Iterable[float] = DEFAULT_PERCENTILES
 ) -> dict[str, float | None]:
-    """Statistics of latencies given in **seconds**, returned in **ms**.
-
-    Keys: ``count``, ``mean``, ``median``, ``std``, ``min``, ``max`` and one
-    ``p<q>`` per requested percentile (``p99``, ``p99_9`` ...). Always includes
-    ``p90`` and ``p99``. Empty input yields ``None`` values and ``count`` 0.
-    """
+    """Statistics of latencies in seconds, returned in ms: ``count``, ``mean``, ``median``,
+    ``std``, ``min``, ``max`` and ``p<q>`` per percentile (always ``p90``, ``p99``); empty
+    input gives None values and ``count`` 0."""
     qs = sorted(set(float(q) for q in percentiles) | {90.0, 99.0})
     out: dict[str, float | None] = {"count": len(values_s)}
     if len(values_s) == 0:
@@ -186,12 +164,9 @@ def latency_stats(
 
 
 def parse_slos(specs: Sequence[str] | None, flag: str = "--goodput") -> dict[str, float]:
-    """Parse SLO specs like ``["ttft:500", "tpot:50"]`` into ``{"ttft": 500.0, ...}`` (ms).
-
-    Accepted metrics: ttft, tpot, itl, e2e (alias e2el). ``itl`` is checked
-    against a request's largest inter-token gap. Raises ``ValueError`` naming
-    ``flag`` on malformed input, unknown metrics or non-positive values.
-    """
+    """Parse SLO specs (``["ttft:500", "tpot:50"]``) into ``{"ttft": 500.0, ...}`` (ms):
+    ttft, tpot, itl (a request's largest gap), e2e (alias e2el). Raises ``ValueError`` naming
+    ``flag`` on malformed input, unknown metrics or non-positive values."""
     slos: dict[str, float] = {}
     for spec in specs or []:
         for part in str(spec).replace(",", " ").split():
@@ -214,11 +189,8 @@ def parse_slos(specs: Sequence[str] | None, flag: str = "--goodput") -> dict[str
 
 
 def meets_slos(r: RequestResult, slos_ms: Mapping[str, float]) -> bool:
-    """True when a successful request meets every SLO in ``slos_ms`` (ms).
-
-    A missing TPOT (fewer than two output tokens) or missing ITL (fewer than
-    two chunks) meets its SLO; failed requests never do.
-    """
+    """True when a successful request meets every SLO (ms); a missing TPOT or ITL meets its
+    SLO, a failed request never does."""
     if not r.success:
         return False
     for key, limit in slos_ms.items():
@@ -247,14 +219,10 @@ def summarize_results(
     slos_ms: Mapping[str, float] | None = None,
     percentiles: Iterable[float] = DEFAULT_PERCENTILES,
 ) -> dict:
-    """Aggregate per-request results of a run lasting ``duration_s`` seconds.
-
-    Throughputs are per second of ``duration_s``; token totals count only
-    successful requests. ``error_rate`` = failed / issued; ``retry_rate`` =
-    requests retried at least once / issued; ``total_retries`` counts every
-    extra attempt. ``goodput`` (req/s) is ``None`` when no SLO is given.
-    Raises ``ValueError`` if ``duration_s`` is not positive while results exist.
-    """
+    """Aggregate the results of a run lasting ``duration_s`` seconds: throughputs per second,
+    token totals of successful requests, ``error_rate`` and ``retry_rate`` per issued request,
+    ``total_retries``, ``goodput`` (req/s; None without SLOs).
+    Raises ``ValueError`` if ``duration_s`` is not positive while results exist."""
     percentiles = tuple(percentiles)
     n = len(results)
     ok = [r for r in results if r.success]
@@ -346,14 +314,9 @@ SERVER_GAUGES = {
 
 
 def parse_prometheus_text(text: str) -> dict[str, float]:
-    """Parse Prometheus text exposition into ``{sample_name: value}``.
-
-    Values of one sample name are summed over label sets (e.g. several
-    ``model_name`` labels); ``_bucket`` samples are dropped. Samples of
-    ``vllm:request_success_total`` are also kept per ``finished_reason`` as
-    ``vllm:request_success_total{finished_reason=<r>}``. Uses
-    ``prometheus_client.parser``; raises ``ValueError`` on malformed text.
-    """
+    """Prometheus text -> ``{sample_name: value}``, summed over label sets, ``_bucket`` dropped;
+    ``vllm:request_success_total`` is also kept per ``finished_reason``. Raises ``ValueError``
+    on malformed text."""
     from prometheus_client.parser import text_string_to_metric_families
 
     out: dict[str, float] = {}
@@ -381,14 +344,9 @@ def _delta(before: Mapping[str, float], after: Mapping[str, float], name: str) -
 def server_metrics_delta(
     before: Mapping[str, float] | None, after: Mapping[str, float] | None
 ) -> dict:
-    """Server-side view of a run from two ``parse_prometheus_text`` snapshots.
-
-    Histogram means are ``Δsum / Δcount`` in ms. Time shares divide each of the
-    queue, prefill and decode ``Δsum`` by their total, so they add up to 1.
-    ``prefix_cache_hit_rate`` = Δhits / Δqueries (tokens, as vLLM counts them).
-    Any value the server does not expose is ``None`` (printed as "n/a");
-    ``available`` is False when either snapshot is missing.
-    """
+    """Server-side view of a run from two ``parse_prometheus_text`` snapshots: histogram means
+    (Δsum / Δcount, ms), queue/prefill/decode shares of their total, prefix-cache hit rate
+    (Δhits / Δqueries); None where not exposed; ``available`` False without both snapshots."""
     res: dict = {"available": bool(before is not None and after is not None)}
     keys_hist = [f"{k}_{suf}" for k in SERVER_HISTOGRAMS for suf in ("count", "sum_s", "mean_ms")]
     for k in keys_hist + list(SERVER_COUNTERS) + [

@@ -1,20 +1,8 @@
 """Two pagedllm engines timed in turns on the same workload (``pagedllm bench throughput
---compare-args``).
-
-Why: on a shared VM the speed of the same code moves by up to 2x within minutes
-(docs/benchmarks.md, 2026-12-05), so two runs made one after the other compare the
-machine's moods as much as the engines. Here both engines are loaded at once in this
-process (each with its core in process, ``engine_process=False``), get the same prompts,
-and take turns: ``interleave_steps`` engine steps of the first, then as many of the
-second, and so on until both have finished. A drift of the machine's speed that is slow
-next to a turn (a fraction of a second) then slows both alike, and the ratio of their
-throughputs holds where each one's absolute figure moves.
-
-What is timed: each engine's own ``LLMEngine.step`` calls (schedule, forward, sampling,
-output processing), summed; the time spent in the other engine's turns is not counted.
-Throughput = output tokens / that sum. The first step after a switch may find the caches
-holding the other engine's data; both engines pay that alike, once a turn.
-"""
+--compare-args``): both loaded in this process (core in process), the same prompts,
+``interleave_steps`` steps of one then of the other until both finish. Timed: each
+engine's own ``LLMEngine.step`` calls, summed; throughput = output tokens / that sum.
+Why: docs/notes/benchmarks.md."""
 from __future__ import annotations
 
 import argparse
@@ -34,15 +22,13 @@ _SHARED_SETTINGS = {
 
 
 def compare_namespace(args: argparse.Namespace, compare_args: str) -> argparse.Namespace:
-    """``args`` with the engine flags in ``compare_args`` (a shell-quoted string such as
+    """``args`` with the engine flags of ``compare_args`` (shell-quoted, e.g.
     ``"--quantization int8"``) parsed over it: the second engine's settings.
 
     Raises:
-        ValueError: ``compare_args`` is empty or not shell-quoted right, or holds
-            something that is not an engine flag, a value its flag or
-            ``EngineArgs.validate`` refuses, or a setting of the process
-            (``_SHARED_SETTINGS``: threads, engine process, profile directory) different
-            from the first engine's (the message names ``--compare-args`` and the flag).
+        ValueError (naming ``--compare-args`` and the flag): empty or badly quoted; not an
+            engine flag; a value its flag or ``EngineArgs.validate`` refuses; a process
+            setting (``_SHARED_SETTINGS``) different from the first engine's.
     """
     from pagedllm.config import EngineArgs
 
@@ -128,15 +114,13 @@ def _one_turn(engine, tally: EngineTally, steps: int) -> None:
 
 def run_paired(llms: list, prompts: list[list[int]], sampling_params, rounds: int,
                interleave_steps: int, names: list[str] | None = None) -> PairedResult:
-    """Run ``prompts`` (token-id lists) on both ``llms`` (two ``LLM`` objects, already
-    warmed up) ``rounds`` times, the engines taking turns of ``interleave_steps`` steps;
-    the first engine starts odd rounds and the second even ones. Each round resets both
-    prefix caches first, so no round reuses another's KV blocks.
+    """Run ``prompts`` (token-id lists) on both warmed-up ``llms`` ``rounds`` times in turns
+    of ``interleave_steps`` steps (the first engine starts odd rounds, the second even ones);
+    both prefix caches are reset before each round.
 
     Raises:
-        ValueError: not two engines, or a round count or turn length below 1; or an engine
-            refuses the prompts (e.g. longer than its ``max_model_len``): the message
-            starts with that engine's entry of ``names`` (default "engine A" / "engine B").
+        ValueError: not two engines, rounds or turn length below 1, or an engine refusing the
+            prompts (the message starts with its entry of ``names``).
     """
     if len(llms) != 2:
         raise ValueError(f"run_paired compares two engines, got {len(llms)}")

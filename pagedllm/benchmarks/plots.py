@@ -1,8 +1,5 @@
-"""PNG plots for ``bench serve`` and ``bench sweep`` results.
-
-Uses matplotlib's object API with the Agg canvas (no pyplot, no global
-backend switch), so it is safe to call from any process.
-"""
+"""PNG plots for ``bench serve`` and ``bench sweep`` results (matplotlib's object API and
+Agg canvas: no pyplot, no global backend switch)."""
 
 from __future__ import annotations
 
@@ -72,14 +69,9 @@ def plot_latency_cdfs(res: dict, path: str) -> str:
 
 
 def plot_timeline(res: dict, path: str, max_requests: int = 400) -> str:
-    """Per-request timeline (Gantt chart) of a serve result; returns ``path``.
-
-    Each bar: client wait (scheduled -> sent), then the time to first token
-    split into server queue and prefill, then decode (first token -> end).
-    The per-request queue/prefill split is an estimate: the TTFT segment is
-    divided in the ratio of the server's mean queue and prefill times from
-    /metrics; without them it is drawn as one "TTFT" segment.
-    """
+    """Per-request timeline (Gantt chart) of a serve result; returns ``path``. Bars: client
+    wait, TTFT (split into queue and prefill in the ratio of the server's mean times, when
+    /metrics has them), decode."""
     m = res.get("server_metrics") or {}
     q, p = m.get("queue_mean_ms"), m.get("prefill_mean_ms")
     qfrac = q / (q + p) if (q is not None and p is not None and q + p > 0) else None
@@ -138,9 +130,8 @@ def plot_serve_result(res: dict, out_dir: str, prefix: str = "") -> list[str]:
 
 
 def plot_sweep(sweeps: Sequence[dict], out_dir: str) -> list[str]:
-    """Throughput and latency-percentile-vs-load plots for one or more sweeps
-    (``run_sweep`` results; several = ``--compare``). Writes
-    ``sweep_throughput.png`` and ``sweep_latency.png``; returns their paths."""
+    """``sweep_throughput.png`` and ``sweep_latency.png`` for one or more ``run_sweep``
+    results (several = ``--compare``); returns their paths."""
     if not sweeps:
         return []
     mode = sweeps[0]["mode"]

@@ -1,12 +1,6 @@
-"""``pagedllm bench prefix``: a shared-prefix workload run with prefix caching on and off
-in the same process, reporting mean TTFT and total time of each and their ratio.
-
-Workload: ``--num-requests`` prompts, each one shared ``--prefix-len``-token prefix plus
-``--suffix-len`` distinct random tokens, ``--output-len`` generated tokens (ignore_eos,
-greedy), all submitted at once. TTFT per request = first token time − arrival time
-(RequestOutput.metrics); total = wall time of the whole batch. The engine is warmed up
-on an unrelated prompt first, and the cache is reset before the timed run.
-"""
+"""``pagedllm bench prefix``: a shared-prefix workload with prefix caching on and off in
+one process: mean TTFT (first token − arrival) and total wall time of each, and their
+ratio. All requests are submitted at once after a warm-up and a cache reset."""
 from __future__ import annotations
 
 import argparse
@@ -19,7 +13,6 @@ from .serve_options import positive_int
 
 
 def register(subparsers: "argparse._SubParsersAction") -> None:
-    """Add ``prefix`` to the ``bench`` sub-parsers; its ``func`` is :func:`prefix_main`."""
     from pagedllm.config import EngineArgs
 
     p = subparsers.add_parser("prefix", help="shared-prefix workload, prefix caching on vs off",
@@ -35,8 +28,8 @@ def register(subparsers: "argparse._SubParsersAction") -> None:
 
 
 def shared_prefix_prompts(n: int, prefix_len: int, suffix_len: int, vocab: int, seed: int = 0) -> list[list[int]]:
-    """``n`` token-id prompts: one random prefix of ``prefix_len`` ids, then ``suffix_len``
-    random ids per prompt (ids from [100, vocab))."""
+    """``n`` token-id prompts: one shared random ``prefix_len`` prefix, then ``suffix_len``
+    random ids each (ids from [100, vocab))."""
     rng = np.random.default_rng(seed)
     prefix = rng.integers(100, vocab, size=prefix_len).tolist()
     return [prefix + rng.integers(100, vocab, size=suffix_len).tolist() for _ in range(n)]

@@ -1,15 +1,8 @@
-"""``pagedllm profile summarize DIR``: where the engine's time went.
-
-Reads what ``--profile-dir DIR`` writes:
-
-* ``DIR/steps.jsonl``: one :class:`~pagedllm.core.step_profiler.StepRecord` per
-  engine step (the schema, with every field's unit, is defined there and shared
-  with the writer); ``num_preemptions`` counts preemptions *in that step*, so
-  they are summed;
-* ``DIR/trace.json`` (optional): a torch.profiler chrome trace. Complete
-  events (``"ph": "X"``) are grouped by name; *total* time sums ``dur``
-  (microseconds), *self* time subtracts the time of events nested inside
-  them on the same (pid, tid) track.
+"""``pagedllm profile summarize DIR``: where the engine's time went, from what
+``--profile-dir DIR`` writes: ``steps.jsonl`` (one
+:class:`~pagedllm.core.step_profiler.StepRecord` per step; its per-step preemptions are
+summed) and optionally ``trace.json`` (a torch.profiler chrome trace: complete events by
+name, total = sum of ``dur`` in us, self = total minus nested events on the same track).
 """
 
 from __future__ import annotations
@@ -38,11 +31,8 @@ class ProfileError(ValueError):
 
 
 def load_steps(path: str) -> list[StepRecord]:
-    """Decode ``steps.jsonl`` into :class:`StepRecord` s; blank lines are skipped.
-
-    Raises ``ProfileError`` naming the file and line for a line that is not JSON
-    or not a step record (a missing or mistyped field is named).
-    """
+    """Decode ``steps.jsonl`` into :class:`StepRecord` s (blank lines skipped). Raises
+    ``ProfileError`` naming the file, line and any missing or mistyped field."""
     steps = []
     with open(path, "rb") as f:
         for lineno, line in enumerate(f, 1):
@@ -59,13 +49,9 @@ def load_steps(path: str) -> list[StepRecord]:
 
 
 def summarize_steps(steps: Sequence[StepRecord]) -> dict:
-    """Aggregate step records (see module docstring). Times in the result are
-    seconds (``*_s``) or milliseconds (``*_ms``; ``step_time_ms`` is
-    :func:`~pagedllm.benchmarks.metrics.latency_stats` with p50/p90/p99); shares
-    are fractions of the total step time. "Prefill steps" are steps with any
-    prefill token (they may also decode); "decode-only steps" have decode tokens
-    and no prefill.
-    """
+    """Aggregate step records: times in ``*_s`` / ``*_ms`` (``step_time_ms`` as
+    :func:`~pagedllm.benchmarks.metrics.latency_stats`), shares of total step time. Prefill
+    steps have any prefill token; decode-only steps have none."""
     n = len(steps)
     out: dict[str, Any] = {"num_steps": n}
     if n == 0:
@@ -161,13 +147,10 @@ _IGNORED_CATEGORIES = {"Trace"}
 
 
 def summarize_trace(path: str, top: int = 15) -> dict:
-    """Top ops of a chrome trace by self time (the profiler's own "Trace" span is skipped).
-
-    Returns ``{"num_events", "total_self_ms", "by_category": {cat: ms}, "top_ops": [...]}``
-    where each op has ``name``, ``category``, ``count``, ``self_ms``, ``total_ms`` and
-    ``self_share`` (of the self time of its category, since CPU and device
-    tracks overlap in time). Raises ``ProfileError`` for unreadable JSON.
-    """
+    """Top ops of a chrome trace by self time (skipping the profiler's "Trace" span):
+    ``{"num_events", "total_self_ms", "by_category", "top_ops"}``, each op with ``name``,
+    ``category``, ``count``, ``self_ms``, ``total_ms``, ``self_share`` (of its category).
+    Raises ``ProfileError`` for unreadable JSON."""
     try:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
@@ -216,12 +199,9 @@ def split_runs(steps: Sequence[StepRecord]) -> list[list[StepRecord]]:
 
 
 def summarize_profile_dir(d: str, top: int = 15, last_run: bool = False) -> dict:
-    """Summary of a profile directory: ``steps`` (or None) and ``trace`` (or None).
-
-    ``steps.jsonl`` is appended to by every run; ``num_runs`` counts the runs
-    found (step numbers restarting) and ``last_run=True`` keeps only the last.
-    Raises ``ProfileError`` when ``d`` is not a directory or holds neither file.
-    """
+    """``steps`` (or None) and ``trace`` (or None) of a profile directory; ``num_runs`` counts
+    the runs appended to ``steps.jsonl``, ``last_run=True`` keeps the last. Raises
+    ``ProfileError`` when ``d`` is not a directory or holds neither file."""
     if not os.path.isdir(d):
         raise ProfileError(f"profile directory not found: {d}")
     sp, tp = os.path.join(d, "steps.jsonl"), os.path.join(d, "trace.json")
@@ -292,7 +272,6 @@ def format_profile_summary(s: dict) -> str:
 
 
 def register(subparsers: "argparse._SubParsersAction") -> None:
-    """Add ``summarize`` to the ``profile`` sub-parsers; its ``func`` is :func:`summarize_main`."""
     p = subparsers.add_parser(
         "summarize", help="summarize an engine profile directory (steps.jsonl, trace.json)",
         description="Print where the engine's time went, from a --profile-dir directory.")
@@ -301,7 +280,6 @@ def register(subparsers: "argparse._SubParsersAction") -> None:
 
 
 def add_summarize_arguments(p: Any) -> None:
-    """Register ``profile summarize`` flags."""
     p.add_argument("dir", metavar="DIR", help="directory written by --profile-dir")
     p.add_argument("--top", type=int, default=15, help="number of ops to list from trace.json")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")

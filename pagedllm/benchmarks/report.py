@@ -1,15 +1,11 @@
-"""The report side of ``pagedllm bench serve``: one run's raw requests
-aggregated into the result dict (``SCHEMA_VERSION``), its text table, and the
-output helpers every ``pagedllm bench``/``profile`` command shares (value
-formatting, strict JSON files).
+"""The report side of ``pagedllm bench serve`` (the result dict, ``SCHEMA_VERSION``, its
+table) and the output helpers every ``bench`` / ``profile`` command shares.
 
-Result dict (``build_result``): ``schema_version``, ``tool``, ``label``,
-``date``, ``start_unix_s``, ``config`` (the :class:`BenchConfig` fields plus
-``endpoint_kind`` and ``num_prompts_effective``), ``dataset``,
-``tokenizer_exact``, ``summary`` (:func:`~pagedllm.benchmarks.metrics.summarize_results`
-plus ``peak_in_flight``, ``num_sessions``, ``num_warmups``),
-``server_metrics`` (:func:`~pagedllm.benchmarks.metrics.server_metrics_delta`)
-and ``requests`` (``RequestResult.to_dict``, times relative to the run start).
+Result dict: ``schema_version``, ``tool``, ``label``, ``date``, ``start_unix_s``,
+``config`` (:class:`BenchConfig` fields, ``endpoint_kind``, ``num_prompts_effective``),
+``dataset``, ``tokenizer_exact``, ``summary`` (``summarize_results`` plus
+``peak_in_flight``, ``num_sessions``, ``num_warmups``), ``server_metrics``
+(``server_metrics_delta``), ``requests`` (``RequestResult.to_dict``).
 """
 
 from __future__ import annotations
@@ -61,12 +57,11 @@ def json_safe(o: Any) -> Any:
 
 
 def output_file(path: str) -> str:
-    """The ``--output-json`` argparse type: ``path``, once it is clear that ``save_json`` can
-    write it after the benchmark has run: not a directory, and its nearest existing parent a
-    writable directory (a bad path is then refused before a run of minutes, not after it).
+    """The ``--output-json`` argparse type: ``path`` if ``save_json`` will be able to write it
+    (not a directory; nearest existing parent a writable directory), checked before the run.
 
     Raises:
-        argparse.ArgumentTypeError: where it cannot (argparse names the flag).
+        argparse.ArgumentTypeError: where it cannot.
     """
     import argparse
 
@@ -111,8 +106,7 @@ def peak_in_flight(results: Sequence[RequestResult]) -> int:
 
 
 def build_result(cfg: BenchConfig, dataset: Dataset, tokens: TokenSource, run: "LoadRun") -> dict:
-    """The result dict of one run (see the module docstring); throughputs are per
-    second of the measured part, latencies in ms."""
+    """The result dict of one run (module doc); throughputs per measured second, latencies ms."""
     results = run.results
     duration = max(run.t_end - run.t0, 1e-9)
     summary = summarize_results(results, duration, cfg.goodput_ms or None, cfg.percentiles)

@@ -1,17 +1,8 @@
-"""The load side of ``pagedllm bench serve``: when each session starts and
-how many run at once.
-
-Arrivals follow a gamma process with rate ``request_rate`` (req/s) and shape
-``burstiness`` (shape 1 = Poisson; < 1 burstier; > 1 more regular), or a
-trace's own timestamps. ``max_concurrency`` bounds in-flight *sessions* (for
-single-turn datasets, in-flight requests); a session that arrives while the
-bound is reached waits on the client, which is recorded as client wait.
-Warm-up requests run first, unpaced, and are left out of the results.
-A multi-turn session sends its turns one after another, each after the
-previous reply plus the turn's think time.
-
-:func:`run_load` drives the load and returns the raw :class:`LoadRun`;
-:func:`run_benchmark` is that plus :func:`~pagedllm.benchmarks.report.build_result`.
+"""The load side of ``pagedllm bench serve``: arrivals from a gamma process (rate
+``request_rate`` req/s, shape ``burstiness``; 1 = Poisson) or a trace's timestamps;
+``max_concurrency`` bounds in-flight sessions (a session waiting for it counts as client
+wait); warm-ups run first, unpaced and unreported; a session's turns go one after another.
+:func:`run_load` returns the raw :class:`LoadRun`, :func:`run_benchmark` the result dict.
 """
 
 from __future__ import annotations
@@ -36,14 +27,9 @@ __all__ = ["arrival_intervals", "iter_arrival_offsets", "sleep_until", "LoadRun"
 
 
 def arrival_intervals(n: int, rate: float, burstiness: float, rng: np.random.Generator) -> np.ndarray:
-    """``n`` inter-arrival gaps in seconds for mean rate ``rate`` (req/s).
-
-    Gaps are gamma distributed with shape ``burstiness`` and scale
-    ``1 / (rate * burstiness)``: mean ``1/rate``, coefficient of variation
-    ``1/sqrt(burstiness)``; ``burstiness == 1`` is a Poisson process
-    (exponential gaps). ``rate == inf`` gives zeros. Raises ``ValueError``
-    for non-positive rate or burstiness.
-    """
+    """``n`` inter-arrival gaps (s) for mean rate ``rate`` (req/s): gamma with shape
+    ``burstiness`` and scale ``1 / (rate * burstiness)`` (CV ``1/sqrt(burstiness)``); zeros
+    for ``rate == inf``. Raises ``ValueError`` for non-positive rate or burstiness."""
     if not rate > 0 or not burstiness > 0:
         raise ValueError("rate and burstiness must be > 0")
     if math.isinf(rate):
@@ -180,16 +166,11 @@ def _progress_bar(cfg: BenchConfig, dataset: Dataset, num_prompts: int | None) -
 
 @dataclass
 class LoadRun:
-    """What one measured run produced, before aggregation.
-
-    ``results`` are the measured requests sorted by id; ``num_warmups`` counts
-    warm-up requests sent. ``t0``/``t_end`` are ``time.perf_counter()`` seconds
-    around the measured part, ``wall0`` the unix time at ``t0``.
-    ``metrics_before``/``metrics_after`` are ``/metrics`` snapshots (None when
-    unavailable). ``endpoint_kind`` is "completions" or "chat";
-    ``num_prompts`` the session limit used (None: until ``duration_s`` or
-    the trace ends).
-    """
+    """What one measured run produced, before aggregation: ``results`` (sorted by id),
+    ``num_warmups``, ``t0`` / ``t_end`` (``perf_counter`` s around the measured part),
+    ``wall0`` (unix time at ``t0``), ``metrics_before`` / ``metrics_after`` (None when
+    unavailable), ``endpoint_kind``, ``num_prompts`` (None: until ``duration_s`` or the trace
+    ends)."""
 
     results: list[RequestResult]
     num_warmups: int
@@ -203,12 +184,9 @@ class LoadRun:
 
 
 async def run_load(cfg: BenchConfig, dataset: Dataset, tokens: TokenSource | None = None) -> LoadRun:
-    """Send ``dataset``'s sessions in ``cfg``'s load shape and collect the results.
-
-    Fills ``cfg.model`` from ``/v1/models`` when it is not set. Raises
-    ``BenchError`` for invalid options or when no ``model`` is given and
-    ``/v1/models`` cannot be read. Request failures never raise.
-    """
+    """Send ``dataset``'s sessions in ``cfg``'s load shape and collect the results; fills
+    ``cfg.model`` from ``/v1/models`` when unset. Raises ``BenchError`` for invalid options or
+    an unreadable ``/v1/models``; request failures never raise."""
     cfg.validate()
     tokens = tokens or TokenSource(None)
     kind = dataset.kind if cfg.endpoint_type == "auto" else cfg.endpoint_type
@@ -262,16 +240,9 @@ async def run_load(cfg: BenchConfig, dataset: Dataset, tokens: TokenSource | Non
 
 
 async def run_benchmark(cfg: BenchConfig, dataset: Dataset, tokens: TokenSource | None = None) -> dict:
-    """Run one benchmark and return the result dict (schema:
-    :func:`~pagedllm.benchmarks.report.build_result`, ``SCHEMA_VERSION``).
-
-    Raises ``BenchError`` as :func:`run_load` does. Request failures never raise.
-
-    The objects alive at the start are moved out of the cyclic garbage collector's reach
-    for the run (``gc.collect(); gc.freeze()``, undone after): a full collection of a big
-    heap stops the event loop that sends the requests (227 ms in the test suite's process,
-    whose late requests it explained), and requests due meanwhile would go out late.
-    """
+    """Run one benchmark; returns the result dict
+    (:func:`~pagedllm.benchmarks.report.build_result`). Raises as :func:`run_load`. The heap
+    alive at the start is ``gc.freeze()``-d for the run (why: docs/notes/benchmarks.md)."""
     tokens = tokens or TokenSource(None)
     gc.collect()
     gc.freeze()

@@ -1,20 +1,9 @@
-"""``pagedllm bench sampling``: what the sampling options and structured outputs cost,
-against plain greedy decoding in the same run.
-
-The same N chat requests (all in flight at once: N concurrent requests, default 32) run
-in each mode, on one engine, modes interleaved over ``--repeats`` rounds so that each
-ratio compares runs seconds apart on a machine whose speed drifts:
-
-- ``greedy``: temperature 0 (the baseline);
-- ``sampling``: every sampling option on at once: temperature, top-p, top-k, min-p,
-  presence, frequency and repetition penalties, a logit bias, 5 top logprobs and a seed;
-- ``json``: greedy under a JSON schema (an object holding an array of ten strings, long
-  enough that every request runs to ``max_tokens``), compiled once and cached.
-
-Every request generates ``--output-len`` tokens (EOS ignored; the JSON requests are cut
-by the length limit inside the structure). Reported per mode: output tokens/s (median
-over rounds), its ratio to ``greedy``'s median, and the median of the per-round ratios
-(each against the greedy run of the same round).
+"""``pagedllm bench sampling``: what the sampling options and structured outputs cost
+against greedy decoding, in the same run. The same N concurrent chat requests run in each
+mode (``greedy``; ``sampling``: every sampling option at once; ``json``: greedy under a
+JSON schema), modes interleaved over ``--repeats`` rounds, ``--output-len`` tokens each.
+Reported per mode: median output tokens/s, its ratio to greedy's, and the median
+per-round ratio. Details: docs/notes/benchmarks.md.
 """
 from __future__ import annotations
 
@@ -119,7 +108,6 @@ def sampling_main(args) -> int:
 
 
 def register(subparsers: "argparse._SubParsersAction") -> None:
-    """Add ``sampling`` to the ``bench`` sub-parsers; its ``func`` is :func:`sampling_main`."""
     from pagedllm.config import EngineArgs
 
     p = subparsers.add_parser("sampling", help="sampling options and JSON-schema decoding against greedy",

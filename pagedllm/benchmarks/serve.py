@@ -1,15 +1,7 @@
 """``pagedllm bench serve``: an asyncio load generator for any OpenAI-compatible
-streaming server (pagedllm, vLLM, llama.cpp's server, ...).
-
-Requests stream (``stream: true``) over aiohttp; TTFT, ITL, TPOT and E2E are
-measured per request as defined in :mod:`pagedllm.benchmarks.metrics`. The
-command is four pieces, one module each:
-
-* :mod:`~pagedllm.benchmarks.serve_options`: flags, :class:`BenchConfig`, tokenizer and dataset;
-* :mod:`~pagedllm.benchmarks.client`: one streaming request -> timings, tokens, error (retries);
-* :mod:`~pagedllm.benchmarks.runner`: arrivals (rate, burstiness, trace), concurrency, warm-up;
-* :mod:`~pagedllm.benchmarks.report`: the result dict, its table and its JSON file.
-"""
+streaming server (pagedllm, vLLM, llama.cpp's server, ...); TTFT, ITL, TPOT and E2E as
+defined in :mod:`~pagedllm.benchmarks.metrics`. Pieces: ``serve_options`` (flags,
+config), ``client`` (one request), ``runner`` (arrivals, concurrency), ``report``."""
 
 from __future__ import annotations
 
@@ -27,7 +19,6 @@ __all__ = ["register", "serve_main"]
 
 
 def register(subparsers: "argparse._SubParsersAction") -> None:
-    """Add ``serve`` to the ``bench`` sub-parsers; its ``func`` is :func:`serve_main`."""
     p = subparsers.add_parser(
         "serve", help="load-test an OpenAI-compatible server (TTFT, TPOT, ITL, E2E, goodput)",
         description="Benchmark an OpenAI-compatible streaming server with a chosen dataset and load shape.",
@@ -37,11 +28,8 @@ def register(subparsers: "argparse._SubParsersAction") -> None:
 
 
 def serve_main(args: Any, tokenizer: Any = "load") -> int:
-    """Entry point of ``pagedllm bench serve``; returns the exit code
-    (0 ok, 2 bad options, 1 the benchmark could not run).
-
-    ``tokenizer="load"`` loads ``--tokenizer``; tests pass a tokenizer object (or None).
-    """
+    """Entry point of ``pagedllm bench serve``: 0 ok, 2 bad options, 1 could not run.
+    ``tokenizer="load"`` loads ``--tokenizer``; tests pass an object (or None)."""
     try:
         require_bench_packages("aiohttp", *(["matplotlib"] if args.plot else []), purpose="bench serve")
         cfg, dataset, tokens = prepare(args, tokenizer)

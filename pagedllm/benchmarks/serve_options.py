@@ -1,11 +1,7 @@
-"""Options of ``pagedllm bench serve`` and ``bench sweep``: the flags, their
-argparse types, the validated :class:`BenchConfig`, and what the flags build
-before any request is sent (tokenizer, dataset).
-
-Every error names the flag it is about: argparse types raise
-``argparse.ArgumentTypeError`` (exit 2 from argparse), later checks raise
-:class:`BenchError` or :class:`~pagedllm.benchmarks.datasets.DatasetError`.
-"""
+"""Options of ``pagedllm bench serve`` and ``bench sweep``: the flags, their argparse types,
+the validated :class:`BenchConfig`, and the tokenizer and dataset they build. Errors name
+their flag: ``argparse.ArgumentTypeError`` from argparse types, later :class:`BenchError`
+or :class:`~pagedllm.benchmarks.datasets.DatasetError`."""
 
 from __future__ import annotations
 
@@ -56,13 +52,9 @@ class BenchError(Exception):
 
 @dataclass
 class BenchConfig:
-    """Options of one ``bench serve`` run.
-
-    Units: ``request_rate`` requests/s (``inf`` = all at once), ``duration_s``,
-    ``timeout_s``, ``retry_backoff_s`` seconds. ``goodput_ms`` maps SLO metric
-    to milliseconds. ``num_prompts`` counts sessions (requests for single-turn
-    datasets). ``endpoint_type`` is "auto", "completions" or "chat".
-    """
+    """Options of one ``bench serve`` run: ``request_rate`` req/s (``inf`` = all at once);
+    ``duration_s``, ``timeout_s``, ``retry_backoff_s`` seconds; ``goodput_ms`` SLO metric ->
+    ms; ``num_prompts`` sessions; ``endpoint_type`` "auto", "completions" or "chat"."""
 
     base_url: str = "http://127.0.0.1:8000"
     model: str | None = None
@@ -185,11 +177,8 @@ def json_object(v: str) -> dict:
 
 
 def add_common_arguments(p: Any, single_run: bool = True) -> None:
-    """Server, dataset and load options shared by ``bench serve`` and ``bench sweep``.
-
-    ``single_run=False`` (sweep) leaves out ``--request-rate`` and
-    ``--max-concurrency``, which the sweep sets per load point.
-    """
+    """Server, dataset and load options shared by ``bench serve`` and ``bench sweep``
+    (``single_run=False`` omits ``--request-rate`` and ``--max-concurrency``)."""
     g = p.add_argument_group("server")
     g.add_argument("--base-url", default="http://127.0.0.1:8000",
                    help="server root URL, e.g. http://127.0.0.1:8000 (a trailing /v1 is accepted)")
@@ -312,14 +301,9 @@ def config_from_args(args: Any, validate: bool = True) -> BenchConfig:
 
 
 def load_tokenizer(spec: str | None) -> Any | None:
-    """Load the tokenizer used to build prompts.
-
-    ``spec``: ``None`` = the bundled model's tokenizer; ``"none"`` = no
-    tokenizer (token ids from a safe fixed range, word-count estimates); a HF
-    model directory or a ``.gguf`` file (``pagedllm.tokenizer.get_tokenizer``).
-    Raises ``BenchError`` naming ``--tokenizer`` when an explicit spec cannot
-    be loaded; returns ``None`` (with a warning) when the default cannot.
-    """
+    """The tokenizer for prompts: ``spec`` None = the bundled model's (None with a warning if
+    it cannot load), ``"none"`` = no tokenizer, else a HF directory or ``.gguf`` file.
+    Raises ``BenchError`` naming ``--tokenizer`` when an explicit spec cannot be loaded."""
     if spec is not None and spec.lower() == "none":
         return None
     from pagedllm.tokenizer import get_tokenizer
@@ -335,10 +319,7 @@ def load_tokenizer(spec: str | None) -> Any | None:
 
 
 def build_dataset(args: Any, tokens: TokenSource) -> Dataset:
-    """Build the dataset named by ``args.dataset`` from parsed CLI args.
-
-    Raises ``DatasetError`` (a ``ValueError``) naming the offending flag.
-    """
+    """The dataset ``args.dataset`` names. Raises ``DatasetError`` naming the flag."""
     name = args.dataset
     if name == "random":
         return RandomDataset(tokens, args.input_len, args.output_len, args.random_range_ratio)
@@ -358,11 +339,9 @@ def build_dataset(args: Any, tokens: TokenSource) -> Dataset:
 
 
 def prepare(args: Any, tokenizer: Any = "load", validate: bool = True) -> tuple[BenchConfig, Dataset, TokenSource]:
-    """Validate args and build (config, dataset, token source).
-
-    ``tokenizer="load"`` loads ``args.tokenizer``; pass an object (or None) to
-    inject one. Raises ``BenchError`` or ``DatasetError`` naming the flag.
-    """
+    """Validate args and build (config, dataset, token source); ``tokenizer="load"`` loads
+    ``args.tokenizer``, else the object given is used. Raises ``BenchError`` or
+    ``DatasetError`` naming the flag."""
     cfg = config_from_args(args, validate)
     if args.dataset in ("sharegpt", "trace"):
         if not args.dataset_path:

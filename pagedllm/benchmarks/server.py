@@ -1,14 +1,7 @@
-"""``pagedllm bench server``: what serving over HTTP costs against the offline engine, with
-the engine core in its own process (the default) and in the server's process
-(``--no-engine-process``), in one run.
-
-For each mode, a ``pagedllm serve`` subprocess is started with the given engine flags and
-``bench serve``'s load generator (``runner.run_benchmark``) sends the random-token prompts
-at each ``--concurrency`` (``min(--num-prompts, max(8, 2 c))`` requests, streaming,
-``ignore_eos``), while a probe times ``GET /health`` every ``--health-interval`` seconds.
-Then the offline ``LLM`` generates the same prompts (the largest concurrency's set, all
-at once). Reported per mode and concurrency: output tokens/s and its ratio to offline,
-TTFT and TPOT medians, and /health p50/p99 (ms) while the server was loaded.
+"""``pagedllm bench server``: what serving over HTTP costs against the offline engine,
+with the engine core in its own process and in the server's (``--no-engine-process``), in
+one run: per mode and ``--concurrency``, output tokens/s and its ratio to offline, TTFT
+and TPOT medians, and /health p50/p99 (ms) under load. Method: docs/notes/benchmarks.md.
 """
 from __future__ import annotations
 
@@ -32,7 +25,6 @@ MODES = ("process", "inprocess")
 
 
 def register(subparsers: "argparse._SubParsersAction") -> None:
-    """Add ``server`` to the ``bench`` sub-parsers; its ``func`` is :func:`server_main`."""
     from pagedllm.config import EngineArgs
 
     p = subparsers.add_parser(
@@ -160,8 +152,7 @@ def server_main(args) -> int:
     """Entry point of ``pagedllm bench server``; returns 0.
 
     Raises:
-        MissingBenchPackageError (a ValueError): aiohttp is not installed (before any
-            server starts).
+        MissingBenchPackageError (a ValueError): aiohttp is not installed.
     """
     from pagedllm.benchmarks.machine import machine_info
     from pagedllm.config import EngineArgs

@@ -1,23 +1,7 @@
-"""``pagedllm bench spec``: speculative decoding against plain decoding, in the same run.
-
-For each workload, each concurrency and each method (``none`` = no speculation, the
-baseline), the same greedy requests run on an engine built with that method; reported:
-output tokens/s (all output tokens / wall time), mean TPOT (per request, first token to
-finish / (output tokens - 1)), the draft acceptance rate and the mean accepted length
-(tokens a verified step yields: accepted drafts + the target's own), the speedup over
-``none``, and whether the outputs equal the baseline's (greedy output must not change).
-
-Workloads (chat prompts through the model's template, built here so every run is the same):
-- ``copy``: copy-heavy turns: repeat a piece of code with one change, quote a passage
-  word for word, and an agent trace whose next turn re-emits an earlier JSON tool call
-  with one argument changed;
-- ``random``: open-ended questions, where output rarely repeats the prompt.
-
-Concurrency c: at most c requests in flight (a new one is added as one finishes). The
-methods of one (workload, concurrency) run back to back, the baseline first, so each
-ratio compares runs minutes apart at most on a machine whose speed drifts. Each run gets
-a fresh engine (warmed up on a prompt outside the workloads), so no run sees the
-answers of another (the suffix proposer caches earlier responses).
+"""``pagedllm bench spec``: speculative decoding against plain decoding (``none``), in the
+same run: per workload (``copy``, ``random``), concurrency and method, output tokens/s,
+mean TPOT, draft acceptance rate, mean accepted length, speedup over ``none`` and whether
+outputs equal the baseline's. Workloads and run order: docs/notes/benchmarks.md.
 """
 from __future__ import annotations
 
@@ -94,7 +78,7 @@ _QUESTIONS = [
 
 
 def copy_conversations() -> list[list[dict]]:
-    """Copy-heavy chat requests (see the module docstring)."""
+    """Copy-heavy chat requests (workloads: docs/notes/benchmarks.md)."""
     convs = []
     for code, (a, b) in zip(_CODE, [("values", "data"), ("count", "qty"), ("settings", "options")]):
         convs.append([{"role": "user", "content": f"Here is some Python code:\n```python\n{code}\n```\n"
@@ -124,7 +108,6 @@ WORKLOADS = {"copy": copy_conversations, "random": random_conversations}
 
 
 def register(subparsers: "argparse._SubParsersAction") -> None:
-    """Add ``spec`` to the ``bench`` sub-parsers; its ``func`` is :func:`spec_main`."""
     from pagedllm.config import EngineArgs
 
     p = subparsers.add_parser("spec", help="speculative decoding vs plain decoding: tok/s, TPOT, acceptance",

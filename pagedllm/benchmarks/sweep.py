@@ -1,21 +1,13 @@
-"""``pagedllm bench sweep``: run ``bench serve`` at increasing load and find the
-highest load that meets a latency SLO, and what a token then costs.
+"""``pagedllm bench sweep``: ``bench serve`` at increasing load (``--request-rates``, open
+loop, or ``--concurrencies``, closed loop) to find the highest load meeting the SLO, and
+the cost of a token there.
 
-Load is either the offered request rate (``--request-rates``, open loop) or
-the number of concurrent sessions (``--concurrencies``, closed loop). A load
-point *meets the SLO* when, for every ``--slo METRIC:MS``, the chosen
-percentile (``--slo-percentile``, default p99, numpy linear interpolation)
-of that metric is at most the limit, its error rate is at most
-``--max-error-rate`` and at least one request completed.
-
-The reported capacity (``best_load``) is the highest load such that it and
-every lower load tried meet the SLO (the knee before the first failure; a
-later point that passes again by noise is not trusted). ``--refine N``
-bisects N more times between the last passing and first failing load.
-
-Cost at the best load, from the *measured* throughputs there:
-``cost_per_1m_output_tokens = cost_per_hour / (3600 * output_tok_per_s) * 1e6``
-and ``cost_per_1k_requests = cost_per_hour / (3600 * req_per_s) * 1e3``.
+A point meets the SLO when each ``--slo METRIC:MS`` at ``--slo-percentile`` (default p99)
+is within its limit, the error rate is at most ``--max-error-rate`` and a request
+completed. ``best_load``: the highest load such that it and every lower one pass
+(``--refine N`` bisects N more times). Cost at it, from measured throughput:
+``cost_per_hour / (3600 * output_tok_per_s) * 1e6`` per 1M output tokens and
+``cost_per_hour / (3600 * req_per_s) * 1e3`` per 1k requests.
 """
 
 from __future__ import annotations
@@ -39,10 +31,8 @@ __all__ = ["evaluate_point", "best_load", "run_sweep", "cost_at", "format_sweep"
 
 
 def parse_loads(text: str, flag: str, integer: bool) -> list[float]:
-    """Parse a comma-separated, strictly increasing list of positive loads.
-
-    Raises ``ValueError`` naming ``flag`` on bad input.
-    """
+    """A comma-separated, strictly increasing list of positive loads. Raises ``ValueError``
+    naming ``flag``."""
     try:
         vals = [float(x) for x in text.split(",") if x.strip()]
     except ValueError:
@@ -60,10 +50,7 @@ def parse_loads(text: str, flag: str, integer: bool) -> list[float]:
 
 
 def evaluate_point(summary: dict, slos_ms: dict, percentile: float, max_error_rate: float) -> tuple[bool, list[str]]:
-    """Whether one run's ``summary`` meets the SLOs; returns (ok, list of violations).
-
-    ``summary`` is ``run_benchmark(...)["summary"]`` (latencies in ms).
-    """
+    """(ok, violations) of one run's ``summary`` (``run_benchmark(...)["summary"]``, ms)."""
     key = pct_key(percentile)
     why = []
     if not summary.get("completed"):
@@ -142,14 +129,11 @@ async def run_sweep(cfg: BenchConfig, dataset: Dataset, tokens: TokenSource | No
                     loads: Sequence[float], slos_ms: dict, slo_percentile: float = 99.0,
                     max_error_rate: float = 0.0, refine: int = 0, early_stop: bool = True,
                     cost_per_hour: float | None = None) -> dict:
-    """Run ``bench serve`` at each load (``mode`` "rate" or "concurrency").
-
-    ``cfg`` gives everything but the load; its ``max_concurrency`` caps
-    rate-mode runs. Stops after the first failing point when ``early_stop``.
-    Warm-ups run only before the first point. Returns a dict with ``points``
-    (sorted by load), ``best_load``, ``best_point`` and cost fields.
-    Raises ``BenchError``/``ValueError`` on bad options.
-    """
+    """Run ``bench serve`` at each load (``mode`` "rate" or "concurrency"); ``cfg`` gives the
+    rest (its ``max_concurrency`` caps rate mode); stops at the first failing point with
+    ``early_stop``; warm-ups before the first point only. Returns ``points`` (by load),
+    ``best_load``, ``best_point`` and the costs. Raises ``BenchError``/``ValueError`` on bad
+    options."""
     if mode not in ("rate", "concurrency"):
         raise ValueError("mode must be 'rate' or 'concurrency'")
     if not slos_ms:
@@ -270,7 +254,6 @@ def format_sweep(sweeps: Sequence[dict]) -> str:
 
 
 def register(subparsers: "argparse._SubParsersAction") -> None:
-    """Add ``sweep`` to the ``bench`` sub-parsers; its ``func`` is :func:`sweep_main`."""
     p = subparsers.add_parser(
         "sweep", help="find the highest request rate / concurrency that meets an SLO",
         description="Run 'bench serve' at increasing load and report the highest load meeting the SLO.",
@@ -280,7 +263,6 @@ def register(subparsers: "argparse._SubParsersAction") -> None:
 
 
 def add_sweep_arguments(p: Any) -> None:
-    """Register ``bench sweep`` flags on parser ``p``."""
     add_common_arguments(p, single_run=False)
     s = p.add_argument_group("sweep")
     g = s.add_mutually_exclusive_group(required=True)

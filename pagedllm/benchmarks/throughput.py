@@ -1,12 +1,7 @@
-"""``pagedllm bench throughput``: offline batch throughput on random-token prompts, side
-by side with HF transformers' batched ``generate`` on the same prompts.
-
-Figures: requests/s, output tokens/s, total (prompt + output) tokens/s, over the
-generation time only (model loading excluded). The achieved compute rate is the model's
-FLOPs for the workload (see ``workload_flops``) divided by that time, and is reported as
-a fraction of ``torch.mm``'s rate in the run's dtype measured in the same run. The report
-names the CPU (as ``lscpu`` does) and its ISA flags.
-"""
+"""``pagedllm bench throughput``: offline batch throughput on random-token prompts beside
+HF transformers' batched ``generate``: req/s, output and total tokens/s over generation
+time (loading excluded), and the workload's FLOPs (``workload_flops``) per second as a
+fraction of ``torch.mm``'s rate in the run's dtype, with the CPU and its ISA flags."""
 from __future__ import annotations
 
 import argparse
@@ -20,7 +15,6 @@ from .serve_options import positive_int
 
 
 def register(subparsers: "argparse._SubParsersAction") -> None:
-    """Add ``throughput`` to the ``bench`` sub-parsers; its ``func`` is :func:`throughput_main`."""
     from pagedllm.config import EngineArgs
 
     p = subparsers.add_parser("throughput", help="offline throughput (random prompts, ignore_eos)",
@@ -49,11 +43,9 @@ def register(subparsers: "argparse._SubParsersAction") -> None:
 
 
 def check_flags_reach_an_engine(args, backends: list[str]) -> None:
-    """Refuse pagedllm-only engine flags (``--quantization``, ``--kv-cache-dtype``,
-    ``--speculative-config``, ``--attention-backend``, ... : every engine setting but the
-    model, dtype, device, threads and seed, which the peers take too) set away from their
-    defaults when no pagedllm engine runs: a figure for ``--backend hf -q int8`` would
-    silently be HF's unquantized one.
+    """Refuse pagedllm-only engine flags (every engine setting but model, dtype, device,
+    threads and seed) set off their defaults when no pagedllm engine runs, so that e.g.
+    ``--backend hf -q int8`` cannot report HF's unquantized figure.
 
     Raises:
         ValueError: naming the first such flag and the backends.
@@ -81,9 +73,9 @@ def random_prompts(n: int, input_len: int, vocab_size: int, seed: int = 0) -> li
 
 
 def workload_flops(arch, num_prompts: int, input_len: int, output_len: int) -> float:
-    """Forward FLOPs (multiply-add = 2) of prefilling every prompt and decoding
-    ``output_len`` tokens each: linear layers 2·params per token; attention 4·heads·head_dim
-    per (query, key) pair over the causal context; LM head 2·hidden·vocab per sampled token."""
+    """Forward FLOPs (multiply-add = 2) of prefilling every prompt and decoding ``output_len``
+    tokens each: linear layers 2·params per token, attention 4·heads·head_dim per (query, key)
+    pair over the causal context, LM head 2·hidden·vocab per sampled token."""
     a = arch
     per_tok = 2 * a.num_hidden_layers * (
         a.hidden_size * (a.num_attention_heads + 2 * a.num_key_value_heads) * a.head_dim
@@ -99,13 +91,9 @@ def workload_flops(arch, num_prompts: int, input_len: int, output_len: int) -> f
 
 def measure_mm_gflops(n: int = 2048, repeats: int = 5, dtype: torch.dtype = torch.float32,
                       budget_s: float = 3.0) -> float:
-    """Best-of-``repeats`` ``torch.mm`` rate for n×n matrices in ``dtype`` on the CPU, GFLOP/s.
-
-    The size grows from 256 to ``n`` by doubling while the next product (8x the work) is
-    predicted to take under a tenth of ``budget_s``, and timing stops once ``budget_s``
-    seconds have been spent: where ``dtype`` is slow on this CPU (bf16 ``torch.mm`` runs
-    ~0.3 GFLOP/s on CPUs without bf16 arithmetic, a minute for one 2048^3 product) the
-    reference stays small and costs seconds, not minutes."""
+    """Best-of-``repeats`` ``torch.mm`` rate (GFLOP/s) for n×n matrices in ``dtype`` on the
+    CPU; the size doubles from 256 up to ``n`` while the next product fits a tenth of
+    ``budget_s``, so a dtype slow on this CPU keeps the reference small."""
     size = min(256, n)
     while True:
         a, b = torch.randn(size, size).to(dtype), torch.randn(size, size).to(dtype)
@@ -153,14 +141,13 @@ def _engine_label(ns) -> str:
 
 
 def paired_main(args, prompts) -> int:
-    """``bench throughput --compare-args``: the engine of the command's flags and the one
-    of those flags plus ``--compare-args``, timed in turns (``benchmarks/paired.py``); the
-    report is printed (and saved) before the engines shut down.
+    """``bench throughput --compare-args``: the command's engine and that plus
+    ``--compare-args``, timed in turns (``paired.py``); the report is printed (and saved)
+    before the engines shut down.
 
     Raises:
-        ValueError: ``--backend`` other than pagedllm; ``--profile-dir`` (one profiler a
-            process); a bad flag of either engine (checked before either loads), or an
-            engine that fails to load or to take the prompts (the message says which).
+        ValueError: ``--backend`` other than pagedllm; ``--profile-dir``; a bad flag of either
+            engine, or an engine that fails to load or take the prompts (named).
     """
     from pagedllm import LLM, SamplingParams
     from pagedllm.config import EngineArgs
@@ -235,9 +222,8 @@ def _paired_report(args, namespaces, dtypes, res) -> None:
 
 
 def load_hf_model(args):
-    """The HF transformers model of ``args.model`` (a GGUF through transformers' GGUF
-    loader, or a HF directory) in the dtype ``--dtype`` resolves to, on ``--device``:
-    returns (model, dtype, device)."""
+    """(model, dtype, device): the HF transformers model of ``args.model`` (GGUF or HF
+    directory) in ``--dtype`` on ``--device``."""
     import os
 
     from transformers import AutoModelForCausalLM

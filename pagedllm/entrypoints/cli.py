@@ -1,13 +1,10 @@
 """The ``pagedllm`` command: serve, generate, models, bench, profile.
 
-Subcommands are registered one way. A *command module* has
-``register(subparsers)``, which adds its parser(s) to an argparse sub-parsers
-object and sets ``func`` (a callable taking the parsed ``Namespace`` and returning
-an exit code, or raising ``ValueError``/``FileNotFoundError`` for exit code 2).
-:data:`COMMANDS` lists the modules once, per parent command; the order is the
-order of ``--help``. This module is the command module of ``serve`` and
-``generate``. A new ``pagedllm bench X``: a module with ``register`` adding
-parser ``X``, and its dotted name in ``COMMANDS["bench"]``.
+A *command module* has ``register(subparsers)``, which adds its parser(s) and sets
+``func`` (parsed ``Namespace`` -> exit code; ``ValueError`` / ``FileNotFoundError`` exit
+2). :data:`COMMANDS` lists the modules per parent command, in ``--help`` order; a new
+``pagedllm bench X`` is a module registering ``X`` plus its name in ``COMMANDS["bench"]``.
+This module registers ``serve`` and ``generate``.
 """
 from __future__ import annotations
 
@@ -160,11 +157,8 @@ def register(subparsers: "argparse._SubParsersAction") -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``pagedllm`` parser: every module of :data:`COMMANDS` registered under its parent.
-
-    A parent ``X`` other than ``""`` is a ``pagedllm X`` parser whose sub-command
-    lands in ``args.X_command``; ``args.command`` holds the top-level one.
-    """
+    """The ``pagedllm`` parser: every module of :data:`COMMANDS` under its parent; a parent
+    ``X`` puts its sub-command in ``args.X_command``, the top-level one in ``args.command``."""
     parser = argparse.ArgumentParser(prog="pagedllm", description=COMMANDS[""][0])
     parser.add_argument("--log-level", default=envs.log_level())
     sub = parser.add_subparsers(dest="command", required=True)

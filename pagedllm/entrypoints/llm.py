@@ -18,11 +18,8 @@ class LLM:
     Args:
         model: a ``.gguf`` file or HF directory; None = the bundled SmolLM2-135M-Instruct.
         log_stats: log throughput, queue, KV use and prefix-cache hit rate every 10 s.
-        **kwargs: any EngineArgs field (``dtype``, ``max_model_len``, ``block_size``,
-            ``kv_cache_memory``, ``max_num_batched_tokens``, ``max_num_seqs``,
-            ``enable_chunked_prefill``, ``enable_prefix_caching``, ``num_gpu_blocks_override``,
-            ``kv_cache_dtype`` ("auto", "float32", "bfloat16", "fp8", "fp8_e4m3",
-            "fp8_e5m2"), ``profile_dir`` ...).
+        **kwargs: any EngineArgs field (``dtype``, ``max_model_len``, ``kv_cache_memory``,
+            ``kv_cache_dtype``, ...; docs/configuration.md).
 
     Raises:
         ValueError: an unknown keyword or a bad setting (named in the message).
@@ -50,9 +47,9 @@ class LLM:
         Args:
             prompts: a string, a list of strings, a list of token-id lists, or dicts with
                 "prompt" or "prompt_token_ids".
-            sampling_params: one for all prompts or one per prompt (default SamplingParams()).
+            sampling_params: one for all or one per prompt (default SamplingParams()).
             use_tqdm: show a progress bar.
-            cache_salt: prefix-cache salt applied to every prompt that sets none itself.
+            cache_salt: prefix-cache salt for every prompt that sets none itself.
 
         Raises:
             ValueError: a bad prompt or parameter (nothing is generated then).
@@ -89,13 +86,13 @@ class LLM:
              use_tqdm: bool = True, add_generation_prompt: bool = True,
              chat_template: str | None = None, cache_salt: str | None = None,
              chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
-        """Generate replies to one conversation (a list of {"role", "content"} dicts) or a
-        list of conversations, rendered with the model's chat template (or ``chat_template``)
-        given ``chat_template_kwargs`` as extra template variables.
+        """Replies to one conversation (a list of {"role", "content"} dicts) or a list of them,
+        rendered with the model's chat template (or ``chat_template``) and
+        ``chat_template_kwargs``.
 
         Raises:
-            ValueError: malformed messages or chat_template_kwargs (naming them), or no
-                chat template; nothing is queued then.
+            ValueError: malformed messages or chat_template_kwargs, or no chat template; nothing
+                is queued then.
         """
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         ids = [self.llm_engine.apply_chat_template(c, add_generation_prompt, chat_template, chat_template_kwargs)

@@ -1,19 +1,12 @@
-"""Backpressure (``--max-waiting-requests``): whether one more generation request may join
-the engine's queue, decided when the request arrives, before any of its work begins.
-
-The server counts the sequences it has admitted and not yet answered (``in_flight``: a
-request of ``n`` choices over ``p`` prompts is ``n * p``), from the moment of admission,
-so that requests arriving within one engine step see each other. Of those, at most
-``max_num_seqs`` run at once; when the scheduler's latest stats show requests waiting,
-it is full (by sequences or by KV blocks) and only those running now are running. So
-the sequences waiting are estimated as::
+"""Backpressure (``--max-waiting-requests``): whether one more generation request may
+join the engine's queue, decided on arrival. Sequences count as in flight from admission
+(``n * p`` for ``n`` choices over ``p`` prompts); those waiting are estimated as::
 
     capacity = num_running if num_waiting > 0 else max_num_seqs     (latest stats)
     waiting  = min(in_flight, max(num_waiting, in_flight - capacity))
 
-and a request arriving when ``waiting >= max_waiting_requests`` is refused (503 with
-``Retry-After``) and counted nowhere. Between the check and the count there is no
-``await``: the event loop admits one request at a time.
+A request arriving when ``waiting >= max_waiting_requests`` gets 503 with ``Retry-After``
+and is counted nowhere. Why this estimate: docs/notes/entrypoints.md.
 """
 from __future__ import annotations
 
@@ -23,8 +16,7 @@ from dataclasses import dataclass
 
 @dataclass
 class Admission:
-    """One admitted request's share of ``AdmissionControl.in_flight``; ``release`` gives it
-    back (once, however often it is called)."""
+    """One admitted request's share of ``in_flight``; ``release`` gives it back (idempotent)."""
 
     control: "AdmissionControl"
     num_seqs: int
@@ -41,9 +33,8 @@ class AdmissionControl:
         max_waiting_requests: refuse a request while this many sequences wait (>= 1).
         max_num_seqs: the scheduler's limit of running sequences.
 
-    Also a stat logger (``record``): attach it to the engine (``AsyncLLM.add_stat_logger``)
-    so it sees the scheduler's counts after each step (from the engine's thread).
-    ``try_admit`` and ``Admission.release`` run on the event loop only.
+    A stat logger too: attach it with ``AsyncLLM.add_stat_logger`` (``record`` runs on the
+    engine's thread); ``try_admit`` and ``Admission.release`` run on the event loop only.
 
     Raises:
         ValueError: ``max_waiting_requests`` < 1.
@@ -78,8 +69,8 @@ class AdmissionControl:
         return min(self._in_flight, max(waiting, self._in_flight - capacity))
 
     def try_admit(self, num_seqs: int) -> Admission | None:
-        """Count ``num_seqs`` more sequences in flight and return their ``Admission``, or
-        None (nothing counted) when ``max_waiting_requests`` sequences wait already."""
+        """Count ``num_seqs`` more sequences in flight and return their ``Admission``, or None
+        (nothing counted) when ``max_waiting_requests`` sequences wait already."""
         if self.num_waiting() >= self.max_waiting_requests:
             return None
         self._in_flight += num_seqs

@@ -1,51 +1,9 @@
 """OpenAI-compatible HTTP server (FastAPI + uvicorn) over AsyncLLM.
 
-Endpoints: POST /v1/completions, POST /v1/chat/completions (``stream`` true or false;
-SSE chunks as OpenAI's, closing with ``data: [DONE]``), GET /v1/models and
-GET /v1/models/{id} (404 for another id), GET /health, GET /version,
-POST /tokenize and POST /detokenize (vLLM's), GET /metrics (Prometheus, vLLM names),
-POST /reset_prefix_cache, and GET /openapi.json describing them.
-A client that disconnects mid-request aborts it; its KV blocks are freed at once.
-
-Production behaviour (``middleware.py``, ``admission.py``, ``run_server``):
-- ``--api-key`` (or ``PAGEDLLM_API_KEY``): Bearer auth on every route but /health (and
-  /metrics with ``--metrics-without-auth``); 401 in OpenAI's error shape.
-- ``--max-waiting-requests N``: a completion or chat request that finds N requests
-  already waiting for the engine gets 503 with ``Retry-After``, instead of queueing
-  (requests count from their arrival, so those within one engine step see each other).
-- ``X-Request-Id``: honoured (the response ids are built from it) and echoed; the
-  engine's id for the request always adds a fresh suffix, so a reused id (in flight
-  twice, or retried right after a disconnect) never crosses streams. One
-  access-log line per request (``pagedllm.access``).
-- The engine core's death (its process killed, say): open requests fail at once (503,
-  or an error event then ``[DONE]`` on a stream) and /health answers 503.
-- An error no handler expected: 500 in OpenAI's error shape, logged with its traceback;
-  the connection stays open for the client's next request.
-- SIGTERM / Ctrl-C: stop accepting, let in-flight requests finish for up to
-  ``--shutdown-timeout`` seconds, abort the rest, stop the engine process, exit 0.
-
-Chat templates are rendered, prompts tokenized and token ids decoded in AsyncLLM's
-tokenizer threads (each with its own copy of the tokenizer), never on the event loop nor
-with the engine's own tokenizer, which its output thread uses. A request's own
-``chat_template`` is honoured only when the server was started with
-``--trust-request-chat-template`` (as vLLM): a template is a program, and a slow one
-would hold a tokenizer thread.
-
-Layout (vLLM's): ``router.py`` holds the routes; each hands its request to a serving
-object on ``app.state``: ``serving_completion.OpenAIServingCompletion``,
-``serving_chat.OpenAIServingChat``, ``serving_tokenization.OpenAIServingTokenization``,
-``serving_models.OpenAIServingModels`` (the model card and the ``model`` check). What
-they share (request ids, admission, disconnects, merged streams, the access log's
-usage, SSE) is ``serving_engine.OpenAIServing``; OpenAI's error shape and the exception
-handlers are ``errors.py``.
-
-A new API is one serving class and its routes:
-1. ``serving_<api>.py``: a subclass of ``OpenAIServing`` with the API's request checks
-   and its whole and streamed paths (``self.admit``, ``self.request_ids``,
-   ``self.engine.add_request``, ``self.with_disconnect``, ``sse_event``...); its request
-   bodies beside the others in ``protocol.py``;
-2. its routes in ``router.py``, each taking the object from ``app.state``;
-3. the line in ``build_app`` below that puts it on ``app.state``.
+Routes, fields, errors, auth, backpressure and shutdown: docs/api.md. ``router.py`` holds
+the routes; each hands its request to a serving object on ``app.state`` (vLLM's layout),
+built in ``build_app``. Layout, adding an API, and why templates render in tokenizer
+threads: docs/notes/entrypoints.md.
 """
 from __future__ import annotations
 
@@ -74,12 +32,9 @@ def build_app(engine: AsyncLLM, prometheus=None, trust_request_chat_template: bo
               enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
               api_key: str | None = None, metrics_without_auth: bool = False,
               max_waiting_requests: int | None = None) -> FastAPI:
-    """The FastAPI app serving ``engine``; ``prometheus`` is a PrometheusStatLogger (or None);
-    ``trust_request_chat_template``: honour a chat request's ``chat_template`` field;
-    ``enable_auto_tool_choice`` / ``tool_call_parser``: ``tool_choice: "auto"`` reads calls
-    from the output with that parser (vLLM's flags); ``api_key``: require it as a Bearer
-    token (``metrics_without_auth``: but not on /metrics); ``max_waiting_requests``: refuse
-    new generation requests with 503 while that many wait for the engine (None: never).
+    """The FastAPI app serving ``engine`` (``prometheus``: a PrometheusStatLogger or None).
+    The other arguments are the ``serve`` flags of the same names (docs/configuration.md);
+    ``max_waiting_requests`` None never refuses.
 
     Raises:
         ValueError: ``enable_auto_tool_choice`` without a known ``tool_call_parser``;
@@ -125,17 +80,11 @@ def _check_can_listen(host: str, port: int) -> None:
 
 
 class DrainingServer(uvicorn.Server):
-    """uvicorn's server, except that:
-
-    - the SIGTERM / SIGINT that began its graceful shutdown is not raised again once the
-      shutdown is done: uvicorn re-raises it, which kills the process (SIGTERM) or raises
-      KeyboardInterrupt (SIGINT) before the engine process is stopped. A second Ctrl-C
-      still forces the exit;
-    - shortly before the drain time (``timeout_graceful_shutdown`` seconds) runs out, the
-      requests still running are ended with ``ServerShuttingDownError`` (``engine.fail_all``):
-      a 503 body, or a stream's error event and ``[DONE]``, where uvicorn would cancel their
-      tasks (a plain-text 500, streams cut mid-response, and tracebacks in the log). The
-      margin is a second, or half the drain time if that is under two seconds.
+    """uvicorn's server, except that the signal that began the graceful shutdown is not
+    re-raised once it is done (so the engine process is stopped first), and shortly before
+    ``timeout_graceful_shutdown`` runs out (a second, or half of it under two seconds) the
+    requests still running end with ``ServerShuttingDownError`` (a 503, or a stream's error
+    event and ``[DONE]``) instead of being cancelled. Why: docs/notes/entrypoints.md.
     """
 
     def __init__(self, config: uvicorn.Config, engine: AsyncLLM | None = None):
@@ -160,12 +109,8 @@ class DrainingServer(uvicorn.Server):
 
 
 def run_server(args) -> None:
-    """Load the engine from parsed CLI args, then serve until SIGTERM or Ctrl-C.
-
-    Shutdown (``DrainingServer``): uvicorn stops accepting connections and gives in-flight requests up to
-    ``--shutdown-timeout`` seconds; those still running then are cancelled (their streams
-    close and the engine aborts them), the engine process is stopped, and the function
-    returns (the command exits 0)."""
+    """Load the engine from parsed CLI args, then serve until SIGTERM or Ctrl-C; returns after
+    the drain (``--shutdown-timeout``, see ``DrainingServer``) and the engine's shutdown."""
     from pagedllm import envs
     from pagedllm.config import EngineArgs
     from pagedllm.engine.metrics import PrometheusStatLogger

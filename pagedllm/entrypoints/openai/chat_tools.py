@@ -1,28 +1,9 @@
 """Tool calling for one chat request: the tools shown to the model, the constraint that
 ``tool_choice`` "required" or a named function puts on its output, and the calls read
-back from it (whole, or as OpenAI's streamed deltas).
+back from it, whole or as OpenAI's streamed deltas.
 
-Modes, from the checked ``tool_choice`` (``tool_calls.request``):
-- ``none``: tools are shown, the output is plain content;
-- ``required`` / a named function: the output is constrained (structured outputs) to
-  ``tool_calls.tool_choice_json_schema``, so it is a call whatever the model; the calls
-  are parsed from it with ``parse_constrained_output``. Streaming sends each call's id and
-  name, then its arguments, once the output is complete (the JSON is only known to be
-  whole at the end);
-- ``auto``: the server must run with ``--enable-auto-tool-choice --tool-call-parser P``
-  (as vLLM's); the output is read by parser P. A completion makes calls only when every
-  call parses and names a function of ``tools``; otherwise all of it is content. Streaming
-  gives the same result as the whole completion: content is sent as it comes until a call
-  begins; from there the text is held, and at the end it goes out as the calls (each one's
-  id and name, then its arguments) with any content after them, or as content. A model
-  whose chat template cannot show tools gets them in Hermes format in its system prompt
-  (``tool_calls.rendering``), so its output is read with the ``hermes`` parser, and the
-  client is told in the ``X-PagedLLM-Warning`` response header.
-
-``parallel_tool_calls: false``: at most one call comes back, the first the output makes,
-in every mode and whole or streamed alike (``required``'s constraint allows one call; a
-parser reading ``auto``'s free output may find several, as may a model given a looser
-constraint).
+Modes (``none``, forced, ``auto`` with ``--tool-call-parser``), their streaming and
+``parallel_tool_calls: false`` (at most one call, in every mode): docs/notes/entrypoints.md.
 """
 from __future__ import annotations
 
@@ -41,11 +22,9 @@ logger = logging.getLogger("pagedllm")
 
 def render_chat_tools(messages: list[dict], tools: list[dict] | None, template: str | None
                       ) -> tuple[list[dict], list[dict] | None, str | None, bool]:
-    """A conversation and its checked ``tools`` (``validate_tool_request``) prepared for
-    the chat ``template`` as a chat request renders them (``/v1/chat/completions`` and
-    ``/tokenize`` alike): (messages, the template's ``tools`` argument or None, the note
-    of ``render_messages_for_template`` or None, whether the template shows tools
-    itself). Messages without tools or tool turns pass unchanged.
+    """(messages, the template's ``tools`` argument or None, ``render_messages_for_template``'s
+    note or None, whether the template shows tools itself) for ``messages`` and the checked
+    ``tools``, as both ``/v1/chat/completions`` and ``/tokenize`` render them.
 
     Raises:
         InvalidParameterError(param="messages"): a malformed tool turn.
@@ -61,14 +40,13 @@ def render_chat_tools(messages: list[dict], tools: list[dict] | None, template: 
 
 class ChatTools:
     """Args:
-        body: the ``ChatCompletionRequest``; engine: the ``AsyncLLM`` (its tokenizer's
-        chat template); enable_auto_tool_choice / tool_call_parser: the server's flags.
+        body: the ``ChatCompletionRequest``; engine: the ``AsyncLLM``;
+        enable_auto_tool_choice / tool_call_parser: the server's flags.
 
     Raises:
         InvalidParameterError: bad ``tools`` / ``tool_choice`` / ``parallel_tool_calls``,
-            the deprecated ``functions`` / ``function_call``, ``tool_choice`` "auto" with
-            tools on a server without ``--enable-auto-tool-choice``, ``response_format``
-            with a forced call.
+            ``functions`` / ``function_call``, "auto" with tools without
+            ``--enable-auto-tool-choice``, ``response_format`` with a forced call.
     """
 
     def __init__(self, body, engine, enable_auto_tool_choice: bool, tool_call_parser: str | None):
@@ -120,8 +98,7 @@ class ChatTools:
 
     # -- after generation ---------------------------------------------------------------
     def message(self, c: CompletionOutput) -> tuple[dict, str | None]:
-        """The assistant message of a whole completion and its finish reason
-        (``tool_calls`` when it made calls)."""
+        """The assistant message of a whole completion and its finish reason."""
         if not self._reads_calls():
             return {"role": "assistant", "content": c.text}, c.finish_reason
         if self.mode == "constrained":
@@ -135,16 +112,14 @@ class ChatTools:
         return self._calls_message(got.content, self._allowed(got.tool_calls)), "tool_calls"
 
     def _allowed(self, calls: list[ToolCall]) -> list[ToolCall]:
-        """``calls``, or only the first when ``parallel_tool_calls`` is false."""
         if self.req.parallel_tool_calls or len(calls) <= 1:
             return calls
         logger.info("parallel_tool_calls is false: %d further tool call(s) left out", len(calls) - 1)
         return calls[:1]
 
     def _auto_calls(self, text: str) -> ExtractedToolCalls | None:
-        """The calls parser P reads in a whole completion ``text`` (an ``ExtractedToolCalls``
-        with ``tools_called``), or None when it makes none: no call, a malformed one, or a
-        call to a function that ``tools`` does not declare (then the text is content)."""
+        """The calls parser P reads in a whole ``text`` (``ExtractedToolCalls``), or None: no
+        call, a malformed one, or an undeclared function (then the text is content)."""
         got = get_tool_parser(self.parser_name)().extract_tool_calls(text)
         if not got.tools_called:
             return None
@@ -167,8 +142,7 @@ class ChatTools:
 
     @staticmethod
     def _call_deltas(calls: list[ToolCall]) -> list[dict]:
-        """Whole calls as OpenAI's streamed deltas: per call its id and name, then its
-        arguments in one fragment."""
+        """Whole calls as streamed deltas: id and name, then the arguments in one fragment."""
         out = []
         for i, t in enumerate(calls):
             out.append({"tool_calls": [{"index": i, "id": t.id, "type": "function",
@@ -232,9 +206,7 @@ class ChatTools:
 
 
 class _AutoStream:
-    """One streamed sequence under ``tool_choice`` "auto": its parser, the whole text so
-    far, the content already sent, whether a call began (the text is then held), and the
-    calls read at the end (None: none)."""
+    """One streamed sequence under ``tool_choice`` "auto" (text so far, what was sent, calls)."""
 
     def __init__(self, parser):
         self.parser = parser

@@ -1,19 +1,9 @@
-"""Errors in OpenAI's shape: the body, the JSON response, a stream's error event, and the
-app's exception handlers (https://platform.openai.com/docs/guides/error-codes).
-
-Every error the server sends has the body ``{"error": {"message", "type", "param",
-"code"}}`` with ``code`` the HTTP status. The handlers map:
-
-- a body that fails pydantic's checks (``RequestValidationError``): 400 naming the
-  parameter (``protocol.describe_validation_error``);
-- an unknown path or a wrong method (``HTTPException``): 404 ``NotFoundError``, 405
-  ``MethodNotAllowedError``, other statuses as they come;
-- ``InvalidParameterError``: 400 naming ``param``;
-- ``EngineDeadError`` (and ``ServerShuttingDownError``): 503 ``service_unavailable``.
-
-A stream that has started cannot change its status: it sends ``stream_error_body`` as one
-event instead (503 when the engine has died, else 500), then ``[DONE]``.
-"""
+"""Errors in OpenAI's shape (https://platform.openai.com/docs/guides/error-codes): the
+body ``{"error": {"message", "type", "param", "code"}}`` (``code`` = HTTP status), the
+JSON response, a stream's error event, and the app's exception handlers: pydantic
+failures and ``InvalidParameterError`` -> 400 naming the parameter, unknown path / method
+-> 404 / 405, ``EngineDeadError`` and ``ServerShuttingDownError`` -> 503. A started stream
+sends ``stream_error_body`` as one event instead (503 or 500), then ``[DONE]``."""
 from __future__ import annotations
 
 import json
@@ -37,8 +27,7 @@ def error_body(message: str, param: str | None, code: int = 400,
 
 
 class AsciiJSONResponse(JSONResponse):
-    """JSON with non-ASCII characters escaped: an error message may quote what the client
-    sent, and a lone surrogate (valid in JSON's escapes) has no UTF-8 encoding."""
+    """JSON with non-ASCII escaped (a message may quote a lone surrogate, which has no UTF-8)."""
 
     def render(self, content) -> bytes:
         return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
@@ -51,8 +40,7 @@ def error_response(message: str, param: str | None = None, code: int = 400,
 
 
 def stream_error_body(e: BaseException) -> dict:
-    """The body of the error event of a stream that failed: 503 when the engine has died,
-    else 500."""
+    """The body of a failed stream's error event: 503 when the engine has died, else 500."""
     if isinstance(e, EngineDeadError):
         return error_body(str(e), None, 503, "service_unavailable")
     return error_body(str(e), getattr(e, "param", None), 500, "internal_error")

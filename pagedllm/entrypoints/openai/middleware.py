@@ -1,10 +1,7 @@
 """ASGI middleware of the OpenAI server: API-key auth, request ids with one access-log
 line per request, and a 500 for an unexpected error that keeps the connection open.
-
-Both are plain ASGI callables rather than Starlette's ``BaseHTTPMiddleware``, so that a
-streamed response passes through untouched (no buffering, and a client's disconnect still
-reaches the endpoint).
-"""
+Plain ASGI callables, not ``BaseHTTPMiddleware``, so streams pass through unbuffered and a
+client's disconnect still reaches the endpoint."""
 from __future__ import annotations
 
 import hmac
@@ -26,14 +23,10 @@ def _error(message: str, code: int, type_: str, extra_headers: list | None = Non
 
 
 class InternalErrorMiddleware:
-    """Answers an exception no endpoint or handler caught with a 500 in OpenAI's error shape
-    (``{"error": {"message": "internal error: ...", "type": "internal_error", ...}}``),
-    logged with its traceback, and returns normally. Starlette's own last-resort handler
-    re-raises after answering, so that uvicorn logs the error and then closes the
-    connection: a client's next request on that keep-alive connection failed too. An
-    exception after the response has started (a stream; endpoints send their own error
-    event there) is re-raised: that response cannot be completed.
-    """
+    """Answers an exception nothing caught with a 500 in OpenAI's error shape (``type``
+    ``internal_error``), logged with its traceback, and returns normally so the keep-alive
+    connection survives (Starlette's own handler re-raises, and uvicorn then closes it). An
+    exception after the response has started is re-raised."""
 
     def __init__(self, app):
         self.app = app
@@ -61,15 +54,10 @@ class InternalErrorMiddleware:
 
 
 class ApiKeyMiddleware:
-    """Bearer auth (``Authorization: Bearer KEY``) on every HTTP route except ``/health``
-    (and ``/metrics`` when ``metrics_without_auth``). The scheme is matched without regard
-    to case and may be followed by several spaces (RFC 9110, section 11.1); the key exactly,
-    in constant time (``hmac.compare_digest``). A missing or wrong key gets 401 in OpenAI's
-    error shape, with ``WWW-Authenticate: Bearer``.
-
-    Args:
-        app: the ASGI app; api_key: the key (non-empty); metrics_without_auth: serve
-            ``/metrics`` without it (for a Prometheus scraper).
+    """Bearer auth on every HTTP route except ``/health`` (and ``/metrics`` when
+    ``metrics_without_auth``): scheme case-insensitive (RFC 9110, 11.1), key compared in
+    constant time. A missing or wrong key gets 401 in OpenAI's error shape with
+    ``WWW-Authenticate: Bearer``.
 
     Raises:
         ValueError: an empty ``api_key``.
@@ -100,17 +88,11 @@ class ApiKeyMiddleware:
 
 
 class RequestIdMiddleware:
-    """Gives each HTTP request an id: the client's ``X-Request-Id`` if it sent one (up to
-    ``MAX_ID_LEN`` printable ASCII characters), else a fresh uuid4 hex. The id is stored in
-    ``scope["state"]["request_id"]`` (``request.state.request_id`` in an endpoint) and
-    echoed in the response's ``X-Request-Id`` header.
-
-    When the response ends (its last body chunk, for a stream too), one line is logged on
-    the ``pagedllm.access`` logger: id, method, path, status, and what the endpoint put in
-    ``request.state.usage`` (prompt and output tokens, TTFT in seconds), and E2E seconds.
-    Then the callables an endpoint appended to ``request.state.on_end`` run (e.g. to
-    release the request's engine id), however the response ended.
-    """
+    """Gives each HTTP request an id: the client's ``X-Request-Id`` (up to ``MAX_ID_LEN``
+    printable ASCII characters) or a fresh uuid4 hex, in ``request.state.request_id`` and
+    echoed in the response header. When the response ends, logs one ``pagedllm.access`` line
+    (id, method, path, status, ``request.state.usage``, E2E seconds), then runs the callables
+    in ``request.state.on_end``, however the response ended."""
 
     MAX_ID_LEN = 128
 

@@ -1,21 +1,10 @@
-"""OpenAI API request bodies (pydantic, strict types) and their mapping to SamplingParams.
+"""OpenAI API request bodies (pydantic, strict types) and their mapping to SamplingParams,
+with vLLM's extensions (docs/api.md lists the fields).
 
-Extensions as in vLLM: top_k, min_p, min_tokens, ignore_eos, stop_token_ids,
-include_stop_str_in_output, skip_special_tokens, cache_salt, repetition_penalty,
-allowed_token_ids, bad_words, prompt_logprobs, truncate_prompt_tokens,
-structured_outputs, stream_options.continuous_usage_stats, and for chat
-add_generation_prompt, chat_template (when trusted) and chat_template_kwargs.
-
-Unknown fields are rejected (HTTP 400 naming the field, as OpenAI's API does), so that a
-client never gets an answer that silently ignores what it asked for. Fields a client may
-send only with their neutral value (``suffix: ""``, ``modalities: ["text"]``) are declared
-and accepted with that value only; fields that do not change the output (``user``,
-``metadata``, ``store``, ``service_tier``, ...) are accepted (``user`` is logged).
-
-``null`` means the default for every optional field (as OpenAI's and vLLM's servers treat
-it): ``"n": null`` is ``n: 1``, ``"stream": null`` is ``stream: false``. A required field
-(``prompt``, ``messages``) still refuses null, and an unknown field is refused whatever its
-value.
+Unknown fields are refused (400 naming the field); fields a client may send only with
+their neutral value (``suffix: ""``, ``modalities: ["text"]``) accept only that value.
+``null`` means the default for every optional field; a required field (``prompt``,
+``messages``) refuses it.
 """
 from __future__ import annotations
 
@@ -29,8 +18,7 @@ from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 def _none_or(*neutral):
-    """A predicate: the value is None or equal to one of ``neutral`` (bools never match
-    numbers, so ``logprobs: 0`` is not ``false``)."""
+    """Predicate: the value is None or equals one of ``neutral`` (bools never match numbers)."""
     def ok(v) -> bool:
         return v is None or any(type(v) is type(n) and v == n for n in neutral)
     return ok
@@ -46,9 +34,8 @@ class _Strict(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _null_means_default(cls, data: Any) -> Any:
-        """Drop ``null`` for declared optional fields, so that they take their default
-        (fields whose default is None accept null as it is); required and unknown fields
-        keep it, to be refused by name."""
+        """Drop ``null`` for declared optional fields so they take their default; required and
+        unknown fields keep it, to be refused by name."""
         if not isinstance(data, dict):
             return data
         fields = cls.model_fields
@@ -147,8 +134,7 @@ class _SamplingFields(_Strict):
         return self.max_tokens
 
     def api_param_names(self) -> dict[str, str]:
-        """Engine parameter name -> the field of this request that carried it, where they
-        differ (the one place OpenAI's names are mapped onto the engine's)."""
+        """Engine parameter name -> this request's field that carried it, where they differ."""
         return {}
 
     def to_api_error(self, e: InvalidParameterError) -> InvalidParameterError:
@@ -242,10 +228,8 @@ class CompletionRequest(_SamplingFields):
 
 
 class ChatMessage(BaseModel):
-    """The JSON shape of one message of ``messages``: a role string and text content (a
-    string, an array of content parts, or null). The rules (which roles, when content may
-    be null, which parts) are the engine's, checked once for HTTP and offline alike by
-    ``normalize_chat_messages``."""
+    """One message of ``messages``: a role string and text content (a string, content parts,
+    or null); the rules are ``normalize_chat_messages``'s, shared with offline use."""
 
     model_config = ConfigDict(strict=True, extra="allow")
     role: str
@@ -254,12 +238,8 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_SamplingFields):
     """POST /v1/chat/completions. ``max_tokens`` (or ``max_completion_tokens``) defaults
-    to what is left of max_model_len. ``chat_template`` is honoured only when the server
-    trusts request templates (``--trust-request-chat-template``).
-
-    ``logprobs`` (bool) with ``top_logprobs`` (0-20); ``response_format``; ``tools``,
-    ``tool_choice`` and ``parallel_tool_calls`` (checked by ``tool_calls.request``; the
-    deprecated ``functions`` / ``function_call`` are refused there)."""
+    to what is left of max_model_len; ``chat_template`` only under
+    ``--trust-request-chat-template``; tool fields are checked by ``tool_calls.request``."""
 
     _NEUTRAL: ClassVar[dict[str, Any]] = {
         "modalities": lambda v: v is None or v == ["text"],
@@ -329,12 +309,9 @@ _JSON_TYPES = {type(None): ("null", "null"), bool: ("a boolean", "booleans"),
 
 
 class TokenizeRequest(_Strict):
-    """``POST /tokenize`` (vLLM's): either ``prompt`` (text) or ``messages`` (rendered with
-    the chat template first, as a chat request renders them: ``add_generation_prompt``,
-    ``chat_template_kwargs`` and ``tools`` (the template's tools, or Hermes' text in the
-    system prompt for a template without them), so that the count is the prompt a chat
-    request with the same fields would have). ``add_special_tokens`` applies to ``prompt``
-    (the template writes its own)."""
+    """``POST /tokenize`` (vLLM's): ``prompt`` (text), or ``messages`` rendered as a chat
+    request with the same fields would render them. ``add_special_tokens`` applies to
+    ``prompt`` only."""
 
     model: str | None = None
     prompt: str | None = None
@@ -359,11 +336,9 @@ def _loc(error: dict) -> list:
 
 
 def describe_validation_error(errors: list[dict]) -> tuple[str, str | None]:
-    """A client-facing message and the top-level parameter it names, for the first of
-    pydantic's ``errors`` (``ValidationError.errors()``; a leading ``"body"`` in a location,
-    as FastAPI adds, is dropped). A value that fits no member of a union type is described
-    by the shapes that would fit ("expected a string or an array of strings (got null)")
-    rather than by one pydantic message per member. ``param`` is None for the body itself."""
+    """(client-facing message, top-level parameter or None for the body) for the first of
+    pydantic's ``errors``; a value that fits no member of a union is described by the shapes
+    that would fit ("expected a string or an array of strings (got null)")."""
     if not errors:
         return "invalid request", None
     e = errors[0]
@@ -406,8 +381,8 @@ def describe_validation_error(errors: list[dict]) -> tuple[str, str | None]:
 
 
 def _describe_json(value) -> str:
-    """'null', 'an integer', ..., and for an array what its items are ('an array of
-    integers and null'), so that a bad item is visible."""
+    """'null', 'an integer', ..., and for an array its item kinds ('an array of integers and
+    null')."""
     one = _JSON_TYPES.get(type(value), ("another type",))[0]
     if not isinstance(value, list):
         return one

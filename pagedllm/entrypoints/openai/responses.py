@@ -1,9 +1,6 @@
-"""Response pieces in OpenAI's shapes: usage, and logprobs for chat and for completions.
-
-Logprob entries come from ``CompletionOutput.logprobs`` / ``RequestOutput.prompt_logprobs``:
-per position a dict token id -> ``Logprob`` holding the chosen token (with its rank) and
-the top tokens (ranks 1..k).
-"""
+"""Response pieces in OpenAI's shapes: usage, and logprobs for chat and for completions,
+from ``CompletionOutput.logprobs`` / ``RequestOutput.prompt_logprobs`` (per position a dict
+token id -> ``Logprob``)."""
 from __future__ import annotations
 
 import asyncio
@@ -44,13 +41,10 @@ def chat_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]], k: in
 
 def completion_logprobs(token_ids: list[int], entries: list[dict[int, Logprob] | None], k: int,
                         token_text=None, start: int = 0) -> dict:
-    """``choices[i].logprobs`` of a completion: parallel lists ``tokens``,
-    ``token_logprobs``, ``top_logprobs`` (a dict token text -> logprob: the k most likely,
-    then the position's own token when it is not among them, so up to k + 1, as OpenAI's
-    legacy API and vLLM "always return the logprob of the sampled token") and
-    ``text_offset`` (characters into the choice's text, the first at ``start``). An entry
-    of None (the first prompt token, with ``echo``) has null logprobs; its text comes from
-    ``token_text`` (a callable: token id -> text; needed only where an entry is None)."""
+    """``choices[i].logprobs`` of a completion: parallel lists ``tokens``, ``token_logprobs``,
+    ``top_logprobs`` (token text -> logprob: the top k, plus the position's own token when not
+    among them, as vLLM) and ``text_offset`` (from ``start``). A None entry (the first prompt
+    token, with ``echo``) has null logprobs and its text from ``token_text`` (id -> text)."""
     tokens, lps, tops, offsets = [], [], [], []
     pos = start
     for t, e in zip(token_ids, entries):
@@ -87,11 +81,9 @@ class CompletionFormat:
     """The choices of one /v1/completions request (``echo``, ``logprobs``, ``n``).
 
     Args:
-        body: the CompletionRequest; params: its SamplingParams; engine: the AsyncLLM,
-            whose tokenizer threads decode what the outputs do not carry as text (a prompt
-            given as token ids, the echoed prompt's first token); prompt_only: ``echo``
-            with ``max_tokens`` 0 (the engine ran with 1): the generated tokens are left
-            out (``visible``).
+        body: the CompletionRequest; params: its SamplingParams; engine: the AsyncLLM (decodes
+            what outputs do not carry as text); prompt_only: ``echo`` with ``max_tokens`` 0
+            (the engine ran with 1; the generated tokens are hidden by ``visible``).
     """
 
     def __init__(self, body, params, engine, prompt_only: bool = False):
@@ -104,9 +96,8 @@ class CompletionFormat:
         self._prompt_texts: dict[str, str] = {}   # request id -> its decoded prompt
 
     def visible(self, out):
-        """``out`` as the response shows it: unchanged, or with ``prompt_only`` every
-        sequence emptied (no text, tokens or logprobs; ``finish_reason`` "length", as
-        max_tokens 0 ends it)."""
+        """``out`` as shown: unchanged, or with ``prompt_only`` every sequence emptied (finish
+        reason "length")."""
         if not self.prompt_only:
             return out
         outputs = [dataclasses.replace(c, text="", token_ids=[], logprobs=None if c.logprobs is None else [],
@@ -116,8 +107,7 @@ class CompletionFormat:
         return dataclasses.replace(out, outputs=outputs, delta_text="", delta_token_ids=[])
 
     async def prompt_text(self, out) -> str:
-        """The prompt as text (decoded, once per prompt, when it was given as token ids or
-        truncated)."""
+        """The prompt as text (decoded once, when given as token ids or truncated)."""
         if out.prompt is not None:
             return out.prompt
         text = self._prompt_texts.get(out.request_id)

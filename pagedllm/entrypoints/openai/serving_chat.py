@@ -25,10 +25,8 @@ class OpenAIServingChat(OpenAIServing):
 
     Args:
         engine, models, admission: as ``OpenAIServing``'s.
-        trust_request_chat_template: honour a request's ``chat_template`` field (a
-            template is a program, and a slow one would hold a tokenizer thread).
-        enable_auto_tool_choice / tool_call_parser: ``tool_choice: "auto"`` reads calls
-            from the output with that parser (vLLM's flags).
+        trust_request_chat_template, enable_auto_tool_choice, tool_call_parser: the
+            ``serve`` flags of those names.
 
     Raises:
         ValueError: ``enable_auto_tool_choice`` without a known ``tool_call_parser``.

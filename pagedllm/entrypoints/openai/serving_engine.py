@@ -1,7 +1,6 @@
-"""What every API's serving class shares (vLLM's ``OpenAIServing``): the engine and the
-served model's checks, and a request's life on this server: its ids, its admission
-(``--max-waiting-requests``), the client's disconnect, several streams merged into one,
-the usage the access log reports, and server-sent events."""
+"""What every API's serving class shares (vLLM's ``OpenAIServing``): the engine, the
+model check, request ids, admission, disconnects, merged streams, the access log's usage,
+and server-sent events."""
 from __future__ import annotations
 
 import asyncio
@@ -49,17 +48,14 @@ class OpenAIServing:
 
     @staticmethod
     def request_ids(raw: Request, prefix: str) -> tuple[str, str]:
-        """(the response's id, ``prefix-<X-Request-Id or uuid>``; the engine's id, that plus
-        a fresh suffix). The engine's id is never a client's: a client that reuses an id
-        (twice in flight, or a retry right after a disconnect, before the engine has
-        dropped the first request) can never receive the other request's tokens."""
+        """(the response's id ``prefix-<X-Request-Id or uuid>``, the engine's id: that plus a
+        fresh suffix, so a reused client id never receives another request's tokens)."""
         public = f"{prefix}-{raw.state.request_id}"
         return public, f"{public}-{uuid.uuid4().hex[:12]}"
 
     def admit(self, raw: Request, num_seqs: int) -> JSONResponse | None:
-        """None when the request may go on: its ``num_seqs`` sequences count as in flight
-        until its response has ended (``RequestIdMiddleware``'s ``on_end``). Else the 503
-        with ``Retry-After`` to answer, and nothing is counted."""
+        """None when the request may go on (its ``num_seqs`` count as in flight until the
+        response ends); else the 503 with ``Retry-After`` to answer, nothing counted."""
         if self.admission is None:
             return None
         admitted = self.admission.try_admit(num_seqs)
@@ -78,8 +74,7 @@ class OpenAIServing:
 
     @staticmethod
     def note_usage(raw_state, outs: list[RequestOutput | None]) -> None:
-        """What the access log reports: tokens and TTFT of the request's latest outputs
-        (a stream notes each one, so a stream cut short logs what it had sent)."""
+        """Record tokens and TTFT of the latest outputs for the access log (a stream notes each)."""
         outs = [o for o in outs if o is not None]
         if not outs:
             return
@@ -91,8 +86,7 @@ class OpenAIServing:
 
     @staticmethod
     async def with_disconnect(raw: Request, coro: Awaitable, streams: list[RequestStream]):
-        """Run ``coro``; if the client goes away first, abort its requests (freeing their
-        blocks) and answer 499."""
+        """Run ``coro``; if the client goes away first, abort its requests and answer 499."""
         task = asyncio.ensure_future(coro)
         while True:
             done, _ = await asyncio.wait({task}, timeout=0.25)
@@ -114,8 +108,8 @@ class OpenAIServing:
 
     @staticmethod
     async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput | Exception]]:
-        """(stream index, RequestOutput) from several streams as they come; an exception
-        from one is yielded in place of an output."""
+        """(stream index, RequestOutput) from several streams as they come; an exception from
+        one is yielded in place of an output."""
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(i, st):

@@ -11,12 +11,8 @@ from pagedllm.entrypoints.openai.errors import error_response
 
 
 class OpenAIServingModels:
-    """Args:
-        engine: the AsyncLLM serving the model.
-
-    The card's ``created`` is when this object was made (the server's start, fixed, as
-    vLLM's), and its ``root`` the served name, never the model's path on this machine.
-    """
+    """The model card (``created``: this object's creation, fixed as vLLM's; ``root``: the
+    served name, never a local path) and the ``model`` check, for ``engine``."""
 
     def __init__(self, engine: AsyncLLM):
         self.engine = engine
@@ -42,8 +38,7 @@ class OpenAIServingModels:
         return error_response(f"The model `{name}` does not exist.", "model", 404, "NotFoundError")
 
     def check_model(self, name: str | None) -> JSONResponse | None:
-        """None when a request's ``model`` names this model (its served name or its path)
-        or is absent; else the 404 to answer."""
+        """None when ``model`` is absent or names this model (served name or path); else a 404."""
         if name not in (None, "", self.engine.model_name, self.engine.model_path):
             return self.model_not_found(name)
         return None

@@ -10,8 +10,7 @@ from pagedllm.errors import EngineDeadError, InvalidParameterError, check_unicod
 
 
 class OpenAIServingTokenization(OpenAIServing):
-    """The tokenizer routes (``OpenAIServing``'s arguments; no admission: they queue no
-    generation)."""
+    """The tokenizer routes (``OpenAIServing``'s arguments; no admission)."""
 
     async def create_tokenize(self, body: TokenizeRequest):
         """``{"count", "max_model_len", "tokens"}``, or a 404 for another model.

@@ -1,15 +1,7 @@
 """OpenAI tool calling, in pure functions and per-request objects (no engine state):
-
-- ``request``: checks ``tools``, ``tool_choice``, ``parallel_tool_calls`` (and refuses the
-  deprecated ``functions`` / ``function_call``).
-- ``rendering``: tools and tool messages for the chat template, with a Hermes-format text
-  fallback for templates that cannot show tools.
-- ``registry`` (``hermes``, ``llama3_json``, on ``parser``, ``call_object``,
-  ``json_scan``): calls read from the generated text, whole or streamed.
-- ``constrained``: the JSON schema for ``tool_choice`` "required" or a named function,
-  and the calls read from the constrained output.
-- ``calls``: the values (``ToolCall``, ``ExtractedToolCalls``, call ids).
-"""
+``request`` (checks the tool fields), ``rendering`` (tools for the chat template),
+``registry`` and its parsers (calls read from generated text, whole or streamed),
+``constrained`` (the schema of a forced call), ``calls`` (the values)."""
 from pagedllm.entrypoints.openai.tool_calls.calls import ExtractedToolCalls, ToolCall, new_tool_call_id
 from pagedllm.entrypoints.openai.tool_calls.constrained import (ConstrainedOutputError, parse_constrained_output,
                                                                 tool_choice_json_schema)

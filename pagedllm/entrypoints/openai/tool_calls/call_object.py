@@ -1,12 +1,7 @@
-"""Reading one call object, ``{"name": ..., "arguments": {...}}``, as it is generated.
-
-Both the Hermes and the Llama 3 JSON formats write a call as such an object (Llama 3
-names the arguments ``"parameters"``). ``CallObjectReader`` takes the object one
-character at a time and exposes what is known so far (the name once its string is
-closed, the raw text of the arguments object as far as it has arrived), so that a
-streaming parser can send the name first and the arguments as fragments, and notices a
-malformed object at the character where it goes wrong.
-"""
+"""Reading one call object, ``{"name": ..., "arguments": {...}}`` (Llama 3 writes
+``"parameters"``), one character at a time, as the Hermes and Llama 3 JSON formats write
+it: the name once known, the arguments' raw text as it arrives, and the character where
+the object goes wrong."""
 from __future__ import annotations
 
 import json
@@ -26,16 +21,13 @@ class Read(Enum):
 
 
 class CallObjectReader:
-    """Follows one call object (leading whitespace allowed).
-
-    Rules: a JSON object with a ``"name"`` string (non-empty) and at most one of
-    ``"arguments"`` / ``"parameters"``, which must be an object; other keys are
-    ignored; a key may not repeat. Absent arguments mean ``{}`` (see ``arguments``).
+    """Follows one call object (leading whitespace allowed): a JSON object with a non-empty
+    ``"name"`` string and at most one of ``"arguments"`` / ``"parameters"`` (an object; absent
+    means ``{}``); other keys are ignored; a key may not repeat.
 
     Attributes:
         name: the decoded function name once its string is closed, else None.
-        arguments_text: the raw text of the arguments object received so far (exactly
-            as the model wrote it, whitespace included; grows only).
+        arguments_text: the raw arguments text received so far (grows only).
         arguments_complete: the arguments object is closed.
         error: why the object is malformed (after a feed returned ERROR), else None.
     """
@@ -53,8 +45,7 @@ class CallObjectReader:
 
     @property
     def arguments(self) -> str:
-        """The arguments JSON text of a closed object: the raw text, or ``"{}"`` when the
-        object had none."""
+        """The arguments JSON of a closed object (``"{}"`` when it had none)."""
         return self.arguments_text if self.arguments_text else "{}"
 
     def feed(self, c: str) -> Read:

@@ -10,8 +10,7 @@ _ID_ALPHABET = string.ascii_letters + string.digits
 
 
 def new_tool_call_id() -> str:
-    """A fresh id as OpenAI's: ``"call_"`` + 24 random letters and digits (from
-    ``secrets``, so ids of concurrent requests do not repeat)."""
+    """A fresh OpenAI-style id: ``"call_"`` + 24 random letters and digits (``secrets``)."""
     return "call_" + "".join(secrets.choice(_ID_ALPHABET) for _ in range(24))
 
 
@@ -20,11 +19,9 @@ class ToolCall:
     """One function call of a completion.
 
     Attributes:
-        id: the call id (``"call_..."``), which the client echoes as a tool message's
-            ``tool_call_id``.
+        id: the call id (``"call_..."``), echoed by the client as ``tool_call_id``.
         name: the function name the model wrote.
-        arguments: the arguments as a JSON text (an object), as OpenAI's
-            ``function.arguments``: a string, not a parsed value.
+        arguments: the arguments as a JSON text (an object), as OpenAI's ``function.arguments``.
     """
 
     id: str
@@ -39,14 +36,8 @@ class ToolCall:
 
 @dataclass(frozen=True)
 class ExtractedToolCalls:
-    """A whole completion split into tool calls and content.
-
-    Attributes:
-        tools_called: True when ``tool_calls`` is non-empty.
-        tool_calls: the calls in the order the model wrote them.
-        content: the text that is not a call (None when there is none); the whole text
-            when ``tools_called`` is False.
-    """
+    """A whole completion split into tool calls (in the model's order; ``tools_called`` when
+    any) and ``content`` (the rest, None when empty; the whole text when no call)."""
 
     tools_called: bool
     tool_calls: list[ToolCall] = field(default_factory=list)

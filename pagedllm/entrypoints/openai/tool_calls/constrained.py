@@ -1,12 +1,7 @@
-"""Tool calls by constrained decoding: the JSON schema the output must follow when
-``tool_choice`` forces a call, and the calls read back from such an output.
-
-As vLLM does: for a named function the output *is* its arguments object (the schema is
-the function's ``parameters``); for ``"required"`` the output is a JSON array of
-``{"name": ..., "parameters": {...}}`` objects, one alternative (``anyOf``) per tool, of
-at most one element when ``parallel_tool_calls`` is False. ``"none"`` and ``"auto"`` need
-no schema: the model writes freely and a ``ToolParser`` reads its calls.
-"""
+"""Tool calls by constrained decoding (vLLM's scheme): for a named function the output
+*is* its arguments object; for ``"required"`` it is a JSON array of ``{"name",
+"parameters"}`` objects, one ``anyOf`` alternative per tool (at most one element when
+``parallel_tool_calls`` is False). ``"none"`` and ``"auto"`` need no schema."""
 from __future__ import annotations
 
 import copy
@@ -18,8 +13,7 @@ from pagedllm.errors import InvalidParameterError
 
 
 class ConstrainedOutputError(ValueError):
-    """A constrained output that is not an instance of its schema (e.g. cut short by
-    ``max_tokens``, or produced without the constraint)."""
+    """A constrained output that is not an instance of its schema (e.g. cut by ``max_tokens``)."""
 
 
 def parameters_schema(tool: dict) -> dict:
@@ -30,18 +24,11 @@ def parameters_schema(tool: dict) -> dict:
 
 def tool_choice_json_schema(tools: list[dict], tool_choice: str | dict,
                             parallel_tool_calls: bool = True) -> dict | None:
-    """The JSON schema that forces the calls ``tool_choice`` asks for (see the module
-    doc), or None for ``"none"`` and ``"auto"``.
-
-    Args:
-        tools, tool_choice, parallel_tool_calls: as checked by ``request``.
-
-    For ``"required"``, each tool's ``$defs`` are moved to the top of the schema, where
-    its ``"$ref": "#/$defs/..."`` still finds them.
+    """The JSON schema forcing the calls ``tool_choice`` asks for (see the module doc), or None
+    for ``"none"`` and ``"auto"``. For ``"required"`` each tool's ``$defs`` move to the top.
 
     Raises:
-        InvalidParameterError(param="tools"): two tools define the same ``$defs`` name
-            differently (``"required"`` only).
+        InvalidParameterError(param="tools"): two tools define one ``$defs`` name differently.
         ValueError: ``tool_choice`` names a function that is not among ``tools``.
     """
     if tool_choice in ("none", "auto"):
@@ -70,14 +57,11 @@ def tool_choice_json_schema(tools: list[dict], tool_choice: str | dict,
 
 
 def parse_constrained_output(text: str, tools: list[dict], tool_choice: str | dict) -> list[ToolCall]:
-    """The calls in an output made under ``tool_choice_json_schema(tools, tool_choice)``:
-    for a named function one call with the output as its arguments, for ``"required"``
-    one per array element. Arguments are re-serialised compactly (``{"city":"Paris"}``,
-    non-ASCII kept as is). Only the shape is checked, not each tool's schema.
+    """The calls in an output made under ``tool_choice_json_schema(tools, tool_choice)``,
+    arguments re-serialised compactly (non-ASCII kept). Only the shape is checked.
 
     Raises:
-        ConstrainedOutputError: the text is not JSON of the expected shape, or names a
-            function that is not among ``tools``.
+        ConstrainedOutputError: not JSON of the expected shape, or an unknown function.
         ValueError: ``tool_choice`` is ``"none"`` or ``"auto"``.
     """
     if tool_choice in ("none", "auto"):

@@ -1,18 +1,7 @@
-"""The Hermes tool-call format (vLLM's ``--tool-call-parser hermes``), as Hermes 2 Pro,
-Qwen 2.5/3 and the prompt of ``rendering`` for templates without tools write it::
-
-    Some text first (optional).
-    <tool_call>
-    {"name": "get_weather", "arguments": {"city": "Paris"}}
-    </tool_call>
-    <tool_call>
-    ...
-    </tool_call>
-
-Text before the first call and non-blank text between or after calls is content.
-``<tool_call>`` is a special token in some vocabularies: the server must detokenize with
-``skip_special_tokens=False`` for this parser to see it.
-"""
+"""The Hermes tool-call format (vLLM's ``--tool-call-parser hermes``; Hermes 2 Pro,
+Qwen 2.5/3, and ``rendering``'s fallback prompt): ``<tool_call>{"name": ..., "arguments":
+{...}}</tool_call>`` blocks; other non-blank text is content. ``<tool_call>`` may be a
+special token: detokenize with ``skip_special_tokens=False``."""
 from __future__ import annotations
 
 from pagedllm.entrypoints.openai.tool_calls.call_object import Read
@@ -24,8 +13,7 @@ CALL_END = "</tool_call>"
 
 
 class HermesToolParser(ToolParser):
-    """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks (see the module
-    doc and ``ToolParser``)."""
+    """``<tool_call>`` JSON blocks (see the module doc and ``ToolParser``)."""
 
     name = "hermes"
 

@@ -1,11 +1,6 @@
-"""Incremental JSON syntax checking, one character at a time (RFC 8259).
-
-``JsonValueScanner`` follows one JSON value as its characters arrive and says, for each,
-whether it continues the value, completes it, or cannot belong to it, so that a streaming
-parser can forward a value's text as it is generated and still notice a syntax error at
-the character where it happens. It checks syntax only (no decoding): a value it accepts is
-one ``json.loads`` accepts, except that NaN, Infinity and -Infinity are refused.
-"""
+"""Incremental JSON syntax checking, one character at a time (RFC 8259; syntax only, and
+NaN / Infinity refused), so a streaming parser can forward a value's text as it arrives
+and still see a syntax error at the character where it happens."""
 from __future__ import annotations
 
 from enum import Enum
@@ -40,14 +35,11 @@ _NUMBER_MAY_END = {"zero", "int", "frac", "exp_digits"}
 
 
 class JsonValueScanner:
-    """Checks the syntax of one JSON value fed character by character.
-
-    Leading whitespace is skipped (and not part of the value). After DONE, ENDED or ERROR
-    the scanner is finished and must not be fed again.
+    """Checks the syntax of one JSON value fed character by character; leading whitespace is
+    skipped. Must not be fed after DONE, ENDED or ERROR.
 
     Attributes:
-        first_char: the value's first character once seen (``"{"`` for an object), else
-            None.
+        first_char: the value's first character once seen, else None.
     """
 
     def __init__(self):

@@ -2,13 +2,9 @@
 
     <|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}; {"name": ...}
 
-The whole completion is the calls: optional whitespace and an optional
-``<|python_tag|>``, then one or more call objects (``"parameters"`` or ``"arguments"``)
-separated by ``;``. A completion that does not start that way is content; one that starts
-that way and then does not continue so is malformed (see ``ToolParser``).
-``<|python_tag|>`` is a special token: without ``skip_special_tokens=False`` it is simply
-absent, which this parser also accepts.
-"""
+The whole completion is the calls (optional whitespace and ``<|python_tag|>``, then call
+objects separated by ``;``); one that does not start so is content, one that starts so and
+does not continue so is malformed (``ToolParser``)."""
 from __future__ import annotations
 
 from pagedllm.entrypoints.openai.tool_calls.call_object import Read

@@ -1,26 +1,14 @@
-"""The tool-call parser interface and the streaming machinery both formats share.
+"""The tool-call parser interface and the streaming machinery the formats share.
 
-A ``ToolParser`` (one per request) reads a completion's text as it is generated and
-turns it into OpenAI chat deltas: content, or tool calls (id and name first, then the
-arguments in fragments). Subclasses (one per model output format, see ``registry``)
-only say where calls start and end; this class sends what is known and holds back what
-is not: whitespace runs (sent when text follows them, dropped before a call and at the
-end of a completion that made calls) and a partial start marker.
+A ``ToolParser`` (one per request) turns a completion's text, as it is generated, into
+OpenAI chat deltas: content, or calls (id and name first, then argument fragments).
+Subclasses only say where calls start and end. Text is read a character at a time, so the
+output does not depend on how it was cut into deltas.
 
-The text is read one character at a time, so what is sent in total does not depend on
-how the text was cut into deltas. ``extract_tool_calls`` reads a whole completion with
-the same machinery, which makes streaming and non-streaming agree on every completion
-that the non-streaming parser accepts:
-
-- Non-streaming is all or nothing: a completion with any malformed call (bad JSON, no
-  name, an unterminated call, text where a call must continue) is all content, with
-  ``tools_called`` False; it never raises.
-- Streaming cannot take back what it sent. A call that goes wrong before its name is
-  complete was not sent: its text, and all text after it, goes out as content (so a
-  completion whose first call is malformed that early streams as all content, like
-  non-streaming). A call that goes wrong after its name was sent stays as sent (its
-  arguments may then be incomplete JSON, which OpenAI's API also allows); the text from
-  the failing character on goes out as content.
+Malformed calls: non-streaming is all or nothing (all content, ``tools_called`` False,
+never raises); streaming cannot take back what it sent, so a call that fails after its
+name was sent stays sent and the rest goes out as content. Details:
+docs/notes/entrypoints.md.
 """
 from __future__ import annotations
 
@@ -43,7 +31,7 @@ class ToolParser:
         new_id: makes tool call ids (default ``new_tool_call_id``).
 
     Attributes:
-        malformed: the text so far had a malformed call (see the module doc).
+        malformed: the text so far had a malformed call.
     """
 
     name: ClassVar[str] = ""
@@ -64,8 +52,7 @@ class ToolParser:
     # ---- public API ---------------------------------------------------------------
 
     def extract_tool_calls(self, text: str) -> ExtractedToolCalls:
-        """Split a whole completion ``text`` into calls and content (all or nothing, see
-        the module doc). Uses a fresh parser; this one's stream is not touched."""
+        """Split a whole ``text`` into calls and content (all or nothing), with a fresh parser."""
         p = type(self)(new_id=self._new_id)
         p.extract_streaming(text)
         p.finish()
@@ -75,11 +62,10 @@ class ToolParser:
                                   content="".join(p._content) or None)
 
     def extract_streaming(self, delta_text: str) -> list[dict]:
-        """Take the next piece of the completion; returns the chat deltas it makes known
-        (possibly none), in order, each ``{"content": str}`` or ``{"tool_calls":
-        [{"index": i, "id": "call_...", "type": "function", "function": {"name": str,
-        "arguments": ""}}]}`` (a call's first delta) or ``{"tool_calls": [{"index": i,
-        "function": {"arguments": str}}]}`` (a fragment).
+        """Take the next piece of the completion; returns the deltas it makes known, in order:
+        ``{"content": str}``, a call's first ``{"tool_calls": [{"index", "id", "type":
+        "function", "function": {"name", "arguments": ""}}]}``, or a fragment ``{"tool_calls":
+        [{"index", "function": {"arguments": str}}]}``.
 
         Raises:
             RuntimeError: called after ``finish``.
@@ -94,8 +80,7 @@ class ToolParser:
         return self._take()
 
     def finish(self) -> list[dict]:
-        """End of the completion: the deltas of what was held back (a call left open is
-        malformed and handled as the module doc says)."""
+        """End of the completion: the deltas of what was held back (an open call is malformed)."""
         if not self._finished:
             self._finished = True
             if not self._passthrough:
@@ -118,9 +103,8 @@ class ToolParser:
         raise NotImplementedError
 
     def _hold_outside(self, c: str, marker: str) -> str | None:
-        """Outside calls: add ``c`` to the held text and send what can no longer be
-        whitespace before ``marker`` or part of it. Returns the held text when it ends
-        with the complete marker (then nothing is held any more), else None."""
+        """Outside calls: hold ``c`` and send what can no longer be whitespace before ``marker``
+        or part of it; returns the held text once it ends with the whole marker, else None."""
         self._held += c
         if self._held.endswith(marker):
             held, self._held = self._held, ""
@@ -135,8 +119,7 @@ class ToolParser:
         return None
 
     def _end_outside(self) -> None:
-        """Send held text at the end: all of it when no call was made, else only when it
-        is more than whitespace."""
+        """At the end, send held text: all of it without calls, else only if not whitespace."""
         if not self._calls or self._held.strip(WHITESPACE):
             self._send_content(self._held)
         self._held = ""
@@ -167,8 +150,7 @@ class ToolParser:
         return r
 
     def _fail(self, rest: str) -> None:
-        """The current call is malformed at the text ``rest`` (not consumed): see the
-        module doc. Everything after goes out as content."""
+        """The current call is malformed at ``rest`` (not consumed); the rest goes out as content."""
         self.malformed = True
         self._send_content(rest if self._header_sent else self._block_raw + rest)
         self._reader, self._block_raw = None, ""

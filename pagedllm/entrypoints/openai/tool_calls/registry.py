@@ -13,8 +13,7 @@ def get_tool_parser(name: str) -> type[ToolParser]:
     """The parser class called ``name``; make one instance per request.
 
     Raises:
-        ValueError: an unknown name; the message names ``--tool-call-parser`` and the
-            known names.
+        ValueError: an unknown name (the message names ``--tool-call-parser`` and the known ones).
     """
     try:
         return TOOL_PARSERS[name]

@@ -1,17 +1,9 @@
 """Showing tools, tool calls and tool results to a model through its chat template.
 
-A template that uses the ``tools`` variable (Llama 3.1, Qwen 2.5, Hermes, ...) renders
-them itself: it gets the tools as the ``tools`` argument, and the messages as HF
-templates expect them (an assistant's ``tool_calls[].function.arguments`` as an object,
-a tool message's ``tool_call_id`` kept).
-
-A template that does not (plain ChatML, e.g. SmolLM2) would drop them silently, so they
-are written into the messages in the Hermes format, the one the ``hermes`` parser reads
-back (``FALLBACK_PARSER``): the tools and the reply format in the system message,
-each assistant call as a ``<tool_call>`` block in its content, and each tool result as a
-``user`` message wrapping it in ``<tool_response>`` (as Hermes 2 Pro and Qwen 2.5
-templates do; consecutive results share one message). Roles stay ones that every
-template knows, and the model reads results where its training put them.
+A template that reads ``tools`` gets them as its argument, and the messages as HF templates
+expect them. A template that does not (plain ChatML) gets them written into the messages in
+the Hermes format the ``hermes`` parser reads back (``FALLBACK_PARSER``). Details:
+docs/notes/entrypoints.md.
 """
 from __future__ import annotations
 
@@ -46,9 +38,8 @@ _TOOLS_IN_TEMPLATE = re.compile(r"(\{\{|\{%)[^}]*?\btools\b")
 
 
 def template_supports_tools(chat_template: str | None) -> bool:
-    """Whether the Jinja ``chat_template`` reads the ``tools`` variable (found with
-    jinja2's ``meta.find_undeclared_variables``; a template jinja2 cannot parse, e.g. one
-    with transformers' ``{% generation %}`` tag, is searched with a regex instead)."""
+    """Whether the Jinja ``chat_template`` reads the ``tools`` variable (jinja2's
+    ``meta.find_undeclared_variables``; a regex for a template jinja2 cannot parse)."""
     if not chat_template:
         return False
     try:
@@ -63,7 +54,8 @@ def template_supports_tools(chat_template: str | None) -> bool:
 def render_messages_for_template(messages: list[dict], tools: list[dict] | None,
                                  template_supports_tools: bool
                                  ) -> tuple[list[dict], list[dict] | None, str | None]:
-    """Prepare a conversation and its tools for ``apply_chat_template``.
+    """Prepare a conversation and its tools for ``apply_chat_template``; the input is not
+    modified, and non-object messages pass through for ``normalize_chat_messages`` to refuse.
 
     Args:
         messages: OpenAI chat messages (content a string, text parts or null).
@@ -71,16 +63,12 @@ def render_messages_for_template(messages: list[dict], tools: list[dict] | None,
         template_supports_tools: see ``template_supports_tools``.
 
     Returns:
-        (messages, tools to pass as the template's ``tools`` argument or None, note): the
-        note is None, or, when tools or tool messages were written into the text (see the
-        module doc), a short sentence saying so, for a response header and the log.
-        The input is not modified. Messages that are not objects, or ``messages`` that is
-        not an array, are passed on as they are, for ``normalize_chat_messages`` to refuse.
+        (messages, the template's ``tools`` argument or None, note): note is None, or a short
+        sentence for a response header and the log when tools were written into the text.
 
     Raises:
-        InvalidParameterError(param="messages"): an assistant ``tool_calls`` that is not
-            an array of ``{"id"?, "type": "function", "function": {"name": str,
-            "arguments": str}}``; a tool message without a string ``tool_call_id``.
+        InvalidParameterError(param="messages"): a malformed assistant ``tool_calls``; a tool
+            message without a string ``tool_call_id``.
     """
     tools = tools or None
     if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
@@ -155,8 +143,7 @@ def _check_call(i: int, j: int, tc) -> dict:
 
 
 def _arguments_value(arguments: str):
-    """Arguments as the object HF templates expect; a string that is not a JSON object
-    (a model's malformed arguments, echoed back by the client) is left as it is."""
+    """Arguments as the object HF templates expect; a non-object string is left as it is."""
     try:
         value = json.loads(arguments)
     except json.JSONDecodeError:
@@ -165,8 +152,7 @@ def _arguments_value(arguments: str):
 
 
 def _text(content) -> str:
-    """Message content as text: a string, or text parts joined; null is ``""``. Other
-    shapes are left for ``normalize_chat_messages`` to refuse."""
+    """Message content as text (text parts joined; null is ``""``); other shapes unchanged."""
     if content is None:
         return ""
     if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):

@@ -1,15 +1,8 @@
-"""Checking the tool fields of a chat request: ``tools``, ``tool_choice``,
-``parallel_tool_calls``, and the deprecated ``functions`` / ``function_call``.
-
-The functions take the fields' plain JSON values and return them normalised; a bad value
-raises ``InvalidParameterError`` naming the top-level field (the server's HTTP 400), with
-the path inside it in the message. The rules are OpenAI's for function tools:
-https://platform.openai.com/docs/api-reference/chat/create#chat-create-tools
-
-The deprecated ``functions`` and ``function_call`` are refused unless neutral (absent,
-``[]``, ``"none"``): they say what ``tools`` and ``tool_choice`` say, and a client that
-still sends them is told to use those instead of being served by a second code path.
-"""
+"""Checking a chat request's tool fields: ``tools``, ``tool_choice``,
+``parallel_tool_calls``, and the deprecated ``functions`` / ``function_call`` (refused
+unless neutral: use ``tools``). A bad value raises ``InvalidParameterError`` naming the
+top-level field, with the path inside it in the message. Rules: OpenAI's function tools
+(https://platform.openai.com/docs/api-reference/chat/create#chat-create-tools)."""
 from __future__ import annotations
 
 import re
@@ -27,11 +20,9 @@ class ToolRequest:
     """The tool fields of a request, checked.
 
     Attributes:
-        tools: ``[{"type": "function", "function": {"name", "description"?,
-            "parameters", "strict"?}}]`` (``parameters`` always present, ``EMPTY_PARAMETERS``
-            when the client gave none); empty when the request has no tools.
-        tool_choice: ``"none"``, ``"auto"``, ``"required"``, or the name of the function
-            that must be called.
+        tools: ``[{"type": "function", "function": {"name", "description"?, "parameters",
+            "strict"?}}]`` (``parameters`` defaults to ``EMPTY_PARAMETERS``); may be empty.
+        tool_choice: ``"none"``, ``"auto"``, ``"required"``, or the forced function's name.
         parallel_tool_calls: whether the model may make several calls in one turn.
     """
 
@@ -46,14 +37,12 @@ class ToolRequest:
 
 
 def validate_tools(tools) -> list[dict]:
-    """Check ``tools``; None means no tools (``[]``).
+    """Check ``tools``; None means ``[]``.
 
     Raises:
-        InvalidParameterError(param="tools"): not an array; an element that is not a
-            function tool ``{"type": "function", "function": {...}}``; unknown keys; a name
-            not matching ``^[a-zA-Z0-9_-]{1,64}$`` or given twice; a description that is
-            not a string; parameters that are not a JSON Schema object with ``"type":
-            "object"`` (when it names a type); strict that is not a boolean.
+        InvalidParameterError(param="tools"): not an array of function tools; unknown keys; a
+            name not matching ``^[a-zA-Z0-9_-]{1,64}$`` or repeated; a non-string description;
+            parameters that are not an object schema; a non-boolean strict.
     """
     if tools is None:
         return []
@@ -98,12 +87,9 @@ def validate_tools(tools) -> list[dict]:
 
 
 def validate_tool_choice(tool_choice, tools: list[dict]) -> str | dict:
-    """Check ``tool_choice`` against the checked ``tools``. None means ``"auto"`` with
-    tools and ``"none"`` without (OpenAI's defaults).
-
-    Returns:
-        ``"none"``, ``"auto"``, ``"required"`` or ``{"type": "function", "function":
-        {"name": X}}``.
+    """Check ``tool_choice`` against the checked ``tools``; None means ``"auto"`` with tools,
+    else ``"none"``. Returns ``"none"``, ``"auto"``, ``"required"`` or ``{"type":
+    "function", "function": {"name": X}}``.
 
     Raises:
         InvalidParameterError(param="tool_choice"): another value; ``"required"`` or a
@@ -132,7 +118,7 @@ def validate_tool_choice(tool_choice, tools: list[dict]) -> str | dict:
 
 
 def validate_parallel_tool_calls(parallel_tool_calls) -> bool:
-    """Check ``parallel_tool_calls``; None means True (OpenAI's default).
+    """Check ``parallel_tool_calls``; None means True.
 
     Raises:
         InvalidParameterError(param="parallel_tool_calls"): not a boolean.
@@ -145,8 +131,7 @@ def validate_parallel_tool_calls(parallel_tool_calls) -> bool:
 
 
 def refuse_legacy_functions(functions, function_call) -> None:
-    """Refuse the deprecated ``functions`` / ``function_call`` unless neutral (absent,
-    ``[]``, ``"none"``).
+    """Refuse ``functions`` / ``function_call`` unless absent, ``[]`` or ``"none"``.
 
     Raises:
         InvalidParameterError(param="functions" or "function_call"): any other value.
@@ -161,7 +146,7 @@ def refuse_legacy_functions(functions, function_call) -> None:
 
 def validate_tool_request(tools=None, tool_choice=None, parallel_tool_calls=None,
                           functions=None, function_call=None) -> ToolRequest:
-    """Check all tool fields of a request (the functions above, in that order).
+    """Check all tool fields of a request, in the order above.
 
     Raises:
         InvalidParameterError: naming the first bad field.
