@@ -1,9 +1,8 @@
 """pagedllm: an LLM inference and serving engine with a paged KV cache, continuous
 batching, chunked prefill and prefix caching.
 
-The public names are imported on first use (PEP 562), so that ``import pagedllm.<sub>``
-loads only what that submodule needs: ``python -m pagedllm.kernels.cpu`` builds the C++
-kernels with torch alone installed (``make install`` runs it while pip installs the rest).
+Public names are imported on first use (PEP 562), so ``python -m pagedllm.kernels.cpu``
+runs with torch alone installed.
 """
 from __future__ import annotations
 

@@ -23,13 +23,9 @@ AUTO_DTYPE_SHAPE = (576, 1536)        # in -> out timed when no model shape is g
 
 
 def resolve_dtype(dtype: str, device: torch.device, arch: ModelArchConfig | None = None) -> torch.dtype:
-    """``auto`` → bfloat16 on CUDA with bf16 support (else float16); on CPU what
-    ``platform.auto_cpu_dtype`` answers at ``arch``'s MLP shape (hidden_size →
-    intermediate_size; ``AUTO_DTYPE_SHAPE`` without ``arch``), timing the engine's own
-    linear layers (``layers.linear.measure_linear_gflops``, imported only then) unless one
-    of the project's bf16 kernels runs (``layers.linear.bf16_kernel_name``): float32
-    without bf16 arithmetic, bfloat16 on those kernels, else the faster. An ``auto`` choice the architecture does not run in (float16
-    for Gemma 3: the registry's ``ArchInfo.dtypes``) becomes float32.
+    """The torch dtype for ``--dtype``. ``auto``: bfloat16 on CUDA with bf16 (else
+    float16); on CPU ``platform.auto_cpu_dtype`` at ``arch``'s MLP shape. An ``auto`` choice
+    the architecture does not run in (``ArchInfo.dtypes``) becomes float32.
 
     Raises:
         ValueError: unknown dtype name, or one ``arch``'s architecture does not run in
@@ -56,8 +52,7 @@ def resolve_dtype(dtype: str, device: torch.device, arch: ModelArchConfig | None
 
 
 def _arch_dtypes(arch: ModelArchConfig) -> tuple[str, ...]:
-    """The dtype names ``arch``'s registered architecture runs in (all, if unregistered:
-    the model build names that error)."""
+    """The dtype names ``arch``'s architecture runs in (all, if unregistered)."""
     from pagedllm.models.registry import ALL_DTYPES, ARCHITECTURES
 
     info = ARCHITECTURES.get(arch.architecture)
@@ -74,17 +69,10 @@ KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {
 
 def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype, device: torch.device | None = None,
                            attention_backend: str = "auto") -> torch.dtype:
-    """The KV cache's element type for ``--kv-cache-dtype``: ``auto`` = the model's dtype;
-    ``float32``, ``bfloat16``; ``fp8`` / ``fp8_e4m3`` (E4M3, largest finite 448) or
-    ``fp8_e5m2`` (E5M2, largest finite 57344), the OCP 8-bit floating point formats (OCP
-    OFP8 spec rev. 1.0, 2023; torch.float8_e4m3fn / float8_e5m2). An fp8 cache stores
-    fp8(x / scale) with one scale per layer for K and for V (``k_scale``, ``v_scale`` from
-    the checkpoint, else 1.0) and reads element * scale; float32 and bfloat16 caches store
-    values as they are (rounded to nearest even).
-
-    Args:
-        device: where the cache lives (None: the CPU); attention_backend: the backend name
-            (``--attention-backend``), which must be able to read that cache.
+    """The KV cache's element type for ``--kv-cache-dtype`` (``auto`` = ``model_dtype``).
+    fp8 is OCP OFP8 (E4M3 max 448, E5M2 max 57344), stored as fp8(x / scale) with per-layer
+    K and V scales (checkpoint's, else 1.0). ``device`` None = CPU; ``attention_backend``
+    must be able to read the dtype.
 
     Raises:
         ValueError: an unknown name, or a backend that cannot use the cache dtype (both
@@ -111,33 +99,11 @@ SPECULATIVE_METHODS = ("ngram", "suffix", "draft_model")
 
 
 class SpeculativeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """``--speculative-config`` (JSON, as vLLM's) resolved; made by ``parse``, which
-    rejects a key that is not a field here (or is ``draft_arch``).
-
-    Methods: ``ngram`` (prompt lookup over the request's own tokens), ``suffix``
-    (SuffixDecoding, Oliaro et al. 2024: suffix trees over the request's tokens and over
-    earlier responses), ``draft_model`` (a smaller model with the target's tokenizer,
-    ``model`` = its path). Each running request proposes up to ``num_speculative_tokens``
-    tokens per step; the target scores them with its next token in the same batch, and
-    ``RejectionSampler`` keeps the target's distribution.
-
-    Attributes:
-        num_speculative_tokens: most draft tokens per request and step (k). Default:
-            ``suffix_decoding_max_tree_depth`` for suffix; required otherwise.
-        prompt_lookup_min / prompt_lookup_max: n-gram sizes tried, longest first (vLLM's
-            rule: one given sets both; neither given: 2 and 5).
-        model: the draft model's path (``draft_model`` only).
-        suffix_decoding_*: the suffix proposer's tree depth, global cache size (responses;
-            0 = off), speculation cap per matched token, and minimum path probability
-            (vLLM's names and defaults, except the cache: 1000 responses, not 10000, since
-            a cached token costs ~190-500 bytes and up to ~7 KiB in repetitive text, so
-            10000 responses of 500 tokens would hold 1-2.5 GB of host memory).
-        adaptive: lower a request's k when its drafts are rejected (see
-            ``spec_decode.adaptive``); off: always propose k.
-        draft_arch: the draft model's architecture, read from ``model`` once, by
-            ``EngineConfig.from_args`` (None before that and for the other methods); not
-            a key of the JSON.
-    """
+    """``--speculative-config`` (JSON with vLLM's keys and defaults, except the suffix
+    cache's 1000: docs/notes/config.md) resolved by ``parse``. Methods: ``ngram``,
+    ``suffix`` (SuffixDecoding, Oliaro et al. 2024), ``draft_model`` (``model`` = its path,
+    same tokenizer). k = ``num_speculative_tokens`` per request and step; ``adaptive``
+    lowers k on rejections; ``draft_arch`` is set by ``EngineConfig.from_args``, never JSON."""
 
     method: str
     num_speculative_tokens: int
@@ -222,8 +188,7 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True,
 
     @property
     def num_lookahead_slots(self) -> int:
-        """KV slots a request needs beyond this step's tokens: a draft model writes its own
-        K/V for its k proposals (after the step) into the request's blocks."""
+        """KV slots a request needs beyond this step's tokens (a draft model's k K/V)."""
         return self.num_speculative_tokens if self.method == "draft_model" else 0
 
 
@@ -234,51 +199,9 @@ EXECUTOR_BACKENDS = ("uni", "mp")
 @dataclass
 class EngineArgs:
     """Every engine setting; CLI flags are these names in kebab case (as ``vllm serve``).
-
-    Attributes:
-        model: path to a ``.gguf`` file or HF directory; None = the bundled SmolLM2-135M.
-        served_model_name: name reported by /v1/models (default: the file/dir name).
-        dtype: auto | float32 | bfloat16 | float16.
-        device: auto | cpu | cuda[:N].
-        max_model_len: most tokens (prompt + output) per request; None = the model's
-            context length, capped by what the KV cache can hold.
-        block_size: tokens per KV-cache block.
-        kv_cache_memory: KV-cache size on CPU, bytes or "4GiB".
-        gpu_memory_utilization: fraction of GPU memory the engine may use (CUDA).
-        num_gpu_blocks_override: exact number of KV blocks (tests, debugging).
-        max_num_batched_tokens: token budget per step.
-        max_num_seqs: most requests running at once.
-        enable_chunked_prefill: split long prompts across steps.
-        enable_prefix_caching: reuse cached KV blocks across requests sharing a prefix.
-        kv_cache_dtype: KV cache element type (``KV_CACHE_DTYPES``): auto (the model's
-            dtype), float32, bfloat16, fp8 (= fp8_e4m3), fp8_e4m3, fp8_e5m2; an fp8 cache
-            holds 4x (from float32) or 2x (from bfloat16) the tokens in the same
-            ``kv_cache_memory`` (``resolve_kv_cache_dtype``).
-        attention_backend: name of the attention backend; "auto" = "cpu_kernel" on the
-            CPU (the C++ paged-attention kernel for float32 and bfloat16, torch ops if it
-            cannot build), "torch" on other devices.
-        quantization: how linear weights are stored and multiplied (``--quantization``, as
-            vLLM's flag): None (the checkpoint's weights in ``dtype``), "int8" (W8A8),
-            "gguf" (a GGUF's own Q8_0/Q4_0/Q4_1 blocks, kept packed), or "q8_0", "q4_0",
-            "q4_1" (float weights quantized at load); see ``layers/quantization``.
-        speculative_config: speculative decoding (``SpeculativeConfig``), as a JSON string
-            or dict (``--speculative-config``, as vLLM's); None = off.
-        seed: global seed for unseeded sampling.
-        num_threads: torch intra-op threads on CPU (None = torch's default).
-        profile_dir: write a per-step JSONL log and a torch.profiler trace there.
-        disable_hybrid_kv_cache_manager: keep every block of sliding-window layers (one
-            KV-cache group for all layers, as vLLM's flag of that name); by default a
-            model with local layers gets its own groups for them, whose blocks out of
-            the window are released (``kv_cache_interface``).
-        tensor_parallel_size: ranks the model's layers are split over (Megatron-style:
-            heads, MLP features and vocabulary), one worker process each.
-        distributed_executor_backend: how the workers run: "uni" (one worker in the
-            engine's process; the default at tp 1) or "mp" (one process per rank; the
-            default when tp > 1).
-        engine_process: run the engine core in its own process, reached over ZMQ
-            (``engine/core_client.py``'s ``MPClient``); False keeps it in the front end's
-            process (``--no-engine-process``: debugging, tests that look inside the core).
-    """
+    Meanings and defaults of each: docs/configuration.md. ``model`` None = the bundled
+    SmolLM2-135M; ``kv_cache_memory`` bytes or e.g. "4GiB"; ``speculative_config`` JSON
+    string or dict (``SpeculativeConfig``)."""
 
     model: str | None = None
     served_model_name: str | None = None
@@ -356,11 +279,8 @@ class EngineArgs:
 
     @staticmethod
     def cli_message(error: Exception) -> str:
-        """``error``'s message as the CLI shows it: one naming an engine setting (an
-        ``InvalidParameterError`` whose ``param`` is a field here) starts with the flag,
-        ``"--flag-name: ..."``, and a leading mention of the setting's own name is dropped
-        so it is not said twice (``"quantization must be one of ..."`` becomes
-        ``"--quantization: must be one of ..."``); other errors are as they are."""
+        """``error``'s CLI message: an ``InvalidParameterError`` naming a field here becomes
+        ``"--flag-name: ..."`` (without repeating the name); others are unchanged."""
         msg = str(error)
         if not (isinstance(error, InvalidParameterError)
                 and error.param in {f.name for f in dataclasses.fields(EngineArgs)}):
@@ -378,11 +298,9 @@ class EngineArgs:
         return cls(**{k: v for k, v in vars(args).items() if k in names})
 
     def _check_types(self) -> None:
-        """Each setting has a type its annotation allows (an int for a float, a path
-        object for ``model``/``profile_dir``; never a bool for a number), so a list or a
-        dict passed for a name fails here, naming it, not deep in loading as a TypeError;
-        ``device`` may be a ``torch.device``, and a path object given for ``model`` or
-        ``profile_dir`` becomes its string here.
+        """Check each setting against its annotation (int for float ok, bool for a number
+        not; path objects for ``model``/``profile_dir`` become strings; ``device`` may be a
+        ``torch.device``).
 
         Raises:
             InvalidParameterError: naming the first setting of a wrong type.
@@ -467,9 +385,7 @@ class EngineArgs:
 
 @dataclass
 class EngineConfig:
-    """Resolved settings (model path found, dtype and device chosen, quantization method
-    checked against the model and the machine; ``kv_cache_dtype`` the KV cache's element
-    type, ``resolve_kv_cache_dtype``)."""
+    """Resolved settings: model path found, dtype and device chosen, quantization checked."""
 
     args: EngineArgs
     model_path: str
@@ -488,8 +404,7 @@ class EngineConfig:
 
     @property
     def kv_cache_config(self) -> KVCacheConfig:
-        """How the layers share the KV cache (``kv_cache_interface``): one group, or with
-        sliding-window layers and the hybrid manager on, groups per kind of layer."""
+        """The layers' KV-cache groups (``kv_cache_interface``)."""
         return make_kv_cache_config(self.arch.layer_windows(), hybrid=not self.args.disable_hybrid_kv_cache_manager)
 
     @classmethod
@@ -569,8 +484,8 @@ def _check_tensor_parallel(args: EngineArgs, arch: ModelArchConfig, device: torc
 
 
 def _quant_config(method: str | None, path: str, device: torch.device):
-    """The ``QuantizationConfig`` of ``--quantization method`` for the model at ``path``, or
-    None. Raises InvalidParameterError("quantization") when it cannot run here."""
+    """``--quantization``'s ``QuantizationConfig`` or None. Raises
+    InvalidParameterError("quantization") when it cannot run here."""
     if method is None:
         return None
     from pagedllm.layers.quantization import get_quantization_config

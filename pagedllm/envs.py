@@ -1,27 +1,7 @@
-"""Every environment variable pagedllm reads, in one place.
-
-Each is read when its accessor is called (not at import), so a test or a launcher can set
-it before the engine starts. A switch (default ``1`` or ``0`` below) takes ``1``/``true``/
-``yes``/``on`` or ``0``/``false``/``no``/``off`` in any case, and any other value is a
-``ValueError`` naming the variable. Names, defaults and meanings:
-
-| variable | default | meaning |
-|---|---|---|
-| ``PAGEDLLM_LOG_LEVEL`` | ``INFO`` | log level of the ``pagedllm`` command, and of ``LLM``/``AsyncLLM`` where the application sets none |
-| ``PAGEDLLM_CONFIGURE_LOGGING`` | ``1`` | ``0``: ``LLM``/``AsyncLLM`` leave logging alone (no stderr handler on the ``pagedllm`` logger when the application configured none; ``logger.py``) |
-| ``PAGEDLLM_CACHE`` | ``~/.cache/pagedllm`` | converted tokenizers |
-| ``PAGEDLLM_CPU_KERNELS`` | ``1`` | ``0``: never build or load the C++ CPU kernels |
-| ``PAGEDLLM_KERNEL_BUILD_WAIT_S`` | ``1200`` | seconds to wait for another process's kernel build |
-| ``TORCH_EXTENSIONS_DIR`` | ``~/.cache/torch_extensions`` | where the kernels are built (torch's own variable) |
-| ``PAGEDLLM_ONEDNN`` | ``1`` | ``0``: CPU float32 linear layers use ``F.linear`` instead of oneDNN-packed weights |
-| ``PAGEDLLM_AMX`` | ``1`` | ``0``: the AMX kernels are not used: CPU bfloat16 linear layers and ``--quantization int8``'s matmuls go to oneDNN (int8: to the AVX2 kernel where oneDNN is off too), and bf16 paged attention computes its q.k scores with vector FMAs |
-| ``PAGEDLLM_AVX2_INT8`` | ``1`` | ``0``: the project's AVX2 int8 kernel is not used: ``--quantization int8`` where AMX-INT8 does not run multiplies through oneDNN (7-bit weights without VNNI) |
-| ``PAGEDLLM_FUSED_DECODER`` | ``1`` | ``0``: a Llama-family model whose linears have a C++ stack form (GGUF blocks, int8 W8A8 on AVX2 or AMX) runs its decoder layers one Python module call at a time instead of as one C++ call a step (``models/fused_decoder.py``; the same kernels and bits) |
-| ``PAGEDLLM_BATCH_INVARIANT_PROBE`` | ``1`` | ``0``: skip the load-time check that each linear layer's rows are independent of the batch size (and the row-chunk wrapping of layers whose are not; ``layers/batch_invariance.py``) |
-| ``PAGEDLLM_ALLOW_LONG_MAX_MODEL_LEN`` | ``0`` | ``1``: allow ``max_model_len`` past the model's context |
-| ``PAGEDLLM_PROFILE_STEPS`` | ``5,20`` | ``START,NUM``: engine steps the torch.profiler trace covers |
-| ``PAGEDLLM_API_KEY`` | unset | the server's API key when ``--api-key`` is not given (Bearer auth) |
-| ``PAGEDLLM_CPU_OMP_THREADS_BIND`` | unset | each tensor-parallel rank's CPU cores, ranks split by a bar: ``0-31\\|32-63`` (vLLM's ``VLLM_CPU_OMP_THREADS_BIND``) |
+"""Every environment variable pagedllm reads, in one place; names, defaults and meanings:
+docs/configuration.md. Each is read when its accessor is called (not at import). A switch
+takes ``1``/``true``/``yes``/``on`` or ``0``/``false``/``no``/``off`` in any case; any other
+value is a ``ValueError`` naming the variable.
 """
 from __future__ import annotations
 
@@ -36,13 +16,8 @@ _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
 def _flag(name: str, default: bool) -> bool:
-    """A switch variable: ``1``/``true``/``yes``/``on`` or ``0``/``false``/``no``/``off`` (any
-    case, surrounding spaces ignored); unset or empty: ``default``.
-
-    Raises:
-        ValueError: any other value, naming the variable (a typo must not leave a kernel
-        silently on or off).
-    """
+    """A switch variable (unset or empty: ``default``). Raises ValueError, naming it, on
+    a value that is not a switch word."""
     raw = os.environ.get(name, "").strip().lower()
     if not raw:
         return default
@@ -58,9 +33,7 @@ def log_level() -> str:
 
 
 def configure_logging() -> bool:
-    """``PAGEDLLM_CONFIGURE_LOGGING`` (default 1): whether ``LLM``/``AsyncLLM`` give the
-    ``pagedllm`` logger a stderr handler when the application has configured none
-    (``pagedllm/logger.py``)."""
+    """Whether ``LLM``/``AsyncLLM`` may add a stderr handler (``logger.py``)."""
     return _flag("PAGEDLLM_CONFIGURE_LOGGING", True)
 
 
@@ -73,13 +46,12 @@ def cpu_kernels_enabled() -> bool:
 
 
 def kernel_build_wait_raw() -> str | None:
-    """The raw ``PAGEDLLM_KERNEL_BUILD_WAIT_S`` (None when unset); ``kernels.cpu.build_wait_s``
-    parses it, logging and replacing a bad value."""
+    """The raw value (None when unset); ``kernels.cpu.build_wait_s`` parses it."""
     return os.environ.get("PAGEDLLM_KERNEL_BUILD_WAIT_S")
 
 
 def torch_extensions_dir() -> str:
-    """``$TORCH_EXTENSIONS_DIR`` or ``~/.cache/torch_extensions`` (torch.utils.cpp_extension's default)."""
+    """``$TORCH_EXTENSIONS_DIR`` or torch's default ``~/.cache/torch_extensions``."""
     return os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(
         os.path.expanduser("~"), ".cache", "torch_extensions")
 
@@ -89,24 +61,22 @@ def onednn_enabled() -> bool:
 
 
 def amx_enabled() -> bool:
-    """``PAGEDLLM_AMX=0`` turns the AMX kernels off (bf16 linears and int8 W8A8: oneDNN computes instead;
-    bf16 paged attention: q.k scores by vector FMAs)."""
+    """``PAGEDLLM_AMX=0`` turns the AMX kernels off."""
     return _flag("PAGEDLLM_AMX", True)
 
 
 def avx512_bf16_enabled() -> bool:
-    """``PAGEDLLM_AVX512_BF16=0`` turns the AVX512-BF16 bf16 linear kernel off (oneDNN computes instead)."""
+    """``PAGEDLLM_AVX512_BF16=0`` turns the AVX512-BF16 linear kernel off."""
     return _flag("PAGEDLLM_AVX512_BF16", True)
 
 
 def avx2_int8_enabled() -> bool:
-    """``PAGEDLLM_AVX2_INT8=0`` turns the AVX2 int8 W8A8 kernel off (oneDNN computes instead)."""
+    """``PAGEDLLM_AVX2_INT8=0`` turns the AVX2 int8 W8A8 kernel off."""
     return _flag("PAGEDLLM_AVX2_INT8", True)
 
 
 def fused_decoder_enabled() -> bool:
-    """``PAGEDLLM_FUSED_DECODER=0`` keeps the per-layer Python path for models the fused
-    C++ decoder stack could run."""
+    """``PAGEDLLM_FUSED_DECODER=0`` keeps the per-layer Python path."""
     return _flag("PAGEDLLM_FUSED_DECODER", True)
 
 
@@ -119,11 +89,8 @@ def allow_long_max_model_len() -> bool:
 
 
 def profile_steps() -> tuple[int, int]:
-    """``PAGEDLLM_PROFILE_STEPS`` as (first step, number of steps) of the torch.profiler trace.
-
-    Raises:
-        ValueError: not two integers separated by a comma (the variable is named).
-    """
+    """``PAGEDLLM_PROFILE_STEPS`` as (first step, number of steps). Raises ValueError
+    unless two comma-separated integers."""
     raw = _get("PAGEDLLM_PROFILE_STEPS", "5,20")
     try:
         start, num = (int(x) for x in raw.split(","))

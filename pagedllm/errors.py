@@ -4,11 +4,7 @@ from __future__ import annotations
 
 
 class InvalidParameterError(ValueError):
-    """A bad request parameter.
-
-    Attributes:
-        param: the parameter's API name (e.g. ``"temperature"``, ``"prompt"``).
-    """
+    """A bad request parameter; ``param`` is its API name (e.g. ``"temperature"``)."""
 
     def __init__(self, param: str, message: str):
         super().__init__(message)
@@ -19,10 +15,8 @@ class InvalidParameterError(ValueError):
 
 
 def check_unicode(param: str, text: str, where: str | None = None) -> None:
-    """Raises InvalidParameterError naming ``param`` if ``text`` cannot be encoded as UTF-8:
-    JSON's ``\\ud800``-style escapes can carry a lone UTF-16 surrogate, which no tokenizer,
-    grammar compiler or hash accepts. The message names ``where`` (e.g. ``stop[1]``), or
-    ``param``."""
+    """Raises InvalidParameterError(``param``), naming ``where`` (else ``param``), if
+    ``text`` holds a lone UTF-16 surrogate (cannot be encoded as UTF-8)."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
@@ -32,13 +26,8 @@ def check_unicode(param: str, text: str, where: str | None = None) -> None:
 
 
 def check_unicode_json(param: str, value, where: str | None = None) -> None:
-    """``check_unicode`` for every string (keys too) inside a JSON value (dicts, lists,
-    scalars; None passes), naming the first bad one's place from ``where`` (default
-    ``param``) down, e.g. ``tools[0].function.description``.
-
-    Raises:
-        InvalidParameterError(param): a string holds a lone surrogate.
-    """
+    """``check_unicode`` for every string and key in a JSON value, naming the place, e.g.
+    ``tools[0].function.description``. Raises InvalidParameterError(param)."""
     def walk(v, where: str) -> None:
         if isinstance(v, str):
             check_unicode(param, v, where)
@@ -54,8 +43,7 @@ def check_unicode_json(param: str, value, where: str | None = None) -> None:
 
 
 class EngineDeadError(RuntimeError):
-    """The engine core has died (its loop raised, or its process exited); no request can
-    be served any more. The server answers 503 and ``/health`` turns 503."""
+    """The engine core has died; no request can be served (the server answers 503)."""
 
 
 class ExecutorDeadError(EngineDeadError):
@@ -65,6 +53,5 @@ class ExecutorDeadError(EngineDeadError):
 
 
 class ServerShuttingDownError(EngineDeadError):
-    """The server is stopping and its drain time (``--shutdown-timeout``) has run out: the
-    requests still running end with this (an OpenAI-style 503, or a stream's error event
-    and ``[DONE]``), as for a dead engine, rather than being cut off mid-response."""
+    """The server's drain time (``--shutdown-timeout``) ran out; running requests end with
+    this (a 503, or a stream's error event and ``[DONE]``)."""

@@ -11,9 +11,7 @@ from typing import Any
 
 @dataclass
 class ForwardContext:
-    """Attributes:
-        attn_metadata: the attention backend's ``build_metadata`` result for this step.
-    """
+    """``attn_metadata``: the backend's ``build_metadata`` result for this step."""
 
     attn_metadata: Any
 
@@ -34,11 +32,7 @@ def set_forward_context(attn_metadata: Any) -> Iterator[ForwardContext]:
 
 
 def get_forward_context() -> ForwardContext:
-    """The current step's context.
-
-    Raises:
-        RuntimeError: called outside ``set_forward_context`` (no model step is running).
-    """
+    """The current step's context. Raises RuntimeError outside ``set_forward_context``."""
     if _forward_context is None:
         raise RuntimeError("no forward context: run the model inside set_forward_context(attn_metadata)")
     return _forward_context

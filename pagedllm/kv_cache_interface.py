@@ -1,21 +1,11 @@
-"""How a model's layers share the paged KV cache: KV-cache groups (after vLLM's
-``kv_cache_interface`` and its hybrid KV-cache manager).
+"""KV-cache groups: how a model's layers share the paged KV cache (after vLLM's
+``kv_cache_interface`` and hybrid KV-cache manager).
 
-A *group* is a set of layers that share one block table per request. Every group holds
-the same number of layers (``layers_per_block``), so one block, wherever it is used, is
-``layers_per_block`` layers' worth of K/V for ``block_size`` tokens, and all groups draw
-their blocks from one pool: the cache is ``layers_per_block`` tensors, and layer ``l``
-reads and writes tensor ``slot`` of ``layer_location(l)`` at its group's block ids.
-
-A model whose layers all see the whole context has one group of all its layers: one
-block table per request, as before groups existed. A model with sliding-window (local)
-layers, e.g. Gemma 3 (five local layers to one global), gets its global layers in
-group 0 and its local layers in groups of the same size after it; a local group's blocks
-that fall out of the window are released (the request's table keeps the null block in
-their place), so a long request holds about ``sliding_window / block_size`` blocks per
-local group instead of one per ``block_size`` tokens. With ``hybrid=False`` (vLLM's
-``--disable-hybrid-kv-cache-manager``) every layer goes to one group again: the local
-layers still attend over their window only, but keep every block.
+A group is a set of layers sharing one block table per request; every group holds
+``layers_per_block`` layers, so all groups draw same-sized blocks from one pool (the cache
+is ``layers_per_block`` tensors; layer ``l`` uses tensor ``slot`` of ``layer_location(l)``).
+Full-attention models have one group; sliding-window layers get their own groups, whose
+out-of-window blocks are released. Worked example (Gemma 3): docs/notes/core.md.
 """
 from __future__ import annotations
 
@@ -24,12 +14,8 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class KVCacheGroupSpec:
-    """Attributes:
-        layers: the layer indices of the group, ascending (a group may hold fewer than
-            ``layers_per_block`` layers: its unused tensor slots are then idle).
-        sliding_window: the window every layer of the group attends over, in tokens
-            (blocks out of it are released), or None (full attention: every block kept).
-    """
+    """``layers``: ascending indices (maybe fewer than ``layers_per_block``);
+    ``sliding_window``: tokens, or None (full attention, every block kept)."""
 
     layers: tuple[int, ...]
     sliding_window: int | None = None
@@ -37,14 +23,8 @@ class KVCacheGroupSpec:
 
 @dataclass(frozen=True)
 class KVCacheConfig:
-    """The model's KV-cache groups.
-
-    Attributes:
-        groups: group 0 first; the block tables of a request come in this order.
-        layers_per_block: layers a block holds (the number of cache tensors).
-        layer_windows: per layer, the window its attention uses (None = whole context),
-            also when its group keeps every block (``hybrid=False``).
-    """
+    """The model's KV-cache groups (group 0 first, the order of a request's block tables);
+    ``layer_windows``: per layer, its attention window (None = whole context)."""
 
     groups: tuple[KVCacheGroupSpec, ...]
     layers_per_block: int
@@ -56,15 +36,12 @@ class KVCacheConfig:
 
     @property
     def needs_null_block(self) -> bool:
-        """Some group releases blocks (its tables then point released entries at block 0,
-        which the pool keeps out of use)."""
+        """Some group releases blocks (to the null block 0)."""
         return any(g.sliding_window is not None for g in self.groups)
 
     def blocks_per_request(self, num_tokens: int, block_size: int, max_step_tokens: int) -> int:
-        """Most blocks one request of ``num_tokens`` tokens holds at once, computing up
-        to ``max_step_tokens`` per step: a full group's ``cdiv(num_tokens, block_size)``;
-        a sliding-window group's window plus one step's tokens, in blocks (plus one for a
-        window that does not start at a block boundary), if that is fewer."""
+        """Most blocks one request of ``num_tokens`` holds at once, at up to
+        ``max_step_tokens`` per step (a window group: window + step, +1 for alignment)."""
         full = -(-num_tokens // block_size)
         return sum(full if g.sliding_window is None else
                    min(full, -(-(g.sliding_window - 1 + max_step_tokens) // block_size) + 1)
@@ -83,15 +60,9 @@ class KVCacheConfig:
 
 
 def make_kv_cache_config(layer_windows: list[int | None], hybrid: bool = True) -> KVCacheConfig:
-    """Group the layers of a model whose layer ``l`` attends over ``layer_windows[l]``
-    tokens (None: the whole context).
-
-    One group of every layer when no layer has a window, or with ``hybrid=False``.
-    Otherwise the full-attention layers are group 0 (split into several groups if there
-    are more of them than of any one window's layers) and each window's layers follow in
-    groups of the same size, ``layers_per_block`` = the smallest layer count of a kind
-    (vLLM's rule, which keeps every block the same size); the last group of a kind may
-    hold fewer layers.
+    """Group layers by ``layer_windows[l]`` (tokens, None = whole context). One group when
+    no layer has a window or ``hybrid=False``; else full-attention layers first, each kind
+    in groups of ``layers_per_block`` = the smallest kind's layer count (vLLM's rule).
 
     Raises:
         ValueError: no layers, or a window that is not a positive int.

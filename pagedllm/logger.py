@@ -1,18 +1,8 @@
-"""Default logging for the library front ends (``LLM``, ``AsyncLLM``), as vLLM's
-``VLLM_CONFIGURE_LOGGING``: a program that uses pagedllm without configuring logging itself
-still sees the engine's INFO lines on stderr (the dtype chosen, what each layer runs, the
-KV cache's size), which Python's default (WARNING and above only) would drop.
-
-The handler added to the ``pagedllm`` logger writes a record only while nothing else
-would: the root logger has no handler (``logging.basicConfig``, the CLI, pytest's caplog)
-and the ``pagedllm`` logger has no other. So an application that configures logging, before
-or after the engine starts, gets each line once, through its own handlers and format.
-A program that has configured logging when the engine starts keeps its own levels (e.g.
-``basicConfig()``'s WARNING: no INFO lines). This covers the front end's process: an engine
-core in its own process (``core/engine_proc.py``) logs to its stderr in its own format, at
-the level the front end's ``pagedllm`` logger has when it starts. ``PAGEDLLM_CONFIGURE_LOGGING=0`` leaves logging
-alone; ``PAGEDLLM_LOG_LEVEL`` (default INFO) sets the ``pagedllm`` logger's level when the
-handler is added and the logger has no level of its own.
+"""Default logging for ``LLM`` and ``AsyncLLM`` (as vLLM's ``VLLM_CONFIGURE_LOGGING``):
+without any logging configuration the engine's INFO lines still reach stderr. The handler
+writes only while the application's own logging would not, so configured applications
+see each line once, in their format. ``PAGEDLLM_CONFIGURE_LOGGING=0`` leaves logging
+alone; ``PAGEDLLM_LOG_LEVEL`` sets the level. Details: docs/notes/config.md.
 """
 from __future__ import annotations
 
@@ -41,11 +31,8 @@ class DefaultHandler(logging.StreamHandler):
 
 
 def configure_default_logging() -> None:
-    """Where the application has configured no logging (no handler on the root logger or
-    on ``pagedllm``), add ``DefaultHandler`` to the ``pagedllm`` logger and, if that logger
-    has no level of its own, set it to ``PAGEDLLM_LOG_LEVEL`` (an unknown name: INFO).
-    Otherwise, or when ``PAGEDLLM_CONFIGURE_LOGGING`` is 0, nothing: the application's
-    levels and handlers decide. Never raises."""
+    """Without application logging, add ``DefaultHandler`` to ``pagedllm`` and set its
+    unset level to ``PAGEDLLM_LOG_LEVEL`` (unknown: INFO). Never raises."""
     if not envs.configure_logging():
         return
     log = logging.getLogger(LOGGER_NAME)

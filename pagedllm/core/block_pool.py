@@ -1,10 +1,7 @@
-"""KV-cache blocks, the free queue and the prefix-cache hash table.
+"""KV-cache blocks, the free queue and the prefix-cache hash table (after vLLM V1's).
 
-Each block holds ``block_size`` tokens of K and V for every layer. A block is owned by
-reference count; at zero it goes to the free queue, where it keeps its hash (it can be
-revived by a prefix-cache hit) until it is popped for reuse, which evicts the hash.
-The free queue is ordered for eviction: least recently freed first, and, because a
-request frees its blocks tail first, the deepest block of a chain before its parents.
+Blocks are reference-counted; at zero a block joins the free queue keeping its hash (a
+prefix hit revives it) until popped for reuse. Eviction order: least recently freed first.
 """
 from __future__ import annotations
 
@@ -15,18 +12,9 @@ from collections.abc import Iterable, Sequence
 
 def hash_block_tokens(parent_hash: bytes | None, token_ids: Sequence[int],
                       extra_keys: tuple = ()) -> bytes:
-    """Prefix-cache hash of one full block.
-
-    SHA-256 (FIPS 180-4) over a stable, unambiguous serialization: the parent block's
-    32-byte digest (32 zero bytes for the first block), the token count and each token id
-    as little-endian signed 64-bit ints, then each extra key (e.g. ``cache_salt``) as its
-    UTF-8 length and bytes. Chaining the parent makes the hash cover the whole prefix;
-    a collision would need a SHA-256 collision (no known one; ~2^-128 by the birthday
-    bound), unlike Python's ``hash()`` whose collisions vLLM had to move away from.
-
-    Returns:
-        32-byte digest.
-    """
+    """32-byte SHA-256 of one full block: parent digest (zeros for the first), token count
+    and ids as LE int64, then each extra key as UTF-8 length + bytes. Why SHA-256:
+    docs/notes/core.md."""
     h = hashlib.sha256()
     h.update(parent_hash if parent_hash is not None else b"\x00" * 32)
     h.update(struct.pack(f"<q{len(token_ids)}q", len(token_ids), *token_ids))
@@ -55,8 +43,7 @@ class KVCacheBlock:
 
 
 class FreeBlockQueue:
-    """Doubly linked list of free blocks with O(1) pop-front, append and remove-from-middle
-    (a cache hit takes a block out of the middle)."""
+    """Doubly linked free list: O(1) pop-front, append and remove-from-middle."""
 
     def __init__(self, blocks: Iterable[KVCacheBlock]):
         self.head = KVCacheBlock(-1)
@@ -93,12 +80,7 @@ class FreeBlockQueue:
 
 
 class BlockPool:
-    """All KV-cache blocks, allocated once at start-up.
-
-    Args:
-        num_blocks: blocks in the cache.
-        enable_caching: keep hashes of full blocks for reuse across requests.
-    """
+    """All KV-cache blocks, allocated once; ``enable_caching`` keeps full blocks' hashes."""
 
     def __init__(self, num_blocks: int, enable_caching: bool = True):
         if num_blocks < 1:
@@ -164,8 +146,7 @@ class BlockPool:
         self.cached.setdefault(block_hash, block)
 
     def reset_prefix_cache(self) -> int:
-        """Drop the hash of every block no request holds; returns how many were dropped.
-        Blocks held by running requests keep theirs."""
+        """Drop the hash of every block no request holds; returns how many."""
         dropped = 0
         for b in self.free_queue:
             if b.block_hash is not None:

@@ -21,16 +21,12 @@ logger = logging.getLogger("pagedllm")
 
 
 class EngineCore:
-    """Builds the executor (which loads the model), sizes the KV cache, and steps the
-    scheduler.
-
-    KV sizing: ``num_gpu_blocks_override`` blocks if set, else what the executor finds
-    fits the memory budget (``kv_cache_memory`` on CPU, ``gpu_memory_utilization`` on CUDA).
+    """Builds the executor (loads the model), sizes the KV cache
+    (``num_gpu_blocks_override`` or the memory budget) and steps the scheduler.
 
     Raises:
-        ValueError: no memory is left for the KV cache, or the cache cannot hold one
-            request of ``max_model_len`` tokens when max_model_len was given explicitly
-            (otherwise max_model_len is lowered to fit).
+        ValueError: no memory left for the KV cache, or an explicit ``max_model_len`` that
+            does not fit (an implicit one is lowered).
     """
 
     def __init__(self, config: EngineConfig):
@@ -88,8 +84,7 @@ class EngineCore:
         self.scheduler.add_request(Request.from_engine_core_request(request))
 
     def abort_requests(self, request_ids: list[str]) -> EngineCoreOutputs:
-        """Abort requests now (unknown or finished ids are ignored); their blocks are freed
-        before this returns. Returns their final outputs (``finish_reason="abort"``)."""
+        """Abort requests now (unknown ids ignored), freeing blocks; returns final outputs."""
         done = self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
         return EngineCoreOutputs([self.scheduler.abort_output(r) for r in done], self.scheduler.stats())
 
@@ -97,12 +92,8 @@ class EngineCore:
         return self.scheduler.has_unfinished_requests()
 
     def step(self) -> EngineCoreOutputs:
-        """One schedule → execute → update iteration.
-
-        If the executor raises, the requests of that step are aborted (their blocks
-        freed) and reported in ``failed_request_ids`` with the error; the others go on.
-        An error in scheduling or updating propagates: the core's state is then suspect.
-        """
+        """One schedule → execute → update iteration. An executor error fails only the
+        step's requests (``failed_request_ids``); scheduling/updating errors propagate."""
         prof = self.profiler
         if prof is not None:
             prof.before_step(self.step_count)

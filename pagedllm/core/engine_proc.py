@@ -1,28 +1,9 @@
 """The engine core in its own process (vLLM V1's ``EngineCoreProc``): a busy loop that
-takes inputs, steps the core, and sends outputs, over two ZMQ sockets with
-msgspec-encoded messages (``pagedllm/messages.py``).
-
-Wire format. Every message is a ZMQ multipart message ``[kind, payload]``, ``kind`` one
-byte, ``payload`` msgpack:
-
-- front end → core (PUSH → PULL, ``input_addr``): ``ADD`` an ``EngineCoreRequest``;
-  ``ABORT`` a list of request ids; ``UTILITY`` a ``UtilityCall``; ``SHUTDOWN`` (empty).
-- core → front end (PUSH → PULL, ``output_addr``): ``READY`` the ``EngineCoreInfo`` once
-  the model is loaded and the KV cache sized; ``OUTPUTS`` an ``EngineCoreOutputs`` per step
-  that produced news (and one after each batch of aborts, so the front end sees the freed
-  blocks at once); ``UTILITY`` a ``UtilityResult``; ``FAILED`` an ``EngineCoreFailure``
-  when start-up or the loop fails, right before the process exits.
-
-The front end binds both sockets; this process connects. Failure model (the front end's
-side is ``engine/core_client.py``'s ``MPClient``):
-
-- a step whose executor raises fails only that step's requests (``EngineCore.step``); the
-  loop goes on;
-- an error outside a step (scheduling, updating, decoding a message) leaves the core's
-  state suspect: the loop sends ``FAILED`` and the process exits with status 1;
-- the front end's process gone (its pid no longer this process's parent) ends the loop
-  within ``PARENT_CHECK_S``, so no engine process outlives its server;
-- ``SHUTDOWN`` ends the loop after the step in progress.
+takes inputs, steps the core, and sends outputs over two ZMQ sockets (the front end binds,
+this process connects). Every message is multipart ``[kind, payload]``: ``kind`` one byte,
+``payload`` msgpack of a ``pagedllm/messages.py`` struct. In: ``ADD``, ``ABORT``,
+``UTILITY``, ``SHUTDOWN``; out: ``READY``, ``OUTPUTS``, ``UTILITY``, ``FAILED`` (then exit
+status 1). Wire format and failure model in full: docs/notes/core.md.
 """
 from __future__ import annotations
 
@@ -53,13 +34,8 @@ def failure_of(exc: BaseException) -> EngineCoreFailure:
 
 
 class EngineCoreProc:
-    """The loop around an ``EngineCore`` in its own process.
-
-    Args:
-        core: the started EngineCore.
-        input_socket / output_socket: connected zmq PULL / PUSH sockets.
-        parent_pid: the front end's pid; the loop ends when this process's parent changes.
-    """
+    """The loop around a started ``EngineCore`` with connected PULL / PUSH sockets; it
+    ends when this process's parent is no longer ``parent_pid``."""
 
     def __init__(self, core, input_socket, output_socket, parent_pid: int):
         self.core = core
@@ -102,8 +78,7 @@ class EngineCoreProc:
         return os.getppid() == self.parent_pid
 
     def run(self) -> None:
-        """Loop until SHUTDOWN or the parent's death. Raises what a step's scheduling or
-        updating raised (the caller reports it and exits)."""
+        """Loop until SHUTDOWN or the parent's death; raises errors from outside a step."""
         import zmq
 
         core = self.core
@@ -134,10 +109,8 @@ class EngineCoreProc:
 
 
 def main() -> None:
-    """``python -c "from pagedllm.core.engine_proc import main; main()"``: reads the pickled
-    arguments of ``run_engine_core`` from standard input and runs it. (A fresh interpreter
-    rather than multiprocessing's spawn, which re-runs the parent's main script: a user's
-    script calling ``LLM()`` without a ``__main__`` guard would start engines forever.)"""
+    """Run ``run_engine_core`` with pickled arguments read from stdin (a fresh interpreter,
+    not multiprocessing's spawn; why: docs/notes/core.md)."""
     import pickle
     import sys
 
@@ -145,16 +118,8 @@ def main() -> None:
 
 
 def run_engine_core(config, input_addr: str, output_addr: str, parent_pid: int, log_level: int) -> None:
-    """The engine process's body: build the core (loads the model, sizes the KV cache),
-    send READY with its ``EngineCoreInfo``, then loop. Exits with status 1 after sending
-    FAILED if start-up or the loop fails, else 0.
-
-    Args:
-        config: the front end's resolved EngineConfig (pickled across the process start).
-        input_addr / output_addr: zmq addresses the front end has bound.
-        parent_pid: the front end's pid.
-        log_level: the ``pagedllm`` logger's level in the front end.
-    """
+    """The engine process's body: build the core from ``config``, send READY with its
+    ``EngineCoreInfo``, loop. Exits 1 after sending FAILED on failure, else 0."""
     import signal
 
     import zmq

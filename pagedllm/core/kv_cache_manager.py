@@ -20,19 +20,10 @@ class PrefixCacheStats:
 class KVCacheManager:
     """Allocates blocks for requests and finds their cached prefixes.
 
-    With KV-cache groups (``kv_cache_interface``: a model with sliding-window layers),
-    a request holds one block table per group, all drawn from one pool and all as long
-    as its tokens need (``cdiv(tokens, block_size)`` entries). A sliding-window group
-    releases the blocks that fall wholly out of its window (their entries become the
-    null block, block 0, which no request owns), as vLLM's ``SlidingWindowManager``;
-    prefix caching keys each group's blocks by (group, block hash), and a hit must hold,
-    in every sliding-window group, the blocks the first computed token's window reaches.
-
-    Args:
-        num_blocks: blocks in the pool; block_size: tokens per block.
-        enable_caching: reuse full blocks across requests by hash.
-        sliding_windows: per KV-cache group, its window in tokens or None (full
-            attention); default one full-attention group.
+    A request holds one block table per KV-cache group, all from one pool and all
+    ``cdiv(tokens, block_size)`` long. A sliding-window group releases blocks wholly out of
+    its window to the null block 0 (vLLM's ``SlidingWindowManager``); prefix-cache keys are
+    (group, block hash). ``sliding_windows``: per group, a window in tokens or None (full).
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
@@ -58,9 +49,8 @@ class KVCacheManager:
         return block_hash if group == 0 else (group, block_hash)
 
     def _first_useful_block(self, group: int, num_computed: int) -> int:
-        """Index of the first block a sliding-window group still needs when the next
-        token to compute is at position ``num_computed`` (0 for a full group): that
-        token sees positions from ``num_computed - window + 1`` on."""
+        """First block a group still needs when the next token is at ``num_computed``
+        (0 for a full group)."""
         w = self.windows[group]
         if w is None:
             return 0
@@ -68,8 +58,7 @@ class KVCacheManager:
 
     # -- hashing -------------------------------------------------------------------
     def update_block_hashes(self, req: Request) -> None:
-        """Extend ``req.block_hashes`` to cover every full block of its known tokens.
-        The cache salt enters the first block's hash, and so every later one's."""
+        """Extend ``req.block_hashes`` over every full block (cache salt in the first)."""
         if not self.enable_caching:
             return
         bs = self.block_size
@@ -84,18 +73,8 @@ class KVCacheManager:
 
     # -- admission -------------------------------------------------------------------
     def get_computed_blocks(self, req: Request) -> tuple[list[list[KVCacheBlock]], int]:
-        """Longest cached prefix of the request's tokens, in every group.
-
-        At least the last token is always left to compute (its logits are needed), so a
-        fully cached prompt of exactly k blocks hits k-1 of them. A full-attention group
-        needs the whole chain of blocks; a sliding-window group needs only those the
-        first computed token's window reaches (earlier entries are the null block), so
-        the hit is the longest prefix every group can serve (vLLM's
-        ``find_longest_cache_hit``).
-
-        A request that asks for ``prompt_logprobs`` hits nothing (as in vLLM): the
-        logprobs of its prompt tokens need their positions computed. Its blocks are still
-        hashed, and cached for others.
+        """Longest cached prefix every group can serve (vLLM's ``find_longest_cache_hit``).
+        The last token is always left to compute; a ``prompt_logprobs`` request hits nothing.
 
         Returns:
             (per group its hit blocks, num_computed_tokens); ([[]] * groups, 0) when
@@ -133,8 +112,7 @@ class KVCacheManager:
         return hit, tokens
 
     def _release_skipped(self, req_id: str, num_computed: int) -> None:
-        """Free, in each sliding-window group, the blocks no token from position
-        ``num_computed`` on can see; their entries become the null block."""
+        """Free sliding-window blocks no token from ``num_computed`` on can see."""
         for g, blocks in enumerate(self.req_blocks.get(req_id, ())):
             if self.windows[g] is None:
                 continue
@@ -151,21 +129,10 @@ class KVCacheManager:
                        new_computed_blocks: list[list[KVCacheBlock]] | None = None,
                        num_new_computed_tokens: int = 0,
                        num_lookahead_tokens: int = 0) -> list[KVCacheBlock] | None:
-        """Make room for ``num_new_tokens`` more tokens of ``req`` in every group, after
-        releasing the sliding-window blocks its next token cannot see.
-
-        Args:
-            num_new_tokens: tokens to compute this step (after any cache hit; with
-                speculative decoding, the next token and the drafts to verify).
-            new_computed_blocks / num_new_computed_tokens: the prefix-cache hit returned by
-                ``get_computed_blocks`` at admission (else None / 0).
-            num_lookahead_tokens: slots reserved past those (a draft model writes its
-                proposals' K/V there after the step); never hashed.
-
-        Returns:
-            The newly allocated blocks of all groups, or None when not enough blocks are
-            free (nothing is allocated then; the caller preempts or waits).
-        """
+        """Make room for ``num_new_tokens`` (+ ``num_lookahead_tokens``, never hashed) more
+        tokens of ``req`` in every group; ``new_computed_blocks`` / ``num_new_computed_tokens``
+        are the admission's prefix hit. Returns the new blocks per group, or None (nothing
+        allocated) when too few are free."""
         hits = new_computed_blocks or [[] for _ in self.windows]
         self._release_skipped(req.request_id, req.num_computed_tokens)
         tables = self.req_blocks.setdefault(req.request_id, [[] for _ in self.windows])
@@ -196,10 +163,8 @@ class KVCacheManager:
         return new_blocks
 
     def free_tail(self, req: Request, num_tokens: int) -> int:
-        """Release the request's blocks past the first ``cdiv(num_tokens, block_size)``
-        of each group (slots of rejected draft tokens and unused lookahead); returns how
-        many entries each table lost. Such blocks hold no full block of known tokens, so
-        none is in the prefix cache."""
+        """Release blocks past the first ``cdiv(num_tokens, block_size)`` per group (rejected
+        drafts, unused lookahead; never cached); returns entries each table lost."""
         tables = self.req_blocks.get(req.request_id)
         keep = cdiv(num_tokens, self.block_size)
         if not tables or len(tables[0]) <= keep:
@@ -213,8 +178,7 @@ class KVCacheManager:
         return n
 
     def free(self, req: Request) -> None:
-        """Release the request's blocks, tail first, so that eviction takes a chain's
-        deepest blocks before its shared parents."""
+        """Release the request's blocks tail first (evict deepest blocks first)."""
         tables = self.req_blocks.pop(req.request_id, None)
         self.num_cached_blocks.pop(req.request_id, None)
         for t in tables or ():
@@ -226,13 +190,12 @@ class KVCacheManager:
         return [b.block_id for b in tables[group]] if tables else []
 
     def get_group_block_ids(self, req_id: str) -> list[list[int]]:
-        """Every group's block ids of ``req_id``, group 0 first (what the runner gets)."""
+        """Every group's block ids of ``req_id``, group 0 first."""
         tables = self.req_blocks.get(req_id)
         return [[b.block_id for b in t] for t in tables] if tables else [[] for _ in self.windows]
 
     def group_block_ids_from(self, req_id: str, start: int) -> list[list[int]]:
-        """Every group's block ids of ``req_id`` from table entry ``start`` on (the
-        entries a step appended, for the runner's delta)."""
+        """Every group's block ids of ``req_id`` from table entry ``start`` on."""
         tables = self.req_blocks.get(req_id)
         return [[b.block_id for b in t[start:]] for t in tables] if tables else [[] for _ in self.windows]
 

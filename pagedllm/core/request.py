@@ -23,22 +23,10 @@ class RequestStatus(enum.Enum):
 
 
 class Request:
-    """A request as the scheduler sees it.
-
-    Attributes:
-        prompt_token_ids / output_token_ids: token ids; ``all_token_ids`` = both.
-        num_computed_tokens: tokens whose K/V are in the cache (or will be, once this
-            step's forward has run; advanced by the scheduler after each step).
-        block_hashes: prefix-cache hashes of each full block of ``all_token_ids``
-            (maintained by the KV cache manager).
-        arrival_time, scheduled_time, first_token_time, finished_time: wall-clock seconds
-            (``time.time()``); None until the event happened.
-        num_cached_tokens: prompt tokens served from the prefix cache at first admission.
-        spec_token_ids: draft tokens proposed for the request's next step (speculative
-            decoding; [] for none).
-        pending_prompt_logprobs: ``TokenLogprobs`` of prompt tokens computed by steps
-            before the first output token, sent with it.
-    """
+    """A request as the scheduler sees it. ``num_computed_tokens``: tokens whose K/V are
+    (or after this step's forward will be) cached; ``block_hashes``: one per full block of
+    ``all_token_ids``; times in ``time.time()`` seconds, None until they happen;
+    ``spec_token_ids``: next step's drafts."""
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  eos_token_ids: set[int], arrival_time: float | None = None):

@@ -1,25 +1,10 @@
-"""Continuous-batching scheduler with a token budget, chunked prefill and preemption.
+"""Continuous-batching scheduler with a token budget, chunked prefill and preemption
+(after vLLM V1's).
 
-Each step (as in vLLM V1): running requests first, in admission order, each asking for
-all of its not-yet-computed tokens (1 for a decode, the rest of a prompt for a chunked
-prefill) up to the budget left; then waiting requests in arrival order, prefix-cache hit
-first, their prompts chunked to the budget left. When ``allocate_slots`` fails, the most
-recently admitted running request is preempted: its blocks are freed and it goes back to
-the front of the queue to be recomputed later (tokens it already produced are kept).
-
-Speculative decoding: a decoding request that carries draft tokens (proposed by the
-runner at the end of its last step) is scheduled for 1 + k tokens, its next token and the
-drafts, capped so that accepting all of them stays within its ``max_tokens``,
-``max_model_len`` and the step's budget; ``num_lookahead_slots`` more slots are reserved
-for a draft model's own K/V. After the step, the computed-token count advances only over
-accepted tokens, and the blocks that held nothing but rejected slots are freed.
-
-Structured outputs (``pagedllm/structured_output``): a constrained request stays in the
-waiting queue, skipped without blocking the requests behind it, until its grammar has
-compiled; its drafts are cut to the prefix its grammar accepts before it is scheduled;
-the step's ``grammar_bitmask`` has a row per sampling position of each constrained
-request that samples; after the step its matcher advances over the accepted tokens, and
-a grammar that accepts a stop token finishes the request with "stop".
+Each step: running requests first, in admission order, then waiting ones in arrival
+order, prompts chunked to the budget left. When ``allocate_slots`` fails, the most
+recently admitted running request is preempted (blocks freed, back to the queue front,
+recomputed later). Speculative decoding and structured outputs: docs/notes/core.md.
 """
 from __future__ import annotations
 
@@ -39,15 +24,8 @@ logger = logging.getLogger("pagedllm")
 
 @dataclass
 class _StepPlan:
-    """What ``Scheduler.schedule`` has decided so far this step.
-
-    Attributes:
-        budget: tokens of ``max_num_batched_tokens`` still free.
-        scheduled: (request, tokens to compute, its new block ids per KV-cache group,
-            admitted from the queue this step) in scheduling order.
-        spec_tokens: request id -> the drafts it verifies this step.
-        num_preempted: requests preempted this step.
-    """
+    """``Scheduler.schedule``'s decisions so far: ``budget`` tokens left; ``scheduled``
+    (request, tokens, new block ids per group, admitted now) in order; drafts by id."""
 
     budget: int
     scheduled: list[tuple[Request, int, list[list[int]], bool]] = field(default_factory=list)
@@ -56,18 +34,10 @@ class _StepPlan:
 
 
 class Scheduler:
-    """Args:
-        kv_cache_manager: the block allocator.
-        max_num_batched_tokens: token budget per step.
-        max_num_seqs: most requests running at once.
-        max_model_len: most tokens (prompt + output) of one request.
-        enable_chunked_prefill: split prompts larger than the budget left over steps;
-            when off, a prompt waits until it fits whole (and must fit the budget).
-        num_lookahead_slots: KV slots reserved past a sampling request's scheduled tokens
-            (``SpeculativeConfig.num_lookahead_slots``; 0 without a draft model).
-        structured_output: compiles grammars and builds bitmasks; needed for requests
-            with ``structured_outputs`` (None: there are none).
-    """
+    """Args: ``enable_chunked_prefill`` off = a prompt waits until it fits the budget
+    whole; ``num_lookahead_slots``: KV slots reserved past a sampling request's tokens
+    (``SpeculativeConfig.num_lookahead_slots``); ``structured_output``: None when no
+    request has ``structured_outputs``."""
 
     def __init__(self, kv_cache_manager: KVCacheManager, max_num_batched_tokens: int,
                  max_num_seqs: int, max_model_len: int, enable_chunked_prefill: bool = True,
@@ -95,9 +65,7 @@ class Scheduler:
 
     # -- requests --------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
-        """Queue a request. The front end's Processor has validated it (unique id, prompt +
-        max_tokens within max_model_len, a prompt within the budget when chunked prefill
-        is off); these are asserted, not checked again."""
+        """Queue a request already validated by the Processor (asserted, not rechecked)."""
         assert req.request_id not in self.requests, req.request_id
         assert req.num_prompt_tokens + req.sampling_params.max_tokens <= self.max_model_len
         assert self.enable_chunked_prefill or req.num_prompt_tokens <= self.max_num_batched_tokens
@@ -150,13 +118,8 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     def schedule(self) -> SchedulerOutput:
-        """Form this step's batch (never over the token budget or max_num_seqs): running
-        requests first (``_schedule_running``), then, if none was preempted, waiting ones
-        (``_schedule_waiting``).
-
-        A request the runner has not seen goes out whole (``NewRequestData``); one it
-        holds goes out as deltas: the blocks allocated since it last ran, or, when it
-        resumes after a preemption, its whole new block table (``_scheduler_output``)."""
+        """Form this step's batch within the token budget and ``max_num_seqs``: running
+        requests first, then, if none was preempted, waiting ones."""
         # The runner forgets finished requests at the start of this step, so an id that
         # is reused after finishing must be sent as new (with its sampling params).
         self.runner_known.difference_update(self.finished_req_ids)
@@ -169,9 +132,8 @@ class Scheduler:
         return out
 
     def _schedule_running(self, plan: _StepPlan) -> None:
-        """Running requests in admission order, each for its tokens not yet computed (and
-        its drafts, ``_drafts_to_verify``) up to the budget left; stops when the budget is
-        spent or a request had to preempt itself (``_allocate_or_preempt``)."""
+        """Schedule running requests in admission order until the budget is spent or one
+        preempts itself."""
         i = 0
         while i < len(self.running) and plan.budget > 0:
             req = self.running[i]
@@ -193,11 +155,9 @@ class Scheduler:
             i += 1
 
     def _drafts_to_verify(self, req: Request, n: int, budget: int) -> list[int]:
-        """The drafts running ``req`` is scheduled with this step: none unless it decodes
-        (``n`` == 1, its known tokens computed but the last); else its proposals, cut to
-        the prefix its grammar accepts (structured outputs) and so that accepting all of
-        them plus the target's own token stays within ``max_tokens``, ``max_model_len``
-        and ``budget``."""
+        """``req``'s drafts to verify: none unless it decodes (``n`` == 1); else cut to its
+        grammar's prefix and so that accepting all stays within ``max_tokens``,
+        ``max_model_len`` and ``budget``."""
         spec = req.spec_token_ids
         if not (spec and n == 1 and req.num_computed_tokens + 1 == req.num_tokens):
             return []
@@ -208,9 +168,8 @@ class Scheduler:
         return spec[:max(room, 0)]
 
     def _allocate_or_preempt(self, req: Request, n: int, lookahead: int, plan: _StepPlan) -> bool:
-        """Slots for ``n`` more tokens (and ``lookahead``) of running ``req``, preempting
-        the newest running requests until they fit. False when ``req`` itself was
-        preempted (it holds no slots then)."""
+        """Allocate ``n`` + ``lookahead`` slots for ``req``, preempting the newest running
+        requests; False when ``req`` itself was preempted."""
         while self.kv.allocate_slots(req, n, num_lookahead_tokens=lookahead) is None:
             victim = self.running.pop()
             self._preempt(victim)
@@ -220,9 +179,8 @@ class Scheduler:
         return True
 
     def _schedule_waiting(self, plan: _StepPlan) -> None:
-        """Waiting requests in queue order (``_admit``) while budget and room for running
-        requests are left; one whose grammar is still compiling keeps its place in the
-        queue without blocking the requests behind it."""
+        """Admit waiting requests in order while budget and seats last; one whose grammar
+        is compiling keeps its place without blocking the rest."""
         skipped: list[Request] = []   # grammars still compiling: they keep their place
         while self.waiting and plan.budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
@@ -239,9 +197,8 @@ class Scheduler:
         self.waiting.extendleft(reversed(skipped))
 
     def _admit(self, req: Request, budget: int) -> int | None:
-        """Move ``req`` (the queue's first) to the running requests with its prefix-cache
-        hit and up to ``budget`` further tokens allocated; returns those tokens, or None
-        (nothing changed) when they do not fit."""
+        """Admit the queue's first ``req`` (prefix hit + up to ``budget`` tokens); the tokens
+        scheduled, or None (nothing changed) when they do not fit."""
         hit_blocks, n_hit = self.kv.get_computed_blocks(req)
         n = req.num_tokens - n_hit
         # Without chunked prefill a prompt waits until it fits the budget whole
@@ -265,8 +222,7 @@ class Scheduler:
         return n
 
     def _scheduler_output(self, plan: _StepPlan) -> SchedulerOutput:
-        """The step's ``SchedulerOutput``: each scheduled request whole the first time the
-        runner sees it, as deltas after that, and the grammar bitmask."""
+        """The step's ``SchedulerOutput``: new requests whole, held ones as deltas."""
         new_reqs: list[NewRequestData] = []
         cached = CachedRequestData()
         num_scheduled: dict[str, int] = {}
@@ -296,8 +252,7 @@ class Scheduler:
         return out
 
     def _grammar_bitmask(self, plan: _StepPlan) -> GrammarBitmask | None:
-        """The bitmask rows of the constrained requests that sample this step (those that
-        reach the end of their known tokens), their drafts included."""
+        """Bitmask rows of the constrained requests that sample this step, drafts included."""
         spec = plan.spec_tokens
         return self.structured_output.grammar_bitmask(
             [(req.request_id, spec.get(req.request_id, [])) for req, n, _, _ in plan.scheduled
@@ -305,8 +260,7 @@ class Scheduler:
              and req.num_computed_tokens + n - len(spec.get(req.request_id, ())) >= req.num_tokens])
 
     def _grammar_ready(self, req: Request) -> bool:
-        """Whether ``req``'s grammar has compiled; a failed compile aborts it (its output
-        goes out through ``take_failed_outputs``)."""
+        """Whether ``req``'s grammar has compiled; a failed compile aborts it."""
         try:
             return self.structured_output.is_ready(req.request_id)
         except GrammarCompileError as e:
@@ -318,19 +272,13 @@ class Scheduler:
             return False
 
     def take_failed_outputs(self) -> list[EngineCoreOutput]:
-        """Final outputs of requests finished while scheduling (a grammar that did not
-        compile: ``finish_reason="abort"``), once."""
+        """Outputs of requests aborted while scheduling (failed grammar), once."""
         out, self.failed_outputs = self.failed_outputs, []
         return out
 
     def update_from_output(self, so: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
-        """Advance computed tokens, append the sampled tokens, apply stop conditions and
-        free finished requests.
-
-        Args:
-            runner_output: the tokens each scheduled request produced (none for a prompt
-                chunk short of the prompt's end).
-        """
+        """Advance computed tokens, append sampled tokens, apply stop conditions, free
+        finished requests."""
         now = time.time()
         outputs: list[EngineCoreOutput] = []
         sampled = dict(zip(runner_output.req_ids, runner_output.sampled_token_ids))

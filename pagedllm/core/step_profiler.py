@@ -1,10 +1,6 @@
-"""Per-step JSONL log and a torch.profiler trace over a window of steps (``--profile-dir``).
-
-``DIR/steps.jsonl``: one :class:`StepRecord` per engine step that scheduled work, as a
-JSON object on one line (appended to by every run; step numbers restart per run).
-``DIR/trace.json``: Chrome-trace of steps [start, start + window), viewable in Perfetto
-or chrome://tracing. ``pagedllm profile summarize DIR`` reads both; it decodes
-``steps.jsonl`` with :data:`STEP_DECODER`, so writer and reader share this one schema.
+"""``--profile-dir``: ``DIR/steps.jsonl`` (one :class:`StepRecord` line per step that
+scheduled work, appended per run) and ``DIR/trace.json`` (a torch.profiler Chrome trace
+of a window of steps). ``pagedllm profile summarize`` reads both via :data:`STEP_DECODER`.
 """
 from __future__ import annotations
 
@@ -21,29 +17,10 @@ __all__ = ["StepRecord", "STEP_DECODER", "StepProfiler"]
 
 
 class StepRecord(msgspec.Struct, kw_only=True, frozen=True):
-    """One engine step, one line of ``steps.jsonl``.
-
-    Times are wall-clock seconds measured with ``time.perf_counter`` around the step's
-    phases, except ``ts``. Counts are of the step itself, except the ``num_running``,
-    ``num_waiting`` and ``kv_blocks_*`` snapshots taken after it.
-
-    Attributes:
-        step: number of earlier steps that scheduled work, from 0 in each engine (so it
-            restarts per run).
-        ts: unix time (s, ``time.time()``) when the step ended.
-        step_time_s: the whole step (s), from scheduling to the end of the update.
-        schedule_time_s: the scheduler's share (s).
-        execute_time_s: the model runner's forward and sampling (s).
-        update_time_s: applying sampled tokens to requests and building outputs (s).
-        num_prefill_tokens: prompt tokens computed in the step.
-        num_decode_tokens: generated-token positions computed in the step.
-        num_reqs: requests scheduled in the step.
-        num_running: requests running after the step.
-        num_waiting: requests waiting after the step.
-        kv_blocks_used: KV-cache blocks in use after the step.
-        kv_blocks_total: KV-cache blocks in the pool.
-        num_preemptions: requests preempted in this step (summed by the reader).
-    """
+    """One line of ``steps.jsonl``. ``*_time_s``: ``time.perf_counter`` seconds of the
+    step's phases; ``ts``: ``time.time()`` at its end; ``step`` counts from 0 per engine.
+    Counts are of the step, except ``num_running``, ``num_waiting``, ``kv_blocks_*``
+    (snapshots after it)."""
 
     step: int
     ts: float
@@ -69,11 +46,8 @@ _ENCODER = msgspec.json.Encoder()
 
 
 class StepProfiler:
-    """Args:
-        out_dir: output folder (created).
-        trace_start_step: first traced step (skips warm-up steps).
-        trace_num_steps: how many steps the torch.profiler trace covers.
-    """
+    """Writes into ``out_dir`` (created); traces ``trace_num_steps`` steps from
+    ``trace_start_step``."""
 
     def __init__(self, out_dir: str, trace_start_step: int = 5, trace_num_steps: int = 20):
         os.makedirs(out_dir, exist_ok=True)
@@ -99,8 +73,8 @@ class StepProfiler:
         atexit.register(self.finish)
 
     def after_step(self, record: StepRecord) -> None:
-        """Append ``record`` to ``steps.jsonl`` (one line, written at once) and end the
-        trace once it has covered its window. Raises ``OSError`` if the write fails."""
+        """Append ``record`` to ``steps.jsonl``; end the trace after its window. Raises
+        ``OSError`` if the write fails."""
         self.log.write(_ENCODER.encode(record) + b"\n")
         if self.prof is not None:
             self._traced += 1

@@ -1,17 +1,10 @@
 """AsyncLLM: an asyncio front end over the engine, for the HTTP server.
 
-The engine core runs in its own process by default (``MPClient``; ``engine_process=False``
-keeps it in this one). One output thread (``pagedllm-engine``) owns the LLMEngine: it takes
-typed messages from its inbox (``AddRequest``, ``AbortRequests``, ``ResetPrefixCache``,
-``Shutdown``), takes each step's outputs and puts RequestOutputs on per-request
-asyncio.Queues. Coroutines validate, render chat templates and tokenize in a pool of
-``TOKENIZER_THREADS`` threads, each with its own copy of the tokenizer; aborts reach the
-core before its next step.
-
-Failures: a step that raises fails the requests it scheduled and the engine keeps serving
-the others; after ``MAX_CONSECUTIVE_STEP_FAILURES`` failed steps in a row, or any error
-outside a step (or in recovering from one), the engine is dead: every open stream and
-waiter gets EngineDeadError, and ``check_health`` and new requests raise it.
+One output thread (``pagedllm-engine``) owns the LLMEngine, fed by typed inbox messages,
+and puts RequestOutputs on per-request asyncio.Queues; tokenizing runs in
+``TOKENIZER_THREADS`` threads, each with its own tokenizer copy. A failed step fails only
+its requests; after ``MAX_CONSECUTIVE_STEP_FAILURES`` in a row, or any error outside a
+step, the engine is dead and everything raises EngineDeadError.
 """
 from __future__ import annotations
 
@@ -35,9 +28,7 @@ from pagedllm.sampling_params import SamplingParams
 logger = logging.getLogger("pagedllm")
 
 
-# Failed steps in a row after which the engine is declared dead (a step failure caused by
-# one request is cleared by failing that step's requests; repeated ones mean the engine
-# itself is broken, e.g. a device error).
+# Failed steps in a row after which the engine is declared dead (e.g. a device error).
 MAX_CONSECUTIVE_STEP_FAILURES = 3
 
 # Threads that validate, template and tokenize requests (each with its own tokenizer).
@@ -66,7 +57,7 @@ class AbortRequests:
 
 @dataclass(frozen=True)
 class ResetPrefixCache:
-    """``LLMEngine.reset_prefix_cache``; its count (or error) completes ``future`` on ``loop``."""
+    """``LLMEngine.reset_prefix_cache``; completes ``future`` on ``loop``."""
     future: asyncio.Future
     loop: asyncio.AbstractEventLoop
 
@@ -80,9 +71,7 @@ InboxMessage = AddRequest | AbortRequests | ResetPrefixCache | Shutdown
 
 
 class AsyncLLM:
-    """Args:
-        args: EngineArgs; stat_loggers: extra stat loggers (e.g. Prometheus).
-    """
+    """Asyncio engine over ``EngineArgs``; ``stat_loggers``: extra ones (e.g. Prometheus)."""
 
     def __init__(self, args: EngineArgs, stat_loggers: list | None = None, log_stats: bool = True):
         configure_default_logging()   # the start-up lines reach stderr, as vLLM's do
@@ -137,9 +126,8 @@ class AsyncLLM:
             self._added_since_stats = 0
 
     def num_waiting(self) -> int:
-        """Requests waiting for the engine: in the scheduler's queue at the latest step,
-        plus those queued since (an estimate that errs high by what the engine admitted
-        since its last step; ``--max-waiting-requests`` compares it)."""
+        """Waiting requests: the scheduler's count at the latest step plus those queued since
+        (errs high); ``--max-waiting-requests`` compares it."""
         with self._lock:
             return self._sched_waiting + self._added_since_stats
 
@@ -161,8 +149,7 @@ class AsyncLLM:
             self._tokenizer_pool, functools.partial(fn, *args))
 
     def _thread_tokenizer(self):
-        """This tokenizer thread's (tokenizer, processor): one of the copies made before
-        the output thread started, taken at the thread's first use."""
+        """This tokenizer thread's (tokenizer, processor) copy, taken at first use."""
         tp = getattr(self._local, "tp", None)
         if tp is None:
             with self._lock:
@@ -185,11 +172,8 @@ class AsyncLLM:
         return await self._in_tokenizer_thread(lambda: self._thread_tokenizer()[0].decode(token_ids))
 
     async def add_request(self, request_id: str, prompt, sampling_params: SamplingParams) -> "RequestStream":
-        """Validate, tokenize (in the tokenizer thread) and queue a request.
-
-        Returns:
-            A RequestStream yielding RequestOutputs (cumulative, with deltas) until the
-            request finishes; closing it early (``aclose``) aborts the request.
+        """Validate, tokenize (in a tokenizer thread) and queue a request. Returns a
+        RequestStream of cumulative RequestOutputs; ``aclose`` early aborts the request.
 
         Raises:
             ValueError (InvalidParameterError): bad prompt or parameters; nothing is queued.
@@ -198,8 +182,7 @@ class AsyncLLM:
         return (await self.add_requests([(request_id, prompt, sampling_params)]))[0]
 
     async def add_requests(self, requests: list[tuple[str, object, SamplingParams]]) -> list["RequestStream"]:
-        """``add_request`` for several (request_id, prompt, sampling_params) at once, all or
-        nothing: every one is validated and tokenized before any is queued.
+        """``add_request`` for several (request_id, prompt, sampling_params), all or nothing.
 
         Raises:
             ValueError (InvalidParameterError): a bad prompt or parameter, or a request id
@@ -248,9 +231,7 @@ class AsyncLLM:
             self._streams.pop(request_id, None)
 
     def fail_all(self, exc: BaseException) -> int:
-        """End every open request with ``exc`` (thread-safe): each stream raises it and
-        each request is aborted in the engine, freeing its blocks. Returns how many. Used
-        when the server's drain time runs out (``ServerShuttingDownError``)."""
+        """End every open request with ``exc`` and abort it (thread-safe); returns how many."""
         with self._lock:
             rids = list(self._streams)
         for rid in rids:
@@ -264,11 +245,8 @@ class AsyncLLM:
         self._inbox.put(AbortRequests([request_id]))
 
     async def reset_prefix_cache(self) -> int:
-        """Drop every cached block no request holds; returns how many.
-
-        Raises:
-            EngineDeadError: the engine loop has died.
-        """
+        """Drop every cached block no request holds; returns how many. Raises
+        EngineDeadError."""
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         with self._lock:  # _die answers every waiter queued before it marks the engine dead

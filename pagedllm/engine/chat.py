@@ -16,15 +16,12 @@ RESERVED_TEMPLATE_KWARGS = frozenset({
 
 
 def normalize_chat_messages(messages) -> list[dict]:
-    """Check a conversation and give each message string ``content``, as chat templates
-    expect: an array of text parts is joined, and an assistant message without content
-    (as after a tool call in OpenAI's API) gets ``""``. Other keys (``name``,
-    ``tool_calls``, ...) are kept for the template.
+    """Check a conversation and make each ``content`` a string (text parts joined; a
+    content-less assistant message gets ``""``); other keys are kept.
 
     Raises:
-        InvalidParameterError(param="messages"): not a non-empty list of objects; a role
-            outside CHAT_ROLES; content missing or null on a non-assistant message; content
-            neither a string nor an array of text parts; a lone UTF-16 surrogate in it.
+        InvalidParameterError(param="messages"): not a non-empty list of objects, a bad
+            role, missing/non-text content, or a lone UTF-16 surrogate.
     """
     if not isinstance(messages, list) or not messages:
         raise InvalidParameterError("messages", "messages must be a non-empty list")
@@ -59,19 +56,9 @@ def normalize_chat_messages(messages) -> list[dict]:
 def apply_chat_template(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
                         chat_template: str | None = None, chat_template_kwargs: dict | None = None,
                         tools: list[dict] | None = None) -> list[int]:
-    """Render a conversation with ``tokenizer``'s chat template (or ``chat_template``) and
-    tokenize the text without adding special tokens.
-
-    Args:
-        tokenizer: a ``transformers`` tokenizer (not shared with another thread meanwhile).
-        chat_template_kwargs: extra variables for the template (as vLLM's field of the
-            same name), e.g. ``{"enable_thinking": False}`` for Qwen3's template; a
-            template that does not use a variable ignores it.
-        tools: OpenAI tool definitions, passed to the template as its ``tools`` variable
-            (for a template that can show them; see ``tool_calls.rendering``).
-
-    Returns:
-        The prompt's token ids.
+    """Prompt token ids of a conversation rendered with the chat template (no added
+    special tokens). ``chat_template_kwargs`` as vLLM's; ``tools`` go to the template's
+    ``tools`` variable. ``tokenizer`` must not be used by another thread meanwhile.
 
     Raises:
         ValueError: the tokenizer has no chat template and none is given, or it fails to

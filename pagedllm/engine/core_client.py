@@ -1,10 +1,6 @@
-"""EngineCoreClient: the front end's only way to the engine core (vLLM V1's shape).
-
-Everything that crosses it is a message from ``pagedllm/messages.py`` or a plain value.
-Two implementations: ``MPClient`` runs the core in its own process and speaks to it over
-ZMQ with msgspec-encoded messages (``core/engine_proc.py``; the default), and
-``InprocClient`` calls a core in this process (``engine_process=False``, for debugging
-and for tests that look inside the core).
+"""EngineCoreClient: the front end's only way to the engine core (vLLM V1's shape),
+passing ``pagedllm/messages.py`` structs. ``MPClient`` (default) runs the core in its own
+process over ZMQ; ``InprocClient`` calls it in this process (``engine_process=False``).
 """
 from __future__ import annotations
 
@@ -31,16 +27,14 @@ logger = logging.getLogger("pagedllm")
 
 
 class EngineCoreClient(ABC):
-    """Attributes:
-        info: what the core reported once started (final max_model_len, KV blocks, ...).
-    """
+    """``info``: the ``EngineCoreInfo`` the core reported once started."""
 
     info: EngineCoreInfo
 
     @staticmethod
     def make_client(config: EngineConfig) -> EngineCoreClient:
-        """The client for ``config``: the core in its own process unless
-        ``config.args.engine_process`` is False. Loads the model (in that process).
+        """The client for ``config`` (out of process unless ``engine_process`` is False);
+        loads the model.
 
         Raises:
             ValueError / InvalidParameterError: the core could not start (as raised there).
@@ -56,10 +50,8 @@ class EngineCoreClient(ABC):
 
     @abstractmethod
     def get_output(self, timeout: float | None = None) -> EngineCoreOutputs:
-        """The next step's outputs: the in-process client runs a step; the multiprocess
-        one waits for the core's next message, up to ``timeout`` seconds (None = until one
-        comes), returning empty ``EngineCoreOutputs`` (``scheduler_stats`` None) when none
-        came.
+        """The next step's outputs (in process: runs a step; else waits up to ``timeout``
+        s, returning empty outputs with ``scheduler_stats`` None when none came).
 
         Raises:
             EngineDeadError: the core has died.
@@ -67,9 +59,8 @@ class EngineCoreClient(ABC):
 
     @abstractmethod
     def abort_requests(self, request_ids: list[str]) -> EngineCoreOutputs:
-        """Abort requests; their KV blocks are freed before the core's next step. Returns
-        their final outputs where the core is in this process; the multiprocess client
-        returns empty outputs at once and the core's news follows in ``get_output``."""
+        """Abort requests before the core's next step; final outputs in process, else empty
+        (the news follows in ``get_output``)."""
 
     @abstractmethod
     def reset_prefix_cache(self) -> int:
@@ -77,7 +68,7 @@ class EngineCoreClient(ABC):
 
     @abstractmethod
     def get_scheduler_stats(self) -> SchedulerStats:
-        """The scheduler's statistics now (for a caller with no step to read them from)."""
+        """The scheduler's statistics now."""
 
     def check_health(self) -> None:
         """Raises EngineDeadError when the core has died."""
@@ -88,8 +79,7 @@ class EngineCoreClient(ABC):
 
 
 class InprocClient(EngineCoreClient):
-    """The core in this process, called directly. ``engine_core`` is for tests and
-    in-process tools only; the front end never reaches through it."""
+    """The core in this process (``engine_core`` is for tests and tools only)."""
 
     def __init__(self, config: EngineConfig):
         from pagedllm.core import EngineCore
@@ -117,25 +107,14 @@ class InprocClient(EngineCoreClient):
 
 
 class MPClient(EngineCoreClient):
-    """The core in its own process (``core.engine_proc.run_engine_core`` in a fresh
-    interpreter of this Python), reached over two ZMQ IPC sockets this client
-    binds: requests, aborts and utility calls go out on one, outputs come back on the
-    other. An output thread reads the core's messages: step outputs queue for
-    ``get_output``, utility results complete their callers' futures.
+    """The core in its own process (``core.engine_proc.run_engine_core``, own process
+    group), over two ZMQ IPC sockets this client binds. Within ``POLL_S`` of the process
+    dying, every call raises ``EngineDeadError`` naming the exit code. ``shutdown`` (also
+    at interpreter exit) stops it, terminating after ``SHUTDOWN_WAIT_S``. Failure model in
+    full: docs/notes/engine.md.
 
-    Failure model: the output thread checks every ``POLL_S`` seconds that the process is
-    alive. When it has died (killed, crashed, or after sending ``FAILED``), the client is
-    dead: ``get_output``, ``check_health`` and every waiting or later call raise
-    ``EngineDeadError`` naming the exit code, within ``POLL_S`` of the death.
-    ``shutdown`` asks the core to stop, then terminates it if it has not within
-    ``SHUTDOWN_WAIT_S``; it also runs at interpreter exit, so no engine process is left
-    behind (and the core exits by itself when this process dies: ``engine_proc``). The
-    core runs in its own process group, so signals to the front end's group (Ctrl-C,
-    ``kill -- -PGID``) stop the front end, which then stops the core, not both at once.
-
-    Raises (constructor): the core's start-up error, re-raised as its type where it is a
-    ``ValueError`` (``InvalidParameterError`` keeps its ``param``); ``EngineDeadError``
-    when the process died while starting.
+    Raises (constructor): the core's start-up ValueError as its type (with ``param``);
+    ``EngineDeadError`` when the process died while starting.
     """
 
     POLL_S = 0.1
@@ -170,9 +149,7 @@ class MPClient(EngineCoreClient):
         self._stopping = threading.Event()
         self._thread = None
         level = logging.getLogger("pagedllm").getEffectiveLevel()
-        # its own session (so its own process group): a signal sent to the front end's
-        # group (Ctrl-C, `kill -- -PGID`) reaches the front end alone, which drains and
-        # then stops the core with SHUTDOWN; the core still exits when this process dies
+        # its own session (so its own process group): see docs/notes/engine.md
         self._proc = subprocess.Popen(
             [sys.executable, "-c", f"from {wire.__name__} import main; main()"],
             stdin=subprocess.PIPE, start_new_session=True)
@@ -346,8 +323,7 @@ class MPClient(EngineCoreClient):
 
 
 def _start_error(f: EngineCoreFailure) -> BaseException:
-    """The front end's exception for a core that failed to start: ValueErrors keep their
-    type (and ``param``) so that callers see the same error as in process."""
+    """The front end's exception for a core start-up failure (ValueErrors keep type/param)."""
     if f.error_type == "InvalidParameterError" and f.param is not None:
         return InvalidParameterError(f.param, f.message)
     if f.error_type in ("ValueError", "InvalidParameterError"):

@@ -1,14 +1,9 @@
-"""Incremental detokenization and stop-string matching for one request.
+"""Incremental detokenization and stop-string matching for one request (vLLM's rules).
 
-Text is produced with ``tokenizers.decoders.DecodeStream``, which emits a piece only once
-the bytes seen so far form whole UTF-8 characters, so a streamed Korean or emoji answer
-never contains a broken character and the deltas concatenate to the final text.
-Stop strings are searched in the produced text; while a request runs, the last
-``max(len(stop)) - 1`` characters are held back so a stop string split across tokens is
-never streamed before it is recognised. As in vLLM, stop strings are not looked for
-until ``min_tokens`` tokens exist (text completed before then is not searched again).
-Also as in vLLM, the token that ended a request by being an EOS or stop token id stays in
-the token ids but its text is left out (unless ``include_stop_str_in_output``).
+``tokenizers.decoders.DecodeStream`` emits only whole UTF-8 characters, so deltas always
+concatenate to the final text. While running, the last ``max(len(stop)) - 1`` characters
+are held back; stop strings count only from ``min_tokens`` tokens on; an ending EOS/stop
+token id keeps its id but not its text (unless ``include_stop_str_in_output``).
 """
 from __future__ import annotations
 
@@ -16,13 +11,7 @@ from tokenizers.decoders import DecodeStream
 
 
 class IncrementalDetokenizer:
-    """Args:
-        tokenizer: a ``transformers`` fast tokenizer.
-        stop: stop strings; include_stop_str_in_output: keep the matched stop string, and
-            the text of an EOS / stop token id that ended the request.
-        skip_special_tokens: drop special tokens from the text.
-        min_tokens: stop strings count only from this many generated tokens on.
-    """
+    """Detokenizer over a ``transformers`` fast tokenizer with one request's stop rules."""
 
     def __init__(self, tokenizer, stop: list[str], include_stop_str_in_output: bool = False,
                  skip_special_tokens: bool = True, min_tokens: int = 0):
@@ -38,11 +27,7 @@ class IncrementalDetokenizer:
 
     def update(self, new_token_ids: list[int], stop_terminated: bool = False) -> str | None:
         """Add tokens; returns the stop string matched (text truncated there) or None.
-
-        ``stop_terminated``: the last of ``new_token_ids`` ended the request as an EOS or
-        stop token id (the engine core's finish_reason "stop"); its text is not added
-        unless ``include_stop_str_in_output``. It still counts in ``num_tokens``.
-        """
+        ``stop_terminated``: the last token was an ending EOS/stop id (text not added)."""
         last = len(new_token_ids) - 1
         for k, t in enumerate(new_token_ids):
             if stop_terminated and k == last and not self.include_stop:

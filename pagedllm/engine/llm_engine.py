@@ -1,10 +1,6 @@
-"""LLMEngine: the synchronous front end. It talks to the engine core only through an
-``EngineCoreClient`` (typed messages: ``EngineCoreRequest`` in, ``EngineCoreOutputs`` out).
-
-It owns the tokenizer and wires the Processor (validation), parallel sampling (n > 1 as
-n child requests), the OutputProcessor (detokenization, stop strings, RequestOutputs and
-step stats) and the stat loggers; ``step()`` runs one core step and returns RequestOutputs.
-"""
+"""LLMEngine: the synchronous front end (after vLLM V1's). It owns the tokenizer, the
+Processor, parallel sampling and the OutputProcessor, and reaches the engine core only
+through an ``EngineCoreClient``."""
 from __future__ import annotations
 
 import copy
@@ -24,12 +20,8 @@ from pagedllm.tokenizer import eos_token_ids, get_tokenizer
 
 
 class EngineStepError(RuntimeError):
-    """A step failed in the engine core; its requests are gone (their KV blocks freed).
-
-    Attributes:
-        request_ids: the failed requests; outputs: RequestOutputs the same step produced
-            for other requests (to deliver before handling the failure).
-    """
+    """A step failed for ``request_ids`` (gone, blocks freed); ``outputs`` are the same
+    step's RequestOutputs for other requests, to deliver first."""
 
     def __init__(self, message: str, request_ids: list[str], outputs: list[RequestOutput]):
         super().__init__(message)
@@ -38,11 +30,8 @@ class EngineStepError(RuntimeError):
 
 
 class LLMEngine:
-    """Args:
-        args: EngineArgs. ``stat_loggers``: extra objects with ``record(SchedulerStats,
-        IterationStats)`` (e.g. the Prometheus logger); a logging one is added when
-        ``log_stats``.
-    """
+    """Engine over ``EngineArgs``; ``stat_loggers`` have ``record(SchedulerStats,
+    IterationStats)``; a logging one is added when ``log_stats``."""
 
     def __init__(self, args: EngineArgs, stat_loggers: list | None = None, log_stats: bool = True):
         self.config = EngineConfig.from_args(args)
@@ -86,9 +75,7 @@ class LLMEngine:
     def process(self, request_id: str, prompt, params: SamplingParams | None,
                 arrival_time: float | None = None,
                 processor: Processor | None = None) -> tuple[EngineCoreRequest, str | None]:
-        """Validate and tokenize (safe to call from another thread than ``step``; threads
-        that tokenize concurrently each pass their own ``processor``, from
-        ``tokenizer_copy``).
+        """Validate and tokenize (thread-safe with a ``processor`` from ``tokenizer_copy``).
 
         Raises:
             ValueError: bad prompt or parameters (the message names which).
@@ -96,8 +83,8 @@ class LLMEngine:
         return (processor or self.processor).process(request_id, prompt, params, arrival_time)
 
     def tokenizer_copy(self) -> tuple[object, Processor]:
-        """A copy of the tokenizer and a Processor over it, for a thread that tokenizes
-        beside others (a fast tokenizer must not be used by two threads at once)."""
+        """A (tokenizer, Processor) copy for another thread (fast tokenizers are not
+        thread-safe)."""
         tok = copy.deepcopy(self.tokenizer)
         proc = copy.copy(self.processor)
         proc.tokenizer = tok
@@ -138,9 +125,8 @@ class LLMEngine:
         self.add_processed(req, text)
 
     def abort_request(self, request_ids: str | list[str]) -> None:
-        """Abort requests (unknown ids are ignored); their KV blocks are freed before this
-        returns. The stat loggers see the aborts (``finished_reason="abort"``) and the
-        freed state at once: an idle engine takes no further step that would refresh them."""
+        """Abort requests (unknown ids ignored); blocks freed and stat loggers told before
+        this returns."""
         if isinstance(request_ids, str):
             request_ids = [request_ids]
         it = IterationStats()
@@ -157,10 +143,8 @@ class LLMEngine:
 
     # ------------------------------------------------------------------------------
     def step(self, timeout: float | None = None) -> list[RequestOutput]:
-        """Run one engine step (or, with the core in its own process, take its next
-        step's outputs, waiting up to ``timeout`` seconds; None = until they come); returns
-        a RequestOutput for every request that got new tokens (cumulative text/tokens, plus
-        the delta since its previous output).
+        """Run (or, out of process, wait up to ``timeout`` s for) one core step; a
+        RequestOutput for every request with new tokens (cumulative, plus the delta).
 
         Raises:
             EngineStepError: the step failed for some requests (they are gone); it
@@ -183,9 +167,8 @@ class LLMEngine:
         return processed.request_outputs
 
     def _record_stats(self, it: IterationStats, stats: SchedulerStats | None) -> None:
-        """Hand ``it`` to the stat loggers with the scheduler's ``stats``. Without stats
-        (an abort sent to a core in its own process, whose news comes later) the aborts are
-        kept and counted with the next step's record, so none is lost."""
+        """Hand ``it`` and ``stats`` to the stat loggers; without stats, aborts wait for the
+        next record."""
         if stats is None:
             self._unrecorded_aborts += it.num_aborted
             return
@@ -202,8 +185,7 @@ class LLMEngine:
                             chat_template: str | None = None,
                             chat_template_kwargs: dict | None = None,
                             tools: list[dict] | None = None, tokenizer=None) -> list[int]:
-        """``chat.apply_chat_template`` with ``tokenizer`` (a ``tokenizer_copy`` of the
-        calling thread's), else the engine's own; same arguments and errors."""
+        """``chat.apply_chat_template`` with ``tokenizer`` or the engine's own."""
         return chat.apply_chat_template(tokenizer or self.tokenizer, messages, add_generation_prompt,
                                         chat_template, chat_template_kwargs, tools)
 

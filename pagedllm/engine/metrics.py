@@ -37,12 +37,8 @@ class FinishedRequestStats:
 
 @dataclass
 class IterationStats:
-    """What one engine step did, as the front end observed it.
-
-    ``num_prompt_tokens``: the prompt lengths of the requests that got their first token
-    this step, prefix-cached tokens included (as vLLM: the counter sums to the requests'
-    ``usage.prompt_tokens``; cache hits are counted apart, by ``prefix_cache_hits``).
-    """
+    """One step as the front end saw it; ``num_prompt_tokens`` includes prefix-cached
+    tokens (as vLLM's)."""
 
     num_prompt_tokens: int = 0
     num_generation_tokens: int = 0

@@ -1,11 +1,7 @@
-"""OutputProcessor: the front end's state of each request, and the engine core's
-``EngineCoreOutput``s turned into ``RequestOutput``s.
-
-Per sequence: incremental detokenization and stop strings (``IncrementalDetokenizer``; a
-stop string ends a request the core still runs, so the caller aborts it there), logprobs
-in vLLM's shape (token id -> Logprob, the chosen token first), the request's metrics, and
-the ``IterationStats`` / ``FinishedRequestStats`` of each step. A sequence of a request
-with n > 1 belongs to a ``ParentRequest``, which assembles the caller's outputs.
+"""OutputProcessor (after vLLM V1's): the front end's per-sequence state, turning the
+core's ``EngineCoreOutput``s into ``RequestOutput``s (detokenization, stop strings, which
+the caller must then abort in the core, logprobs, metrics and step stats); sequences of
+an n > 1 request belong to a ``ParentRequest``.
 """
 from __future__ import annotations
 
@@ -20,11 +16,8 @@ from pagedllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestO
 
 
 class RequestState:
-    """A sequence the front end follows: a request, or one of the n of a parent request.
-
-    ``request_id`` is the core's id; ``public_id`` the caller's (the parent's for a child);
-    ``index`` the sequence's place among its parent's n (0 otherwise); ``parent`` the
-    ParentRequest of a child, else None."""
+    """A followed sequence: ``request_id`` the core's id, ``public_id`` the caller's (the
+    parent's for a child), ``index`` its place among the parent's n (0 otherwise)."""
 
     __slots__ = ("request_id", "prompt", "prompt_token_ids", "detok", "token_ids", "finish_reason",
                  "stop_reason", "metrics", "last_token_time", "num_cached_tokens", "public_id", "index",
@@ -54,7 +47,7 @@ class RequestState:
         self.num_cached_tokens = 0
 
     def completion(self, finished: bool) -> CompletionOutput:
-        """This sequence's completion so far (while running, the text streamed so far)."""
+        """This sequence's completion so far."""
         text = self.detok.text if finished else self.detok.text[: self.detok.sent]
         return CompletionOutput(self.index, text, list(self.token_ids), self.finish_reason, self.stop_reason,
                                 None if self.logprobs is None else list(self.logprobs), self.cumulative_logprob)
@@ -73,13 +66,8 @@ class RequestState:
 
 @dataclasses.dataclass
 class OutputProcessorOutput:
-    """What one batch of core outputs gives the engine.
-
-    Attributes:
-        request_outputs: one RequestOutput for each sequence with news, in the core's order.
-        reqs_to_abort: core ids finished here by a stop string; the core must abort them.
-        reqs_to_add: parents' waiting child requests released now; to send to the core.
-    """
+    """``request_outputs`` in the core's order; ``reqs_to_abort``: core ids a stop string
+    finished here; ``reqs_to_add``: parents' child requests to send to the core now."""
 
     request_outputs: list[RequestOutput]
     reqs_to_abort: list[str]
@@ -87,14 +75,8 @@ class OutputProcessorOutput:
 
 
 class OutputProcessor:
-    """Args:
-        tokenizer: the ``transformers`` fast tokenizer the detokenizers and logprob texts
-            use (from the engine thread only).
-
-    Attributes:
-        request_states: the sequences followed, by the core's request id.
-        parent_requests: the requests with n > 1 not finished yet, by the caller's id.
-    """
+    """``tokenizer``: a fast tokenizer, used from the engine thread only.
+    ``request_states`` by core id; ``parent_requests`` (n > 1) by caller id."""
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
@@ -107,8 +89,7 @@ class OutputProcessor:
 
     def add_request(self, req: EngineCoreRequest, prompt: str | None, parent: ParentRequest | None = None,
                     index: int = 0) -> None:
-        """Follow ``req``: a request, or sequence ``index`` of ``parent`` (registered by its
-        first sequence)."""
+        """Follow ``req``, or sequence ``index`` of ``parent``."""
         sp = req.sampling_params
         detok = IncrementalDetokenizer(self.tokenizer, sp.stop_strings, sp.include_stop_str_in_output,
                                        sp.skip_special_tokens, sp.min_tokens)
@@ -121,13 +102,8 @@ class OutputProcessor:
         return list(dict.fromkeys(st.public_id for st in self.request_states.values()))
 
     def abort_requests(self, request_ids: list[str], it: IterationStats) -> list[str]:
-        """Stop following the callers' ``request_ids`` (a parent's: all its sequences; one
-        of a parent's sequences: the whole parent, which could never finish without it);
-        ``it.num_aborted`` counts the sequences that were followed.
-
-        Returns:
-            The core's ids to abort.
-        """
+        """Stop following the callers' ``request_ids`` (a parent whole, even via one of its
+        sequences), counted in ``it.num_aborted``; returns the core's ids to abort."""
         core_ids = []
         for rid in request_ids:
             st = self.request_states.get(rid)
@@ -145,13 +121,8 @@ class OutputProcessor:
         return core_ids
 
     def fail_requests(self, request_ids: list[str], it: IterationStats) -> tuple[list[str], list[str]]:
-        """Stop following the sequences the core failed (``request_ids``: its ids), counted
-        in ``it.num_aborted``. A parent fails whole: it is dropped too.
-
-        Returns:
-            The callers' ids of the failed requests, and the core's ids of the failed
-            parents' sequences still followed (for the caller to abort).
-        """
+        """Stop following sequences the core failed (parents fail whole). Returns the
+        callers' failed ids and the core ids of failed parents' other sequences to abort."""
         failed: list[str] = []
         for rid in request_ids:
             st = self.request_states.pop(rid, None)
@@ -167,9 +138,8 @@ class OutputProcessor:
         return failed, siblings
 
     def process_outputs(self, core_outputs: list[EngineCoreOutput], it: IterationStats) -> OutputProcessorOutput:
-        """Apply one step's outputs: a RequestOutput (cumulative text and tokens, plus the
-        delta since the sequence's previous output) for each followed sequence; finished
-        ones are no longer followed. ``it`` gets the step's token counts and latencies."""
+        """Apply one step's outputs: a cumulative RequestOutput (plus delta) per followed
+        sequence; finished ones are dropped; ``it`` gets token counts and latencies."""
         now = time.time()
         results = []
         stop_aborts: list[str] = []
@@ -230,8 +200,7 @@ class OutputProcessor:
         return OutputProcessorOutput(results, stop_aborts, released)
 
     def _make_output(self, st: RequestState, finished: bool, delta: str, delta_ids: list[int]) -> RequestOutput:
-        """The caller's view after news of sequence ``st`` (for a parent request, see
-        ParentRequest.add_completion)."""
+        """The caller's view after news of sequence ``st``."""
         outputs = [st.completion(finished)]
         if st.parent is not None:
             outputs, finished = st.parent.add_completion(st.index, outputs[0], finished)

@@ -1,9 +1,5 @@
-"""Front-end input processing: validate and tokenize a prompt into an EngineCoreRequest.
-
-The one owner of request validation: what it accepts, the engine core can always serve
-(the scheduler only asserts it). The HTTP layer maps OpenAI's field names onto the
-parameter names used here.
-"""
+"""Validate and tokenize a prompt into an EngineCoreRequest: the one owner of request
+validation (what it accepts, the core can always serve)."""
 from __future__ import annotations
 
 import dataclasses
@@ -16,12 +12,8 @@ from pagedllm.structured_output import validate_structured_outputs
 
 
 class Processor:
-    """Args:
-        tokenizer: the model's tokenizer; vocab_size: model vocabulary (ids must be below).
-        max_model_len: tokens per request; eos_token_ids: ids that end generation.
-        max_num_batched_tokens / enable_chunked_prefill: without chunked prefill a prompt
-            must fit one step's token budget.
-    """
+    """Request validator; without chunked prefill a prompt must fit
+    ``max_num_batched_tokens``."""
 
     def __init__(self, tokenizer, vocab_size: int, max_model_len: int, eos_token_ids: set[int],
                  max_num_batched_tokens: int, enable_chunked_prefill: bool):
@@ -62,9 +54,8 @@ class Processor:
         raise InvalidParameterError("prompt", f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
 
     def bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
-        """Token sequences of each bad word, as vLLM tokenizes them: the word without
-        leading spaces, and with one leading space when that gives a different first
-        token but the same number of tokens (the word inside a sentence)."""
+        """Token sequences of each bad word, tokenized as vLLM's (with and without a
+        leading space)."""
         out: list[list[int]] = []
         for w in words:
             bare = self.tokenizer.encode(w.lstrip(), add_special_tokens=False)
@@ -77,17 +68,14 @@ class Processor:
 
     def process(self, request_id: str, prompt, params: SamplingParams | None,
                 arrival_time: float | None = None) -> tuple[EngineCoreRequest, str | None]:
-        """Build an EngineCoreRequest; returns it with the prompt text (None for token ids).
-        ``max_tokens=None`` means up to ``max_model_len``.
+        """Build an EngineCoreRequest; returns it and the prompt text (None for ids).
 
         Raises:
-            InvalidParameterError (a ValueError): bad prompt (``prompt``); prompt +
-                max_tokens over max_model_len (``max_tokens``); a prompt over the step
-                budget with chunked prefill off (``prompt``); min_tokens over what the
-                prompt leaves when max_tokens is not set (``min_tokens``); stop ids
-                outside the vocabulary (``stop_token_ids``); sampling_params not a
-                SamplingParams; a JSON schema, regex or EBNF grammar that does not
-                parse (``structured_outputs``; see ``validate_structured_outputs``).
+            InvalidParameterError (a ValueError), naming the parameter: bad prompt, prompt
+                + max_tokens over max_model_len, prompt over the step budget without
+                chunked prefill, min_tokens over the room left, stop ids outside the
+                vocabulary, ``params`` not a SamplingParams, a structured output that
+                does not parse.
         """
         if params is None:
             params = SamplingParams()

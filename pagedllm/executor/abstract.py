@@ -1,6 +1,6 @@
-"""The executor interface: what the engine core asks of the workers, whatever their
-number or where they run (vLLM V1's ``Executor``). ``uniproc`` drives one worker in this
-process; ``multiproc`` fans the same calls out to one process per tensor-parallel rank."""
+"""The executor interface: what the engine core asks of the workers (vLLM V1's
+``Executor``); ``uniproc`` drives one worker in this process, ``multiproc`` one process
+per tensor-parallel rank."""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
@@ -10,9 +10,7 @@ from pagedllm.messages import ModelRunnerOutput, SchedulerOutput
 
 
 class Executor(ABC):
-    """Args:
-        config: the resolved engine config; building an executor loads the model.
-    """
+    """Building an executor from the resolved config loads the model."""
 
     @staticmethod
     def get_class(config: EngineConfig) -> type[Executor]:
@@ -43,12 +41,8 @@ class Executor(ABC):
 
     @abstractmethod
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one step on every worker; the driver's output is returned.
-
-        Raises:
-            Exception: whatever the model or a kernel raised; the core fails the step's
-                requests and goes on.
-        """
+        """Run one step on every worker; returns the driver's output. Raises whatever the
+        model or a kernel raised."""
 
     @abstractmethod
     def describe_compute_path(self) -> str:

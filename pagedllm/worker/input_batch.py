@@ -1,12 +1,6 @@
-"""The runner's persistent input batch (vLLM V1's ``InputBatch``): one row per request the
-runner is running, holding its token ids, block table and sampling parameters in
-preallocated numpy arrays that live across steps.
-
-Rows change by deltas from each ``SchedulerOutput`` (a request added once, new block ids
-appended, sampled tokens appended, a row freed when its request finishes or is not
-scheduled), so a step's input ids, positions, slot mapping and sampling tensors are
-gathers from these arrays, never lists rebuilt in Python.
-"""
+"""The runner's persistent input batch (vLLM V1's ``InputBatch``): one row per running
+request in preallocated numpy arrays, changed by each ``SchedulerOutput``'s deltas, so a
+step's inputs are gathers, not Python lists rebuilt."""
 from __future__ import annotations
 
 import numpy as np
@@ -16,14 +10,8 @@ from pagedllm.sampling_params import SamplingParams
 
 
 class CachedRequestState:
-    """What the runner keeps of a request while it is out of the batch (preempted, or not
-    scheduled in a step): its tokens, block ids and sampling state, to rebuild its row.
-
-    Attributes:
-        token_ids: prompt and output token ids (refreshed from the row when it leaves).
-        generator: the request's ``torch.Generator`` when it has a seed (its state
-            carries on across preemption, so seeded output does not depend on it).
-    """
+    """A request's state while out of the batch, to rebuild its row; ``generator`` (seeded
+    requests) carries on across preemption."""
 
     __slots__ = ("req_id", "num_prompt_tokens", "token_ids", "sampling_params", "eos_token_ids",
                  "block_ids", "num_computed_tokens", "generator")
@@ -42,24 +30,12 @@ class CachedRequestState:
 
 
 class InputBatch:
-    """Rows of requests in preallocated arrays.
+    """Rows of requests in preallocated arrays (R = ``max_num_reqs``, G = KV-cache groups).
 
-    Args:
-        max_num_reqs: rows (``max_num_seqs``).
-        max_model_len: token capacity of a row.
-        max_num_blocks_per_req: block-table capacity of a row (ceil(max_model_len / block_size)).
-        num_kv_cache_groups: block tables per row (``kv_cache_interface``; 1 for most models).
-
-    Arrays (row-indexed): ``token_ids`` int32 [R, max_model_len]; ``num_tokens``,
-    ``num_prompt_tokens``, ``num_computed_tokens`` int64 [R]; ``block_tables`` int32
-    [G, R, max_num_blocks_per_req] (one table per KV-cache group, all as long as
-    ``num_blocks`` int32 [R]) and ``block_table``, group 0's [R, max_num_blocks_per_req]; ``temperature``, ``top_p``,
-    ``min_p`` float32 [R]; ``top_k``, ``min_tokens`` int64 [R]; ``presence_penalty``,
-    ``frequency_penalty``, ``repetition_penalty`` float32 [R]; ``num_logprobs``,
-    ``num_prompt_logprobs`` int64 [R] (-1 = not requested). Per row, only when needed:
-    ``generators`` (seeded rows), ``stop_ids`` (ids banned until ``min_tokens``),
-    ``allowed_ids`` (int64 array), ``logit_bias`` ((ids, biases) arrays), ``bad_words``
-    (token-id lists).
+    Arrays: ``token_ids`` int32 [R, max_model_len]; ``num_tokens``, ``num_prompt_tokens``,
+    ``num_computed_tokens`` int64 [R]; ``block_tables`` int32 [G, R, max_num_blocks_per_req]
+    (``block_table`` = group 0's), ``num_blocks`` int32 [R]; sampling floats float32 [R],
+    ``top_k``/``min_tokens``/``num_logprobs``/``num_prompt_logprobs`` int64 [R] (-1 = off).
     """
 
     def __init__(self, max_num_reqs: int, max_model_len: int, max_num_blocks_per_req: int,
@@ -137,8 +113,7 @@ class InputBatch:
         return row
 
     def remove(self, req_id: str, st: CachedRequestState | None = None) -> None:
-        """Free ``req_id``'s row; when ``st`` is given, save the row's tokens and blocks
-        into it first (the request may come back)."""
+        """Free ``req_id``'s row, saving tokens and blocks into ``st`` if given."""
         row = self.row_of.pop(req_id)
         if st is not None:
             st.token_ids = self.token_ids[row, : self.num_tokens[row]].tolist()
@@ -155,14 +130,13 @@ class InputBatch:
         self._free_rows.append(row)
 
     def set_block_ids(self, row: int, block_ids: list[list[int]]) -> None:
-        """Replace a row's block tables (one list per group, all of one length: a
-        request resumed after preemption)."""
+        """Replace a row's block tables (one equal-length list per group)."""
         for g, ids in enumerate(block_ids):
             self.block_tables[g, row, : len(ids)] = ids
         self.num_blocks[row] = len(block_ids[0])
 
     def append_block_ids(self, row: int, block_ids: list[list[int]]) -> None:
-        """Append to a row's block tables (one list per group, all of one length)."""
+        """Append to a row's block tables (one equal-length list per group)."""
         k = len(block_ids[0])
         if k:
             n = self.num_blocks[row]

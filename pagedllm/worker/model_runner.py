@@ -1,30 +1,12 @@
 """ModelRunner: turns a SchedulerOutput into one flattened, unpadded batch, runs the
-model, and samples.
+model, and samples (after vLLM V1's GPUModelRunner).
 
-It keeps a persistent input batch (``worker/input_batch.py``) updated by the scheduler's
-deltas; per step it gathers from it, vectorised: ``input_ids[T]``, ``positions[T]``,
-``query_start_loc[B+1]``, ``seq_lens[B]``, ``slot_mapping[T]`` and
-``block_table[B, max_blocks]``. Requests with one query token (decodes) are placed first,
-which the attention backends use to batch them. Logits are computed only at the last
-position of requests that reach the end of their known tokens this step.
-
-Speculative decoding: a request scheduled with k draft tokens has them written into its
-row past its known tokens, so the target scores its next token and the k drafts as k + 1
-query tokens over its cached context (the chunked-prefill attention path), in the same
-flattened batch as prefills and plain decodes. Logits are taken at those k + 1 positions
-and ``RejectionSampler`` keeps the accepted drafts and one token of the target's; rows
-without drafts sample with ``Sampler`` as before. At the end of the step the proposer
-(n-gram, suffix or draft model) proposes each sampling request's next drafts, as many as
-``AdaptiveDraftLength`` allows.
-
-KV-cache groups (``kv_cache_interface``: models with sliding-window layers): each group
-has its own block table per request and so its own slot mapping; the runner builds one
-attention metadata per (group, window) pair and each attention layer reads its own
-(``bind_kv_cache``'s ``attn_group``). A model with one group builds one, as before.
-
-Structured outputs: the scheduler's ``grammar_bitmask`` (one row per sampling position of
-each constrained request) sets disallowed tokens' logits to -inf right after
-``compute_logits``, in both sampling paths (``_apply_grammar_bitmask``).
+Per step it gathers from the persistent ``InputBatch``: ``input_ids[T]``,
+``positions[T]``, ``query_start_loc[B+1]``, ``seq_lens[B]``, ``slot_mapping[T]`` and
+``block_table[B, max_blocks]``, decodes (one query token) first. Logits are computed only
+where a request reaches the end of its known tokens (k + 1 rows for k drafts). One
+attention metadata per (KV-cache group, window). How drafts, KV-cache groups and grammar
+bitmasks flow through a step: docs/notes/worker.md.
 """
 from __future__ import annotations
 
@@ -57,22 +39,10 @@ logger = logging.getLogger("pagedllm")
 
 @dataclass
 class SamplingStep:
-    """What one step's sampling needs (``ModelRunner._sample``), and what it fills.
-
-    Attributes:
-        scheduler_output: the step's ``SchedulerOutput`` (its drafts and grammar bitmask).
-        hidden: the model's output for the step's T tokens, [T, hidden_size].
-        req_ids: the B scheduled requests in the step's order (decodes first).
-        rows: int64 [B], each request's row in the persistent batch.
-        query_start_loc: int64 [B+1], where each request's tokens start in ``hidden``.
-        sample_idx: int64 [S], the requests (indices into ``req_ids``) that reach the end
-            of their known tokens and so sample.
-        num_draft: int64 [B], the drafts each request verifies (0: none).
-        sampled: per request, the tokens it produced (filled; [] for a request that does
-            not sample).
-        logprobs: request id -> one logprobs entry per produced token, for requests that
-            asked for logprobs (filled).
-    """
+    """One step's sampling inputs and outputs (``ModelRunner._sample``). ``hidden``
+    [T, hidden_size]; ``rows``, ``num_draft`` int64 [B]; ``query_start_loc`` int64 [B+1];
+    ``sample_idx`` int64 [S] (indices into ``req_ids``). ``sampled`` and ``logprobs`` are
+    filled by ``_sample``."""
 
     scheduler_output: SchedulerOutput
     hidden: torch.Tensor
@@ -136,8 +106,7 @@ class ModelRunner:
         self.input_batch: InputBatch | None = None   # made with the KV cache
 
     def describe_compute_path(self) -> str:
-        """One line for the start-up log: which attention backend, kernels and linear
-        implementation this runner uses (so fallbacks are visible)."""
+        """One start-up log line: attention backend, kernels, linear implementation."""
         scales = f", {describe_kv_scales(self.model)}" if self.kv_cache_dtype in FP8_DTYPES else ""
         spec = f", speculative decoding: {self.proposer.describe()}" if self.proposer is not None else ""
         attn = self.attn.describe(self.config.arch.head_dim, self.block_size,
@@ -145,9 +114,8 @@ class ModelRunner:
         return f"attention backend {attn}{scales}, {describe_compute_path(self.model)}{spec}"
 
     def describe_decoder(self) -> str | None:
-        """How the decoder layers run, once the KV cache is bound: e.g. "one C++ stack call
-        a step" or "per-layer (<why>)" (``models/fused_decoder.py``); None for a model
-        without that choice."""
+        """How the decoder layers run once the KV cache is bound (``models/fused_decoder.py``),
+        or None for a model without that choice."""
         for m in self.model.modules():
             path = getattr(m, "compute_path", None)
             if path is not None and path[0] == "decoder":
@@ -155,16 +123,14 @@ class ModelRunner:
         return None
 
     def kv_bytes_per_block(self) -> int:
-        """Bytes of K and V for one block (``layers_per_block`` layers: all of them with
-        one KV-cache group), in the cache's dtype (with a draft model, its own cache's
-        block too: both use the same block ids)."""
+        """Bytes of K and V for one block id across ``layers_per_block`` layers (plus the
+        draft model's cache, which shares block ids)."""
         own = self.config.arch.kv_bytes_per_block(self.block_size, self.kv_cache_dtype,
                                                   self.kv_cache_config.layers_per_block, get_tp_size())
         return own + (self.proposer.kv_bytes_per_block(self.block_size) if self.proposer is not None else 0)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        """Allocate the KV cache and the input batch (after KV sizing has fixed
-        ``config.max_model_len``)."""
+        """Allocate the KV cache and the input batch (after KV sizing)."""
         max_len = self.config.max_model_len
         kvc = self.kv_cache_config
         self.input_batch = InputBatch(self.config.args.max_num_seqs, max_len,
@@ -172,12 +138,8 @@ class ModelRunner:
         a = self.config.arch
         shape = self.attn.kv_cache_shape(kvc.layers_per_block, num_blocks, self.block_size,
                                          a.num_kv_heads_per_rank(get_tp_size()), a.head_dim)
-        # Uninitialised on purpose (a 4 GiB zero-fill costs seconds at start-up): the
-        # attention backends only read slots that were written. In normal pages, not
-        # huge pages: on the project's VMs a fresh 2 MiB page took ~5 ms to fault in
-        # (2 ms/MiB against 0.4 for 4 KiB pages), stalling the K/V write of the step that
-        # first reached it, for ~6 % of a 32 x 128-token run, where huge pages saved
-        # only 2-4 % of decode attention's time (docs/benchmarks.md, section 6).
+        # Uninitialised on purpose: backends only read slots that were written. Normal
+        # pages, not huge pages. Why: docs/notes/worker.md.
         self.kv_cache = torch.empty(shape, dtype=self.kv_cache_dtype, device=self.device)
         bind_kv_cache(self.model, self.kv_cache, self.attn, self.layer_cache_slot, self.layer_attn_group)
         if self.proposer is not None:
@@ -185,9 +147,8 @@ class ModelRunner:
 
     # ------------------------------------------------------------------------------
     def _update_states(self, so: SchedulerOutput) -> None:
-        """Apply the step's deltas to the persistent batch: forget finished requests,
-        take rows out for requests not scheduled this step (kept in ``requests``), add new
-        ones, and extend (or, after a preemption, replace) block tables."""
+        """Apply the step's deltas to the persistent batch (finished, unscheduled, new
+        requests; block tables extended or, after a preemption, replaced)."""
         batch = self.input_batch
         for rid in so.finished_req_ids:
             self.requests.pop(rid, None)
@@ -232,13 +193,8 @@ class ModelRunner:
             batch.num_computed_tokens[row] = n_computed
 
     def _processor_inputs(self, lrows: np.ndarray, lens: np.ndarray) -> LogitsProcessorInputs:
-        """What ``process_logits`` needs for N logit rows.
-
-        Args:
-            lrows: int64 [N], the batch row each logit row belongs to.
-            lens: int64 [N], tokens before the position each logit row samples (the
-                request's known tokens, plus earlier drafts at a draft position).
-        """
+        """``process_logits`` inputs for N logit rows: ``lrows`` int64 [N] batch rows,
+        ``lens`` int64 [N] tokens before each sampled position (drafts included)."""
         b = self.input_batch
         dev = self.device
         inp = LogitsProcessorInputs()
@@ -310,14 +266,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one step: update the persistent batch, run the model over every scheduled
-        token (drafts included), sample where a request reaches the end of its known
-        tokens, and propose the next drafts.
-
-        Returns:
-            the scheduled requests (decodes first), the tokens each produced, and (with
-            speculative decoding) the drafts each proposes for its next step.
-        """
+        """Run one step: update the batch, run the model over every scheduled token
+        (drafts included), sample, propose next drafts. Requests in the output are in batch
+        order (decodes first)."""
         self._update_states(so)
         if so.is_empty:
             return ModelRunnerOutput([], [])
@@ -369,8 +320,7 @@ class ModelRunner:
         return ModelRunnerOutput(req_ids, step.sampled, spec_out, step.logprobs, prompt_lp)
 
     def _attention_metadata(self, common, ctx, q_lens, rows, max_blocks):
-        """The backend's metadata for the step: one object with a single attention group,
-        else a list, one per (KV-cache group, window) pair (``self.attn_groups``)."""
+        """One metadata object, or a list per (KV-cache group, window) pair."""
         if len(self.attn_groups) == 1:
             return self.attn.build_metadata(common, self.attn_groups[0][1])
         commons = {0: common}
@@ -383,11 +333,9 @@ class ModelRunner:
         return out
 
     def _sample(self, step: SamplingStep) -> None:
-        """Sample the requests of ``step.sample_idx``: one logit row per plain request,
-        k + 1 per request verifying k drafts. What ``process_logits`` will overwrite in the
-        logprob rows is saved first, then the processing, ``Sampler`` /
-        ``RejectionSampler``, the raw values written back and the logprobs read from them;
-        fills ``step.sampled`` and ``step.logprobs`` and appends the tokens to the batch."""
+        """Sample ``step.sample_idx`` (1 logit row per plain request, k + 1 with k drafts);
+        logprobs come from the raw logits. Fills ``step.sampled``/``step.logprobs`` and
+        appends the tokens to the batch."""
         b = self.input_batch
         dev = self.device
         so, hidden, req_ids, rows = step.scheduler_output, step.hidden, step.req_ids, step.rows
@@ -456,9 +404,8 @@ class ModelRunner:
                     step.logprobs.setdefault(req_ids[i], []).append(e)
 
     def _prompt_logprobs(self, hidden, req_ids, rows, qsl, ctx, q_lens) -> dict[str, list]:
-        """Logprobs of the prompt tokens whose predecessors were computed this step, for
-        requests with ``prompt_logprobs`` (a position is sent once, even when a preempted
-        request computes its prompt again)."""
+        """Prompt logprobs computed this step; each position is sent once, even after a
+        preemption."""
         b = self.input_batch
         want = np.flatnonzero(b.num_prompt_logprobs[rows] >= 0)
         out: dict[str, list] = {}
@@ -477,17 +424,9 @@ class ModelRunner:
         return out
 
     def _apply_grammar_bitmask(self, logits: torch.Tensor, row_req_ids: list[str], so: SchedulerOutput) -> None:
-        """Structured outputs: set the logits of tokens a request's grammar forbids to
-        -inf, in place (XGrammar's bitmask; Dong et al. 2024, "XGrammar").
-
-        Args:
-            logits: float32 [N, vocab] on the runner's device.
-            row_req_ids: the request of each logits row; a request's consecutive rows are
-                its sampling positions in order (k + 1 with k drafts), matching its
-                consecutive rows in ``so.grammar_bitmask`` (from ``req_first_row``).
-            so: the step's SchedulerOutput; nothing happens without a bitmask or when no
-                row belongs to a constrained request.
-        """
+        """Set forbidden tokens' logits (float32 [N, vocab]) to -inf in place (XGrammar's
+        bitmask, Dong et al. 2024). ``row_req_ids``: each row's request, its consecutive rows
+        matching its rows in ``so.grammar_bitmask``."""
         gb = so.grammar_bitmask
         if gb is None:
             return
@@ -509,8 +448,8 @@ class ModelRunner:
         apply_token_bitmask(logits, bitmask, dst)
 
     def _propose(self, req_ids: list[str], rows: np.ndarray, sample_idx: np.ndarray) -> list[list[int]]:
-        """Drafts for the next step of each request that sampled this step (others: []):
-        the proposer proposes up to k each, ``AdaptiveDraftLength`` keeps what pays."""
+        """Next-step drafts per sampling request (others: []), k capped by
+        ``AdaptiveDraftLength``."""
         b = self.input_batch
         out: list[list[int]] = [[] for _ in req_ids]
         max_len = self.config.max_model_len

@@ -1,7 +1,5 @@
-"""One prefill pass of a built model over a paged KV cache made for the call, outside the
-engine's scheduler and runner: the logits at every position (perplexity, reference checks),
-and the calibration pass of SmoothQuant (``layers/quantization/smoothquant.py``), which
-``models.loader.build_model`` runs through ``calibrate_smoothquant``."""
+"""One prefill pass of a built model over a throwaway paged KV cache, outside the engine:
+per-position logits, and SmoothQuant's calibration pass."""
 from __future__ import annotations
 
 import numpy as np
@@ -11,18 +9,8 @@ import torch
 def prefill_logits(model: torch.nn.Module, arch, ids: list[int], dtype: torch.dtype,
                    device: torch.device, attention_backend: str = "auto", block_size: int = 16,
                    kv_cache_dtype: str = "auto") -> torch.Tensor:
-    """Logits at every position of ``ids`` from one prefill pass of ``model`` (built by
-    ``build_model``) over a paged KV cache made for this call, which the model holds only
-    during the call (``unbind_kv_cache`` after it: the model is left with no cache bound).
-
-    Args:
-        model: the causal LM; arch: its ``ModelArchConfig``; ids: the token ids (T of them).
-        dtype, device: the model's; attention_backend: as ``--attention-backend``.
-        block_size: tokens per KV block; kv_cache_dtype: as ``--kv-cache-dtype`` where the
-            backend takes one.
-
-    Returns:
-        float32 [T, vocab].
+    """float32 [T, vocab] logits at every position of the T ``ids``, from one prefill of
+    ``model`` over a KV cache bound only during the call.
 
     Raises:
         ValueError: ``ids`` is empty.
@@ -66,13 +54,9 @@ CALIBRATION_SEQ_LEN = 128
 
 def calibrate_smoothquant(model: torch.nn.Module, layers: list, path: str, cfg, dtype: torch.dtype,
                           device: torch.device, max_positions: int) -> None:
-    """``build_model``'s ``calibrate`` for SmoothQuant: activation maxima for ``layers``
-    (``smoothquant.calibrate_input_amax``) from prefills of the shipped calibration text,
-    cut into sequences of ``CALIBRATION_SEQ_LEN`` tokens (so the statistics, and the int8
-    weights, are the same for every ``max_model_len`` >= 128; below that, sequences of
-    ``max_positions`` tokens), with those layers in
-    float, the others already prepared (``cfg``: the model's ``ModelArchConfig``). Logs the
-    tokens and the time."""
+    """``build_model``'s SmoothQuant ``calibrate``: activation maxima for ``layers`` from
+    prefills of the shipped text in ``CALIBRATION_SEQ_LEN``-token sequences (shorter below
+    ``max_positions``), so int8 weights do not depend on ``max_model_len`` >= 128."""
     import logging
     import time
 

@@ -35,9 +35,8 @@ class Worker:
         return self.model_runner.kv_bytes_per_block()
 
     def determine_num_kv_blocks(self) -> int:
-        """KV blocks the memory budget allows: on CPU ``kv_cache_memory`` bytes; on CUDA
-        ``gpu_memory_utilization`` of the device's memory minus what is already in use
-        after loading the model. May be 0 or less when nothing is left."""
+        """KV blocks the memory budget allows (``kv_cache_memory`` on CPU; on CUDA
+        ``gpu_memory_utilization`` minus memory in use); may be <= 0."""
         args = self.config.args
         per_block = self.kv_bytes_per_block()
         if self.config.device.type == "cuda":
