@@ -1,11 +1,8 @@
 """Request-dependent logit edits before temperature and sampling, vectorised over one step's
-logit rows (one per plain request, k + 1 per request verifying k drafts).
-
-Order (tested in tests/sample/test_logits_processors.py):
-1. token masks: ``allowed_token_ids``, ``bad_words``, the structured-output grammar bitmask;
-2. the ``min_tokens`` ban of EOS/stop ids, then ``logit_bias``;
-3. penalties: repetition (Keskar et al. 2019, CTRL), then frequency and presence (OpenAI's
-   ``logit - frequency_penalty * count - presence_penalty * (count > 0)``)."""
+logit rows, in this order (tests/sample/test_logits_processors.py): 1. token masks
+(``allowed_token_ids``, ``bad_words``, grammar bitmask); 2. the ``min_tokens`` ban of
+EOS/stop ids, then ``logit_bias``; 3. repetition penalty (Keskar et al. 2019, CTRL), then
+frequency and presence (OpenAI's formula). Notes: docs/notes/sample.md."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -17,14 +14,10 @@ from pagedllm.kernels.cpu import load_cpu_kernels
 
 @dataclass
 class LogitsProcessorInputs:
-    """What steps 1-3 need for N logit rows; every field None when no row uses it.
-
-    Attributes:
-        allowed: (row int64 [A], allowed-token mask bool [A, V]).
-        banned: (row int64 [M], token int64 [M]) pairs set to -inf (bad words, min_tokens).
-        bias: (row int64 [K], token int64 [K], bias float32 [K]).
-        penalty_rows: int64 [P]; seen: (penalty row int64 [M], token int64 [M], output count
-            float32 [M]) from ``token_presence``; repetition / frequency / presence: float32 [P]."""
+    """What steps 1-3 need for N logit rows (each field None when unused): ``allowed`` (row
+    int64 [A], mask bool [A, V]); ``banned`` (row, token int64 [M]) set to -inf; ``bias``
+    (row, token int64 [K], float32 [K]); ``penalty_rows`` int64 [P] with ``seen`` from
+    ``token_presence`` and ``repetition`` / ``frequency`` / ``presence`` float32 [P]."""
 
     allowed: tuple[torch.Tensor, torch.Tensor] | None = None
     banned: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -71,14 +64,9 @@ def apply_penalties(logits: torch.Tensor, inp: LogitsProcessorInputs) -> None:
 def token_presence(history: torch.Tensor, prompt_len: torch.Tensor, length: torch.Tensor,
                    vocab_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The tokens P sequences have seen, as sparse pairs (never [P, V]); the C++ kernel on the CPU.
-
-    Args:
-        history: int64 [P, L], prompt then output tokens, padded past ``length``.
-        prompt_len / length: int64 [P], prompt tokens / tokens before the sampled position.
-        vocab_size: V.
-
-    Returns:
-        (row int64 [M], token int64 [M], output count float32 [M]), sorted by row then token."""
+    ``history`` int64 [P, L] (prompt then output, padded past ``length``); ``prompt_len``,
+    ``length`` int64 [P]. Returns (row int64 [M], token int64 [M], output count float32 [M]),
+    sorted by row then token."""
     if history.device.type == "cpu":
         ops = load_cpu_kernels()
         if ops is not None:
@@ -101,12 +89,9 @@ def token_presence_torch(history: torch.Tensor, prompt_len: torch.Tensor, length
 
 
 class RawLogitsSave:
-    """Saves the values ``process_logits`` will overwrite in ``rows`` so that ``restore`` puts
-    the raw values back after sampling (logprobs read the raw distribution).
-
-    Args:
-        logits: float [N, V], not yet processed; inp: the step's ``LogitsProcessorInputs``.
-        rows: int64 [R], the rows to give back; grammar: whether a bitmask will apply."""
+    """Saves the values ``process_logits`` will overwrite in ``rows`` (int64 [R]) of float
+    ``logits`` [N, V], so ``restore`` puts them back after sampling; ``grammar``: whether a
+    bitmask will apply."""
 
     def __init__(self, logits: torch.Tensor, inp: LogitsProcessorInputs, rows: torch.Tensor,
                  grammar: bool) -> None:
@@ -139,7 +124,6 @@ class RawLogitsSave:
                 self.sparse = (r, t, logits[r, t])
 
     def restore(self, logits: torch.Tensor) -> None:
-        """Write the saved raw values back into ``logits``, in place."""
         if self.sparse is not None:
             r, t, v = self.sparse
             logits[r, t] = v

@@ -9,16 +9,8 @@ from pagedllm.sample.topk import topk_rank_lse
 
 
 def gather_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: list[int]) -> list[TokenLogprobs]:
-    """Per row: the chosen token's logprob and rank, then the ``num_top[i]`` most likely, from
-    ``log_softmax(logits)`` without materialising it (``topk_rank_lse``).
-
-    Args:
-        logits: float32 [N, V], raw; token_ids: int64 [N], the chosen tokens.
-        num_top: per row, how many top tokens (0..20).
-
-    Returns:
-        N ``TokenLogprobs``: the chosen token with its rank (1 = most likely, ties share the
-        best), then the top tokens in order."""
+    """Per row of raw float32 ``logits`` [N, V]: the logprob and rank (1 = most likely) of
+    ``token_ids[i]`` (int64 [N]), then the ``num_top[i]`` (0..20) most likely, as N ``TokenLogprobs``."""
     N = logits.shape[0]
     if N == 0:
         return []

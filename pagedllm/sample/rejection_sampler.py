@@ -10,7 +10,6 @@ from pagedllm.sampling_params import is_greedy
 
 
 def _per_position(md: SamplingMetadata, req_of_pos: torch.Tensor) -> SamplingMetadata:
-    """Request metadata expanded to one row per target position (no generators)."""
     return SamplingMetadata(
         temperature=md.temperature[req_of_pos], top_k=md.top_k[req_of_pos],
         top_p=md.top_p[req_of_pos], min_p=md.min_p[req_of_pos], generators=[],
@@ -19,28 +18,18 @@ def _per_position(md: SamplingMetadata, req_of_pos: torch.Tensor) -> SamplingMet
 
 
 class RejectionSampler:
-    """Verifies draft tokens so that outputs are distributed as the target model's own samples
-    (Leviathan et al. 2023, Algorithm 1; Chen et al. 2023).
-
-    Request ``i`` with ``k_i`` drafts owns ``k_i + 1`` consecutive rows of ``target_logits``:
-    row j is the next-token logits after the j first drafts, the last the bonus position.
-    Greedy requests accept drafts equal to the argmax. Random ones accept draft ``d`` iff
-    ``u * q(d) < p(d)`` (q one-hot when ``draft_probs`` is None) and resample from
-    ``norm(max(0, p - q))`` at the first rejection. A random request draws V exponentials
-    and ``k_i`` uniforms from its own generator. Design: docs/notes/sample.md."""
+    """Verifies drafts so that outputs are distributed as the target's own samples (Leviathan
+    et al. 2023, Algorithm 1; Chen et al. 2023). Request ``i`` with ``k_i`` drafts owns
+    ``k_i + 1`` consecutive rows of ``target_logits`` (row j: after its j first drafts; the
+    last: the bonus position). Draws per request from its own generator. Design:
+    docs/notes/sample.md."""
 
     def __call__(self, target_logits: torch.Tensor, draft_token_ids: list[list[int]],
                  md: SamplingMetadata, draft_probs: torch.Tensor | None = None) -> list[list[int]]:
-        """Accept a prefix of each request's drafts and add one token.
-
-        Args:
-            target_logits: float32 [sum(k_i + 1), V], already through ``process_logits``.
-            draft_token_ids: per request, its k_i >= 0 proposed token ids.
-            md: per request (N rows), as for the Sampler.
-            draft_probs: float32 [sum k_i, V] draft distributions (request-major), or None.
-
-        Returns:
-            per request, its accepted drafts plus one token (1 .. k_i + 1 ids).
+        """Accept a prefix of each request's drafts (``draft_token_ids``, k_i >= 0 each) and add one
+        token. ``target_logits``: float32 [sum(k_i + 1), V], processed; ``md``: N rows, as for
+        the Sampler; ``draft_probs``: float32 [sum k_i, V] request-major, or None (one-hot).
+        Returns per request its accepted drafts plus one token.
 
         Raises:
             ValueError: inconsistent shapes or lengths, or a draft token outside [0, V)."""

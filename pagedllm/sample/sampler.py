@@ -11,13 +11,9 @@ from pagedllm.sampling_params import is_greedy
 
 @dataclass
 class SamplingMetadata:
-    """Per-row sampling settings for one step (N rows = requests sampled this step).
-
-    Attributes:
-        temperature: float32 [N]; top_k: int64 [N], 0 = off.
-        top_p, min_p: float32 [N] (1.0 / 0.0 = off).
-        generators: per-row ``torch.Generator`` for seeded requests, else None.
-        all_greedy: every row greedy; need_top_k / need_top_p / need_min_p: some row uses it."""
+    """Per-row sampling settings, N rows: temperature float32 [N]; top_k int64 [N] (0 = off);
+    top_p, min_p float32 [N] (1.0 / 0.0 = off); a ``torch.Generator`` per seeded row, else
+    None; ``all_greedy`` and ``need_*``: whether every row is greedy / some row uses a filter."""
 
     temperature: torch.Tensor
     top_k: torch.Tensor
@@ -35,7 +31,6 @@ _TOPK_WIDTH_MAX = 4096
 
 
 def _sort_filter(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor | None) -> torch.Tensor:
-    """Top-k and top-p over a full sort of each row."""
     sorted_logits, idx = logits.sort(dim=-1, descending=False)
     V = logits.shape[-1]
     if k is not None:
@@ -55,11 +50,9 @@ def _topk_compact(logits: torch.Tensor, k: torch.Tensor, p: torch.Tensor | None,
                   min_p: torch.Tensor | None = None,
                   temperature: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Min-p, top-k (ties at the k-th value kept) and top-p over each row's ``width`` largest
-    logits, divided by ``temperature`` (float32 [n]) if given; rows with 0 < k <= width.
-
-    Returns:
-        (values [n, width] descending, dropped = -inf; token ids int64 [n, width]; ok bool [n],
-        False where ties at the k-th value reach past ``width``: the row must sort)."""
+    logits (divided by ``temperature`` float32 [n] if given), for rows with 0 < k <= width.
+    Returns (values [n, width] descending, dropped -inf; ids int64 [n, width]; ok bool [n],
+    False where ties at the k-th value reach past ``width``)."""
     vals, idx = topk_rows(logits, width)                   # descending
     if temperature is not None:
         vals = vals / temperature.unsqueeze(1)
@@ -80,7 +73,6 @@ def _topk_compact(logits: torch.Tensor, k: torch.Tensor, p: torch.Tensor | None,
 
 def _topk_filter(logits: torch.Tensor, k: torch.Tensor, p: torch.Tensor | None,
                  width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``_topk_compact`` scattered back: (filtered logits [n, V], ok bool [n])."""
     vals, idx, ok = _topk_compact(logits, k, p, width)
     return torch.full_like(logits, float("-inf")).scatter_(1, idx, vals), ok
 
@@ -128,7 +120,6 @@ def fill_exponential_rows_(q: torch.Tensor, generators: list[torch.Generator | N
 
 
 def _probs(logits: torch.Tensor, md: SamplingMetadata, renormalize: bool) -> torch.Tensor:
-    """Temperature, min-p, top-k/top-p, softmax (vLLM V1's order)."""
     temp = torch.where(md.temperature > 0, md.temperature, torch.ones_like(md.temperature))
     x = logits.float() / temp.unsqueeze(1)
     if md.need_min_p:
@@ -142,21 +133,15 @@ def _probs(logits: torch.Tensor, md: SamplingMetadata, renormalize: bool) -> tor
 
 
 def compute_probs(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-    """The distribution each random row samples from: float32 [N, V], rows sum to 1.
-
-    Args:
-        logits: [N, V], any float dtype, already through ``process_logits``.
-        md: per-row settings, N rows. Greedy rows are only guaranteed finite."""
+    """The distribution each random row samples from, float32 [N, V] with rows summing to 1,
+    from processed logits [N, V] (any float dtype); greedy rows are only guaranteed finite."""
     return _probs(logits, md, renormalize=True)
 
 
 class Sampler:
-    """Turns float32 logits [N, V] into token ids int64 [N].
-
-    Greedy rows (``sampling_params.is_greedy``) take the argmax (first index on ties).
-    Random rows use the exponential race argmax(p_i / E_i), E_i ~ Exp(1); a top-k row races
-    only its ``_topk_compact`` candidates. A seeded row's token never depends on the batch.
-    Design: docs/notes/sample.md."""
+    """Float32 logits [N, V] → token ids int64 [N]: argmax for greedy rows (first index on
+    ties), else the exponential race argmax(p / E), E ~ Exp(1), per row from its own
+    generator, so a seeded row never depends on the batch. Design: docs/notes/sample.md."""
 
     def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         if md.all_greedy:

@@ -1,8 +1,6 @@
-"""Exact row-wise top-k and argmax of wide rows (logits over a vocabulary) in two stages:
-chunk maxima, then ``topk`` over the k best chunks. Same values as ``torch.topk``; a row's
-result never depends on the other rows. Float32 CPU rows go to the C++ ``topk_rows`` where
-built (order: values descending, equal values by ascending index, NaN above +inf).
-Why and figures: docs/notes/sample.md."""
+"""Exact row-wise top-k and argmax of wide float rows in two stages (chunk maxima, then the
+best chunks), or the C++ ``topk_rows`` for float32 CPU rows (ties by ascending index, NaN
+above +inf); a row's result never depends on the batch. Why: docs/notes/sample.md."""
 from __future__ import annotations
 
 import torch
@@ -11,13 +9,11 @@ from pagedllm.kernels.cpu import load_cpu_kernels
 
 
 def chunk_size(k: int) -> int:
-    """Values per chunk for a top-k of ``k`` (tuned on this project's CPUs)."""
     return 128 if k <= 16 else 32
 
 
 def topk_rows(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The ``k`` largest values of each row of ``x`` [N, V] (float) and their column indices:
-    (values [N, k] descending, int64 [N, k]).
+    """``k`` largest values of each row of float ``x`` [N, V]: (values [N, k] descending, int64 [N, k]).
 
     Raises:
         RuntimeError: k > V (as ``torch.topk``)."""
@@ -50,7 +46,6 @@ def two_stage_topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]
 
 
 def _kernel_for(x: torch.Tensor):
-    """The C++ kernels' module if it can take ``x`` (contiguous float32 on the CPU), else None."""
     if x.device.type != "cpu" or x.dtype != torch.float32 or not x.is_contiguous():
         return None
     return load_cpu_kernels()
@@ -58,14 +53,8 @@ def _kernel_for(x: torch.Tensor):
 
 def topk_with_rank(x: torch.Tensor, k: int,
                    chosen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``topk_rows(x, k)`` plus each row's rank of ``x[i, chosen[i]]``: 1 + the count of values
-    strictly greater (a NaN never counts).
-
-    Args:
-        x: float [N, V]; k: 0..V; chosen: int64 [N] in [0, V).
-
-    Returns:
-        (values [N, k] descending, indices int64 [N, k], ranks int64 [N]).
+    """``topk_rows(x, k)`` (k in 0..V) plus each row's rank of ``x[i, chosen[i]]`` (``chosen``
+    int64 [N]): 1 + the count of strictly greater values. Returns (values, indices, ranks int64 [N]).
 
     Raises:
         RuntimeError: k > V, or a chosen index outside the row."""
@@ -80,14 +69,8 @@ def topk_with_rank(x: torch.Tensor, k: int,
 
 def topk_rank_lse(x: torch.Tensor, k: int, chosen: torch.Tensor
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``topk_with_rank`` plus the log-softmax normaliser:
-    ``log_softmax(x) = (x - shift) - log_sum`` (torch's formula; a NaN row gives NaN).
-
-    Args:
-        x: float32 [N, V] (other dtypes and devices via torch ops); k: 0..V; chosen: int64 [N].
-
-    Returns:
-        (values [N, k], indices int64 [N, k], ranks int64 [N], shift float32 [N], log_sum float32 [N]).
+    """``topk_with_rank`` plus the normaliser ``log_softmax(x) = (x - shift) - log_sum``:
+    returns (values, indices, ranks, shift float32 [N], log_sum float32 [N]).
 
     Raises:
         RuntimeError: k > V, or a chosen index outside the row."""
@@ -106,8 +89,7 @@ ARGMAX_CHUNK = 128
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
-    """``x.argmax(dim=1)`` of float x [N, V] -> int64 [N], exact incl. ties (first index) and
-    NaN, in two stages on the CPU (figures: docs/benchmarks.md)."""
+    """``x.argmax(dim=1)`` of float x [N, V] -> int64 [N], ties and NaN included, in two stages."""
     N, V = x.shape
     n_chunks = V // ARGMAX_CHUNK
     if x.device.type != "cpu" or n_chunks < 4 or N == 0:
