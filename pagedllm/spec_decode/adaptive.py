@@ -1,24 +1,15 @@
-"""How many of the proposed drafts each request verifies next step.
-
-A per-request acceptance rate ``a`` (accepted / tried, exponential forgetting) gives draft
-j an expected gain ``a**j``. ``AdaptiveDraftLength.choose`` keeps the n best candidate
-positions of the step that maximise ``(B + gains) / cost(B + n)`` (``StepCostModel``;
-n = 0 always a candidate); before the cost model has data, the largest k with
-``a**k >= min_gain``. Idle requests get rationed one-draft probes; seeded requests use
-the per-request rule only. Rationale and measurements: docs/notes/spec-decode.md."""
+"""How many proposed drafts each request verifies next step: the step's draft count that
+maximises expected tokens per second under a per-request acceptance rate and a measured
+step cost (``StepCostModel``). Rationale: docs/notes/spec-decode.md."""
 from __future__ import annotations
 
 import math
 
 
 class StepCostModel:
-    """Forward seconds of a decode step by scored tokens T: a per-T moving average once T was
-    seen ``min_count`` times, else a forgetting least-squares line ``a + b * T``.
-
-    Args:
-        decay: weight of the past per recorded step (line fit).
-        ema: weight of the past per step of the same T (table).
-        min_steps: steps before the line is used; min_count: steps of a T before its average is."""
+    """Forward seconds of a decode step by scored tokens T: a per-T moving average (``ema``)
+    once T was seen ``min_count`` times, else a least-squares line ``a + b * T`` with
+    forgetting (``decay``) after ``min_steps`` steps."""
 
     def __init__(self, decay: float = 0.97, ema: float = 0.8, min_steps: int = 16, min_count: int = 3):
         self.decay = decay
@@ -72,12 +63,9 @@ class StepCostModel:
 
 
 class AdaptiveDraftLength:
-    """Args:
-        k_max: ``num_speculative_tokens``.
-        min_gain: the fallback rule's threshold (used until the cost model has data).
-        probe_interval: steps between one-draft probes of a request that drafts nothing.
-        decay: weight of the past per verified step.
-        enabled: False: every proposed draft is verified."""
+    """Chooses draft counts. Args: ``k_max`` (``num_speculative_tokens``); ``min_gain``
+    (fallback rule ``a**k >= min_gain``); ``probe_interval`` (steps between one-draft probes);
+    ``decay`` (past weight per verified step); ``enabled`` (False: verify every draft)."""
 
     PRIOR_ACCEPTED = 1.5
     PRIOR_TRIED = 2.0     # prior a = 0.75 before any evidence
@@ -121,14 +109,9 @@ class AdaptiveDraftLength:
 
     def choose(self, req_ids: list[str], num_proposed: list[int], num_decoding: int,
                independent: list[bool] | None = None) -> list[int]:
-        """Drafts to verify per request next step (each <= its ``num_proposed``); with a model
-        proposer, each candidate also pays the proposer's time for its depth.
-
-        Args:
-            req_ids / num_proposed: the requests that got (or could get) proposals, and how many.
-            num_decoding: requests that will decode next step (B), drafts or not.
-            independent: per request, True when its count must not depend on the batch
-                (seeded sampling): the per-request rule decides it."""
+        """Drafts to verify per request next step (each <= its ``num_proposed``), for
+        ``num_decoding`` (B) decoding requests; ``independent[i]`` True (seeded sampling) puts a
+        request on the per-request rule."""
         if not self.enabled:
             return list(num_proposed)
         independent = independent or [False] * len(req_ids)

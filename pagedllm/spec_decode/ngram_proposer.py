@@ -1,9 +1,6 @@
-"""Prompt-lookup decoding (speculative method ``"ngram"``).
-
-For the longest n in ``[prompt_lookup_max .. prompt_lookup_min]`` whose last n tokens
-occur earlier in the sequence, propose the (up to k) tokens after the MOST RECENT earlier
-occurrence (vLLM's ``NgramProposer`` takes the first). Vectorised in numpy.
-Why most recent, the search, cost: docs/notes/spec-decode.md."""
+"""Prompt-lookup decoding (speculative method ``"ngram"``): propose the tokens after the MOST
+RECENT earlier occurrence of the longest recurring suffix n-gram (vLLM's ``NgramProposer``
+takes the first). Why and cost: docs/notes/spec-decode.md."""
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -12,16 +9,8 @@ import numpy as np
 
 
 def ngram_lookup(seq: np.ndarray, k: int, min_n: int, max_n: int) -> list[int]:
-    """Proposal for one sequence.
-
-    Args:
-        seq: the request's tokens, 1-D int array (read only, not kept).
-        k: at most this many tokens are proposed.
-        min_n, max_n: the n-gram lengths searched, longest first.
-
-    Returns:
-        0..k token ids after the most recent earlier occurrence of the longest matching
-        suffix n-gram; ``[]`` when none of length >= ``min_n`` recurs or ``k`` is 0."""
+    """Up to ``k`` tokens following the most recent earlier occurrence of the longest suffix
+    n-gram of ``seq`` (1-D int, read only) with length in [min_n, max_n]; ``[]`` if none."""
     n = seq.shape[0]
     if k <= 0 or n < min_n + 1:
         return []
@@ -58,11 +47,8 @@ def ngram_lookup(seq: np.ndarray, k: int, min_n: int, max_n: int) -> list[int]:
 
 
 class NgramProposer:
-    """Prompt-lookup proposer; stateless across steps.
-
-    Args:
-        num_speculative_tokens: k, the most tokens proposed per request and step.
-        prompt_lookup_min, prompt_lookup_max: the n-gram lengths searched (1 <= min <= max).
+    """Prompt-lookup proposer, stateless. Args: ``num_speculative_tokens`` (k);
+    ``prompt_lookup_min`` <= ``prompt_lookup_max``, the n-gram lengths (>= 1).
 
     Raises:
         ValueError: naming the ``speculative_config`` key that is out of range."""
@@ -82,8 +68,7 @@ class NgramProposer:
 
     def propose(self, req_ids: list[str], token_ids: list[np.ndarray], num_prompt_tokens: list[int],
                 num_tokens_wanted: list[int]) -> list[list[int]]:
-        """Per request (sequence int32 1-D, read only; prompt length unused; most tokens wanted):
-        0..min(k, num_tokens_wanted[i]) token ids."""
+        """Per request (tokens int32 1-D, read only; most tokens wanted): 0..min(k, wanted) token ids."""
         return [ngram_lookup(seq, min(self.k, want), self.min_n, self.max_n)
                 for seq, want in zip(token_ids, num_tokens_wanted)]
 

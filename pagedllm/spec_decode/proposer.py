@@ -1,9 +1,5 @@
-"""The runner's proposers: ``--speculative-config`` to draft tokens.
-
-Every proposer answers ``propose(req_ids, token_ids, num_prompt_tokens, num_tokens_wanted,
-batch, rows)`` (``token_ids[i]``: int32 [n_i] view), ``remove_requests``, ``reset_request``
-(after a preemption), ``kv_bytes_per_block`` / ``initialize_kv_cache`` (0 / nothing when
-model-free) and ``describe``."""
+"""The runner's proposers (``propose``, ``remove_requests``, ``reset_request``,
+``kv_bytes_per_block``, ``initialize_kv_cache``, ``describe``) from ``--speculative-config``."""
 from __future__ import annotations
 
 import numpy as np
@@ -43,16 +39,9 @@ class ModelFreeProposer:
 
 
 class DraftModelProposer:
-    """A smaller model with the target's tokenizer proposes k argmax tokens autoregressively
-    (one-hot proposals: exact for sampled requests too, Leviathan et al. 2023).
-
-    Its paged KV cache has the target's block count and block tables (the scheduler
-    reserves ``num_lookahead_slots`` = k). Per call: one catch-up forward over unseen tokens,
-    then k - 1 one-token forwards; draft slots are rewritten, so rejection needs no rollback.
-
-    Args:
-        config: the target's engine config; ``speculative_config`` carries the draft's path
-            and ``draft_arch``.
+    """A smaller model with the target's tokenizer proposes k argmax tokens (one-hot proposals),
+    with its own paged KV cache on the target's block tables. ``config``: the target's
+    engine config, whose ``speculative_config`` names the draft. Design: docs/notes/spec-decode.md.
 
     Raises:
         ValueError: ``speculative_config.draft_arch`` is None."""
@@ -105,8 +94,7 @@ class DraftModelProposer:
 
     def _forward(self, batch, rows: np.ndarray, ctx: np.ndarray, q_lens: np.ndarray,
                  ids: np.ndarray | None) -> np.ndarray:
-        """One draft forward over ``rows`` (decodes first): argmax at each request's last query
-        position, int64 [B]. ``ids``: the query tokens, or None to read them from the batch."""
+        """One draft forward over ``rows``: argmax at each request's last query position, int64 [B]."""
         block_table = batch.block_table[rows, : int(batch.num_blocks[rows].max())]
         common, pos, rot = build_common_metadata(ctx, q_lens, block_table, self.block_size, self.device)
         if ids is None:

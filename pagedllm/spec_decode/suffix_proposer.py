@@ -1,12 +1,6 @@
-"""SuffixDecoding (speculative method ``"suffix"``): Oliaro et al. 2024 (arXiv:2411.04975),
-after Arctic Inference's ``SuffixDecodingCache`` as served by vLLM's ``method: suffix``.
-
-Drafts come from two ``suffix_tree.SuffixTree``s: a per-request tree over the request's
-own tokens, and a global tree over the responses of the last ``max_cached_requests``
-finished requests (FIFO). For each match length m the most frequent continuation is
-followed while its path probability stays >= ``min_token_prob``, for at most
-floor(max_spec_factor * m) tokens; the highest-scoring draft wins (own tree on ties).
-Algorithm, differences from Arctic Inference, library decision, cost: docs/notes/spec-decode.md."""
+"""SuffixDecoding (speculative method ``"suffix"``; Oliaro et al. 2024, arXiv:2411.04975),
+after Arctic Inference's ``SuffixDecodingCache``: drafts from a per-request suffix tree
+and a global tree over recent responses. Algorithm and cost: docs/notes/spec-decode.md."""
 from __future__ import annotations
 
 from collections import deque
@@ -31,14 +25,9 @@ class _RequestState:
 
 
 class SuffixProposer:
-    """SuffixDecoding proposer.
-
-    Args:
-        num_speculative_tokens: the most tokens proposed per request and step.
-        max_tree_depth: depth of both suffix trees (longest context matched + draft).
-        max_cached_requests: finished responses kept in the global tree (0 disables it).
-        max_spec_factor: a match of m tokens proposes at most ``max_spec_factor * m``.
-        min_token_prob: a draft stops before a token whose path probability is lower.
+    """SuffixDecoding proposer. Args: ``num_speculative_tokens`` (k); ``max_tree_depth``;
+    ``max_cached_requests`` (0: no global tree); ``max_spec_factor`` (an m-token match
+    proposes at most that times m); ``min_token_prob`` (the path-probability floor).
 
     Raises:
         ValueError: naming the ``speculative_config`` key that is out of range."""
@@ -68,10 +57,8 @@ class SuffixProposer:
 
     def propose(self, req_ids: list[str], token_ids: list[np.ndarray], num_prompt_tokens: list[int],
                 num_tokens_wanted: list[int]) -> list[list[int]]:
-        """Per request: ``token_ids[i]`` (prompt then output, int32 1-D, read only), the prompt
-        length, and the most tokens wanted (0 = no draft; the tokens are still taken in).
-        Returns per request 0..min(k, num_tokens_wanted[i]) token ids. A sequence that no longer
-        matches what was seen under its id starts a new tree."""
+        """Per request: tokens so far (int32 1-D, read only), prompt length, most tokens wanted
+        (0: none). Returns per request 0..min(k, num_tokens_wanted[i]) token ids."""
         out = []
         for req_id, seq, num_prompt, want in zip(req_ids, token_ids, num_prompt_tokens, num_tokens_wanted):
             state = self._update(req_id, seq, num_prompt)
@@ -123,8 +110,7 @@ class SuffixProposer:
 
     def _best_in_tree(self, tree: SuffixTree, context: list[int], want: int,
                       own: TokenSeq | None) -> tuple[list[int], float]:
-        """Best (draft, score) over match lengths. ``own``: the tree's sequence when ``context`` is
-        its end; its own occurrence is then not counted and matches are read from its hot starts."""
+        """Best (draft, score) over match lengths; ``own``: the request's sequence in its own tree."""
         best, best_score = [], 0.0
         n, factor, min_prob = len(context), self.max_spec_factor, self.min_token_prob
         hot, end = (own.hot, len(own)) if own is not None else (None, 0)

@@ -1,12 +1,6 @@
-"""A depth-bounded suffix trie with occurrence counts and lazily materialised tails.
-
-For every position i of every inserted sequence the trie holds the path
-``tokens[i : i + max_depth]``; ``child.count / node.count`` is the empirical probability
-that ``node``'s substring is followed by ``child``'s token. A node passed by one
-occurrence is a *tail* (``children is None``) pointing into its owner sequence, and
-*bursts* into an ordinary node when a second occurrence reaches it. Only one sequence at
-a time may be extended. Ties between children go to the latest to reach the top count.
-Memory, insertion and removal costs: docs/notes/spec-decode.md."""
+"""A depth-bounded suffix trie with occurrence counts (``child.count / node.count`` is the
+empirical next-token probability) and lazily materialised single-occurrence tails. One
+sequence at a time may be extended. Design and costs: docs/notes/spec-decode.md."""
 from __future__ import annotations
 
 from array import array
@@ -28,7 +22,6 @@ class Node:
         self.pos = pos
 
     def top_child(self) -> Node | None:
-        """The child with the highest count (None for a tail or a childless node)."""
         if self.best is None and self.children:
             self.best = max(self.children.values(), key=_count)
         return self.best

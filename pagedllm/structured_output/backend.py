@@ -36,7 +36,7 @@ def parse_grammar(kind: str, spec: str):
     """An ``xgr.Grammar`` for a ``grammar_key``: parsing only, no tokenizer.
 
     Raises:
-        RuntimeError / ValueError / TypeError: xgrammar's message on a bad spec."""
+        RuntimeError / ValueError / TypeError: a bad spec."""
     import xgrammar as xgr
 
     base, _, ws = kind.partition("!")
@@ -72,11 +72,10 @@ def _parse_error(kind: str, spec: str) -> str | None:
 
 
 def validate_structured_outputs(params: StructuredOutputsParams) -> None:
-    """Check that a constraint parses, without compiling it; results are cached by spec.
+    """Check that a constraint parses, without compiling it (cached by spec).
 
     Raises:
-        InvalidParameterError("structured_outputs"): invalid JSON, a schema that is not an
-            object/boolean, or one xgrammar cannot parse (message quotes xgrammar's reason)."""
+        InvalidParameterError("structured_outputs"): it does not parse (quoting xgrammar)."""
     kind, spec = grammar_key(params)
     err = _parse_error(kind, spec)
     if err is not None:
@@ -84,13 +83,9 @@ def validate_structured_outputs(params: StructuredOutputsParams) -> None:
 
 
 class XgrammarBackend:
-    """The tokenizer's vocabulary as xgrammar sees it, and a compiler over it.
-
-    Args:
-        tokenizer: the model's HF tokenizer.
-        vocab_size: the model's logits width (may exceed ``len(tokenizer)``; extra ids never allowed).
-        stop_token_ids: ids that end generation, allowed once a grammar is complete.
-        max_threads: xgrammar's compile threads per grammar."""
+    """The tokenizer's vocabulary as xgrammar sees it, and a compiler over it. ``vocab_size``:
+    the model's logits width (ids past the tokenizer never allowed); ``stop_token_ids``:
+    allowed once a grammar is complete; ``max_threads``: compile threads per grammar."""
 
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int], max_threads: int = 2):
         import xgrammar as xgr
@@ -137,7 +132,6 @@ class StructuredOutputGrammar:
         return list(tokens[:n])
 
     def rollback(self, n: int) -> None:
-        """Undo the last ``n`` accepted tokens."""
         if n > 0:
             self.matcher.rollback(n)
             self.num_processed_tokens -= n
@@ -147,5 +141,4 @@ class StructuredOutputGrammar:
         self.matcher.fill_next_token_bitmask(bitmask, row)
 
     def is_terminated(self) -> bool:
-        """True once the grammar accepted a stop token."""
         return self.matcher.is_terminated()

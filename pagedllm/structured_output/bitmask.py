@@ -35,12 +35,8 @@ def bitmask_to_bool(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int] | None = None) -> None:
-    """Set disallowed tokens' logits to -inf, in place (xgrammar's kernel, else torch).
-
-    Args:
-        logits: float [N, vocab] on any device (``vocab`` <= 32 × words).
-        bitmask: int32 [N, words] (CPU or ``logits.device``): row i masks logits row i.
-        rows: the rows to mask (others untouched); None = all."""
+    """Set disallowed tokens of float ``logits`` [N, vocab] to -inf in place; ``bitmask`` int32
+    [N, words] (CPU or ``logits.device``); ``rows``: rows to mask (None = all)."""
     global _xgr_failed
     if rows is not None and not rows:
         return

@@ -21,14 +21,9 @@ class GrammarCompileError(RuntimeError):
 
 
 class StructuredOutputManager:
-    """Args:
-        model_path: where the tokenizer is loaded from (at the first constrained request).
-        vocab_size: the logits width; bitmasks have ceil(vocab_size / 32) words per row.
-        model_eos_token_ids: the model config's EOS ids (with the tokenizer's: stop tokens).
-        max_workers: compile threads; cache_size: compiled grammars kept (LRU).
-
-    Attributes:
-        num_compiles: compiles actually run (cache misses)."""
+    """Args: ``model_path`` (tokenizer source); ``vocab_size`` (logits width);
+    ``model_eos_token_ids``; ``max_workers`` (compile threads); ``cache_size`` (LRU of
+    compiled grammars). ``num_compiles`` counts compiles actually run."""
 
     def __init__(self, model_path: str, vocab_size: int, model_eos_token_ids: list[int],
                  max_workers: int = 1, cache_size: int = 256):
@@ -108,14 +103,8 @@ class StructuredOutputManager:
         return self._grammars[req_id].validate_tokens(drafts)
 
     def grammar_bitmask(self, scheduled: list[tuple[str, list[int]]]) -> GrammarBitmask | None:
-        """This step's bitmask, or None when ``scheduled`` is empty; matchers are left unchanged.
-
-        Args:
-            scheduled: (req_id, drafts passed by ``validate_drafts``) in schedule order.
-
-        Returns:
-            len(drafts) + 1 rows per request (row j: tokens allowed after its first j drafts;
-            all tokens once the grammar terminated)."""
+        """This step's bitmask for ``scheduled`` (req_id, validated drafts) in schedule order:
+        len(drafts) + 1 rows per request (row j: allowed after j drafts); None if empty."""
         if not scheduled:
             return None
         import xgrammar as xgr
@@ -142,7 +131,6 @@ class StructuredOutputManager:
         return self._grammars[req_id].accept_tokens(tokens)
 
     def is_terminated(self, req_id: str) -> bool:
-        """True once ``req_id``'s grammar accepted a stop token."""
         return self._grammars[req_id].is_terminated()
 
     def remove_request(self, req_id: str) -> None:
