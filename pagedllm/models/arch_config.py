@@ -1,5 +1,4 @@
-"""Architecture hyper-parameters of a decoder-only transformer, read from a GGUF file's
-metadata or a HF ``config.json``."""
+"""Architecture hyper-parameters of a decoder-only transformer, from GGUF metadata or a HF ``config.json``."""
 from __future__ import annotations
 
 import json
@@ -13,39 +12,20 @@ from pagedllm.models.registry import arch_info, architecture_for_gguf
 
 @dataclass
 class ModelArchConfig:
-    """What the model code needs to build a network.
+    """What the model code needs to build a network (HF's field names; lengths in tokens).
 
     Attributes:
-        architecture: HF architecture name, e.g. ``"LlamaForCausalLM"`` (registry key).
-        hidden_size, intermediate_size, num_hidden_layers, num_attention_heads,
-        num_key_value_heads, head_dim, vocab_size: sizes (GQA when kv heads < heads).
-        rms_norm_eps: RMSNorm epsilon.
-        rope_theta: RoPE base frequency; ``rope_scaling``: HF's rope_scaling dict or None.
-        max_position_embeddings: the model's trained context length, in tokens.
-        tie_word_embeddings: lm_head shares the embedding matrix.
-        attention_bias: q/k/v projections carry a bias (Qwen2).
-        qk_norm: per-head RMSNorm on q and k before RoPE (Qwen3, Gemma 3).
-        bos_token_id, eos_token_ids: special tokens from the config/metadata.
-        sliding_window: the window of the local layers, in tokens (a query at position p
-            sees keys p - sliding_window + 1 .. p), or None when no layer is local.
-        layer_types: per layer, ``"full_attention"`` or ``"sliding_attention"`` (HF's
-            names); None means every layer is full attention.
-        rope_local_theta: RoPE base of the sliding-window layers (Gemma 3: 10,000; the
-            global layers use ``rope_theta`` and ``rope_scaling``); None: ``rope_theta``.
-        query_pre_attn_scalar: the softmax scale is its -1/2 power (Gemma); None:
-            ``head_dim ** -0.5``.
-        hidden_activation: the gated MLP's activation (``"silu"``, or
-            ``"gelu_pytorch_tanh"`` for GeGLU).
-        final_logit_softcapping: logits become ``c * tanh(logits / c)`` (Gemma 2), or None.
-        num_experts: experts of a mixture-of-experts layer (0: a dense model);
-            num_experts_per_tok: experts each token is routed to (top-k);
-            moe_intermediate_size: each expert's hidden width (Mixtral's is
-            ``intermediate_size``; Qwen3-MoE's dense layers use ``intermediate_size``).
-        norm_topk_prob: the top-k routing weights are renormalised to sum to one
-            (Mixtral always; Qwen3-MoE as its config says).
-        decoder_sparse_step, mlp_only_layers: which layers are MoE (``is_moe_layer``):
-            every ``decoder_sparse_step``-th, except those listed (Qwen3-MoE's names).
-    """
+        architecture: HF architecture name (registry key); rope_scaling: HF's dict or None.
+        attention_bias: q/k/v projections carry a bias; qk_norm: per-head q/k RMSNorm before RoPE.
+        sliding_window: the local layers' window (a query at p sees keys p - window + 1 .. p),
+            or None; layer_types: per layer ``"full_attention"`` / ``"sliding_attention"``
+            (None: all full); rope_local_theta: the local layers' RoPE base (None: rope_theta).
+        query_pre_attn_scalar: softmax scale is its -1/2 power (None: ``head_dim ** -0.5``).
+        hidden_activation: the gated MLP's activation (HF ``hidden_act`` name).
+        final_logit_softcapping: logits become ``c * tanh(logits / c)``, or None.
+        num_experts (0: dense), num_experts_per_tok (top-k), moe_intermediate_size,
+            norm_topk_prob (renormalise top-k weights), decoder_sparse_step and
+            mlp_only_layers (which layers are MoE: ``is_moe_layer``)."""
 
     architecture: str
     hidden_size: int
@@ -78,23 +58,19 @@ class ModelArchConfig:
     mlp_only_layers: list[int] = field(default_factory=list)
 
     def is_moe_layer(self, layer: int) -> bool:
-        """Whether ``layer``'s feed-forward block is a mixture of experts (transformers'
-        ``Qwen3MoeDecoderLayer`` rule: experts exist, the layer is not in
-        ``mlp_only_layers``, and ``(layer + 1) % decoder_sparse_step == 0``)."""
+        """Whether ``layer``'s feed-forward block is MoE (transformers' ``Qwen3MoeDecoderLayer`` rule)."""
         return (self.num_experts > 0 and layer not in self.mlp_only_layers
                 and (layer + 1) % max(1, self.decoder_sparse_step) == 0)
 
     def is_sliding(self, layer: int) -> bool:
-        """Whether ``layer`` attends over a sliding window of ``sliding_window`` tokens."""
         return (self.sliding_window is not None and self.layer_types is not None
                 and self.layer_types[layer] == "sliding_attention")
 
     def layer_window(self, layer: int) -> int | None:
-        """The sliding window ``layer`` attends over (tokens), or None (the whole context)."""
+        """``layer``'s sliding window in tokens, or None (whole context)."""
         return self.sliding_window if self.is_sliding(layer) else None
 
     def layer_windows(self) -> list[int | None]:
-        """Per layer, the sliding window it attends over (tokens), or None (full)."""
         return [self.layer_window(i) for i in range(self.num_hidden_layers)]
 
     def num_kv_heads_per_rank(self, tp_size: int = 1) -> int:
@@ -103,10 +79,8 @@ class ModelArchConfig:
 
     def kv_bytes_per_block(self, block_size: int, dtype, layers_per_block: int | None = None,
                            tp_size: int = 1) -> int:
-        """Bytes of K and V for one KV-cache block of ``block_size`` tokens across
-        ``layers_per_block`` layers (default: all; a KV-cache group's size otherwise:
-        ``kv_cache_interface``), with elements of ``dtype`` (a ``torch.dtype``; its
-        ``itemsize`` bytes)."""
+        """Bytes of K and V for one block of ``block_size`` tokens over ``layers_per_block`` layers
+        (default all) in ``dtype`` (a ``torch.dtype``) on one of ``tp_size`` ranks."""
         n = self.num_hidden_layers if layers_per_block is None else layers_per_block
         return 2 * n * block_size * self.num_kv_heads_per_rank(tp_size) * self.head_dim * dtype.itemsize
 
@@ -121,9 +95,7 @@ def config_from_hf_dir(path: str) -> ModelArchConfig:
     """Read ``config.json`` of a HF-format model directory.
 
     Raises:
-        FileNotFoundError: no config.json in ``path``.
-        ValueError: the config names no architecture.
-    """
+        FileNotFoundError: no config.json; ValueError: no, or an unsupported, architecture or field."""
     cfg_path = os.path.join(path, "config.json")
     if not os.path.exists(cfg_path):
         raise FileNotFoundError(f"{path!r} has no config.json: not a HF-format model directory")
@@ -177,8 +149,7 @@ def config_from_hf_dir(path: str) -> ModelArchConfig:
 
 
 def _layer_types(num_layers: int, pattern: int) -> list[str]:
-    """Gemma's layer pattern: every ``pattern``-th layer global, the others local
-    (transformers' ``Gemma3TextConfig`` and llama.cpp's ``set_swa_pattern``)."""
+    """Gemma's pattern: every ``pattern``-th layer global, the others local (transformers, llama.cpp)."""
     return ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
 
 
@@ -190,9 +161,10 @@ _GEMMA3_LOCAL_THETA = 10000.0
 
 
 def _hybrid_from_hf(c: dict, num_layers: int) -> dict:
-    """The sliding-window fields of a Gemma 3 ``config.json`` (old and new formats: a
-    ``sliding_window_pattern`` int or ``layer_types``; ``rope_local_base_freq`` or
-    ``rope_parameters`` per layer type), plus its global ``rope_theta``/``rope_scaling``."""
+    """Gemma 3's sliding-window and RoPE fields from ``config.json`` (old and new formats).
+
+    Raises:
+        ValueError: ``attn_logit_softcapping`` is set."""
     types = c.get("layer_types") or _layer_types(num_layers, int(c.get("sliding_window_pattern") or
                                                                _GEMMA3_SWA_PATTERN))
     rp = c.get("rope_parameters") or {}
@@ -216,16 +188,11 @@ def _hybrid_from_hf(c: dict, num_layers: int) -> dict:
 
 
 def _windows_from_hf(arch: str, c: dict, num_layers: int) -> dict:
-    """The sliding window of a Llama-family ``config.json`` (the registry's
-    ``hf_sliding_window`` architectures), as transformers applies it:
-    Mistral and Mixtral attend over ``sliding_window`` tokens in every layer when it is
-    set (Mistral 7B v0.1: 4096; later versions write null); Qwen2 only with
-    ``use_sliding_window``, in the layers listed as ``sliding_attention`` by
-    ``layer_types`` or else from ``max_window_layers`` on. Empty when no layer is local.
+    """The sliding window of a Llama-family ``config.json`` as transformers applies it (Mistral:
+    every layer; Qwen2: with ``use_sliding_window``, per ``layer_types`` or ``max_window_layers``).
 
     Raises:
-        ValueError: a ``sliding_window`` that is not a positive int.
-    """
+        ValueError: a ``sliding_window`` that is not a positive int."""
     sw = c.get("sliding_window")
     if not arch_info(arch).hf_sliding_window or sw is None:
         return {}
@@ -245,11 +212,7 @@ def _windows_from_hf(arch: str, c: dict, num_layers: int) -> dict:
 
 
 def _hybrid_from_gguf(get, p: str, num_layers: int, head_dim: int) -> dict:
-    """The sliding-window fields of a Gemma 3 GGUF: ``{arch}.attention.sliding_window``,
-    and where the file has them ``{arch}.attention.sliding_window_pattern`` (an int, or a
-    per-layer bool array: True = local), ``{arch}.rope.freq_base_swa`` and
-    ``{arch}.attention.scale``; else Gemma 3's constants (as llama.cpp, whose converter
-    writes neither pattern nor local base for gemma3)."""
+    """Gemma 3's sliding-window fields from GGUF keys, else its constants (as llama.cpp)."""
     pat = get(p + "attention.sliding_window_pattern")
     if isinstance(pat, list):
         types = ["sliding_attention" if x else "full_attention" for x in pat]
@@ -269,11 +232,6 @@ def _hybrid_from_gguf(get, p: str, num_layers: int, head_dim: int) -> dict:
 
 
 def _moe_from_hf(c: dict) -> dict:
-    """The mixture-of-experts fields of a ``config.json``: Mixtral's ``num_local_experts``
-    (transformers 5 writes that name for Qwen3-MoE too; older Qwen3-MoE configs say
-    ``num_experts``), ``num_experts_per_tok``, Qwen3-MoE's ``moe_intermediate_size`` (else
-    ``intermediate_size``, Mixtral's), ``norm_topk_prob`` (absent in Mixtral's configs:
-    it always renormalises), ``decoder_sparse_step`` and ``mlp_only_layers``."""
     return {
         "num_experts": int(c.get("num_local_experts") or c.get("num_experts") or 0),
         "num_experts_per_tok": int(c.get("num_experts_per_tok") or 0),
@@ -285,11 +243,7 @@ def _moe_from_hf(c: dict) -> dict:
 
 
 def _moe_from_gguf(get, p: str, num_layers: int, tensor_names: set[str]) -> dict:
-    """The mixture-of-experts fields of a GGUF file (llama.cpp's keys): ``{arch}.expert_count``,
-    ``{arch}.expert_used_count``, ``{arch}.expert_feed_forward_length`` (Qwen3-MoE; Mixtral's
-    experts are ``feed_forward_length`` wide), ``{arch}.expert_weights_norm`` (absent:
-    renormalise, as llama.cpp's Mixtral and Qwen3-MoE graphs do). A layer without a router
-    tensor (``blk.N.ffn_gate_inp.weight``) is dense (``mlp_only_layers``)."""
+    """The MoE fields of a GGUF file (llama.cpp's keys); a layer without a router tensor is dense."""
     ff = get(p + "feed_forward_length")
     return {
         "num_experts": int(get(p + "expert_count", 0) or 0),
@@ -304,8 +258,7 @@ def config_from_gguf(reader) -> ModelArchConfig:
     """Build the config from a ``gguf.GGUFReader``'s metadata (llama.cpp's key names).
 
     Raises:
-        ValueError: the GGUF architecture is not one pagedllm implements (named in the message).
-    """
+        ValueError: the GGUF architecture is not one pagedllm implements (named)."""
     def get(key, default=None):
         f = reader.fields.get(key)
         return default if f is None else f.contents()

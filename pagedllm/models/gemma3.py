@@ -1,21 +1,6 @@
-"""Gemma 3 text decoder (Gemma Team 2025, "Gemma 3 Technical Report", arXiv:2503.19786;
-transformers' ``Gemma3ForCausalLM``).
-
-What sets it apart from Llama, all read from the checkpoint (``ModelArchConfig``):
-- local and global layers interleaved (``layer_types``): a local layer attends over the
-  last ``sliding_window`` tokens only, with its own RoPE base (``rope_local_theta``); a
-  global layer over the whole context with ``rope_theta`` and ``rope_scaling``. The
-  runner puts the two kinds in different KV-cache groups, so the local layers' blocks
-  that fall out of the window are released (``kv_cache_interface``);
-- per-head RMSNorm on q and k before RoPE, softmax scale ``query_pre_attn_scalar ** -0.5``;
-- four norms a layer: before and after attention, before and after the MLP, each
-  ``x / rms(x) * (1 + w)`` (``GemmaRMSNorm``);
-- a GeGLU MLP (``gelu_pytorch_tanh``), embeddings scaled by ``sqrt(hidden_size)``
-  (rounded to the model dtype, as transformers does), tied LM head, optional final
-  logit soft-capping.
-
-Inputs are one flattened batch, as in ``llama.py``: ``input_ids`` and ``positions`` int64 [T].
-"""
+"""Gemma 3 text decoder (arXiv:2503.19786; transformers' ``Gemma3ForCausalLM``): Llama with
+interleaved local/global layers, q/k norms, four ``GemmaRMSNorm``s a layer, GeGLU, scaled
+embeddings, optional logit soft-capping. Inputs as ``llama.py``'s. Details: docs/notes/models.md."""
 from __future__ import annotations
 
 import torch
@@ -30,8 +15,6 @@ from pagedllm.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
 
 def _gemma3_attention(cfg: ModelArchConfig, layer_idx: int, rotary_emb: RotaryEmbedding,
                       dtype: torch.dtype, device: torch.device, prefix: str, quant_config=None) -> LlamaAttention:
-    """Llama's attention with Gemma's q/k norms, ``query_pre_attn_scalar ** -0.5`` as the
-    softmax scale and, on a local layer, the sliding window."""
     scalar = cfg.query_pre_attn_scalar or cfg.head_dim
     return LlamaAttention(cfg, layer_idx, rotary_emb, dtype, device, prefix, quant_config, norm_class=GemmaRMSNorm,
                           scale=float(scalar) ** -0.5, sliding_window=cfg.layer_window(layer_idx))
@@ -53,9 +36,7 @@ class Gemma3DecoderLayer(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor,
                 residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """x: [T, hidden], the previous layer's (normed) output; residual: [T, hidden]
-        float32 (``residual_stream``), the running sum before it (None for the first
-        layer). Returns (output, residual)."""
+        """x [T, hidden]; residual float32 [T, hidden] or None for the first layer. Returns (output, residual)."""
         if residual is None:
             residual = residual_stream(x)
             h = self.input_layernorm(x)
@@ -93,13 +74,10 @@ class Gemma3Model(nn.Module):
 
 
 class Gemma3ForCausalLM(LlamaForCausalLM):
-    """Gemma 3 over the paged KV cache; weights, fused projections and ``load_weights``
-    as ``LlamaForCausalLM``'s (HF names, q/k/v and gate/up fused). Args as its.
+    """Gemma 3 over the paged KV cache; loading as ``LlamaForCausalLM``'s.
 
     Raises:
-        ValueError: an unsupported activation, or a config without ``layer_types``
-            matching its layers.
-    """
+        ValueError: an unsupported activation, or ``layer_types`` not matching the layers."""
 
     def __init__(self, cfg: ModelArchConfig, dtype: torch.dtype, device: torch.device,
                  max_positions: int, quant_config=None):
@@ -114,8 +92,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Final norm, LM head and soft-capping (``c * tanh(logits / c)`` when the config
-        has ``final_logit_softcapping``): [N, hidden] → float32 [N, vocab]."""
+        """Final norm, LM head, optional soft-capping: [N, hidden] → float32 [N, vocab]."""
         logits = self.lm_head(self.model.norm(hidden))
         c = self.cfg.final_logit_softcapping
         if c:

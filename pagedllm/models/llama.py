@@ -1,16 +1,6 @@
-"""Llama-family decoder (Llama 2/3, SmolLM2, TinyLlama, Mistral, Qwen2, Qwen3).
-
-One module covers them: Qwen2 adds a bias to q/k/v, Qwen3 adds a per-head RMSNorm on q
-and k before RoPE; Mistral is Llama's graph. Projections are fused for few ops a layer
-(q|k|v as one matmul, gate|up as one: ``QKVParallelLinear`` and
-``MergedColumnParallelLinear``), so tensor parallelism would be a row/column sharding of
-them. Every layer comes from ``pagedllm/layers/`` and picks its implementation there.
-
-Inputs are one flattened batch: ``input_ids`` and ``positions`` are int64 [T] covering
-every scheduled token of every request. The attention layers read and write the paged KV
-cache the runner bound them to (``layers.bind_kv_cache``), with the step's metadata from
-the forward context (``set_forward_context``).
-"""
+"""Llama-family decoder (Llama 2/3, SmolLM2, TinyLlama, Mistral, Qwen2, Qwen3), with q|k|v
+and gate|up fused projections. Inputs are one flattened batch: ``input_ids`` and
+``positions`` int64 [T]; attention uses the bound paged KV cache and the forward context."""
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -40,8 +30,7 @@ STACKED_PARAMS = {
 
 
 def _param_for(name: str) -> tuple[str, str | int | None]:
-    """Our parameter and shard id for a checkpoint name, e.g. ``...self_attn.k_proj.weight``
-    → (``...self_attn.qkv_proj.weight``, "k"); a name that is not stacked maps to itself."""
+    """Our parameter and shard id for a checkpoint name (a name not stacked maps to itself)."""
     head, _, leaf = name.rpartition(".")
     base, _, proj = head.rpartition(".")
     if proj in STACKED_PARAMS:
@@ -51,7 +40,7 @@ def _param_for(name: str) -> tuple[str, str | int | None]:
 
 
 def _checkpoint_names(param_name: str) -> list[str]:
-    """The checkpoint names that load ``param_name``: the projections fused into it, else itself."""
+    """The checkpoint names that load ``param_name``."""
     head, _, leaf = param_name.rpartition(".")
     base, _, module = head.rpartition(".")
     projs = [proj for proj, (fused, _) in STACKED_PARAMS.items() if fused == module]
@@ -59,9 +48,8 @@ def _checkpoint_names(param_name: str) -> list[str]:
 
 
 class LlamaAttention(nn.Module):
-    """q|k|v projection, optional per-head q/k norms (``norm_class``), RoPE, paged
-    attention (softmax ``scale``, default head_dim ** -0.5; ``sliding_window`` tokens or
-    the whole context), output projection."""
+    """q|k|v projection, optional q/k norms, RoPE, paged attention (``scale`` default
+    head_dim ** -0.5; ``sliding_window`` tokens or all), output projection."""
 
     def __init__(self, cfg: ModelArchConfig, layer_idx: int, rotary_emb: RotaryEmbedding,
                  dtype: torch.dtype, device: torch.device, prefix: str, quant_config=None,
@@ -81,7 +69,6 @@ class LlamaAttention(nn.Module):
                               dtype, device, sliding_window=sliding_window)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """x [T, hidden] → [T, hidden]."""
         qkv = self.qkv_proj(x)
         T, q_size, kv_size = qkv.shape[0], self.qkv_proj.q_size, self.qkv_proj.kv_size
         q = qkv[:, :q_size].view(T, self.nh, self.hd)
@@ -94,16 +81,10 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    """The gated MLP, ``down(act(gate(x)) * up(x))`` with gate|up fused in one matmul.
-
-    Args:
-        activation: the gate's activation, a HF ``hidden_act`` name
-            (``layers.activation.get_act_and_mul``): ``"silu"`` (SwiGLU, Llama's),
-            ``"gelu_pytorch_tanh"`` or ``"gelu"`` (GeGLU, Gemma's).
+    """``down(act(gate(x)) * up(x))``; ``activation``: a HF ``hidden_act`` name.
 
     Raises:
-        ValueError: an unsupported ``activation`` (named).
-    """
+        ValueError: an unsupported ``activation`` (named)."""
 
     def __init__(self, cfg: ModelArchConfig, dtype: torch.dtype, device: torch.device, prefix: str,
                  quant_config=None, activation: str = "silu"):
@@ -116,7 +97,6 @@ class LlamaMLP(nn.Module):
         self.act_fn = get_act_and_mul(activation, dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, hidden] → [T, hidden]."""
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
@@ -133,16 +113,12 @@ class LlamaDecoderLayer(nn.Module):
 
     def make_mlp(self, cfg: ModelArchConfig, layer_idx: int, dtype: torch.dtype, device: torch.device,
                  prefix: str, quant_config=None) -> nn.Module:
-        """The feed-forward block of layer ``layer_idx`` (named ``prefix``), [T, hidden] →
-        [T, hidden]: the dense SwiGLU MLP here; a subclass returns another (a mixture of
-        experts: ``models/moe.py``)."""
+        """Layer ``layer_idx``'s feed-forward block, [T, hidden] → [T, hidden] (subclasses override)."""
         return LlamaMLP(cfg, dtype, device, prefix, quant_config)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor,
                 residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """x: [T, hidden], the previous layer's output; residual: [T, hidden] float32
-        (``residual_stream``), the running sum before it (None for the first layer).
-        Returns this layer's (output, residual)."""
+        """x [T, hidden]; residual float32 [T, hidden] or None for the first layer. Returns (output, residual)."""
         if residual is None:
             residual = residual_stream(x)
             h = self.input_layernorm(x)
@@ -152,11 +128,8 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(h), residual
 
     def fused_operands(self) -> dict | str:
-        """What ``FusedDecoder`` needs to run this layer in C++ (``DecoderStack.add_layer``'s
-        arguments, plus ``kernels`` and ``shape``), or why it cannot: every piece must be
-        this class's own (no q/k norms, the SwiGLU MLP) and run a C++ kernel (linears whose
-        method has a ``stack_linear`` form: GGUF blocks, int8 W8A8 on AVX2 or AMX; the
-        ``cpu_kernel`` attention backend bound to a cache; C++ norms, RoPE and SiLU-and-mul)."""
+        """``DecoderStack.add_layer``'s arguments plus ``kernels`` and ``shape`` for ``FusedDecoder``,
+        or a string saying why this layer cannot run in C++."""
         at, mlp = self.self_attn, self.mlp
         if (type(self).forward is not LlamaDecoderLayer.forward or type(at) is not LlamaAttention
                 or type(mlp) is not LlamaMLP or at.q_norm is not None):
@@ -204,8 +177,7 @@ class LlamaModel(nn.Module):
 
     @property
     def compute_path(self) -> tuple[str, str] | None:
-        """For ``describe_compute_path``: whether the decoder layers run as one C++ stack
-        (None before a KV cache is bound: nothing is decided yet)."""
+        """("decoder", fused or per-layer) for ``describe_compute_path``; None before a KV cache is bound."""
         f = self.fused_decoder
         if not f.prepare(self.layers):
             return None
@@ -223,18 +195,9 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Decoder-only causal LM over a paged KV cache.
-
-    Parameter names are HF's, with q/k/v fused as ``self_attn.qkv_proj`` and gate/up as
-    ``mlp.gate_up_proj`` (``STACKED_PARAMS``).
-
-    Args:
-        cfg: architecture hyper-parameters.
-        dtype: compute and weight dtype (float32, bfloat16 or float16).
-        device: where weights live.
-        max_positions: size of the RoPE tables (the engine's max_model_len), in tokens.
-        quant_config: the ``--quantization`` method's config, or None (dense weights).
-    """
+    """Decoder-only causal LM over a paged KV cache, HF parameter names (q/k/v, gate/up fused).
+    ``dtype``: float32, bfloat16 or float16; ``max_positions``: RoPE table size (tokens);
+    ``quant_config``: the ``--quantization`` config or None."""
 
     # The decoder stack (a subclass may swap in one with other layers).
     base_model_class: type[LlamaModel] = LlamaModel
@@ -254,34 +217,21 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Run all layers over the flattened batch (inside ``set_forward_context``, with
-        the KV cache bound).
-
-        Args:
-            input_ids, positions: int64 [T].
-
-        Returns:
-            hidden states before the final norm, [T, hidden] in the model dtype.
-        """
+        """All layers over the flattened batch: ``input_ids``, ``positions`` int64 [T] → hidden
+        states before the final norm, float32 [T, hidden]."""
         return self.model(input_ids, positions)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Final norm and LM head on the selected rows: [N, hidden] → float32 [N, vocab]."""
+        """Final norm and LM head: [N, hidden] → float32 [N, vocab]."""
         return self.lm_head(self.model.norm(hidden))
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load HF-named tensors, each through its parameter's ``weight_loader`` (q/k/v and
-        gate/up into their fused parameters by shard id); KV-cache scales (``k_scale``,
-        ``v_scale``, ``layers.attention.kv_scale_target``) into their attention layers.
-        Unknown names are skipped, as is ``lm_head.weight`` when the embeddings are tied.
+        """Load HF-named tensors and KV-cache scales; unknown names are skipped.
 
         Raises:
-            ValueError: a required tensor is missing from ``weights`` (the count and the
-            first few HF names), one has the wrong shape (the weight named), or a KV-cache
-            scale is not one positive finite number.
-        """
+            ValueError: a missing or mis-shaped tensor, or a bad KV-cache scale."""
         params = dict(self.named_parameters())
         modules = dict(self.named_modules())
         fused = getattr(self.model, "fused_decoder", None)

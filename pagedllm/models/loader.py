@@ -1,7 +1,5 @@
-"""Model loading: the architecture config of a GGUF file or HF directory, its weights
-(GGUF read and dequantized with the ``gguf`` package, or ``*.safetensors``; both yield HF
-parameter names so one ``load_weights`` per model serves both formats), and
-``build_model``, which makes the registered model class and loads it."""
+"""Model loading: the architecture config and weights (HF names) of a GGUF file or HF
+directory, and ``build_model``."""
 from __future__ import annotations
 
 import functools
@@ -64,10 +62,7 @@ def is_gguf(path: str) -> bool:
 
 
 def _gguf_reader(path: str):
-    """A ``gguf.GGUFReader`` of ``path``, shared by the config read and the weight load that
-    follows it: parsing the header and metadata of the bundled model takes ~4.6 s (its
-    49k-token vocabulary is read item by item). Keyed by size and mtime so a replaced file
-    is parsed afresh; ``iter_gguf_weights`` drops it once the weights are read."""
+    """A ``gguf.GGUFReader`` of ``path``, cached by size and mtime until the weights are read."""
     st = os.stat(path)
     return _cached_gguf_reader(os.path.realpath(path), st.st_size, st.st_mtime_ns)
 
@@ -83,9 +78,7 @@ def load_arch_config(path: str) -> ModelArchConfig:
     """Architecture config of a ``.gguf`` file or HF directory.
 
     Raises:
-        FileNotFoundError: ``path`` does not exist.
-        ValueError: it is neither a ``.gguf`` file nor a directory.
-    """
+        FileNotFoundError: no ``path``; ValueError: neither a ``.gguf`` file nor a directory."""
     if not os.path.exists(path):
         raise FileNotFoundError(f"model path {path!r} does not exist")
     if is_gguf(path):
@@ -96,20 +89,13 @@ def load_arch_config(path: str) -> ModelArchConfig:
 
 
 def _unpermute_rope(w: np.ndarray, n_head: int) -> np.ndarray:
-    """Undo llama.cpp's q/k row permutation.
-
-    llama.cpp's converter reorders each head's rows so its interleaved-pair RoPE matches
-    HF's rotate-half RoPE (``convert_hf_to_gguf.py: LlamaModel.permute``); we use the HF
-    form, so the rows go back: [n_head, 2, d/2] ← [n_head, d/2, 2].
-    """
+    """Undo llama.cpp's q/k row permutation (``convert_hf_to_gguf.py: LlamaModel.permute``)."""
     rest = w.shape[1:]
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *rest).swapaxes(1, 2).reshape(w.shape)
 
 
 def _hf_name(gguf_name: str, architecture: str | None = None) -> tuple[str | None, str]:
-    """(HF name, the GGUF per-layer suffix such as ``attn_q.weight`` or "") of a GGUF
-    tensor name of a model of ``architecture`` (HF name; its ``_GGUF_LAYER_OVERRIDES``
-    first); (None, "") for tensors the models do not use."""
+    """(HF name, GGUF per-layer suffix or "") of a GGUF tensor name; (None, "") if unused."""
     m = _BLK_RE.match(gguf_name)
     if m:
         layer, rest = m.groups()
@@ -123,8 +109,7 @@ def _hf_name(gguf_name: str, architecture: str | None = None) -> tuple[str | Non
 
 
 def gguf_tensor_types(path: str) -> dict[str, str]:
-    """HF name → GGML type name (``"Q4_1"``, ``"F32"``, ...) of every tensor of the GGUF
-    file ``path`` that a model uses (from the header; no data read)."""
+    """HF name → GGML type name of every used tensor of the GGUF file ``path`` (header only)."""
     out = {}
     arch = load_arch_config(path).architecture
     for t in _gguf_reader(path).tensors:
@@ -136,15 +121,9 @@ def gguf_tensor_types(path: str) -> dict[str, str]:
 
 def iter_gguf_weights(path: str, cfg: ModelArchConfig,
                       packed_types: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(hf_name, tensor)`` for every tensor of a GGUF file that a model uses.
-
-    Tensors whose GGML type is in ``packed_types`` (``--quantization gguf``) come as their
-    raw blocks, uint8 [out, in / block elements * block bytes], copied straight from the
-    file with no float detour; the others (Q4_0, Q4_1, Q8_0, K-quants, ...) are dequantized
-    by ``gguf.quants.dequantize`` (numpy) to float32. Shapes are in torch order ([out, in]
-    for linears, [experts, out, in] for stacked MoE experts). q/k rows are put back in HF's order (``_unpermute_rope``), which for
-    blocks along the input dimension moves whole rows of blocks.
-    """
+    """Yield ``(hf_name, tensor)`` for every used tensor of a GGUF file, in torch order
+    ([out, in]; [experts, out, in]): ``packed_types`` as raw uint8 blocks, others
+    dequantized to float32; q/k rows in HF's order."""
     from gguf.quants import dequantize
 
     reader = _gguf_reader(path)
@@ -172,11 +151,7 @@ def iter_gguf_weights(path: str, cfg: ModelArchConfig,
 
 
 def iter_safetensors_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(hf_name, tensor)`` from every ``*.safetensors`` file in ``path``.
-
-    Raises:
-        FileNotFoundError: the directory holds no ``*.safetensors`` file.
-    """
+    """Yield ``(hf_name, tensor)`` from every ``*.safetensors`` in ``path``; FileNotFoundError if none."""
     from safetensors import safe_open
 
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
@@ -190,8 +165,7 @@ def iter_safetensors_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
 
 def iter_weights(path: str, cfg: ModelArchConfig,
                  packed_types: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
-    """Weights of a GGUF file (those of ``packed_types`` as raw blocks: see
-    ``iter_gguf_weights``) or a HF directory, with HF names."""
+    """Weights of a GGUF file or a HF directory, with HF names."""
     if is_gguf(path):
         return iter_gguf_weights(path, cfg, packed_types)
     return iter_safetensors_weights(path)
@@ -199,24 +173,13 @@ def iter_weights(path: str, cfg: ModelArchConfig,
 
 def build_model(path: str, cfg: ModelArchConfig, dtype: torch.dtype, device: torch.device,
                 max_positions: int, quant_config=None, calibrate=None) -> torch.nn.Module:
-    """Instantiate the registered class, load weights from a GGUF file or HF dir, let
-    every linear method prepare its layer's loaded weights (e.g. oneDNN packing), then
-    make sure each linear layer's output rows do not depend on the batch size (probe and,
-    where needed, row-chunk wrapping: ``layers/batch_invariance.py``) unless
-    ``PAGEDLLM_BATCH_INVARIANT_PROBE=0``.
-
-    With a ``quant_config`` (``--quantization``) the model's layers take their methods from
-    it, and the GGUF tensors of the types it keeps packed arrive as raw blocks. Layers whose
-    method ``needs_calibration`` (int8 with SmoothQuant) are prepared last, after
-    ``calibrate(model, layers, path, cfg, dtype, device, max_positions)`` has run the model
-    with them in float and set their statistics (``worker.prefill.calibrate_smoothquant``:
-    a model here is built, not run, so the caller hands in what runs it).
+    """Instantiate the registered class, load and prepare weights (calibrated layers after
+    ``calibrate(model, layers, path, cfg, dtype, device, max_positions)``), then make linear
+    outputs batch-invariant unless ``PAGEDLLM_BATCH_INVARIANT_PROBE=0``.
 
     Raises:
         ValueError: missing or mis-shaped weights; InvalidParameterError("quantization"):
-        a layer the method cannot compute, or a method that needs calibration and no
-        ``calibrate``.
-    """
+            an unsupported layer, or calibration needed and no ``calibrate``."""
     from pagedllm import envs
     from pagedllm.layers.batch_invariance import ensure_batch_invariant_linears
 

@@ -1,24 +1,5 @@
-"""Mixture-of-experts decoders: Mixtral (Jiang et al. 2024, "Mixtral of Experts",
-arXiv:2401.04088) and Qwen3-MoE (Qwen Team 2025, "Qwen3 Technical Report",
-arXiv:2505.09388), as transformers' ``MixtralForCausalLM`` and ``Qwen3MoeForCausalLM``.
-
-Both are the Llama decoder (``llama.py``: fused q|k|v attention, RMSNorm, RoPE; Qwen3-MoE
-with the per-head q/k norm, ``ModelArchConfig.qk_norm``) whose feed-forward block is, in
-the layers ``ModelArchConfig.is_moe_layer`` names, a router linear (``mlp.gate``, E
-logits a token) and ``FusedMoE`` (``layers/fused_moe.py``: softmax, top-k, the experts'
-SwiGLU MLPs, weighted sum). Mixtral has experts in every layer and renormalises the
-top-k weights; Qwen3-MoE renormalises when ``norm_topk_prob`` and keeps a dense MLP
-(``intermediate_size`` wide) in ``mlp_only_layers`` and in the layers that
-``decoder_sparse_step`` skips.
-
-Checkpoint names (all reach ``LlamaForCausalLM.load_weights`` as one expert's
-``mlp.experts.{e}.{gate,up,down}_proj.weight``, see ``moe_checkpoint_weights``):
-Mixtral's ``block_sparse_moe.experts.{e}.w1/w3/w2`` (what transformers 5.24 still
-writes), Qwen3-MoE's ``mlp.experts.{e}.gate_proj/up_proj/down_proj``, transformers 5's
-in-memory fused ``mlp.experts.gate_up_proj`` [E, 2I, H] and ``mlp.experts.down_proj``
-[E, H, I], and the GGUF loader's stacked ``mlp.experts.{gate,up,down}_proj.weight``
-(llama.cpp's ``ffn_{gate,up,down}_exps``).
-"""
+"""Mixture-of-experts decoders, Mixtral (arXiv:2401.04088) and Qwen3-MoE (arXiv:2505.09388),
+as transformers': Llama layers with a router and ``FusedMoE`` where ``is_moe_layer``."""
 from __future__ import annotations
 
 import re
@@ -41,16 +22,9 @@ _STACKED_RE = re.compile(r"^(?P<base>.+\.mlp\.experts)\.(?P<proj>gate_up|gate|up
 
 def moe_checkpoint_weights(weights: Iterable[tuple[str, torch.Tensor]], intermediate_size: int
                            ) -> Iterator[tuple[str, torch.Tensor]]:
-    """The checkpoint's tensors with every expert weight as one expert's 2-D projection,
-    named ``model.layers.{l}.mlp.experts.{e}.{gate,up,down}_proj.weight``: Mixtral's
-    ``block_sparse_moe`` is renamed ``mlp`` and its ``w1/w3/w2`` ``gate/up/down_proj``;
-    a stacked 3-D tensor is split into views by ``fused_moe.split_stacked`` (no copy).
-    Other tensors pass unchanged.
-
-    Args:
-        weights: (HF name, tensor) pairs, as ``models.loader.iter_weights`` yields them.
-        intermediate_size: each expert's hidden width (to split a fused gate|up).
-    """
+    """``weights`` (HF name, tensor) with every expert weight as one 2-D
+    ``...mlp.experts.{e}.{gate,up,down}_proj.weight`` (stacked ones split by
+    ``intermediate_size`` into views); other tensors unchanged. Layouts: docs/notes/models.md."""
     for name, tensor in weights:
         name = name.replace(".block_sparse_moe.", ".mlp.")
         m = _MIXTRAL_EXPERT_RE.match(name)
@@ -65,12 +39,8 @@ def moe_checkpoint_weights(weights: Iterable[tuple[str, torch.Tensor]], intermed
 
 
 class SparseMoeBlock(nn.Module):
-    """The MoE feed-forward block: router logits ``gate(x)`` [T, E], then ``experts``
-    (``FusedMoE``). x [T, hidden] → [T, hidden] in x's dtype.
-
-    The router stays dense under ``--quantization`` (as vLLM keeps it): E outputs a token
-    cost little, and the top-k choice is where rounding would move outputs most.
-    """
+    """Router logits ``gate(x)`` [T, E] (kept dense under quantization, as vLLM), then
+    ``FusedMoE``: x [T, hidden] → [T, hidden] in x's dtype."""
 
     def __init__(self, cfg: ModelArchConfig, dtype: torch.dtype, device: torch.device, prefix: str,
                  quant_config=None):
@@ -86,8 +56,7 @@ class SparseMoeBlock(nn.Module):
 
 
 class MoeDecoderLayer(LlamaDecoderLayer):
-    """A Llama decoder layer whose feed-forward block is a ``SparseMoeBlock`` where
-    ``cfg.is_moe_layer(layer_idx)``, else the dense MLP."""
+    """A Llama layer with a ``SparseMoeBlock`` where ``cfg.is_moe_layer(layer_idx)``."""
 
     def make_mlp(self, cfg, layer_idx, dtype, device, prefix, quant_config=None):
         if cfg.is_moe_layer(layer_idx):
@@ -100,31 +69,23 @@ class MoeModel(LlamaModel):
 
 
 class MixtralForCausalLM(LlamaForCausalLM):
-    """Mixtral over the paged KV cache: ``LlamaForCausalLM`` with ``SparseMoeBlock`` feed-
-    forward blocks (every layer; top-k weights renormalised: Mixtral's configs carry no
-    ``norm_topk_prob``, which reads as true). Args as ``LlamaForCausalLM``'s.
+    """Mixtral over the paged KV cache. Args as ``LlamaForCausalLM``'s.
 
     Raises:
         ValueError: ``num_experts_per_tok`` outside 1..``num_experts``.
-        InvalidParameterError("quantization"): a method the experts cannot use.
-    """
+        InvalidParameterError("quantization"): a method the experts cannot use."""
 
     base_model_class = MoeModel
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """``LlamaForCausalLM.load_weights`` over ``moe_checkpoint_weights(weights)``, so
-        per-expert and stacked checkpoints load alike, and a missing expert is named
-        (e.g. ``model.layers.0.mlp.experts.3.up_proj.weight``).
+        """``LlamaForCausalLM.load_weights`` over ``moe_checkpoint_weights(weights)``.
 
         Raises:
-            ValueError: a missing or mis-shaped weight (named).
-        """
+            ValueError: a missing or mis-shaped weight (named)."""
         inter = self.cfg.moe_intermediate_size or self.cfg.intermediate_size
         super().load_weights(moe_checkpoint_weights(weights, inter))
 
 
 class Qwen3MoeForCausalLM(MixtralForCausalLM):
-    """Qwen3-MoE: ``MixtralForCausalLM`` with the q/k norm (``qk_norm``), top-k weights
-    renormalised only when ``norm_topk_prob``, and dense MLP layers where
-    ``mlp_only_layers`` / ``decoder_sparse_step`` say (all read from the config)."""
+    """Qwen3-MoE: Mixtral's model with q/k norm, optional top-k renormalisation and dense layers."""

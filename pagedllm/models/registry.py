@@ -1,7 +1,4 @@
-"""Model registry: the one owner of what each supported architecture is (its model class,
-its GGUF ``general.architecture`` name, and the flags that tell the variants apart). The
-config readers (``arch_config``) and the GGUF loader ask here; the model classes are
-imported only when a model is built, so reading a config imports no model code."""
+"""Model registry: each supported architecture's model class (imported lazily), GGUF name and variant flags."""
 from __future__ import annotations
 
 import importlib
@@ -23,28 +20,14 @@ class ArchInfo:
     """One architecture.
 
     Attributes:
-        model_class: ``"module:Class"`` of the implementation (imported on first use).
-        gguf_arch: llama.cpp's ``general.architecture`` for it.
-        attention_bias: q/k/v projections carry a bias (Qwen2).
-        qk_norm: per-head RMSNorm on q and k before RoPE (Qwen3).
-        gguf_rope_permuted: llama.cpp's converter permuted the q/k rows for its
-            interleaved RoPE (``convert_hf_to_gguf.py: LlamaModel.permute``); the loader
-            undoes it.
-        gguf_norm_shift: llama.cpp's converter stored RMSNorm weights plus this (Gemma:
-            1, for its ``x * (1 + w)`` norm); the loader takes it off, so both formats
-            yield HF's values.
-        sliding_window: some layers attend over a sliding window (local layers), whose
-            KV-cache blocks are released once they fall out of it.
-        hf_sliding_window: its config.json's ``sliding_window`` (Qwen2: with
-            ``use_sliding_window``) makes layers local, as in transformers' implementation
-            (``arch_config._windows_from_hf``); Llama ignores that key.
-        models: the model families it covers, for ``pagedllm models``.
-        moe: mixture-of-experts feed-forward layers (``layers/fused_moe.py``); a GGUF
-            ``general.architecture`` shared with a dense architecture (llama.cpp stores
-            Mixtral as ``llama``) means this one when ``{arch}.expert_count`` > 0.
-        dtypes: the ``--dtype`` names it runs in (Gemma 3 overflows float16's range in
-            its activations, as vLLM and transformers warn, so float16 is refused).
-    """
+        model_class: ``"module:Class"``, imported on first use; gguf_arch: llama.cpp's name.
+        attention_bias, qk_norm: as ``ModelArchConfig``'s.
+        gguf_rope_permuted: the loader undoes llama.cpp's q/k row permutation.
+        gguf_norm_shift: subtracted from GGUF RMSNorm weights (Gemma: 1).
+        sliding_window: some layers are local; hf_sliding_window: config.json's
+            ``sliding_window`` makes layers local (``arch_config._windows_from_hf``).
+        models: families covered, for ``pagedllm models``; moe: MoE feed-forward layers.
+        dtypes: the ``--dtype`` names it runs in."""
 
     model_class: str
     gguf_arch: str
@@ -86,10 +69,7 @@ QUANTIZATION = ("int8", "gguf", "q8_0", "q4_0", "q4_1")
 
 
 def describe_architectures() -> list[dict[str, str]]:
-    """One row per registered architecture, for ``pagedllm models``: its HF name, GGUF
-    ``general.architecture``, model families, dtypes, quantization methods, and whether
-    it has sliding-window layers (released from the KV cache as they leave the window)
-    and mixture-of-experts layers."""
+    """One row per registered architecture, for ``pagedllm models``."""
     return [{"architecture": name, "gguf": info.gguf_arch, "models": info.models,
              "dtypes": ", ".join(info.dtypes),
              # stacked 3-D expert tensors of a GGUF are dequantized, not kept packed
@@ -102,7 +82,7 @@ def describe_architectures() -> list[dict[str, str]]:
 
 
 def arch_info(architecture: str) -> ArchInfo:
-    """Raises ValueError naming an ``architecture`` that is not registered (and the supported ones)."""
+    """Raises ValueError naming an ``architecture`` that is not registered."""
     if architecture not in ARCHITECTURES:
         raise ValueError(
             f"unsupported model architecture {architecture!r}; supported: {sorted(ARCHITECTURES)}")
@@ -110,13 +90,10 @@ def arch_info(architecture: str) -> ArchInfo:
 
 
 def architecture_for_gguf(gguf_arch: str, moe: bool = False) -> str:
-    """The HF architecture name of a GGUF file's ``general.architecture``; where several
-    share it (``llama``: Llama and Mixtral), the one whose ``moe`` flag is ``moe`` (the file
-    has ``{arch}.expert_count`` > 0), else the first registered.
+    """The HF architecture of a GGUF ``general.architecture`` (shared: the one matching ``moe``).
 
     Raises:
-        ValueError: no registered architecture has it (named, with the supported ones).
-    """
+        ValueError: no registered architecture has it."""
     names = [name for name, info in ARCHITECTURES.items() if info.gguf_arch == gguf_arch]
     if names:
         return next((n for n in names if ARCHITECTURES[n].moe == moe), names[0])

@@ -1,20 +1,8 @@
-"""The request-dependent edits of the logits before temperature and sampling, vectorised
-over the logit rows of one step (a row per sampled position: one per plain request,
-k + 1 per request verifying k drafts).
-
-Order (after the raw logprobs are taken, before temperature; documented in README.md's
-"Sampling" section and tested in tests/sample/test_logits_processors.py):
-
-1. token masks: ``allowed_token_ids``, ``bad_words`` and the grammar bitmask of
-   structured outputs (all are -inf masks, so their order among themselves is moot);
-2. the ``min_tokens`` ban of EOS and stop token ids, then ``logit_bias`` (added);
-3. penalties: repetition (prompt and output tokens; Keskar et al. 2019, CTRL: a positive
-   logit is divided by the penalty, a negative one multiplied), then frequency and
-   presence (output tokens only; OpenAI's formula
-   ``logit - frequency_penalty * count - presence_penalty * (count > 0)``).
-
-Temperature, min-p, top-k/top-p and the draw follow in ``Sampler`` / ``RejectionSampler``.
-"""
+"""Request-dependent logit edits before temperature and sampling, vectorised over one step's
+logit rows, in this order (tests/sample/test_logits_processors.py): 1. token masks
+(``allowed_token_ids``, ``bad_words``, grammar bitmask); 2. the ``min_tokens`` ban of
+EOS/stop ids, then ``logit_bias``; 3. repetition penalty (Keskar et al. 2019, CTRL), then
+frequency and presence (OpenAI's formula). Notes: docs/notes/sample.md."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -26,19 +14,10 @@ from pagedllm.kernels.cpu import load_cpu_kernels
 
 @dataclass
 class LogitsProcessorInputs:
-    """What step 1-3 need for N logit rows; every field None when no row uses it.
-
-    Attributes:
-        allowed: (row index int64 [A], allowed-token mask bool [A, V]) for rows with
-            ``allowed_token_ids``.
-        banned: (row int64 [M], token int64 [M]) pairs masked to -inf: bad words whose
-            prefix the row's output ends with, and EOS/stop ids before ``min_tokens``.
-        bias: (row int64 [K], token int64 [K], bias float32 [K]) from ``logit_bias``.
-        penalty_rows: int64 [P], the rows with a penalty; ``seen`` the (penalty row
-            int64 [M], token int64 [M], times generated float32 [M]) of every token seen
-            in those rows' prompts or outputs (``token_presence``); ``repetition`` /
-            ``frequency`` / ``presence`` float32 [P].
-    """
+    """What steps 1-3 need for N logit rows (each field None when unused): ``allowed`` (row
+    int64 [A], mask bool [A, V]); ``banned`` (row, token int64 [M]) set to -inf; ``bias``
+    (row, token int64 [K], float32 [K]); ``penalty_rows`` int64 [P] with ``seen`` from
+    ``token_presence`` and ``repetition`` / ``frequency`` / ``presence`` float32 [P]."""
 
     allowed: tuple[torch.Tensor, torch.Tensor] | None = None
     banned: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -51,9 +30,7 @@ class LogitsProcessorInputs:
 
 
 def apply_token_masks(logits: torch.Tensor, inp: LogitsProcessorInputs) -> None:
-    """Step 1 without the grammar (the runner applies its bitmask right after): -inf
-    outside ``allowed`` and at the bad-word pairs of ``banned``. In place on float
-    logits [N, V]."""
+    """Step 1 without the grammar: -inf outside ``allowed``. In place on float logits [N, V]."""
     if inp.allowed is not None:
         rows, mask = inp.allowed
         sub = logits.index_select(0, rows)
@@ -70,11 +47,7 @@ def apply_ban_and_bias(logits: torch.Tensor, inp: LogitsProcessorInputs) -> None
 
 
 def apply_penalties(logits: torch.Tensor, inp: LogitsProcessorInputs) -> None:
-    """Step 3: repetition, then frequency and presence penalties. In place.
-
-    Only the (row, token) pairs whose token was seen (in the prompt or the output) change,
-    so they are gathered, penalised and written back: a few hundred per row instead of
-    the whole [P, V]; the values are the same as the dense formula's, bit for bit."""
+    """Step 3: repetition, then frequency and presence penalties, on the seen pairs only. In place."""
     if inp.penalty_rows is None or inp.seen is None:
         return
     r, c, n = inp.seen
@@ -90,25 +63,10 @@ def apply_penalties(logits: torch.Tensor, inp: LogitsProcessorInputs) -> None:
 
 def token_presence(history: torch.Tensor, prompt_len: torch.Tensor, length: torch.Tensor,
                    vocab_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The tokens P sequences have seen, and how often each was generated, as sparse
-    pairs (O(P * L) work and memory, never [P, V]).
-
-    Args:
-        history: int64 [P, L], each row's tokens (prompt, then output), padded past
-            ``length`` with any valid id.
-        prompt_len / length: int64 [P], prompt tokens and tokens before the position
-            being sampled (so drafts before a draft position count as output).
-        vocab_size: V.
-
-    Returns:
-        (row int64 [M], token int64 [M], output count float32 [M]): each (row, token)
-        seen in the row's prompt or output once, sorted by row then token; the count is
-        its occurrences in the output (0 for a prompt-only token).
-
-    On the CPU with the C++ kernels built, their ``token_presence`` computes the same
-    three tensors row by row (a table of the vocabulary's counts per thread instead of a
-    ``torch.unique`` sort over every row's tokens: ~0.05 against 0.5 ms for 32 x 330).
-    """
+    """The tokens P sequences have seen, as sparse pairs (never [P, V]); the C++ kernel on the CPU.
+    ``history`` int64 [P, L] (prompt then output, padded past ``length``); ``prompt_len``,
+    ``length`` int64 [P]. Returns (row int64 [M], token int64 [M], output count float32 [M]),
+    sorted by row then token."""
     if history.device.type == "cpu":
         ops = load_cpu_kernels()
         if ops is not None:
@@ -119,8 +77,7 @@ def token_presence(history: torch.Tensor, prompt_len: torch.Tensor, length: torc
 
 def token_presence_torch(history: torch.Tensor, prompt_len: torch.Tensor, length: torch.Tensor,
                          vocab_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``token_presence`` in torch ops (a ``torch.unique`` over row * V + token): the path
-    off the CPU or without the C++ kernels, and the reference of the kernel's tests."""
+    """``token_presence`` in torch ops: the non-CPU fallback and the kernel's test reference."""
     pos = torch.arange(history.shape[1], device=history.device).unsqueeze(0)
     valid = pos < length.unsqueeze(1)
     in_output = (pos >= prompt_len.unsqueeze(1)) & valid
@@ -132,19 +89,9 @@ def token_presence_torch(history: torch.Tensor, prompt_len: torch.Tensor, length
 
 
 class RawLogitsSave:
-    """The values ``process_logits`` will overwrite in some rows of the logits, taken
-    before it runs, so that ``restore`` gives those rows back their raw values after
-    sampling (the logprobs read the raw distribution). Sparse edits (banned pairs, logit
-    biases, penalised seen tokens) save just their (row, token) values; a row with a dense
-    mask (``allowed_token_ids``, or any row when a grammar bitmask will apply) saves the
-    whole row.
-
-    Args:
-        logits: float [N, V], not yet processed.
-        inp: the step's ``LogitsProcessorInputs``.
-        rows: int64 [R], the logit rows to give back.
-        grammar: whether a grammar bitmask will apply to ``logits``.
-    """
+    """Saves the values ``process_logits`` will overwrite in ``rows`` (int64 [R]) of float
+    ``logits`` [N, V], so ``restore`` puts them back after sampling; ``grammar``: whether a
+    bitmask will apply."""
 
     def __init__(self, logits: torch.Tensor, inp: LogitsProcessorInputs, rows: torch.Tensor,
                  grammar: bool) -> None:
@@ -177,7 +124,6 @@ class RawLogitsSave:
                 self.sparse = (r, t, logits[r, t])
 
     def restore(self, logits: torch.Tensor) -> None:
-        """Write the saved raw values back into ``logits``, in place."""
         if self.sparse is not None:
             r, t, v = self.sparse
             logits[r, t] = v
@@ -186,8 +132,7 @@ class RawLogitsSave:
 
 
 def process_logits(logits: torch.Tensor, inp: LogitsProcessorInputs, grammar=None) -> None:
-    """Steps 1-3 in order, in place on float logits [N, V]; ``grammar``: a callable that
-    masks ``logits`` in place with the structured-output bitmask (or None)."""
+    """Steps 1-3 in place on float logits [N, V]; ``grammar``: callable applying the bitmask, or None."""
     apply_token_masks(logits, inp)
     if grammar is not None:
         grammar(logits)

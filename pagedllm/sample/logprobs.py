@@ -1,9 +1,5 @@
-"""Log probabilities of chosen tokens and of the most likely ones, from the model's raw
-distribution (``log_softmax`` of the logits before any processing: vLLM's default
-``raw_logprobs`` mode). The runner hands over the raw logits themselves: the edits of
-``process_logits`` are undone after sampling (``RawLogitsSave``) instead of a full
-[N, V] ``log_softmax`` taken before them (on 2 CPU threads, 0.5-1 ms for 32 x 49,152,
-as much as the row copy it would replace)."""
+"""Logprobs of chosen and most likely tokens from the raw distribution (vLLM's default
+``raw_logprobs`` mode). Why raw logits are restored: docs/notes/sample.md."""
 from __future__ import annotations
 
 import torch
@@ -13,21 +9,8 @@ from pagedllm.sample.topk import topk_rank_lse
 
 
 def gather_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: list[int]) -> list[TokenLogprobs]:
-    """Per row: the chosen token's logprob and rank, then the ``num_top[i]`` most likely,
-    all of ``log_softmax(logits)`` without materialising it: one pass per row finds the
-    top tokens, the chosen token's rank and the normaliser (``topk_rank_lse``), and only
-    the values returned are shifted, as ``(x - max) - log sum exp(x - max)``.
-
-    Args:
-        logits: float32 [N, V], the model's raw logits (before any processing).
-        token_ids: int64 [N], the token chosen at each row (sampled, or the next prompt
-            token for prompt logprobs).
-        num_top: per row, how many top tokens to add (0..20).
-
-    Returns:
-        N ``TokenLogprobs``: ``token_ids[0]`` is the chosen token with its rank (1 = the
-        most likely; ties share the best rank), then the top tokens in order (ranks 1..k).
-    """
+    """Per row of raw float32 ``logits`` [N, V]: the logprob and rank (1 = most likely) of
+    ``token_ids[i]`` (int64 [N]), then the ``num_top[i]`` (0..20) most likely, as N ``TokenLogprobs``."""
     N = logits.shape[0]
     if N == 0:
         return []

@@ -10,8 +10,6 @@ from pagedllm.sampling_params import is_greedy
 
 
 def _per_position(md: SamplingMetadata, req_of_pos: torch.Tensor) -> SamplingMetadata:
-    """Request-level metadata expanded to one row per target position (no generators:
-    the draws are made per request)."""
     return SamplingMetadata(
         temperature=md.temperature[req_of_pos], top_k=md.top_k[req_of_pos],
         top_p=md.top_p[req_of_pos], min_p=md.min_p[req_of_pos], generators=[],
@@ -20,68 +18,21 @@ def _per_position(md: SamplingMetadata, req_of_pos: torch.Tensor) -> SamplingMet
 
 
 class RejectionSampler:
-    """Verifies draft tokens against the target model's logits so that the output
-    tokens are distributed exactly as if the target model had sampled them one by one.
-
-    Layout: request ``i`` (of N) proposed ``k_i >= 0`` draft tokens and owns the
-    ``k_i + 1`` consecutive rows ``offsets[i] .. offsets[i] + k_i`` of ``target_logits``
-    (``offsets`` = exclusive cumulative sum of ``k_i + 1``): row ``offsets[i] + j`` is the
-    target's next-token logits after the ``j`` first drafts, the last row is the bonus
-    position after all of them.
-
-    Greedy requests (``sampling_params.is_greedy``: temperature 0 or ``top_k == 1``): the
-    drafts are accepted while they equal the target argmax (``torch.argmax``, first index
-    on ties), then the argmax at the first mismatch (or at the bonus position) is
-    appended: exactly the tokens plain greedy decoding produces.
-
-    Random requests (Leviathan et al. 2023, "Fast Inference from Transformers via
-    Speculative Decoding", ICML, Algorithm 1; Chen et al. 2023, "Accelerating Large
-    Language Model Decoding with Speculative Sampling", arXiv:2302.01318): with ``p`` the
-    target distribution at the draft's position (``compute_probs``, the request's own
-    temperature/top-k/top-p/min-p) and ``q`` the draft distribution (a row of
-    ``draft_probs``, or one-hot on the draft token when ``draft_probs`` is None, as for
-    n-gram proposers), draft ``d`` is accepted iff ``u * q(d) < p(d)`` with ``u ~ U[0, 1)``,
-    i.e. with probability ``min(1, p(d) / q(d))`` (a token with ``p(d) = 0`` never is). At
-    the first rejection the output token is drawn from ``norm(max(0, p - q))`` (from ``p``
-    if that residual is all zero); if all ``k_i`` drafts are accepted the bonus token is
-    drawn from ``p`` at the bonus position. Each output token then has the target's
-    distribution given the tokens before it, whatever ``q`` is.
-
-    Draws: categorical draws use the exponential race, argmax(p / E) with E ~ Exp(1), as
-    the Sampler does. At most one categorical draw per request is ever used (at its first
-    rejection, or at the bonus position), so a random request consumes, from its own
-    ``md.generators[i]`` (None: the global RNG), exactly V exponentials (one float32 row,
-    as one Sampler step) and then ``k_i`` uniforms, independently of the rest of the
-    batch: a seeded request's output does not depend on the batch around it, and a
-    request with ``k_i = 0`` draws the same token as the Sampler would. Greedy requests
-    draw nothing.
-
-    Cost: one argmax over [T, V]; batches with a random request add one ``compute_probs``
-    over all T rows (per-position metadata by ``repeat_interleave``) and two small draws per
-    random request; the acceptance and the prefix match are vectorised. A greedy-only
-    batch (``md.all_greedy``) computes no softmax.
-    """
+    """Verifies drafts so that outputs are distributed as the target's own samples (Leviathan
+    et al. 2023, Algorithm 1; Chen et al. 2023). Request ``i`` with ``k_i`` drafts owns
+    ``k_i + 1`` consecutive rows of ``target_logits`` (row j: after its j first drafts; the
+    last: the bonus position). Draws per request from its own generator. Design:
+    docs/notes/sample.md."""
 
     def __call__(self, target_logits: torch.Tensor, draft_token_ids: list[list[int]],
                  md: SamplingMetadata, draft_probs: torch.Tensor | None = None) -> list[list[int]]:
-        """Accept a prefix of each request's drafts and add one token.
-
-        Args:
-            target_logits: float32 [T, V] with T = sum(k_i + 1), laid out as in the class
-                docstring; already processed by the caller (``process_logits``).
-            draft_token_ids: per request, its k_i >= 0 proposed token ids.
-            md: per request (N rows), built as for the Sampler.
-            draft_probs: float32 [sum k_i, V], the draft model's distribution at each
-                proposed token's position (request-major, in draft order), or None for
-                one-hot proposals.
-
-        Returns:
-            per request, its accepted drafts followed by one more token (1 .. k_i + 1
-            token ids).
+        """Accept a prefix of each request's drafts (``draft_token_ids``, k_i >= 0 each) and add one
+        token. ``target_logits``: float32 [sum(k_i + 1), V], processed; ``md``: N rows, as for
+        the Sampler; ``draft_probs``: float32 [sum k_i, V] request-major, or None (one-hot).
+        Returns per request its accepted drafts plus one token.
 
         Raises:
-            ValueError: inconsistent shapes or lengths, or a draft token outside [0, V).
-        """
+            ValueError: inconsistent shapes or lengths, or a draft token outside [0, V)."""
         N = len(draft_token_ids)
         ks = [len(d) for d in draft_token_ids]
         K = sum(ks)
@@ -149,8 +100,7 @@ class RejectionSampler:
     @staticmethod
     def _prefix_len(accepted: torch.Tensor, req: torch.Tensor, j: torch.Tensor,
                     k_t: torch.Tensor) -> torch.Tensor:
-        """Per request, the number of leading accepted drafts: the index of its first
-        rejected draft, or k_i (int64 [N])."""
+        """Per request, the number of leading accepted drafts (int64 [N])."""
         rejected = ~accepted
         return k_t.clone().scatter_reduce_(0, req[rejected], j[rejected], reduce="amin")
 

@@ -1,5 +1,4 @@
-"""Token sampling from processed logits: greedy, temperature, min-p, top-k, top-p,
-per-request seeds (the last steps of the order in ``sample/logits_processors.py``)."""
+"""Token sampling from processed logits: greedy, temperature, min-p, top-k, top-p, per-request seeds."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -12,15 +11,9 @@ from pagedllm.sampling_params import is_greedy
 
 @dataclass
 class SamplingMetadata:
-    """Per-row sampling settings for one step (N rows = requests sampled this step).
-
-    Attributes:
-        temperature: float32 [N]; which rows are greedy: ``sampling_params.is_greedy``.
-        top_k: int64 [N], 0 = off; top_p, min_p: float32 [N] (1.0 / 0.0 = off).
-        generators: per-row ``torch.Generator`` for seeded requests, else None.
-        all_greedy: every row greedy (argmax only, nothing else computed).
-        need_top_k / need_top_p / need_min_p: whether any row uses the filter.
-    """
+    """Per-row sampling settings, N rows: temperature float32 [N]; top_k int64 [N] (0 = off);
+    top_p, min_p float32 [N] (1.0 / 0.0 = off); a ``torch.Generator`` per seeded row, else
+    None; ``all_greedy`` and ``need_*``: whether every row is greedy / some row uses a filter."""
 
     temperature: torch.Tensor
     top_k: torch.Tensor
@@ -33,14 +26,11 @@ class SamplingMetadata:
     need_min_p: bool
 
 
-# A row with top-k filters through torch.topk over its own width (the power of two >= k,
-# at least 64) instead of a sort of the whole vocabulary: 2.9 against 88 ms for 32 x 49,152
-# logits on the Xeon. Rows with k above this, or without top-k, sort.
+# Rows with top-k above this, or without top-k, sort the whole row (why: docs/notes/sample.md).
 _TOPK_WIDTH_MAX = 4096
 
 
 def _sort_filter(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor | None) -> torch.Tensor:
-    """Top-k and top-p over a full sort of each row (``_apply_top_k_top_p``)."""
     sorted_logits, idx = logits.sort(dim=-1, descending=False)
     V = logits.shape[-1]
     if k is not None:
@@ -59,20 +49,10 @@ def _sort_filter(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor |
 def _topk_compact(logits: torch.Tensor, k: torch.Tensor, p: torch.Tensor | None, width: int,
                   min_p: torch.Tensor | None = None,
                   temperature: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The candidates ``_sort_filter`` keeps, for rows with 0 < k <= width, as the row's
-    ``width`` largest logits, divided by ``temperature`` (float32 [n], > 0) if given
-    (after the ``topk``: dividing by a positive number keeps the order, so the
-    vocabulary-wide division is skipped): min-p (if given: below the top logit plus log(min_p)
-    dropped, as ``_probs`` does before the filter; the top-``width`` hold every survivor
-    that top-k can keep), the top-k set (ties at the k-th value kept), and top-p's rule
-    written in descending order (a token is dropped when the mass ranked above it reaches
-    p; p = 1 drops nothing). Dropped candidates are -inf.
-
-    Returns:
-        (values [n, width] descending, their token ids int64 [n, width], ok bool [n]):
-        ``ok`` is False for a row whose ties at its k-th value reach past ``width`` (it
-        must go through the sort).
-    """
+    """Min-p, top-k (ties at the k-th value kept) and top-p over each row's ``width`` largest
+    logits (divided by ``temperature`` float32 [n] if given), for rows with 0 < k <= width.
+    Returns (values [n, width] descending, dropped -inf; ids int64 [n, width]; ok bool [n],
+    False where ties at the k-th value reach past ``width``)."""
     vals, idx = topk_rows(logits, width)                   # descending
     if temperature is not None:
         vals = vals / temperature.unsqueeze(1)
@@ -93,19 +73,12 @@ def _topk_compact(logits: torch.Tensor, k: torch.Tensor, p: torch.Tensor | None,
 
 def _topk_filter(logits: torch.Tensor, k: torch.Tensor, p: torch.Tensor | None,
                  width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``_sort_filter`` through ``_topk_compact`` for rows with 0 < k <= width.
-
-    Returns:
-        (filtered logits [n, V], ok bool [n]): ``ok`` is False for a row whose ties at
-        its k-th value reach past ``width`` (it must go through the sort).
-    """
     vals, idx, ok = _topk_compact(logits, k, p, width)
     return torch.full_like(logits, float("-inf")).scatter_(1, idx, vals), ok
 
 
 def _topk_width(k: int, vocab_size: int) -> int:
-    """The ``topk`` width of a row with top-k ``k``: the power of two >= k (at least 64),
-    or 0 (the row sorts) for k off, above ``_TOPK_WIDTH_MAX`` or the vocabulary."""
+    """The ``topk`` width for top-k ``k``: the power of two >= k (at least 64), or 0 (sort)."""
     if not 0 < k <= _TOPK_WIDTH_MAX or k >= vocab_size:
         return 0
     w = max(64, 1 << (k - 1).bit_length())
@@ -113,13 +86,8 @@ def _topk_width(k: int, vocab_size: int) -> int:
 
 
 def _apply_top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor | None) -> torch.Tensor:
-    """Mask logits outside the top-k set and outside the smallest set of tokens whose
-    probability mass reaches p (nucleus sampling, Holtzman et al. 2020, ICLR). The most
-    likely token always survives.
-
-    Each row takes a path chosen from its own k alone (``_topk_filter`` over the power
-    of two >= k, else ``_sort_filter``), so what a row keeps never depends on the other
-    rows of the batch."""
+    """Mask logits outside the top-k set and the top-p nucleus (Holtzman et al. 2020); the
+    most likely token always survives. A row's path depends on its own k only."""
     if k is None:
         return _sort_filter(logits, None, p)
     V = logits.shape[-1]
@@ -138,27 +106,20 @@ def _apply_top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Te
 
 
 def fill_exponential_(row: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """Exp(1) draws into ``row`` (float32, contiguous), in place, as -log(U) with U ~ U[0, 1)
-    from ``generator`` (the global one if None): 4.6x faster than ``Tensor.exponential_``
-    on the CPU (10.7 vs 49 ms for 32 rows of 49,152). U = 0 gives +inf, a token that
-    cannot win the race. Returns ``row``."""
+    """Exp(1) draws into ``row`` (float32, contiguous) in place, as -log(U), U from
+    ``generator`` (global if None). Returns ``row``. Why not ``exponential_``: docs/notes/sample.md."""
     torch.rand(row.shape, generator=generator, out=row)
     return row.log_().neg_()
 
 
 def fill_exponential_rows_(q: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
-    """``fill_exponential_`` for every row of ``q`` [n, W] (float32, contiguous), row j
-    from ``generators[j]``: each row's uniforms drawn from its own generator, then one
-    ``-log`` over all rows (the same values as row by row). Returns ``q``."""
+    """``fill_exponential_`` for each row of ``q`` [n, W], row j from ``generators[j]``. Returns ``q``."""
     for row, g in zip(q, generators):
         torch.rand(row.shape, generator=g, out=row)
     return q.log_().neg_()
 
 
 def _probs(logits: torch.Tensor, md: SamplingMetadata, renormalize: bool) -> torch.Tensor:
-    """Temperature, min-p, top-k/top-p, softmax (vLLM V1's order: min-p before the
-    top-k/top-p filter). Rows are summed back to 1 only if asked (the exponential race
-    is scale-invariant, so the Sampler skips that division)."""
     temp = torch.where(md.temperature > 0, md.temperature, torch.ones_like(md.temperature))
     x = logits.float() / temp.unsqueeze(1)
     if md.need_min_p:
@@ -172,40 +133,15 @@ def _probs(logits: torch.Tensor, md: SamplingMetadata, renormalize: bool) -> tor
 
 
 def compute_probs(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-    """The distribution each random row samples from: float32 [N, V], rows sum to 1.
-
-    ``logits / temperature`` (float32), then min-p (tokens below ``min_p`` times the
-    row's top probability dropped; Nguyen et al. 2024), then top-k and top-p
-    (``_apply_top_k_top_p``), each only if some row uses it, then softmax. The caller
-    has already applied ``process_logits`` to ``logits``.
-
-    Greedy rows (``sampling_params.is_greedy``) are not sampled from, so their rows
-    are only guaranteed finite: temperature 0 is treated as 1, and the filters apply as
-    for any other row.
-
-    Args:
-        logits: [N, V], any float dtype (computed in float32).
-        md: per-row settings, N rows.
-    """
+    """The distribution each random row samples from, float32 [N, V] with rows summing to 1,
+    from processed logits [N, V] (any float dtype); greedy rows are only guaranteed finite."""
     return _probs(logits, md, renormalize=True)
 
 
 class Sampler:
-    """Turns float32 logits [N, V] into token ids int64 [N].
-
-    Greedy rows (``sampling_params.is_greedy``: temperature 0, or ``top_k == 1``) take
-    the argmax, whose first-index rule also settles ties, which low-precision logits
-    make common (sampling among tied top tokens would make top_k=1 random).
-
-    Random rows draw with the exponential-race trick: argmax(p_i / E_i) with E_i ~ Exp(1)
-    selects token i with probability p_i (a Gumbel-max equivalent). A row with top-k
-    races only its candidates: its ``width`` largest logits (the power of two >= k,
-    ``_topk_compact``), so it consumes ``width`` draws from its own generator per step
-    instead of V, and no [V]-wide softmax or draw is made for it; other rows race the
-    whole vocabulary of ``compute_probs`` (V draws, ``fill_exponential_``). Which way a
-    row goes depends on its own settings and logits only, so a seeded request's tokens
-    do not depend on the batch around it.
-    """
+    """Float32 logits [N, V] → token ids int64 [N]: argmax for greedy rows (first index on
+    ties), else the exponential race argmax(p / E), E ~ Exp(1), per row from its own
+    generator, so a seeded row never depends on the batch. Design: docs/notes/sample.md."""
 
     def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         if md.all_greedy:

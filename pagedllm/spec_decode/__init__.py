@@ -1,3 +1,1 @@
-"""Model-free speculative-decoding proposers: prompt lookup (``ngram_proposer``) and
-SuffixDecoding (``suffix_proposer``). Each proposes draft tokens from token ids alone;
-the model runner verifies them (a wrong draft costs speed, never correctness)."""
+"""Speculative-decoding proposers: prompt lookup, SuffixDecoding, a draft model (``proposer``)."""

@@ -1,51 +1,15 @@
-"""How many of the proposed drafts each request verifies next step.
-
-Draft token j of a step (1-based) is kept only if drafts 1..j-1 were, so with a per-token
-acceptance rate ``a`` it adds ``a**j`` expected tokens to the step while costing one more
-scored position in the target's forward. ``a`` is estimated per request from the drafts
-it verified (accepted / tried positions, geometric model: a step that accepted m of k
-tried m + 1 positions unless all k were accepted), with exponential forgetting so that it
-follows the text's current phase.
-
-The choice is made for the whole next step, since what a draft position costs depends on
-the step: ``StepCostModel`` measures decode steps' forward time by the number of scored
-tokens T (on a CPU at batch 1 a step is mostly the weight read, so extra positions are
-cheap; at batch 8 the matmuls grow with T, and not smoothly: measured here, 8 -> 9 rows
-cost +17 %, 9 -> 16 rows +17 % more). ``AdaptiveDraftLength.choose`` takes the candidate
-positions of all requests in order of expected gain and keeps the count n that maximises
-the expected output tokens per second of the step, ``(B + sum of the n best gains) /
-cost(B + n)`` for B requests decoding; n = 0 (plain decoding) is always a candidate, so by
-the model speculation never costs throughput. Until the cost model has data it falls back
-to a per-request rule: the largest k with ``a**k >= min_gain``.
-
-A request whose drafts are all dropped gets a one-draft probe after ``probe_interval``
-steps, so a request whose text turns repetitive later picks speculation back up; probes
-are rationed to one per ``probe_interval`` steps for the whole batch, since one extra row
-can cost a batch of 8 on the CPU +17 % (measured: unrationed probes alone put a draft
-model that was never accepted at 0.89x plain decoding at c=8).
-
-Seeded sampled requests are left out of the step-level choice: how many drafts they verify
-changes which random draws they use, and their tokens must not depend on the batch
-(``SamplingParams.seed``), so they follow the per-request rule and probe on their own
-schedule, both functions of their own history only.
-"""
+"""How many proposed drafts each request verifies next step: the step's draft count that
+maximises expected tokens per second under a per-request acceptance rate and a measured
+step cost (``StepCostModel``). Rationale: docs/notes/spec-decode.md."""
 from __future__ import annotations
 
 import math
 
 
 class StepCostModel:
-    """Forward seconds of a decode step by the number of scored tokens T: an exponential
-    moving average per T once T was seen ``min_count`` times, else the least-squares line
-    ``a + b * T`` over all steps recorded (with forgetting). Steps with a prompt chunk are
-    left out by the caller (prefill runs in another regime).
-
-    Args:
-        decay: weight of the past per recorded step (line fit).
-        ema: weight of the past per step of the same T (table).
-        min_steps: steps before the line is used; min_count: steps of a T before its own
-            average is used.
-    """
+    """Forward seconds of a decode step by scored tokens T: a per-T moving average (``ema``)
+    once T was seen ``min_count`` times, else a least-squares line ``a + b * T`` with
+    forgetting (``decay``) after ``min_steps`` steps."""
 
     def __init__(self, decay: float = 0.97, ema: float = 0.8, min_steps: int = 16, min_count: int = 3):
         self.decay = decay
@@ -83,13 +47,12 @@ class StepCostModel:
         return my - b * mx, b
 
     def per_token_seconds(self) -> float | None:
-        """b of the line fit, seconds per extra scored token (None: no fit yet)."""
+        """Seconds per extra scored token (the line's slope), or None without a fit."""
         line = self._line()
         return None if line is None else line[1]
 
     def cost(self, num_tokens: int) -> float | None:
-        """Predicted forward seconds of a decode step scoring ``num_tokens`` tokens, or
-        None when neither that T's average nor the line is available."""
+        """Predicted forward seconds of a step scoring ``num_tokens`` tokens, or None if unknown."""
         e = self._table.get(num_tokens)
         if e is not None and e[1] >= self.min_count:
             return e[0]
@@ -100,13 +63,9 @@ class StepCostModel:
 
 
 class AdaptiveDraftLength:
-    """Args:
-        k_max: ``num_speculative_tokens``.
-        min_gain: the fallback rule's threshold (used until the cost model has data).
-        probe_interval: steps between one-draft probes of a request that drafts nothing.
-        decay: weight of the past per verified step (0.8: about the last 5 steps count).
-        enabled: False: every proposed draft is verified.
-    """
+    """Chooses draft counts. Args: ``k_max`` (``num_speculative_tokens``); ``min_gain``
+    (fallback rule ``a**k >= min_gain``); ``probe_interval`` (steps between one-draft probes);
+    ``decay`` (past weight per verified step); ``enabled`` (False: verify every draft)."""
 
     PRIOR_ACCEPTED = 1.5
     PRIOR_TRIED = 2.0     # prior a = 0.75 before any evidence
@@ -143,28 +102,16 @@ class AdaptiveDraftLength:
         return min(cap, int(math.log(self.min_gain) / math.log(a)))
 
     def record_proposer(self, seconds: float, depth: int) -> None:
-        """A model proposer (draft model) spent ``seconds`` proposing ``depth`` tokens deep
-        (sequential draft forwards); kept as a moving average per unit of depth."""
+        """A model proposer spent ``seconds`` proposing ``depth`` tokens deep (moving average per depth)."""
         if depth > 0:
             per = seconds / depth
             self._proposer_s = per if self._proposer_s is None else 0.8 * self._proposer_s + 0.2 * per
 
     def choose(self, req_ids: list[str], num_proposed: list[int], num_decoding: int,
                independent: list[bool] | None = None) -> list[int]:
-        """Drafts to verify per request next step (each <= its ``num_proposed``).
-
-        With a model proposer (``record_proposer`` called), the choice is made before
-        proposing and each candidate count also pays the proposer's time for the depth it
-        needs (its largest per-request count), so a draft model that is not accepted stops
-        being run.
-
-        Args:
-            req_ids / num_proposed: the requests that got proposals (or could get them)
-                and how many.
-            num_decoding: requests that will decode next step (B), drafts or not.
-            independent: per request, True when its count must not depend on the batch
-                (seeded sampling): the per-request rule then decides it.
-        """
+        """Drafts to verify per request next step (each <= its ``num_proposed``), for
+        ``num_decoding`` (B) decoding requests; ``independent[i]`` True (seeded sampling) puts a
+        request on the per-request rule."""
         if not self.enabled:
             return list(num_proposed)
         independent = independent or [False] * len(req_ids)
@@ -212,8 +159,7 @@ class AdaptiveDraftLength:
         return ks
 
     def record(self, req_id: str, num_draft: int, num_accepted: int) -> None:
-        """A step verified ``num_draft`` drafts of the request and accepted the first
-        ``num_accepted``."""
+        """A step verified ``num_draft`` drafts of the request and accepted the first ``num_accepted``."""
         if num_draft <= 0:
             return
         st = self._get(req_id)

@@ -1,20 +1,5 @@
-"""The runner's proposers: what turns ``--speculative-config`` into draft tokens.
-
-Every proposer answers the same calls from the ``ModelRunner`` (at the end of each step,
-for the requests that sampled):
-
-- ``propose(req_ids, token_ids, num_prompt_tokens, num_tokens_wanted, batch, rows)``:
-  up to ``num_tokens_wanted[i]`` drafts per request (``token_ids[i]``: its known tokens,
-  int32 [n_i], a view into the persistent batch);
-- ``remove_requests(req_ids)`` when requests finish, ``reset_request(req_id)`` when one
-  resumes after a preemption (its blocks are new);
-- ``kv_bytes_per_block(block_size)`` and ``initialize_kv_cache(num_blocks, block_size)``
-  for a proposer with its own KV cache (0 / nothing for model-free ones);
-- ``describe()`` for the start-up line.
-
-``ngram`` and ``suffix`` are model-free (``ngram_proposer``, ``suffix_proposer``);
-``draft_model`` is ``DraftModelProposer`` below.
-"""
+"""The runner's proposers (``propose``, ``remove_requests``, ``reset_request``,
+``kv_bytes_per_block``, ``initialize_kv_cache``, ``describe``) from ``--speculative-config``."""
 from __future__ import annotations
 
 import numpy as np
@@ -54,30 +39,12 @@ class ModelFreeProposer:
 
 
 class DraftModelProposer:
-    """A smaller model with the target's tokenizer proposes k tokens autoregressively.
-
-    The draft has its own paged KV cache with as many blocks as the target's and reads it
-    through the target's block tables, so the scheduler's ``KVCacheManager`` manages both
-    (``num_lookahead_slots`` = k reserves the slots its proposals write). Per call, for
-    each request: one forward catches the draft up on the tokens it has not seen (the
-    whole prompt the first time, then the tokens accepted in the last step, 1..k+1),
-    whose last position gives draft 1; then k - 1 one-token forwards give the rest. Only
-    known tokens count as computed in the draft's cache: the slots of drafts are
-    rewritten by the next catch-up, so rejection needs no rollback here.
-
-    Drafts are the draft model's argmax; for the rejection sampler that is a one-hot
-    proposal distribution, which keeps the target's distribution exactly for sampled
-    requests too (Leviathan et al. 2023, any q works), at some cost in acceptance.
-
-    Args:
-        config: the target's engine config (device, dtypes, attention backend, lengths);
-            its ``speculative_config`` carries the draft's path and architecture
-            (``draft_arch``, read by ``EngineConfig.from_args``).
+    """A smaller model with the target's tokenizer proposes k argmax tokens (one-hot proposals),
+    with its own paged KV cache on the target's block tables. ``config``: the target's
+    engine config, whose ``speculative_config`` names the draft. Design: docs/notes/spec-decode.md.
 
     Raises:
-        ValueError: ``speculative_config.draft_arch`` is None (a config not made by
-            ``EngineConfig.from_args``).
-    """
+        ValueError: ``speculative_config.draft_arch`` is None."""
 
     is_model = True   # each draft depth is a forward: the runner sizes proposals first
 
@@ -127,9 +94,7 @@ class DraftModelProposer:
 
     def _forward(self, batch, rows: np.ndarray, ctx: np.ndarray, q_lens: np.ndarray,
                  ids: np.ndarray | None) -> np.ndarray:
-        """One draft forward over ``rows`` (decodes first); returns the argmax at each
-        request's last query position, int64 [B]. ``ids``: the query tokens, or None to
-        read them from the batch rows."""
+        """One draft forward over ``rows``: argmax at each request's last query position, int64 [B]."""
         block_table = batch.block_table[rows, : int(batch.num_blocks[rows].max())]
         common, pos, rot = build_common_metadata(ctx, q_lens, block_table, self.block_size, self.device)
         if ids is None:
@@ -142,8 +107,7 @@ class DraftModelProposer:
 
     @torch.inference_mode()
     def propose(self, req_ids, token_ids, num_prompt_tokens, num_tokens_wanted, batch=None, rows=None):
-        """Drafts per request (see the class). ``batch`` / ``rows``: the runner's
-        persistent batch and the requests' rows in it (their block tables)."""
+        """Drafts per request; ``batch`` / ``rows``: the runner's persistent batch and the rows."""
         wanted = np.array(num_tokens_wanted, dtype=np.int64)
         if not wanted.any():
             return [[] for _ in req_ids]   # nothing to draft: the catch-up waits for the next proposal
@@ -181,7 +145,10 @@ class DraftModelProposer:
 
 
 def make_proposer(config: EngineConfig):
-    """The proposer ``config.speculative_config`` asks for."""
+    """The proposer ``config.speculative_config`` asks for.
+
+    Raises:
+        ValueError: unknown speculative method."""
     spec = config.speculative_config
     if spec.method == "ngram":
         from pagedllm.spec_decode.ngram_proposer import NgramProposer

@@ -1,46 +1,6 @@
-"""SuffixDecoding (speculative method ``"suffix"``).
-
-Oliaro et al. 2024, "SuffixDecoding: A Model-Free Approach to Speeding Up Large Language
-Model Inference" (arXiv:2411.04975), as served by vLLM's ``method: suffix`` through
-Snowflake's Arctic Inference ``SuffixDecodingCache``. Drafts come from two suffix trees
-(``suffix_tree.SuffixTree``, depth ``max_tree_depth``):
-
-* a per-request tree over the request's own tokens (prompt + output), extended with the
-  tokens each ``propose`` call brings that it has not seen;
-* one global tree over the responses (output tokens) of the last ``max_cached_requests``
-  finished requests, a response entering when its request is removed and leaving first
-  in, first out.
-
-To propose for a request whose context is c (its last ``max_tree_depth - 1`` tokens), for
-each match length m = 1, 2, ...: find c[-m:] in a tree and follow the most frequent child
-while the path probability (product of count / parent count) stays >= ``min_token_prob``,
-for at most min(wanted, num_speculative_tokens, floor(max_spec_factor * m)) tokens; the
-draft with the highest score (sum of its tokens' path probabilities, i.e. the expected
-number accepted) wins, the longer match on a tie, and between the two trees the higher
-score wins (the request's own on a tie). The loop stops at the first m that does not
-occur (a longer suffix cannot) or once a draft scores the whole budget.
-
-Differences from Arctic Inference: in the request's own tree the context's own occurrence
-at the sequence end (it always matches, with no continuation) is left out of the match
-node's count, so a phrase seen once before is proposed with probability 1, not 1/2.
-Responses enter the global tree when the request finishes, not token by token.
-
-Library decision: Arctic Inference (0.3.0) is published on PyPI only as a source
-distribution whose build needs torch >= 2.10, CMake, nanobind and protobuf/grpc tools and
-compiles the C++ suffix tree with its vLLM plugin; its only wheel (0.0.4) predates suffix
-decoding. So this is our own implementation, with no extra dependency.
-
-Cost, measured on a loaded 2-core CPU host (k=5, other settings default), for a
-request of tokenized Python source with a 50-response global cache: the first call,
-which builds the tree over a 2,000-token prompt, 6-9 ms; then per request and step,
-taking in the accepted tokens (3.8 per step here) and proposing, 50-60 us median (~70
-mean; rare ~1 ms outliers, Python's cyclic GC over the nodes): ~11 us to take in one
-token (one visit per hot start, <= max_tree_depth), ~6 us for the own tree, ~11 us for
-the global tree. Memory: ~190 bytes per token of non-repeating text, ~500 for source
-code, up to ~7 KiB per token of text that repeats an earlier one within the same tree
-(a copy materialises up to max_tree_depth nodes per token); the global cache holds the
-last ``max_cached_requests`` responses at that rate. See ``suffix_tree``.
-"""
+"""SuffixDecoding (speculative method ``"suffix"``; Oliaro et al. 2024, arXiv:2411.04975),
+after Arctic Inference's ``SuffixDecodingCache``: drafts from a per-request suffix tree
+and a global tree over recent responses. Algorithm and cost: docs/notes/spec-decode.md."""
 from __future__ import annotations
 
 from collections import deque
@@ -65,18 +25,12 @@ class _RequestState:
 
 
 class SuffixProposer:
-    """SuffixDecoding proposer (see the module docstring).
-
-    Args:
-        num_speculative_tokens: the most tokens proposed per request and step.
-        max_tree_depth: depth of both suffix trees (longest context matched + draft).
-        max_cached_requests: finished responses kept in the global tree (0 disables it).
-        max_spec_factor: a match of m tokens proposes at most ``max_spec_factor * m``.
-        min_token_prob: a draft stops before a token whose path probability is lower.
+    """SuffixDecoding proposer. Args: ``num_speculative_tokens`` (k); ``max_tree_depth``;
+    ``max_cached_requests`` (0: no global tree); ``max_spec_factor`` (an m-token match
+    proposes at most that times m); ``min_token_prob`` (the path-probability floor).
 
     Raises:
-        ValueError: naming the ``speculative_config`` key that is out of range.
-    """
+        ValueError: naming the ``speculative_config`` key that is out of range."""
 
     def __init__(self, num_speculative_tokens: int, max_tree_depth: int = 24, max_cached_requests: int = 1000,
                  max_spec_factor: float = 1.0, min_token_prob: float = 0.1):
@@ -103,15 +57,8 @@ class SuffixProposer:
 
     def propose(self, req_ids: list[str], token_ids: list[np.ndarray], num_prompt_tokens: list[int],
                 num_tokens_wanted: list[int]) -> list[list[int]]:
-        """For each request: its whole token sequence so far (prompt then output, int32
-        1-D; read, never modified or kept), the prompt length, and how many tokens to
-        propose at most (0 = no draft, but the tokens are still taken in, so the response
-        cached at removal is complete up to this call). Returns per request a list of
-        0..min(k, num_tokens_wanted[i]) token ids.
-
-        A request id whose sequence is shorter than before or whose known tokens differ
-        (at either end) starts a new tree; a preempted request that resumes keeps its own.
-        """
+        """Per request: tokens so far (int32 1-D, read only), prompt length, most tokens wanted
+        (0: none). Returns per request 0..min(k, num_tokens_wanted[i]) token ids."""
         out = []
         for req_id, seq, num_prompt, want in zip(req_ids, token_ids, num_prompt_tokens, num_tokens_wanted):
             state = self._update(req_id, seq, num_prompt)
@@ -120,8 +67,7 @@ class SuffixProposer:
         return out
 
     def remove_requests(self, req_ids: Iterable[str]) -> None:
-        """Drop finished or aborted requests; each one's response (the output tokens seen by
-        ``propose``) goes into the global tree, evicting the oldest beyond the limit."""
+        """Drop requests; each response goes into the global tree, evicting the oldest past the limit."""
         for req_id in req_ids:
             state = self._requests.pop(req_id, None)
             if state is None or self.max_cached_requests == 0:
@@ -164,14 +110,7 @@ class SuffixProposer:
 
     def _best_in_tree(self, tree: SuffixTree, context: list[int], want: int,
                       own: TokenSeq | None) -> tuple[list[int], float]:
-        """Best draft over match lengths (see the module docstring).
-
-        ``own``: the tree's sequence when ``context`` is its end (the request's own tree).
-        Its occurrence there is not counted, and the match for each length is read from the
-        sequence's hot starts (the node of the path from each start to the end) instead of
-        walked from the root: a start that is not hot ended in a tail, i.e. its suffix
-        occurs only there.
-        """
+        """Best (draft, score) over match lengths; ``own``: the request's sequence in its own tree."""
         best, best_score = [], 0.0
         n, factor, min_prob = len(context), self.max_spec_factor, self.min_token_prob
         hot, end = (own.hot, len(own)) if own is not None else (None, 0)

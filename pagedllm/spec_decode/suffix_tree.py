@@ -1,40 +1,6 @@
-"""A depth-bounded suffix trie with occurrence counts and lazily materialised tails.
-
-The trie over a set of token sequences holds, for every position i of every sequence, the
-path ``tokens[i : i + max_depth]`` (shorter at the sequence's end); a node's ``count`` is
-the number of positions whose path passes through it, so ``child.count / node.count`` is
-the empirical probability that the substring spelled by ``node`` is followed by
-``child``'s token (occurrences that end at a sequence end or at the depth bound are in
-the parent's count only).
-
-Tails (the memory bound): a node passed by ONE occurrence has a single-chain subtree, so
-it is not built: the node is a *tail* (``children is None``) that points into its owner
-sequence (``seq``, ``pos`` = index of the token after it) and stands for the whole chain.
-When a second occurrence reaches a tail, the tail *bursts*: it becomes an ordinary node
-with one tail child for the owner's next token. Materialised nodes are therefore the
-substrings that occur at least twice, plus one tail per other position: about n nodes
-for text that rarely repeats (n = tokens inserted) instead of n * max_depth for a plain
-trie; text copied c times costs about (c-1) * n * max_depth / c nodes. Measured (with
-the stored tokens): ~190 bytes per token of random tokens, ~500 per token of source code,
-~7 KiB per token of a verbatim copy at max_depth 24.
-
-Insertion (``extend``): a sequence's *hot* starts are the positions whose whole path is
-materialised (its deepest node is an ordinary node at the path's depth); a start whose
-path ended in a tail is dormant (the tail grows with its owner for free). Appending a
-token visits each hot start once (one dict lookup, one count increment) and drops the
-starts that reached ``max_depth``: at most ``max_depth`` node visits per token, usually a
-few. Bursting needs only the owner's stored tokens, so it works whatever the owner. One
-sequence at a time may be extended (the trees here hold one growing request, or finished
-responses inserted whole); that is what lets a burst skip the owner's hot starts.
-
-Removal (``remove``): each of the sequence's paths is walked from the root and its counts
-decremented, deleting nodes that reach zero: O(n * max_depth) dict operations at most,
-stopping at the path's tail.
-
-Ties between children of equal count go to the one that reached the count last (the most
-recent continuation); a node whose top child lost a count in a removal recomputes it when
-next needed, taking the first in insertion order among equals.
-"""
+"""A depth-bounded suffix trie with occurrence counts (``child.count / node.count`` is the
+empirical next-token probability) and lazily materialised single-occurrence tails. One
+sequence at a time may be extended. Design and costs: docs/notes/spec-decode.md."""
 from __future__ import annotations
 
 from array import array
@@ -42,9 +8,8 @@ from collections.abc import Sequence
 
 
 class Node:
-    """A trie node: ordinary (``children`` maps token -> Node, ``best`` is the child of
-    highest count or None when unknown) or a tail (``children`` is None; its one
-    occurrence continues at ``seq.tokens[pos]``)."""
+    """A trie node: ordinary (``children`` token -> Node, ``best`` the top child or None if
+    unknown) or a tail (``children`` None; continues at ``seq.tokens[pos]``)."""
 
     __slots__ = ("tok", "count", "children", "best", "seq", "pos")
 
@@ -57,7 +22,6 @@ class Node:
         self.pos = pos
 
     def top_child(self) -> Node | None:
-        """The child with the highest count (None for a tail or a childless node)."""
         if self.best is None and self.children:
             self.best = max(self.children.values(), key=_count)
         return self.best
@@ -68,8 +32,7 @@ def _count(node: Node) -> int:
 
 
 class TokenSeq:
-    """A sequence stored in a tree: its tokens (int32, compact) and its hot starts (start
-    position -> the ordinary node at depth ``len(tokens) - start``)."""
+    """A stored sequence: tokens (int32 array) and hot starts (start -> ordinary node at the path's end)."""
 
     __slots__ = ("tokens", "hot")
 
@@ -82,16 +45,14 @@ class TokenSeq:
 
 
 class SuffixTree:
-    """Counts of every substring of length <= ``max_depth`` of the sequences inserted
-    (see the module docstring)."""
+    """Counts of every substring of length <= ``max_depth`` of the inserted sequences."""
 
     def __init__(self, max_depth: int):
         self.max_depth = max_depth
         self.root = Node(-1, children={})
 
     def extend(self, seq: TokenSeq, new_tokens: Sequence[int]) -> None:
-        """Append ``new_tokens`` to ``seq`` (which must be the only sequence of this tree
-        being extended) and insert the paths they create or lengthen."""
+        """Append ``new_tokens`` to ``seq`` (the only sequence being extended) and insert their paths."""
         toks, root, last = seq.tokens, self.root, self.max_depth - 1
         hot = seq.hot
         for t in new_tokens:
@@ -122,8 +83,7 @@ class SuffixTree:
         seq.hot = hot
 
     def _burst(self, tail: Node, depth: int) -> None:
-        """Materialise ``tail`` (at ``depth``): an ordinary node whose one child is a tail
-        for its owner's next token, if the owner has one within the depth bound."""
+        """Make ``tail`` (at ``depth``) ordinary, with one tail child for its owner's next token."""
         owner, q = tail.seq, tail.pos
         tail.children = {}
         tail.seq = None
@@ -132,8 +92,7 @@ class SuffixTree:
             tail.children[tok] = tail.best = Node(tok, seq=owner, pos=q + 1)
 
     def remove(self, seq: TokenSeq) -> None:
-        """Take every path of a finished ``seq`` out of the tree (counts down, nodes at
-        zero deleted)."""
+        """Take every path of a finished ``seq`` out of the tree (counts down, zero nodes deleted)."""
         toks, n = seq.tokens, len(seq.tokens)
         for start in range(n):
             node = self.root
@@ -150,13 +109,8 @@ class SuffixTree:
         seq.hot.clear()
 
     def match(self, context: list[int]) -> tuple[Node, int, int] | None:
-        """Find ``context`` as a path from the root.
-
-        Returns:
-            ``(node, depth, into_tail)``: the deepest node on the path, its depth, and how
-            many context tokens lie beyond it inside its tail (0 for an ordinary node), or
-            None when the context does not occur.
-        """
+        """Find ``context`` as a path from the root: ``(node, depth, into_tail)`` (the deepest node,
+        its depth, context tokens beyond it inside its tail), or None when it does not occur."""
         node, k, n = self.root, 0, len(context)
         while k < n:
             children = node.children
@@ -174,14 +128,9 @@ class SuffixTree:
 
     def follow(self, node: Node, depth: int, into_tail: int, denominator: int, max_tokens: int,
                min_token_prob: float) -> tuple[list[int], float]:
-        """Greedy continuation from a ``match`` result: the most frequent child while the
-        path probability (product of ``child.count / parent count``, the first parent
-        count being ``denominator``, > 0) stays >= ``min_token_prob``; inside a tail every
-        token keeps the probability reached (one occurrence, one continuation).
-
-        Returns:
-            (up to ``max_tokens`` tokens, score = sum of their path probabilities).
-        """
+        """Greedy continuation from a ``match``: the most frequent child while the path probability
+        (first parent count ``denominator`` > 0) stays >= ``min_token_prob``. Returns (up to
+        ``max_tokens`` tokens, score = sum of their path probabilities)."""
         out: list[int] = []
         prob, score, n = 1.0, 0.0, 0
         while n < max_tokens:

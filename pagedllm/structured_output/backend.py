@@ -1,13 +1,5 @@
-"""The XGrammar backend (Dong et al. 2024, "XGrammar: Flexible and Efficient Structured
-Generation Engine for Large Language Models"; https://github.com/mlc-ai/xgrammar).
-
-XGrammar turns a JSON schema, regex or EBNF grammar into a pushdown automaton, and at
-compile time splits the vocabulary into context-independent tokens (decided once per
-automaton position and cached) and context-dependent ones (checked at run time), so a
-matcher fills a step's allowed-token bitmask in tens of microseconds. A compile needs
-the tokenizer (``xgr.TokenizerInfo``); a parse (``xgr.Grammar.from_*``) does not, which is
-what validation uses.
-"""
+"""The XGrammar backend (Dong et al. 2024; https://github.com/mlc-ai/xgrammar): constraint
+keys, parse-only validation, the compiler and the per-request matcher."""
 from __future__ import annotations
 
 import functools
@@ -22,14 +14,9 @@ _CPP_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: (Check failed: \(.*?\) is false
 
 
 def grammar_key(params: StructuredOutputsParams) -> tuple[str, str]:
-    """The compile-cache key of a constraint: (kind, spec), where spec is a string.
-
-    Kinds: ``"json"`` (the schema; a dict serialised as ``json.dumps`` does, keys in
-    their order, since property order is part of the grammar), ``"json_any"``
-    (json_object), ``"regex"``, ``"grammar"`` (EBNF; a choice becomes
-    ``root ::= "a" | "b"``). ``disable_any_whitespace`` is part of the JSON kinds' key
-    (``"json!ws"``, ``"json_any!ws"``).
-    """
+    """The compile-cache key of a constraint: (kind, spec string). Kinds: ``"json"`` (the
+    schema, ``json.dumps`` order kept), ``"json_any"``, ``"regex"``, ``"grammar"`` (EBNF; a
+    choice becomes ``root ::= "a" | "b"``); JSON kinds get ``"!ws"`` for ``disable_any_whitespace``."""
     kind = params.kind
     ws = "!ws" if params.disable_any_whitespace else ""
     if kind == "json":
@@ -46,11 +33,10 @@ def grammar_key(params: StructuredOutputsParams) -> tuple[str, str]:
 
 
 def parse_grammar(kind: str, spec: str):
-    """An ``xgr.Grammar`` for a ``grammar_key``: parsing only, no tokenizer (~1 ms).
+    """An ``xgr.Grammar`` for a ``grammar_key``: parsing only, no tokenizer.
 
     Raises:
-        RuntimeError / ValueError / TypeError: xgrammar's message on a bad spec.
-    """
+        RuntimeError / ValueError / TypeError: a bad spec."""
     import xgrammar as xgr
 
     base, _, ws = kind.partition("!")
@@ -86,15 +72,10 @@ def _parse_error(kind: str, spec: str) -> str | None:
 
 
 def validate_structured_outputs(params: StructuredOutputsParams) -> None:
-    """Check that a constraint parses (JSON schema, regex or EBNF), without compiling it
-    against the tokenizer; results are cached by spec.
+    """Check that a constraint parses, without compiling it (cached by spec).
 
     Raises:
-        InvalidParameterError("structured_outputs"): the schema is not valid JSON or not a
-            JSON object/boolean, or xgrammar cannot convert it (an unsupported or broken
-            schema, a regex that does not parse, an EBNF grammar with an error); the
-            message names the kind and quotes xgrammar's reason.
-    """
+        InvalidParameterError("structured_outputs"): it does not parse (quoting xgrammar)."""
     kind, spec = grammar_key(params)
     err = _parse_error(kind, spec)
     if err is not None:
@@ -102,16 +83,9 @@ def validate_structured_outputs(params: StructuredOutputsParams) -> None:
 
 
 class XgrammarBackend:
-    """The tokenizer's vocabulary as xgrammar sees it, and a compiler over it.
-
-    Args:
-        tokenizer: the model's HF tokenizer.
-        vocab_size: the MODEL's vocabulary (logits width, ``ModelArchConfig.vocab_size``),
-            which may exceed ``len(tokenizer)``: ids past the tokenizer are never allowed.
-        stop_token_ids: ids that end generation (EOS); a grammar allows them once it is
-            complete, and a matcher that accepts one is terminated.
-        max_threads: xgrammar's compile threads per grammar.
-    """
+    """The tokenizer's vocabulary as xgrammar sees it, and a compiler over it. ``vocab_size``:
+    the model's logits width (ids past the tokenizer never allowed); ``stop_token_ids``:
+    allowed once a grammar is complete; ``max_threads``: compile threads per grammar."""
 
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int], max_threads: int = 2):
         import xgrammar as xgr
@@ -122,20 +96,15 @@ class XgrammarBackend:
         self.compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=max_threads)
 
     def compile(self, kind: str, spec: str):
-        """An ``xgr.CompiledGrammar`` for a ``grammar_key`` (seconds for a large schema;
-        the manager runs this in a worker thread).
+        """An ``xgr.CompiledGrammar`` for a ``grammar_key`` (slow: run off the engine loop).
 
         Raises:
-            RuntimeError / ValueError: the spec does not compile.
-        """
+            RuntimeError / ValueError: the spec does not compile."""
         return self.compiler.compile_grammar(parse_grammar(kind, spec))
 
 
 class StructuredOutputGrammar:
-    """One request's position in its grammar: an ``xgr.GrammarMatcher``.
-
-    Used on the engine core's thread only. Args: compiled: an ``xgr.CompiledGrammar``.
-    """
+    """One request's ``xgr.GrammarMatcher`` over ``compiled``; engine core thread only."""
 
     def __init__(self, compiled):
         import xgrammar as xgr
@@ -144,8 +113,7 @@ class StructuredOutputGrammar:
         self.num_processed_tokens = 0
 
     def accept_tokens(self, tokens: list[int]) -> bool:
-        """Advance through ``tokens``; stops at the first one the grammar rejects and
-        returns False then (the tokens before it stay accepted), True if all were."""
+        """Advance through ``tokens``; False at the first rejected one (earlier ones stay accepted)."""
         for t in tokens:
             if not self.matcher.accept_token(int(t)):
                 return False
@@ -153,8 +121,7 @@ class StructuredOutputGrammar:
         return True
 
     def validate_tokens(self, tokens: list[int]) -> list[int]:
-        """The longest prefix of ``tokens`` (drafts) the grammar accepts from here; the
-        matcher is left where it was."""
+        """The longest prefix of ``tokens`` the grammar accepts from here; the matcher is unchanged."""
         n = 0
         for t in tokens:
             if self.matcher.is_terminated() or not self.matcher.accept_token(int(t)):
@@ -165,17 +132,13 @@ class StructuredOutputGrammar:
         return list(tokens[:n])
 
     def rollback(self, n: int) -> None:
-        """Undo the last ``n`` accepted tokens."""
         if n > 0:
             self.matcher.rollback(n)
             self.num_processed_tokens -= n
 
     def fill_bitmask(self, bitmask, row: int) -> None:
-        """Write the tokens allowed next into row ``row`` of ``bitmask`` (int32 CPU tensor
-        [rows, ceil(vocab / 32)], bit j of word i = token 32 i + j). A terminated
-        matcher allows nothing."""
+        """Write the tokens allowed next into row ``row`` of ``bitmask`` (int32 CPU [rows, ceil(V / 32)])."""
         self.matcher.fill_next_token_bitmask(bitmask, row)
 
     def is_terminated(self) -> bool:
-        """True once the grammar accepted a stop token (the request is done)."""
         return self.matcher.is_terminated()

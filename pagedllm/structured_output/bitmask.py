@@ -1,10 +1,6 @@
 """Allowed-token bitmasks across the scheduler → runner seam, and applying them to logits.
-
-A bitmask is xgrammar's layout (Dong et al. 2024, "XGrammar"): int32 [rows,
-ceil(vocab / 32)], bit j of word i set = token 32 i + j allowed. It crosses the seam in
-``SchedulerOutput`` as little-endian bytes (``GrammarBitmask``) so that the message stays
-msgspec-encodable.
-"""
+Layout (xgrammar's): int32 [rows, ceil(vocab / 32)], bit j of word i = token 32 i + j
+allowed; sent as little-endian bytes (``GrammarBitmask``)."""
 from __future__ import annotations
 
 import logging
@@ -39,16 +35,8 @@ def bitmask_to_bool(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int] | None = None) -> None:
-    """Set disallowed tokens' logits to -inf, in place.
-
-    Args:
-        logits: float [N, vocab] on any device (``vocab`` <= 32 × words).
-        bitmask: int32 [N, words] (CPU or ``logits.device``): row i masks logits row i.
-        rows: the rows to mask (others untouched); None = all.
-
-    Uses ``xgr.apply_token_bitmask_inplace`` (CPU or CUDA kernel) and falls back to an
-    unpack in torch where xgrammar cannot run (logged once).
-    """
+    """Set disallowed tokens of float ``logits`` [N, vocab] to -inf in place; ``bitmask`` int32
+    [N, words] (CPU or ``logits.device``); ``rows``: rows to mask (None = all)."""
     global _xgr_failed
     if rows is not None and not rows:
         return

@@ -1,16 +1,6 @@
-"""StructuredOutputManager: the engine core's owner of grammars (vLLM V1's design).
-
-A constrained request's grammar is compiled when the request is added, in a thread pool
-off the engine loop; the scheduler leaves the request in its waiting queue (without
-blocking the requests behind it) until the compile is done. Compiles are cached by
-(kind, spec), so identical schemas compile once. Each step the scheduler asks for the
-bitmask of the constrained requests that sample: one row per sampling position (k + 1
-for a request verifying k drafts: the matcher is advanced through the drafts, a row
-filled at each position, then rolled back), and after the step it advances each matcher
-with the tokens the request accepted. Matchers follow XGrammar (Dong et al. 2024,
-"XGrammar: Flexible and Efficient Structured Generation Engine for Large Language
-Models").
-"""
+"""StructuredOutputManager: the engine core's owner of grammars (vLLM V1's design): compiles
+in a thread pool with a (kind, spec) cache, builds each step's bitmask (k + 1 rows for k
+drafts), advances matchers with accepted tokens. Flow: docs/notes/structured-output.md."""
 from __future__ import annotations
 
 import concurrent.futures as cf
@@ -27,22 +17,13 @@ logger = logging.getLogger("pagedllm")
 
 
 class GrammarCompileError(RuntimeError):
-    """A request's grammar failed to compile (it parsed in the Processor, so rare)."""
+    """A request's grammar failed to compile."""
 
 
 class StructuredOutputManager:
-    """Args:
-        model_path: where the tokenizer is loaded from (``pagedllm.tokenizer.get_tokenizer``),
-            at the first constrained request, in the compile thread.
-        vocab_size: the model's vocabulary (logits width); bitmasks have
-            ceil(vocab_size / 32) words per row.
-        model_eos_token_ids: the model config's EOS ids; with the tokenizer's (as the
-            front end computes them), the tokens that terminate a complete grammar.
-        max_workers: compile threads; cache_size: compiled grammars kept (LRU).
-
-    Attributes:
-        num_compiles: compiles actually run (cache misses), for tests and logs.
-    """
+    """Args: ``model_path`` (tokenizer source); ``vocab_size`` (logits width);
+    ``model_eos_token_ids``; ``max_workers`` (compile threads); ``cache_size`` (LRU of
+    compiled grammars). ``num_compiles`` counts compiles actually run."""
 
     def __init__(self, model_path: str, vocab_size: int, model_eos_token_ids: list[int],
                  max_workers: int = 1, cache_size: int = 256):
@@ -93,8 +74,7 @@ class StructuredOutputManager:
         """True once ``req_id``'s grammar is compiled and its matcher made.
 
         Raises:
-            GrammarCompileError: the compile failed (the request cannot run).
-        """
+            GrammarCompileError: the compile failed."""
         if req_id in self._grammars:
             return True
         fut = self._pending[req_id]
@@ -108,8 +88,7 @@ class StructuredOutputManager:
         return True
 
     def wait_for_compiles(self, timeout: float) -> None:
-        """Block until a pending compile finishes or ``timeout`` seconds pass (the engine
-        calls this instead of spinning when only not-yet-compiled requests wait)."""
+        """Block until a pending compile finishes or ``timeout`` seconds pass."""
         pending = [f for f in self._pending.values() if not f.done()]
         if pending:
             cf.wait(pending, timeout=timeout, return_when=cf.FIRST_COMPLETED)
@@ -124,18 +103,8 @@ class StructuredOutputManager:
         return self._grammars[req_id].validate_tokens(drafts)
 
     def grammar_bitmask(self, scheduled: list[tuple[str, list[int]]]) -> GrammarBitmask | None:
-        """This step's bitmask for the constrained requests that sample.
-
-        Args:
-            scheduled: (req_id, drafts it verifies this step) in schedule order; the
-                drafts must have passed ``validate_drafts``.
-
-        Returns:
-            len(drafts) + 1 rows per request (row j: the tokens allowed after its first
-            j drafts; every token where the grammar has already terminated, as those
-            positions are discarded), or None when ``scheduled`` is empty. Matchers are
-            left where they were.
-        """
+        """This step's bitmask for ``scheduled`` (req_id, validated drafts) in schedule order:
+        len(drafts) + 1 rows per request (row j: allowed after j drafts); None if empty."""
         if not scheduled:
             return None
         import xgrammar as xgr
@@ -158,17 +127,14 @@ class StructuredOutputManager:
         return pack_bitmask(bitmask, first_row)
 
     def accept_tokens(self, req_id: str, tokens: list[int]) -> bool:
-        """Advance ``req_id``'s matcher over the tokens it produced; False at the first
-        one the grammar rejects (the bitmask makes that impossible short of a bug)."""
+        """Advance ``req_id``'s matcher over its produced tokens; False at the first rejected one."""
         return self._grammars[req_id].accept_tokens(tokens)
 
     def is_terminated(self, req_id: str) -> bool:
-        """True once ``req_id``'s grammar accepted a stop token."""
         return self._grammars[req_id].is_terminated()
 
     def remove_request(self, req_id: str) -> None:
-        """Forget a finished or aborted request (its compile, if running, goes on for the
-        cache)."""
+        """Forget a finished or aborted request (a running compile goes on for the cache)."""
         self._pending.pop(req_id, None)
         self._grammars.pop(req_id, None)
 
