@@ -1,15 +1,8 @@
-"""The attention-backend interface.
-
-A backend owns two things: the KV-cache layout it wants, and one ``forward`` per layer
-that (1) writes the new tokens' K/V into the paged cache at ``slot_mapping`` and (2)
-attends every request's queries over all of that request's cached tokens with causal
-masking. The cache's element type may differ from the model's (``--kv-cache-dtype``:
-float32, bfloat16 or fp8, ``kv_cache_dtypes``); a backend stores K as fp8(k / k_scale)
-(V alike) and reads element * scale (vLLM's per-tensor ``k_scale`` / ``v_scale``).
-
-The ModelRunner builds one ``CommonAttentionMetadata`` per step; each backend derives
-what it needs from it once per step (``build_metadata``), never per layer.
-"""
+"""The attention-backend interface. A backend owns its KV-cache layout and one ``forward`` per
+layer that writes the new tokens' K/V at ``slot_mapping`` and attends each request's queries
+causally over its cached tokens. A cache in fp8 stores fp8(k / k_scale) and reads element *
+scale (vLLM's per-tensor ``k_scale`` / ``v_scale``). Per-step metadata is derived once per
+step (``build_metadata``) from the runner's ``CommonAttentionMetadata``."""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
@@ -28,24 +21,10 @@ FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 @dataclass
 class CommonAttentionMetadata:
-    """Batch description shared by all backends (one flattened, unpadded batch).
-
-    Requests with exactly one query token (decodes) come first in the batch.
-
-    Attributes:
-        num_reqs: B, requests in the batch.
-        num_tokens: T, total query tokens.
-        num_decodes: requests (at the front) whose query length is 1.
-        query_start_loc: int32 [B+1], offsets of each request's queries in the T tokens.
-        seq_lens: int32 [B], tokens in the cache for each request after this step
-            (computed context + this step's queries).
-        context_lens: int32 [B], tokens already cached before this step.
-        block_table: int32 [B, max_blocks], block ids of each request (row-padded with 0).
-        slot_mapping: int64 [T], cache slot (block_id * block_size + offset) of each token.
-        block_size: tokens per block.
-        query_start_loc_np, seq_lens_np, context_lens_np, block_table_np: CPU numpy copies
-            of the above (host-side planning without device syncs).
-    """
+    """One flattened, unpadded batch, decodes (one query token) first. B requests, T tokens:
+    ``query_start_loc`` int32 [B+1]; ``seq_lens`` int32 [B] (cached after this step);
+    ``context_lens`` int32 [B] (cached before); ``block_table`` int32 [B, max_blocks] (0-padded);
+    ``slot_mapping`` int64 [T] (block_id * block_size + offset); ``*_np``: host numpy copies."""
 
     num_reqs: int
     num_tokens: int
@@ -64,18 +43,9 @@ class CommonAttentionMetadata:
 
 def build_common_metadata(context_lens: np.ndarray, query_lens: np.ndarray, block_table: np.ndarray,
                           block_size: int, device: torch.device) -> tuple[CommonAttentionMetadata, np.ndarray, np.ndarray]:
-    """Describe one flattened batch, vectorised (numpy on the host, then one copy each).
-
-    Args:
-        context_lens: int64 [B], tokens already in the cache per request.
-        query_lens: int64 [B] (> 0), tokens computed this step per request; requests with
-            one query token must come first.
-        block_table: int32 [B, max_blocks], each request's block ids (row-padded).
-        block_size: tokens per block; device: where the tensors go.
-
-    Returns:
-        (metadata, positions int64 [T], request index of each token int64 [T]).
-    """
+    """Describe one batch (decodes first) from context_lens, query_lens (int64 [B]) and
+    block_table int32 [B, max_blocks]. Returns (metadata, positions int64 [T], request index
+    of each token int64 [T])."""
     B = len(query_lens)
     qsl = np.zeros(B + 1, dtype=np.int64)
     np.cumsum(query_lens, out=qsl[1:])
@@ -97,16 +67,9 @@ def build_common_metadata(context_lens: np.ndarray, query_lens: np.ndarray, bloc
 
 
 class AttentionBackend(ABC):
-    """Interface every attention implementation provides.
-
-    Attributes:
-        name: the ``--attention-backend`` name.
-        kv_cache_dtypes: the KV-cache element types it can write and read.
-        dtype: the model's dtype (q, k, v, output); kv_cache_dtype: the cache's.
-        kernels: the compiled C++ kernel module this backend computes with, which a
-            fused caller may call in its place (``models/fused_decoder.py``); None for
-            a backend without one.
-    """
+    """Interface every attention implementation provides. ``name``: the
+    ``--attention-backend`` name; ``kv_cache_dtypes``: cache dtypes it supports; ``kernels``:
+    its compiled C++ module (for a fused caller), or None."""
 
     name: str = "abstract"
     kv_cache_dtypes: tuple[torch.dtype, ...] = ()
@@ -119,9 +82,7 @@ class AttentionBackend(ABC):
 
     def describe(self, head_dim: int | None = None, block_size: int | None = None,
                  sliding_windows: Sequence[int | None] = ()) -> str:
-        """How this backend computes, for the start-up log (default: its name). The model's
-        ``head_dim``, the cache's ``block_size`` (tokens) and each layer's sliding window
-        (None: full attention), where known, let a backend say which kernel those layers get."""
+        """How this backend computes, for the start-up log (default: its name)."""
         return self.name
 
     @staticmethod
@@ -137,35 +98,20 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def build_metadata(self, common: CommonAttentionMetadata, sliding_window: int | None = None) -> Any:
-        """Per-step precomputation (gather indices, masks), shared by all layers that
-        attend over ``sliding_window`` tokens (None: the whole context; else query
-        position p sees keys p - sliding_window + 1 .. p, and the keys before that are
-        never read, so their blocks may have been released)."""
+        """Per-step precomputation shared by the layers with ``sliding_window`` (None: whole
+        context; else query p sees keys p - window + 1 .. p, older blocks may be released)."""
 
     def kernel_metadata(self, metadata: Any) -> Any | None:
-        """``metadata`` (what ``build_metadata`` returned, or a list of those) when it is
-        what ``kernels`` read, so a fused caller may hand it to them; else None (the
-        default: a backend without kernels)."""
+        """``metadata`` when ``kernels`` read it as it is, else None (default)."""
         return None
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 layer_cache: Any, metadata: Any, scale: float,
                 k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
-        """Write K/V at the slot mapping, then attend.
-
-        Args:
-            q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim] (model dtype).
-            layer_cache: this layer's cache view (see ``layer_cache``), in any of
-                ``kv_cache_dtypes``.
-            metadata: the object ``build_metadata`` returned for this step.
-            scale: softmax scale, usually head_dim ** -0.5.
-            k_scale, v_scale: the cache holds k / k_scale and v / v_scale (positive,
-                finite; 1.0 = as they are).
-
-        Returns:
-            [T, num_heads * head_dim] attention output.
-        """
+        """Write K/V at the slot mapping, then attend. q [T, num_heads, head_dim], k, v
+        [T, num_kv_heads, head_dim] (model dtype); the cache holds k / k_scale, v / v_scale.
+        Returns [T, num_heads * head_dim]."""
 
 
 _BACKENDS: dict[str, type[AttentionBackend]] = {}
@@ -177,12 +123,8 @@ def register_backend(cls: type[AttentionBackend]) -> type[AttentionBackend]:
 
 
 def attention_backend_class(name: str = "auto", device: torch.device | None = None) -> type[AttentionBackend]:
-    """The backend class called ``name``. ``"auto"``: ``cpu_kernel`` on the CPU (the C++
-    paged-attention kernel, falling back to torch ops), ``torch`` elsewhere.
-
-    Raises:
-        ValueError: no backend has that name (the known names are listed).
-    """
+    """The backend class ``name``; "auto": ``cpu_kernel`` on the CPU, else ``torch``.
+    Raises ValueError for an unknown name (the known ones listed)."""
     from pagedllm.attention import cpu_backend, torch_backend  # noqa: F401  (register themselves)
 
     if name == "auto":
@@ -195,13 +137,8 @@ def attention_backend_class(name: str = "auto", device: torch.device | None = No
 def get_attention_backend(name: str = "auto", device: torch.device | None = None,
                           dtype: torch.dtype = torch.float32,
                           kv_cache_dtype: torch.dtype | None = None) -> AttentionBackend:
-    """Instantiate a backend by name (``attention_backend_class``) for a model computing in
-    ``dtype`` with a KV cache of ``kv_cache_dtype`` (None: ``dtype``).
-
-    Raises:
-        ValueError: no backend has that name (the known names are listed), or it cannot
-            use ``kv_cache_dtype`` (named).
-    """
+    """Instantiate backend ``name`` for ``dtype`` with a ``kv_cache_dtype`` cache (None: dtype).
+    Raises ValueError for an unknown name or an unsupported ``kv_cache_dtype``."""
     cls = attention_backend_class(name, device)
     if kv_cache_dtype is not None and kv_cache_dtype not in cls.kv_cache_dtypes:
         raise ValueError(f"kv_cache_dtype {kv_cache_dtype} is not supported by the {cls.name!r} attention backend")

@@ -1,20 +1,8 @@
-"""Paged attention on the CPU by the C++ kernel (``pagedllm/kernels/csrc/paged_attention_cpu.cpp``),
-float32 or bfloat16, with a KV cache in float32, bfloat16 or fp8 (E4M3, E5M2; per-layer
-k/v scales), widened to float32 as it is read.
-
-One kernel call per layer covers the whole flattened batch (decodes, prompts, prompt
-chunks over a cached prefix, several query tokens per request) and reads K/V in place
-through the block tables: no gather into contiguous copies and no Python loop over
-requests. Each (query, head) is computed alone in a fixed order, with float32 scores,
-softmax and accumulation (on a CPU with AMX-BF16, a bf16 model over a bf16 cache takes
-its q.k scores from AMX tile products, for every query alike), so a token's attention output never depends on the batch it
-ran in, on how its prompt was chunked, or on whether its prefix came from the cache.
-
-The cache layout is the torch backend's (``[layers, 2, slots, kv_heads, head_dim]``), so
-the two backends are interchangeable on one cache; without the compiled kernels (no
-compiler, ``PAGEDLLM_CPU_KERNELS=0``) or off the CPU, this backend runs the torch
-backend's ops instead, and says so in the start-up log (``describe``).
-"""
+"""Paged attention on the CPU by the C++ kernel (``kernels/csrc/paged_attention_cpu.cpp``),
+float32 or bfloat16, over a float32, bfloat16 or fp8 cache: one call per layer for the whole
+batch, K/V read in place through the block tables, each (query, head) computed alone in a
+fixed order (batch-invariant). Same cache layout as the torch backend, whose ops run where
+the kernels do not (said by ``describe``). More: docs/notes/attention.md."""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -31,17 +19,9 @@ from pagedllm.kernels.cpu import KERNEL_DTYPES, KV_CACHE_KERNEL_DTYPES, kernels_
 
 @dataclass
 class CpuAttentionMetadata:
-    """What the kernel reads for one step (CPU tensors sharing the runner's numpy buffers
-    where they can).
-
-    Attributes:
-        slot_mapping: int64 [T], cache slot of each new token.
-        block_table: int32 [B, max_blocks].
-        query_start_loc: int32 [B+1].
-        seq_lens: int32 [B], cached tokens after this step (context + queries).
-        block_size: tokens per block.
-        sliding_window: keys a query sees (its own and the ones before it), 0 = all.
-    """
+    """What the kernel reads for one step: ``slot_mapping`` int64 [T], ``block_table`` int32
+    [B, max_blocks], ``query_start_loc`` int32 [B+1], ``seq_lens`` int32 [B], ``block_size``,
+    ``sliding_window`` (0 = all)."""
 
     slot_mapping: torch.Tensor
     block_table: torch.Tensor
@@ -53,9 +33,7 @@ class CpuAttentionMetadata:
 
 @register_backend
 class CpuKernelAttentionBackend(TorchAttentionBackend):
-    """The C++ paged-attention kernel where it applies (CPU, float32/bfloat16 model, a
-    cache in ``KV_CACHE_KERNEL_DTYPES``, kernels built), else the torch backend's ops.
-    ``kernels`` is the compiled module or None."""
+    """The C++ paged-attention kernel where it applies, else the torch backend's ops."""
 
     name = "cpu_kernel"
 
@@ -84,9 +62,7 @@ class CpuKernelAttentionBackend(TorchAttentionBackend):
             self._why += f", {kv_name} KV cache"
 
     def describe(self, head_dim=None, block_size=None, sliding_windows=()) -> str:
-        """``cpu_kernel`` and what computes it, or why it fell back to torch ops (for the
-        start-up log); given the model's ``head_dim`` and the cache's ``block_size``, also
-        whether the layers take their q.k scores from AMX tiles (``amx_layers``)."""
+        """``cpu_kernel`` and what computes it (or why torch ops), and AMX q.k scores if known."""
         why = self._why
         if head_dim is not None and block_size is not None:
             windows = list(sliding_windows) or [None]
@@ -98,10 +74,7 @@ class CpuKernelAttentionBackend(TorchAttentionBackend):
         return f"{self.name} ({why})"
 
     def amx_layers(self, head_dim: int, block_size: int, sliding_windows: Sequence[int | None]) -> int:
-        """How many of the layers (one sliding window each, None or 0 for full attention)
-        the kernel computes with AMX-BF16 q.k scores (``paged_attention_amx_applies``: a bf16
-        model over a bf16 cache, head_dim % 32 == 0, block_size % 16 == 0, no window, AMX-BF16
-        present, ``PAGEDLLM_AMX`` not 0); 0 without the kernels."""
+        """How many layers (one sliding window each) take AMX-BF16 q.k scores; 0 without kernels."""
         if self.kernels is None:
             return 0
         return sum(bool(self.kernels.paged_attention_amx_applies(self.dtype, self.kv_cache_dtype, head_dim,
@@ -120,8 +93,7 @@ class CpuKernelAttentionBackend(TorchAttentionBackend):
             c.block_size, sliding_window or 0)
 
     def kernel_metadata(self, metadata) -> CpuAttentionMetadata | None:
-        """``metadata`` when it is one ``CpuAttentionMetadata`` (not a list per KV-cache
-        group, nor the torch ops' metadata) and the kernels are built, else None."""
+        """``metadata`` if it is one ``CpuAttentionMetadata`` and the kernels are built, else None."""
         return metadata if type(metadata) is CpuAttentionMetadata and self.kernels is not None else None
 
     def forward(self, q, k, v, layer_cache, md, scale, k_scale=1.0, v_scale=1.0):

@@ -1,22 +1,10 @@
-"""Paged attention in plain torch ops; runs on CPU and CUDA alike.
+"""Paged attention in plain torch ops, on CPU and CUDA (the portable reference path).
 
-Cache layout: one tensor ``[num_layers, 2, num_blocks * block_size, num_kv_heads, head_dim]``,
-so a layer's K (or V) is a flat array of slots and slot ``s`` is token ``s % block_size``
-of block ``s // block_size`` (PagedAttention, Kwon et al. 2023, SOSP).
-
-Decodes (one query each) run as one batched masked attention over their gathered context;
-each request with several queries (a prompt, a prompt chunk on top of cached context, or
-speculative tokens) runs ``scaled_dot_product_attention`` with a causal mask offset by its
-context length, so query ``i`` sees keys ``0 .. context_len + i`` (with a sliding window
-``w``, only the last ``w`` of those: ``build_metadata(common, w)``). This is the portable
-reference path (any device, any dtype); on the CPU, ``cpu_backend.py`` reads the blocks in
-place instead of gathering them.
-
-A cache in another dtype than the model's (``--kv-cache-dtype``) is written through
-``quantize_kv`` and read through ``dequantize_kv`` (upcast, times the scale); a prompt's
-own keys and values are also used as the cache holds them, so that its attention does not
-depend on whether they came from this step or from the cache (chunking, prefix caching).
-"""
+Cache: ``[num_layers, 2, num_blocks * block_size, num_kv_heads, head_dim]``; slot ``s`` is
+token ``s % block_size`` of block ``s // block_size`` (PagedAttention, Kwon et al. 2023).
+Decodes run as one batched masked attention; each multi-query request runs SDPA with a
+causal mask offset by its context (and window). A prompt's own K/V are used as the cache
+holds them. More: docs/notes/attention.md."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -29,19 +17,8 @@ from pagedllm.attention.backend import FP8_DTYPES, AttentionBackend, CommonAtten
 
 
 def quantize_kv(x: torch.Tensor, cache_dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
-    """K or V rows as the cache stores them: ``x / scale`` in float32 (exact division),
-    rounded once to nearest even in ``cache_dtype``. For the fp8 dtypes, values beyond
-    the format's largest finite value (``torch.finfo``: 448 for E4M3, 57344 for E5M2) and
-    infinities saturate to it, so a finite input never becomes NaN or inf; NaN stays NaN.
-    Returns ``x`` itself when it is already in ``cache_dtype`` and ``scale`` is 1.
-
-    Args:
-        x: any shape, a floating dtype; cache_dtype: float32, bfloat16, float16,
-            float8_e4m3fn or float8_e5m2; scale: positive, finite.
-
-    Returns:
-        a tensor of ``x``'s shape in ``cache_dtype``.
-    """
+    """K or V as the cache stores them: ``x / scale`` rounded once to ``cache_dtype`` (fp8:
+    saturating at the format's max; NaN stays NaN); ``x`` itself if already so with scale 1."""
     if x.dtype == cache_dtype and scale == 1.0:
         return x
     y = x.float()
@@ -54,15 +31,13 @@ def quantize_kv(x: torch.Tensor, cache_dtype: torch.dtype, scale: float = 1.0) -
 
 
 def dequantize_kv(c: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
-    """Cached K or V elements as values in ``dtype``: ``c`` upcast (exact for fp8 and
-    bfloat16 into float32), times ``scale`` (in ``dtype``) unless it is 1."""
+    """Cached K or V as ``dtype``: upcast, times ``scale`` unless 1."""
     y = c.to(dtype)
     return y * scale if scale != 1.0 else y
 
 
 def write_kv(cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:
-    """``cache[slots] = x`` along dim 0 (``x`` already in the cache's dtype; fp8 through
-    a uint8 view: torch has no fp8 ``index_copy_`` on the CPU)."""
+    """``cache[slots] = x`` along dim 0 (fp8 through a uint8 view)."""
     if cache.dtype in FP8_DTYPES:
         cache.view(torch.uint8).index_copy_(0, slots, x.view(torch.uint8))
     else:

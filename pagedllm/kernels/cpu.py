@@ -1,21 +1,8 @@
-"""Optional C++ kernels for the CPU float32 and bfloat16 paths, built on first use with
-``torch.utils.cpp_extension.load`` (g++ and ninja; cached under ``$TORCH_EXTENSIONS_DIR``,
-default ``~/.cache/torch_extensions``): paged decode attention, writing K/V into the
-paged cache (float32, bfloat16 or fp8, ``KV_CACHE_KERNEL_DTYPES``), SiLU-and-mul, fused
-residual-add + RMSNorm, RoPE, per-token int8 activation quantization with its
-dequantizing epilogue, linears with GGUF block-quantized weights (``block_quant.cpp``),
-the sampler's row-wise top-k / rank and penalty-history kernels (``sample_ops.cpp``) and a
-Llama decoder stack over them as one call (``decoder_stack.cpp``;
-sources in ``csrc/``).
-If the build fails, or ``PAGEDLLM_CPU_KERNELS=0``, callers fall back to torch ops;
-results agree to float32 rounding.
-
-Concurrent first starts (several servers, a test suite) build once: each holds an
-``flock`` on ``<build dir>.flock`` while it loads. The kernel drops that lock when its
-holder dies, so a build killed half-way (Ctrl-C, SIGTERM during start-up) cannot leave
-the others waiting forever on torch's own ``lock`` file, which it would not remove; the
-next start waits for the killed build's leftover compiler processes, then builds again.
-"""
+"""Optional C++ kernels for the CPU float32 and bfloat16 paths (sources in ``csrc/``), built on
+first use with ``torch.utils.cpp_extension.load`` and cached under ``$TORCH_EXTENSIONS_DIR``
+(default ``~/.cache/torch_extensions``). If the build fails or ``PAGEDLLM_CPU_KERNELS=0``,
+callers fall back to torch ops (results agree to float32 rounding). Concurrent first starts
+build once (an ``flock``); a build killed half-way is redone: docs/notes/kernels.md."""
 from __future__ import annotations
 
 import contextlib
@@ -53,8 +40,7 @@ _NO_TRACE = contextlib.nullcontext()
 
 
 def trace(name: str):
-    """A profiler range called ``name`` while torch.profiler records, else a no-op
-    (~0.3 us), so that the C++ kernels, which are not aten ops, appear in traces."""
+    """A profiler range ``name`` while torch.profiler records, else a no-op."""
     if torch.autograd.profiler._is_profiler_enabled:
         return torch.profiler.record_function(name)
     return _NO_TRACE
@@ -70,18 +56,13 @@ def _cpu_tag() -> str:
 
 
 def _extensions_root() -> str:
-    """Where torch keeps JIT-built extensions: ``$TORCH_EXTENSIONS_DIR`` or
-    ``~/.cache/torch_extensions`` (the same default as ``torch.utils.cpp_extension``)."""
+    """``$TORCH_EXTENSIONS_DIR`` or ``~/.cache/torch_extensions``."""
     return envs.torch_extensions_dir()
 
 
 def _module_name() -> str:
-    """``pagedllm_cpu_<digest>``: the digest covers the sources, the CPU's flags (the build
-    uses ``-march=native``), the torch version and the Python version, so any of them
-    changing builds afresh instead of loading a stale or ABI-incompatible binary; and
-    the sources' directory, because torch's ``build.ninja`` names sources by absolute
-    path: two checkouts sharing one build directory would each find the other's paths
-    there and rebuild every time they alternate."""
+    """``pagedllm_cpu_<digest>_<cpu tag>``: the digest covers the sources, torch and Python
+    versions and the sources' directory (why: docs/notes/kernels.md)."""
     h = hashlib.sha1()
     for name in sorted(os.listdir(_CSRC)):
         with open(os.path.join(_CSRC, name), "rb") as f:
@@ -91,8 +72,8 @@ def _module_name() -> str:
 
 
 def build_wait_s() -> float:
-    """``$PAGEDLLM_KERNEL_BUILD_WAIT_S`` in seconds (default 1200); a value that is not a
-    finite number >= 0 is logged and replaced by the default, never raised."""
+    """``$PAGEDLLM_KERNEL_BUILD_WAIT_S`` seconds (default 1200); an invalid value is logged
+    and replaced by the default."""
     raw = envs.kernel_build_wait_raw()
     if raw is None:
         return DEFAULT_BUILD_WAIT_S
@@ -108,10 +89,7 @@ def build_wait_s() -> float:
 
 
 def _compilers_in(directory: str) -> list[int]:
-    """Pids of toolchain processes (ninja, the compiler driver and its cc1plus/as/ld) whose
-    working directory is ``directory`` (Linux ``/proc``; empty elsewhere). torch runs
-    ninja in the build directory and ninja runs the compiler there, so these are a
-    build's processes; other programs that merely sit in the directory are not."""
+    """Pids of toolchain processes whose working directory is ``directory`` (Linux ``/proc``)."""
     target = os.path.realpath(directory)
     pids = []
     with contextlib.suppress(OSError):
@@ -128,8 +106,7 @@ def _compilers_in(directory: str) -> list[int]:
 
 
 def _wait_for(ready, deadline: float, waiting_note: str) -> bool:
-    """Poll ``ready()`` every 0.5 s until it is true (True) or ``time.monotonic()`` passes
-    ``deadline`` (False); logs ``waiting_note`` once if it has to wait."""
+    """Poll ``ready()`` every 0.5 s until true (True) or past ``deadline`` (False)."""
     announced = False
     while not ready():
         if time.monotonic() > deadline:
@@ -143,19 +120,9 @@ def _wait_for(ready, deadline: float, waiting_note: str) -> bool:
 
 @contextlib.contextmanager
 def _build_lock(build_dir: str, wait_s: float):
-    """Hold an exclusive ``flock`` on ``<build_dir>.flock`` for one load of the kernels.
-
-    Yields None once it is safe to build, or a reason (str) after ``wait_s`` seconds of
-    waiting. Two things are waited for:
-
-    - the flock, held by another live process that is loading or building;
-    - once the flock is held, the toolchain processes of an earlier build in
-      ``build_dir`` that was interrupted (its Python process killed alone: ninja or the
-      compilers outlive it), so that two builds never write the same object files.
-
-    Then a leftover torch ``lock`` file in ``build_dir`` belongs to a builder that died
-    (every builder holds this flock), so it is removed; otherwise torch's
-    ``FileBaton.wait`` would poll for it forever."""
+    """Hold an exclusive ``flock`` on ``<build_dir>.flock``, then wait for an interrupted
+    build's compilers and remove its stale torch ``lock``. Yields None when safe to build, or
+    a reason (str) after ``wait_s`` seconds."""
     fd = os.open(build_dir + ".flock", os.O_RDWR | os.O_CREAT, 0o644)
     try:
         deadline = time.monotonic() + wait_s
@@ -197,10 +164,8 @@ KV_CACHE_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float8_e4m3fn, to
 
 def kernels_for(device: "torch.device | str | None", dtype: torch.dtype,
                 kv_cache_dtype: torch.dtype | None = None):
-    """The compiled module for tensors of ``dtype`` on ``device`` (None = the CPU), with
-    a KV cache of ``kv_cache_dtype`` (None: no cache involved): the kernels cover the CPU
-    in ``KERNEL_DTYPES``, with caches in ``KV_CACHE_KERNEL_DTYPES``. None elsewhere, and
-    when they are disabled or failed to build (``load_cpu_kernels``). Never raises."""
+    """The compiled module for ``dtype`` on ``device`` (None: CPU) with a ``kv_cache_dtype``
+    cache (None: no cache), where the kernels cover them; else None. Never raises."""
     if ((device is None or torch.device(device).type == "cpu") and dtype in KERNEL_DTYPES
             and (kv_cache_dtype is None or kv_cache_dtype in KV_CACHE_KERNEL_DTYPES)):
         return load_cpu_kernels()
@@ -208,11 +173,8 @@ def kernels_for(device: "torch.device | str | None", dtype: torch.dtype,
 
 
 def compile_module(name: str, sources: list[str], include_dir: str, build_dir: str):
-    """Build (or load, when ``build_dir`` holds an up-to-date build) the extension
-    ``name`` from C++ ``sources`` with the project's flags (``-O3 -march=native
-    -ffast-math -fopenmp``, linked with libmvec for vectorised ``expf``), headers from
-    ``include_dir``; returns the module. Raises what ``torch.utils.cpp_extension.load``
-    raises (no compiler, a compile error)."""
+    """Build or load the extension ``name`` with ``-O3 -march=native -ffast-math -fopenmp``.
+    Raises what ``torch.utils.cpp_extension.load`` raises."""
     from torch.utils.cpp_extension import load
 
     # The `ninja` wheel puts its binary next to the interpreter (venv/bin), which is not on
@@ -226,12 +188,8 @@ def compile_module(name: str, sources: list[str], include_dir: str, build_dir: s
 
 
 def load_cpu_kernels():
-    """The compiled module, or None when disabled or unbuildable (logged once).
-
-    The first call in a process builds or loads the module (~1 min to build with g++ on
-    a new machine, well under a second once cached); later calls return it at once.
-    Never raises: a missing compiler, a failed build or ``build_wait_s()`` seconds spent
-    waiting for another process's build all log a warning and give None."""
+    """The compiled module, or None when disabled or unbuildable (a warning, logged once).
+    Never raises."""
     global _module, _tried
     with _lock:
         if _tried:

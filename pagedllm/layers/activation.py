@@ -10,10 +10,7 @@ from pagedllm.layers.utils import cpu_kernels_for
 
 
 class SiluAndMul(nn.Module):
-    """SiLU(gate) * up for the fused gate|up projection's output: x [T, 2I] (gate in the
-    first I columns, up in the last I; rows may be strided) → new [T, I] in x's dtype. C++
-    kernel on CPU float32/bfloat16 when built (float32 arithmetic, one rounding), torch ops
-    elsewhere."""
+    """SiLU(gate) * up: x [T, 2I] (gate first) → new [T, I] in x's dtype; C++ on CPU fp32/bf16."""
 
     def __init__(self, dtype: torch.dtype, device: torch.device):
         super().__init__()
@@ -31,9 +28,7 @@ class SiluAndMul(nn.Module):
 
 
 class GeluAndMul(nn.Module):
-    """GELU(gate) * up (GeGLU) for the fused gate|up output: x [T, 2I] → new [T, I] in x's
-    dtype, in torch ops. ``approximate="tanh"`` is transformers' ``gelu_pytorch_tanh``
-    (Gemma), ``"none"`` the exact erf form."""
+    """GELU(gate) * up: x [T, 2I] → new [T, I]; ``approximate`` "tanh" (Gemma) or "none"."""
 
     def __init__(self, approximate: str = "tanh"):
         super().__init__()
@@ -53,13 +48,8 @@ _ACT_AND_MUL = {"silu": None, "gelu_pytorch_tanh": "tanh", "gelu": "none"}
 
 
 def get_act_and_mul(name: str, dtype: torch.dtype, device: torch.device) -> nn.Module:
-    """The gated activation called ``name`` in a HF config (``hidden_act`` /
-    ``hidden_activation``): ``"silu"`` -> ``SiluAndMul`` (SwiGLU), ``"gelu_pytorch_tanh"``
-    -> ``GeluAndMul("tanh")``, ``"gelu"`` -> ``GeluAndMul("none")`` (GeGLU).
-
-    Raises:
-        ValueError: another name (named, with the supported ones).
-    """
+    """The gated activation for a HF ``hidden_act`` ("silu", "gelu_pytorch_tanh", "gelu").
+    Raises ValueError for another name."""
     if name not in _ACT_AND_MUL:
         raise ValueError(f"unsupported hidden activation {name!r}; supported: {', '.join(_ACT_AND_MUL)}")
     approximate = _ACT_AND_MUL[name]

@@ -1,17 +1,8 @@
 """The attention layer of a model: q, k, v in, attention output out, over this layer's
-slice of the paged KV cache. Which backend computes it and where the cache lives are the
-runner's business (``bind_kv_cache``); the step's batch description comes from the
-forward context (``pagedllm/forward_context.py``).
-
-KV-cache scales: with an fp8 cache (``--kv-cache-dtype fp8*``) each layer stores
-fp8(k / k_scale) and fp8(v / v_scale) and reads element * scale, as vLLM's attention
-layer. The scales are 1.0 unless the checkpoint carries them: per-layer float32 scalars
-named as vLLM reads them (``kv_scale_target``), e.g. ``model.layers.N.self_attn.k_scale``
-(llm-compressor's ``kv_cache_scheme``) or ``model.layers.N.self_attn.k_proj.k_scale``
-(NVIDIA ModelOpt). To use other scales, calibrate them (typically max |k| / 448 over
-sample prompts for E4M3, per layer) and add them under those names to the safetensors
-checkpoint. GGUF files carry none.
-"""
+slice of the paged KV cache (bound by the runner, ``bind_kv_cache``; the step's metadata
+from the forward context). With an fp8 cache each layer stores fp8(k / k_scale) and reads
+element * scale, as vLLM's attention layer; the scales come from the checkpoint (names:
+``kv_scale_target``) or are 1.0. Calibrating scales: docs/notes/attention.md."""
 from __future__ import annotations
 
 import math
@@ -29,21 +20,9 @@ if TYPE_CHECKING:
 
 
 class Attention(nn.Module):
-    """Causal self-attention of one layer over the paged KV cache (GQA when
-    num_kv_heads < num_heads).
-
-    Args:
-        num_heads, head_dim: query heads and their size; scale: softmax scale (usually
-            head_dim ** -0.5); num_kv_heads: key/value heads.
-        layer_idx: which layer of the KV cache this one reads and writes.
-        dtype, device: of q, k and v.
-        sliding_window: a local layer's window in tokens (query at position p sees keys
-            p - sliding_window + 1 .. p), or None (the whole context).
-
-    Attributes:
-        k_scale, v_scale: the checkpoint's KV-cache scales (1.0 without;
-            ``set_kv_scale``), used with an fp8 cache only.
-    """
+    """Causal self-attention of one layer over the paged KV cache (GQA when num_kv_heads <
+    num_heads); ``sliding_window``: a query at p sees keys p - window + 1 .. p (None: all).
+    ``k_scale``, ``v_scale``: the checkpoint's KV-cache scales (1.0 without), fp8 caches only."""
 
     def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int, layer_idx: int,
                  dtype: torch.dtype, device: torch.device, sliding_window: int | None = None):
@@ -61,19 +40,9 @@ class Attention(nn.Module):
         self._contiguous_v = cpu_kernels_for(device, dtype) is None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Write k, v into the cache at the step's slot mapping, then attend.
-
-        Args:
-            q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim] (rows may be
-            strided views of one q|k|v output).
-
-        Returns:
-            [T, num_heads * head_dim] in q's dtype.
-
-        Raises:
-            RuntimeError: the layer was not bound to a cache (``bind_kv_cache``), or it runs
-            outside ``set_forward_context``.
-        """
+        """Write k, v into the cache at the step's slots, then attend. q [T, num_heads, head_dim],
+        k, v [T, num_kv_heads, head_dim] (may be strided) → [T, num_heads * head_dim] in q's dtype.
+        Raises RuntimeError when not bound (``bind_kv_cache``) or outside ``set_forward_context``."""
         if self.backend is None:
             raise RuntimeError(f"attention layer {self.layer_idx} has no KV cache: call bind_kv_cache first")
         md = get_forward_context().attn_metadata
@@ -84,30 +53,20 @@ class Attention(nn.Module):
         return self.backend.forward(q, k, v, self.kv_cache, md, self.scale, *self._scales)
 
     def kernel_module(self):
-        """The compiled C++ kernel module this layer's attention runs on (its backend's
-        ``kernels``, bound to a cache), else None: what a fused caller may call in its
-        place (``models/fused_decoder.py``)."""
+        """The backend's compiled kernel module when bound to a cache, else None."""
         if self.backend is None or self.kv_cache is None:
             return None
         return self.backend.kernels
 
     def kernel_metadata(self) -> Any | None:
-        """The step's attention metadata (forward context) when this layer's kernels read
-        it as it is (the backend's ``kernel_metadata``: one ``CpuAttentionMetadata`` for
-        ``cpu_kernel``), else None (a list per KV-cache group, or the torch ops'
-        metadata)."""
+        """The step's metadata when the kernels read it as it is (backend's ``kernel_metadata``), else None."""
         if self.kernel_module() is None:
             return None
         return self.backend.kernel_metadata(get_forward_context().attn_metadata)
 
     def set_kv_scale(self, which: str, value: torch.Tensor, name: str) -> None:
-        """Set ``k_scale`` or ``v_scale`` (``which``) from the checkpoint tensor ``value``
-        (one element) called ``name``.
-
-        Raises:
-            ValueError: ``which`` is neither, or the tensor is not one positive finite
-                number (``name`` in the message).
-        """
+        """Set ``k_scale`` or ``v_scale`` (``which``) from the one-element checkpoint tensor ``name``.
+        Raises ValueError for another ``which`` or a value that is not one positive finite number."""
         if which not in ("k_scale", "v_scale"):
             raise ValueError(f"which must be 'k_scale' or 'v_scale', got {which!r}")
         if value.numel() != 1:
@@ -120,12 +79,9 @@ class Attention(nn.Module):
 
 
 def kv_scale_target(name: str) -> tuple[str, tuple[str, ...]] | None:
-    """Where a checkpoint's KV-cache scale goes: the ``Attention`` module's path and the
-    scale(s) it sets, for the names vLLM reads (``maybe_remap_kv_scale_name``):
-    ``<p>.self_attn.k_scale`` and ``<p>.self_attn.attn.k_scale`` (v alike) ->
-    (``<p>.self_attn.attn``, ("k_scale",)); ModelOpt's ``<p>.self_attn.k_proj.k_scale`` /
-    ``<p>.self_attn.v_proj.v_scale`` likewise; the deprecated ``<p>.self_attn.kv_scale``
-    sets both. None for any other name."""
+    """(``Attention`` module path, scales it sets) for a checkpoint KV-scale name as vLLM reads
+    them (``maybe_remap_kv_scale_name``: ``<p>.self_attn[.attn].k_scale``, ModelOpt's
+    ``<p>.self_attn.k_proj.k_scale``, the deprecated ``kv_scale`` for both); None otherwise."""
     head, _, leaf = name.rpartition(".")
     if leaf not in ("k_scale", "v_scale", "kv_scale") or not head:
         return None
@@ -140,15 +96,10 @@ def kv_scale_target(name: str) -> tuple[str, tuple[str, ...]] | None:
 
 def bind_kv_cache(model: nn.Module, kv_cache: torch.Tensor, backend: AttentionBackend,
                   cache_slot: dict[int, int] | None = None, attn_group: dict[int, int] | None = None) -> None:
-    """Bind every ``Attention`` layer of ``model`` to ``backend`` and to its view of
-    ``kv_cache`` (the backend's whole cache tensor, ``backend.layer_cache(kv_cache, slot)``
-    with ``slot = cache_slot[layer_idx]``, default the layer index: with KV-cache groups
-    several layers share a slot, each at its own group's blocks), with the layer's k/v
-    scales when the cache is fp8 (1.0 otherwise: a float32 or bfloat16 cache holds values
-    as they are, as in vLLM). ``attn_group[layer_idx]`` (default 0) is the index of the
-    layer's metadata when the runner sets a list of them in the forward context (one per
-    KV-cache group and window). The runner calls it once, after allocating the cache and
-    loading the weights; binding again (a new cache) replaces the previous binding."""
+    """Bind every ``Attention`` layer of ``model`` to ``backend`` and its cache view
+    (``backend.layer_cache(kv_cache, cache_slot[layer_idx])``, default slot = layer index),
+    metadata index ``attn_group[layer_idx]`` (default 0), and its k/v scales if the cache is
+    fp8. Binding again replaces the previous binding."""
     fp8 = kv_cache.dtype in FP8_DTYPES
     for m in model.modules():
         if isinstance(m, Attention):
@@ -159,18 +110,14 @@ def bind_kv_cache(model: nn.Module, kv_cache: torch.Tensor, backend: AttentionBa
 
 
 def unbind_kv_cache(model: nn.Module) -> None:
-    """Undo ``bind_kv_cache``: every ``Attention`` layer of ``model`` holds no cache and no
-    backend again, as built (after a pass over a cache made for one call, so that the
-    model neither keeps that cache alive nor reports choices made for it)."""
+    """Undo ``bind_kv_cache``: every ``Attention`` layer holds no cache or backend."""
     for m in model.modules():
         if isinstance(m, Attention):
             m.backend, m.kv_cache, m.attn_group, m._scales = None, None, 0, (1.0, 1.0)
 
 
 def describe_kv_scales(model: nn.Module) -> str:
-    """The ``Attention`` layers' k/v scales for the start-up log: ``"k/v scales 1.0 (none
-    in the checkpoint)"``, or their ranges, e.g. ``"k_scale 0.012-0.094, v_scale 0.004-0.031
-    (checkpoint)"``."""
+    """The layers' k/v scales for the start-up log (1.0, or their ranges)."""
     layers = [m for m in model.modules() if isinstance(m, Attention)]
     ks, vs = [m.k_scale for m in layers], [m.v_scale for m in layers]
     if all(x == 1.0 for x in ks + vs):

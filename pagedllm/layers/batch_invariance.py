@@ -1,40 +1,11 @@
 """Batch-invariant linear layers: each output row must not depend on how many other rows
-share the call.
+share the call (Thinking Machines, "Defeating Nondeterminism in LLM Inference", 2025).
 
-The engine promises that a greedy output does not depend on what else is in the batch
-(``shared/design.md``). Matmul libraries pick kernels, blockings and reduction splits by
-the row count M, so the same input row can round differently at M = 1 and M = 64 (Thinking
-Machines, "Defeating Nondeterminism in LLM Inference", 2025; vLLM's batch-invariant mode
-replaces such kernels). Measured on the project's AVX2 machine (SmolLM2-135M shapes):
-float32 ``F.linear`` (MKL) gives other bits at 1-3 rows (one thread) or 1-5 rows (two)
-than in a bigger batch, and the dense float32 LM head's one-row ``F.linear`` other bits
-than its multi-row ``W @ h.T``; oneDNN's packed inner product and bfloat16 ``F.linear``
-do not. On the Intel Xeon in bfloat16, greedy outputs did depend
-on the batch. The probe runs at the engine's thread count (the worker sets it first),
-since the kernels' choices depend on it.
-
-So once per model load (``ensure_batch_invariant_linears``, called by
-``models.loader.build_model`` unless ``PAGEDLLM_BATCH_INVARIANT_PROBE=0``) every distinct
-(method, dtype, in, out) shape is probed with its first layer's real weights
-(``probe_row_invariance``) and, for methods that take a dense float weight, with a stand-in
-layer of the same shape and method holding cancellation weights (``cancellation_probe``):
-with random inputs a bf16 output hides most changes of summation order (an output ulp is
-2**16 float32 ulps), and on an AMD EPYC of family 26 (AVX512-BF16, no AMX) oneDNN's packed
-1536 -> 576 bf16 inner product sums a one-row call in another order than a bigger one: the
-random probe passed there while greedy outputs of the bundled model changed with the
-batch. Where rows depend on M at a few small row counts only, the layers of that shape get
-``PaddedRowsLinearMethod`` (calls below those counts padded with zero rows); otherwise, or
-if that does not make them invariant, ``RowChunkedLinearMethod`` (every call at one fixed
-row count); the wrapped layers are probed again; if that fails too the layers keep their method and a warning says that greedy outputs may
-depend on batching.
-
-Cost: one call per probed row count, capped at about ``PROBE_MAX_MACS`` multiply-adds per
-shape (``probe_rows``: big layers, e.g. a 49152-row LM head, get the most telling row
-counts only). Measured at load, SmolLM2-135M on the 2-core AVX2 machine (shared, so
-noisy): float32 oneDNN-packed 0.10-0.23 s, nothing wrapped; ``PAGEDLLM_ONEDNN=0`` 0.6 s,
-all five shapes wrapped in 16-row chunks; bfloat16 (``F.linear``, very slow there, and
-never picked by ``--dtype auto``) 0.74 s on one thread, nothing wrapped.
-"""
+Once per model load (``ensure_batch_invariant_linears``, unless
+``PAGEDLLM_BATCH_INVARIANT_PROBE=0``) every distinct (method, dtype, in, out) shape is
+probed with its real weights and with cancellation weights; shapes whose rows depend on M
+get ``PaddedRowsLinearMethod`` or ``RowChunkedLinearMethod``. Why and what it costs:
+docs/notes/layers-batch_invariance.md."""
 from __future__ import annotations
 
 import copy
@@ -55,11 +26,9 @@ logger = logging.getLogger("pagedllm")
 # list that fits ``PROBE_MAX_MACS``.
 PROBE_ROWS = (1, 2, 16, 17, 3, 8, 32, 33, 5, 15, 31, 64, 65, 128, 257)
 # A call costs about as much as this many more rows: each call streams the whole weight
-# (measured, one thread, oneDNN fp32 576 x 49152: 15 ms at 1 row, +1 ms a row after).
+# (figures: docs/notes/layers-batch_invariance.md).
 PROBE_CALL_ROWS = 16
-# Most multiply-adds (rows + PROBE_CALL_ROWS per call, x in x out) one shape's probe may
-# cost: about 0.05 s at 100 GFLOP/s. SmolLM2-135M's decoder shapes get all of PROBE_ROWS,
-# its LM head (576 x 49152) rows 1, 2, 16 and 17.
+# Most multiply-adds (rows + PROBE_CALL_ROWS per call, x in x out) one shape's probe may cost.
 PROBE_MAX_MACS = 3_000_000_000
 # Chunk sizes tried, in order, for a shape whose rows depend on M (16: an AMX tile's rows).
 CHUNK_ROWS = (16, 32)
@@ -70,10 +39,8 @@ PAD_ROWS_MAX = 16
 
 def probe_rows(in_features: int, out_features: int, rows: Iterable[int] = PROBE_ROWS,
                max_macs: int = PROBE_MAX_MACS) -> list[int]:
-    """The row counts to probe for an ``in_features`` -> ``out_features`` layer: those of
-    ``rows``, taken in their order, whose cost ((M + ``PROBE_CALL_ROWS``) x in x out
-    multiply-adds each) still fits ``max_macs`` in total; at least the first two (a probe
-    needs two row counts). Returned ascending."""
+    """The row counts of ``rows`` (in order) whose probe cost ((M + ``PROBE_CALL_ROWS``) x in x
+    out each) fits ``max_macs`` in total, at least the first two; ascending."""
     rows = list(dict.fromkeys(rows))
     chosen, total = [], 0
     for m in rows:
@@ -89,25 +56,10 @@ def probe_rows(in_features: int, out_features: int, rows: Iterable[int] = PROBE_
 def probe_row_invariance(fn: Callable[[torch.Tensor], torch.Tensor], in_features: int, dtype: torch.dtype,
                          device: torch.device | str, rows: list[int], seed: int = 0,
                          inputs: torch.Tensor | None = None) -> list[int]:
-    """Whether each output row of ``fn`` is bitwise independent of the number of rows M.
-
-    ``fn`` maps x [M, in_features] (``dtype``, ``device``) to [M, out]. A seeded random
-    batch of ``max(rows)`` rows is the reference; for every other M in ``rows``, a slice of
-    M of its rows, starting at an M-dependent offset so that rows also change places, is
-    computed alone (as a fresh contiguous tensor) and compared bit for bit with the same
-    rows of the reference.
-
-    Args:
-        rows: the row counts M (e.g. from ``probe_rows``); at least two.
-        inputs: the reference batch to use instead of the random one ([max(rows),
-            in_features]).
-
-    Returns:
-        the row counts M at which some row differed, ascending; empty: invariant at all.
-
-    Raises:
-        ValueError: fewer than two distinct row counts.
-    """
+    """The row counts M (ascending) at which some output row of ``fn`` (x [M, in_features] →
+    [M, out]) differed bitwise from the same row computed in the ``max(rows)``-row batch
+    (seeded random, or ``inputs``); empty: invariant. Raises ValueError for fewer than two
+    distinct row counts."""
     ms = sorted(set(rows))
     if len(ms) < 2:
         raise ValueError(f"probe_row_invariance needs two or more row counts, got {rows}")
@@ -133,14 +85,8 @@ STAND_IN_MAX_ELEMENTS = 1 << 27
 
 def cancellation_inputs(out_features: int, in_features: int, rows: int, dtype: torch.dtype,
                         device: torch.device | str, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """A weight [out, in] and inputs [rows, in] (``dtype``) whose exact products sum to zero
-    in every output: the weight's row is (v, -v[perm]) and the input's (u, u[perm]) for a
-    random permutation ``perm`` (each product cancels one elsewhere, in no pattern an
-    ordered sum could undo step by step), with magnitudes spread over a few decades (log-normal), so the partial sums are large
-    and what a kernel returns is its own rounding error, whose bits change with the order of
-    the additions: a change of summation order shows even in a bf16 output. An odd
-    ``in_features`` gets a zero last column. The weight's rows repeat every 512 (what a
-    kernel does cannot depend on the values; drawing fewer is cheaper)."""
+    """A weight [out, in] and inputs [rows, in] in ``dtype`` whose exact products sum to zero in
+    every output, so a change of summation order shows even in a bf16 output."""
     g = torch.Generator().manual_seed(seed)
     half = in_features // 2
 
@@ -157,9 +103,7 @@ def cancellation_inputs(out_features: int, in_features: int, rows: int, dtype: t
 
 
 def _stand_in(layer: nn.Module, method, weight: torch.Tensor) -> nn.Module:
-    """A shallow copy of ``layer`` computing with ``method`` and ``weight`` (prepared by
-    ``method.process_weights_after_loading``), no bias and no hooks; ``layer`` is unchanged
-    (its parameters, buffers, hooks and attributes)."""
+    """A shallow copy of ``layer`` computing with ``method`` and ``weight``; ``layer`` unchanged."""
     stand = copy.copy(layer)
     stand.__dict__ = dict(layer.__dict__)
     for name, value in layer.__dict__.items():    # own hook and submodule tables, not the layer's
@@ -178,11 +122,8 @@ def _stand_in(layer: nn.Module, method, weight: torch.Tensor) -> nn.Module:
 
 def cancellation_probe(layer: nn.Module, in_features: int, out_features: int, dtype: torch.dtype,
                        device: torch.device | str, rows: list[int]) -> list[int] | None:
-    """``probe_row_invariance`` of a stand-in for ``layer`` (same class, same
-    ``linear_method``) holding the weight of ``cancellation_inputs``, fed its inputs; the
-    stand-in has at most ``STAND_IN_MAX_ELEMENTS`` weight elements (fewer output rows for
-    bigger layers). Returns the row counts at which rows differed, or None when the
-    layer's method does not take a dense float weight (``LinearMethod.float_weight``)."""
+    """``probe_row_invariance`` of a stand-in layer with ``cancellation_inputs``; None when the
+    method does not take a dense float weight."""
     method = layer.linear_method
     if not getattr(method, "float_weight", False):
         return None
@@ -193,8 +134,7 @@ def cancellation_probe(layer: nn.Module, in_features: int, out_features: int, dt
 
 
 def _probe(layer: nn.Module, res: "ShapeProbe") -> list[int]:
-    """The row counts at which ``layer``'s rows depended on M, by the random probe of its
-    real weights and the cancellation probe, merged."""
+    """Row counts at which ``layer``'s rows depended on M, by both probes."""
     bad = set(probe_row_invariance(layer, res.in_features, res.dtype, layer.weight.device, res.rows))
     bad |= set(cancellation_probe(layer, res.in_features, res.out_features, res.dtype, layer.weight.device,
                                   res.rows) or [])
@@ -203,19 +143,8 @@ def _probe(layer: nn.Module, res: "ShapeProbe") -> list[int]:
 
 @dataclass
 class ShapeProbe:
-    """What the probe found for one (method, dtype, in, out) shape.
-
-    Attributes:
-        method: the method's name before any wrapping; dtype; in_features, out_features.
-        names: short names of the layers with this shape (e.g. ["gate_up_proj"]).
-        rows: the row counts probed.
-        failed_at: the row counts at which rows differed (empty: invariant as it was).
-        chunk_rows: the chunk size the layers now compute in, or None (not wrapped).
-        min_rows: the fewest rows the layers' calls are padded to, or None (not padded).
-        still_failed_at: for a shape that no chunk size fixed, the last try's failing
-            row counts (the layers then keep their method).
-        seconds: wall time of this shape's probes.
-    """
+    """What the probe found for one (method, dtype, in, out) shape: rows probed, ``failed_at``,
+    the fix (``chunk_rows`` or ``min_rows``, else None) and ``still_failed_at`` if none worked."""
 
     method: str
     dtype: torch.dtype
@@ -235,11 +164,7 @@ class ShapeProbe:
 
 
 def _linear_layers(model: nn.Module) -> dict[tuple, list[nn.Module]]:
-    """Layers with a ``linear_method`` grouped by (the method's name for the layer, dtype,
-    in, out), in model order.
-    The dtype is the layer's compute dtype: ``params_dtype`` where the layer has one (a
-    quantized weight's own dtype, e.g. uint8 blocks, is not what its inputs come in), else
-    the weight's."""
+    """Layers with a ``linear_method`` grouped by (method name, compute dtype, in, out)."""
     groups: dict[tuple, list[nn.Module]] = {}
     for m in model.modules():
         method = getattr(m, "linear_method", None)
@@ -253,22 +178,10 @@ def _linear_layers(model: nn.Module) -> dict[tuple, list[nn.Module]]:
 
 def ensure_batch_invariant_linears(model: nn.Module, chunk_rows: Iterable[int] = CHUNK_ROWS,
                                    max_macs: int = PROBE_MAX_MACS) -> list[ShapeProbe]:
-    """Probe every linear shape of a loaded ``model`` (after ``process_weights_after_loading``)
-    and wrap the layers of shapes whose rows depend on M: in ``PaddedRowsLinearMethod``
-    where rows differed below ``PAD_ROWS_MAX`` rows only and padding those calls makes
-    them invariant, else in ``RowChunkedLinearMethod`` (the first of ``chunk_rows`` that
-    does). Logs one info line (shapes,
-    time, which were wrapped) and a warning for shapes no chunk size fixed.
-
-    Layers are modules with ``linear_method``, ``weight``, ``input_size`` and
-    ``output_size`` (``LinearBase``, ``ParallelLMHead``); each shape is probed through its
-    first layer's ``forward`` (so bias, the LM head's float32 cast and its own matmul
-    orientation count) with random seeded inputs, and through a stand-in's ``forward``
-    with cancellation weights and inputs (``cancellation_probe``; float-weight methods).
-
-    Returns:
-        one ``ShapeProbe`` per shape, in model order.
-    """
+    """Probe every linear shape of a loaded ``model`` and wrap the layers of shapes whose rows
+    depend on M (padding first where they differ only below ``PAD_ROWS_MAX`` rows, else the
+    first of ``chunk_rows`` that works); a shape nothing fixes keeps its method and is
+    warned about. Returns one ``ShapeProbe`` per shape, in model order."""
     t_all = time.perf_counter()
     chunk_rows = list(chunk_rows)
     results = []

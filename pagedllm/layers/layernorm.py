@@ -11,18 +11,14 @@ from pagedllm.layers.utils import cpu_kernels_for
 
 
 def residual_stream(x: torch.Tensor) -> torch.Tensor:
-    """The start of a decoder's residual stream from the embeddings ``x`` [T, hidden]: x in
-    float32 (x itself when already float32). A 16-bit model keeps its residual sums in
-    float32, so the ~2 x num_layers adds each round to float32 rather than to 8 bits of
-    mantissa (docs/benchmarks.md, "bfloat16 fidelity")."""
+    """The residual stream's start from embeddings x [T, hidden]: x in float32 (why:
+    docs/benchmarks.md §11)."""
     return x.float()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x / sqrt(mean(x^2) + eps) * weight over the last dimension of ``x`` [..., d] (any
-    float dtype), in float32, returned in ``weight``'s dtype (torch's fused ``F.rms_norm``
-    when both are float32; otherwise upcast as HF does, the normalised x rounded to the
-    weight's dtype and multiplied by it)."""
+    """x / sqrt(mean(x^2) + eps) * weight over the last dimension, in float32, returned in
+    ``weight``'s dtype (the normalised x rounded to it first, as HF)."""
     if x.dtype == torch.float32 and weight.dtype == torch.float32:
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
     xf = x.float()
@@ -31,16 +27,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm with a learned ``weight`` [hidden_size] (ones until loaded).
-
-    ``forward(x)`` normalises x [..., hidden_size] (e.g. [T, hidden] or Qwen3's per-head
-    [T, heads, head_dim]; any float dtype) into a new tensor in the layer's dtype.
-    ``forward(x, residual)`` with x and residual contiguous [T, hidden_size] (residual in
-    x's dtype or float32, ``residual_stream``) returns ``(rms_norm(residual + x),
-    residual + x)``, the sum in the residual's dtype; on CPU float32 or bfloat16 with the
-    C++ kernels (float32 arithmetic) this happens in place (``x`` becomes the normed rows,
-    ``residual`` the sum), else with torch ops (new tensors).
-    """
+    """RMSNorm with ``weight`` [hidden_size]. ``forward(x)``: new tensor in the layer's dtype;
+    ``forward(x, residual)`` (contiguous [T, hidden_size], residual in x's dtype or float32) →
+    ``(rms_norm(residual + x), residual + x)``, in place on the C++ path."""
 
     def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype, device: torch.device):
         super().__init__()
@@ -61,9 +50,7 @@ class RMSNorm(nn.Module):
 
 
 class GemmaRMSNorm(RMSNorm):
-    """Gemma's RMSNorm, ``x / rms(x) * (1 + w)`` (transformers' ``Gemma3RMSNorm``): the
-    checkpoint's ``w`` is loaded as ``1 + w`` (computed in float32, then cast), so the
-    forward is ``RMSNorm``'s. Ones-plus-zero until loaded."""
+    """Gemma's ``x / rms(x) * (1 + w)``: the checkpoint's w is loaded as ``1 + w``."""
 
     def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype, device: torch.device):
         super().__init__(hidden_size, eps, dtype, device)

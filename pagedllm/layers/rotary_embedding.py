@@ -12,15 +12,8 @@ from pagedllm.layers.utils import cpu_kernels_for
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
-    """Inverse frequencies, float32 [head_dim // 2].
-
-    Scalings: ``None``/``default``; ``linear`` (positions divided by ``factor``);
-    ``llama3`` (Llama 3.1's wavelength-banded scaling, as in Meta's reference code and
-    HF's ``_compute_llama3_parameters``).
-
-    Raises:
-        ValueError: any other ``rope_type`` (named in the message).
-    """
+    """Inverse frequencies, float32 [head_dim // 2], with HF's scalings (None/"default",
+    "linear", "llama3" as HF's ``_compute_llama3_parameters``). Raises ValueError for another type."""
     inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
     rtype = None if scaling is None else (scaling.get("rope_type") or scaling.get("type"))
     if rtype in (None, "default"):
@@ -53,8 +46,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 def _joint_view(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
-    """q and k as one [T, heads + kv_heads, head_dim] view when k's heads follow q's in the
-    same rows (q and k sliced from one fused q|k|v output), else None."""
+    """q and k as one [T, heads + kv_heads, head_dim] view when sliced from one q|k|v row, else None."""
     T, nh, hd = q.shape
     if (k.shape[0] == T and k.shape[2] == hd and q.stride() == k.stride() and q.stride()[1:] == (hd, 1)
             and q.untyped_storage().data_ptr() == k.untyped_storage().data_ptr()
@@ -64,23 +56,9 @@ def _joint_view(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
 
 
 class RotaryEmbedding(torch.nn.Module):
-    """RoPE over precomputed cos/sin tables, float32 [max_positions, head_dim // 2].
-
-    One instance serves every layer: inside a model step (``set_forward_context``) the
-    rows of the step's ``positions`` tensor are looked up on the first layer's call and
-    reused by the others (the key is the tensor object and the step, so a positions
-    buffer refilled in place for the next step is looked up afresh). C++ kernel on CPU
-    float32 and bfloat16 when built (float32 arithmetic), torch ops elsewhere.
-
-    Args:
-        head_dim: rotated dimensions per head (even).
-        max_positions: table rows, in tokens (the engine's max_model_len).
-        theta, scaling: RoPE base frequency and HF's rope_scaling dict (see ``rope_inv_freq``).
-        dtype: the dtype of q and k; device: where the tables live.
-
-    Raises:
-        ValueError: an unsupported ``scaling`` type.
-    """
+    """RoPE over precomputed cos/sin tables, float32 [max_positions, head_dim // 2]; one
+    instance serves every layer (a step's rows looked up once). C++ kernel on CPU fp32/bf16,
+    torch ops elsewhere. Raises ValueError for an unsupported ``scaling`` type."""
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None,
                  dtype: torch.dtype, device: torch.device):
@@ -96,9 +74,7 @@ class RotaryEmbedding(torch.nn.Module):
         self._memo: tuple[ForwardContext, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin for ``positions`` (int64 [T]) as contiguous [T, head_dim // 2]: float32
-        for the C++ kernel, else in the layer's dtype (memoised per step, see the class
-        docstring)."""
+        """cos, sin for positions int64 [T], contiguous [T, head_dim // 2] (memoised per step)."""
         try:
             step = get_forward_context()
         except RuntimeError:    # outside a model step: nothing to share
@@ -115,14 +91,8 @@ class RotaryEmbedding(torch.nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor,
                 k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate q [T, heads, head_dim] and k [T, kv_heads, head_dim] at ``positions``
-        (int64 [T]); heads must be contiguous in the last dimension (rows may be strided).
-
-        Returns:
-            the rotated (q, k): on the C++ path q and k themselves, rotated in place; on
-            the torch path new tensors. q and k sliced side by side from one q|k|v row are
-            rotated as one [T, heads + kv_heads, head_dim] view (one call, not two).
-        """
+        """Rotate q [T, heads, head_dim] and k [T, kv_heads, head_dim] at ``positions``; returns
+        (q, k): rotated in place on the C++ path, new tensors on the torch path."""
         cos, sin = self.tables(positions)
         qk = _joint_view(q, k)
         if self._kernels is not None:

@@ -1,5 +1,4 @@
-"""The token embedding and the LM head (vocab_size x hidden_size tables at both ends of
-the model)."""
+"""The token embedding and the LM head (vocab_size x hidden_size tables)."""
 from __future__ import annotations
 
 import torch
@@ -12,12 +11,8 @@ from pagedllm.layers.linear import LinearMethod, UnquantizedLinearMethod, get_li
 
 
 def _load_vocab_rows(layer: nn.Module, param: torch.Tensor, loaded: torch.Tensor, name: str) -> None:
-    """Copy this rank's vocabulary rows of the checkpoint table ``loaded`` [vocab, ...]
-    into ``param`` [rows per rank, ...]; rows past the vocabulary (the last shard's
-    padding) are zero.
-
-    Raises:
-        ValueError: ``loaded`` is not [vocab, <param's row shape>] (``name`` in the message)."""
+    """Copy this rank's rows of the checkpoint table ``loaded`` [vocab, ...] into ``param``;
+    the last shard's padding rows are zero. Raises ValueError (``name``) on another shape."""
     want = (layer.org_vocab_size, *param.shape[1:])
     if tuple(loaded.shape) != want:
         raise ValueError(f"weight {name}: shape {tuple(loaded.shape)} != expected {want}")
@@ -27,17 +22,10 @@ def _load_vocab_rows(layer: nn.Module, param: torch.Tensor, loaded: torch.Tensor
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Token embedding: ``weight`` [num_embeddings, embedding_dim] in ``dtype``; forward maps
-    int64 ids [T] → [T, embedding_dim] in ``dtype``. (Over several ranks the vocabulary rows
-    would be split; with one rank the whole table is here.)
-
-    With a ``quant_config`` whose ``get_embedding_method`` answers, the table is stored
-    its way (e.g. a GGUF's packed Q8_0 rows) and looked-up rows are dequantized.
-
-    Attributes:
-        params_dtype: the dtype of the looked-up rows.
-        embedding_method: the quantized storage, or None (a dense table).
-    """
+    """Token embedding: int64 ids [T] → [T, embedding_dim] in ``dtype``. The table is
+    ``weight`` [num_embeddings, embedding_dim] (this tensor-parallel rank's vocabulary
+    shard, ``distributed.vocab_shard``; lookups summed over ranks), or stored as ``quant_config.get_embedding_method``
+    says (``embedding_method``; e.g. packed Q8_0 rows, dequantized on lookup)."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype, device: torch.device,
                  quant_config=None, prefix: str = "model.embed_tokens"):
@@ -77,12 +65,9 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class DenseLogitsMethod(UnquantizedLinearMethod):
-    """The LM head's dense weight: on the CPU in float32 with more than one row, logits are
-    computed as ``W @ h.T`` (with a huge vocabulary and few rows MKL runs this orientation
-    ~1.5-2x faster than ``F.linear``'s: 64 rows x 49152 vocab, 35 ms vs 64 ms on 2 cores);
-    one row, another dtype or another device, ``F.linear`` (in bf16 on the AVX2 machine,
-    16 rows x 49152 x 576 on one thread: ``torch.mm`` 437 ms, ``F.linear`` 115 ms).
-    ``apply`` may return a transposed (non-contiguous) view."""
+    """The LM head's dense weight: CPU float32 with several rows computes ``W @ h.T`` (faster
+    there with a huge vocabulary; figures: docs/notes/layers-vocab_embedding.md), else
+    ``F.linear``. ``apply`` may return a transposed view."""
 
     name = "dense W@h.T"
 
@@ -94,31 +79,10 @@ class DenseLogitsMethod(UnquantizedLinearMethod):
 
 
 class ParallelLMHead(nn.Module):
-    """The output projection to vocabulary logits: hidden [N, embedding_dim] → float32
-    [N, num_embeddings], accumulated and returned in float32 by every method
-    (``LinearMethod.apply_float32``; the layer's ``float32_out`` tells methods to keep
-    what that needs, such as a float32 copy where a kernel writes only x's dtype).
-
-    Its weight [num_embeddings, embedding_dim] is its own parameter, or, with
-    ``tied_embedding``, that embedding's table (not a parameter here, so it is loaded once,
-    as the embedding, and a checkpoint's ``lm_head.weight`` is ignored; a packed table, from
-    a ``BlockQuantEmbeddingMethod``, goes with a ``BlockQuantLinearMethod`` of its format). With the oneDNN-
-    packed method the table is packed after loading; a tied table stays dense too, since
-    the embedding looks tokens up in it. A plain ``UnquantizedLinearMethod`` (dense
-    weights) is replaced by ``DenseLogitsMethod``.
-
-    Args:
-        num_embeddings: vocabulary size; embedding_dim: hidden size.
-        dtype, device: of the weight.
-        tied_embedding: the embedding whose table is shared, or None.
-        linear_method: how the weight is stored and multiplied (default: what
-            ``quant_config`` answers for ``prefix``, else ``get_linear_method``).
-        quant_config: the model's ``QuantizationConfig``, or None.
-        prefix: the layer's name (``lm_head``).
-
-    Attributes:
-        input_size, output_size: embedding_dim and num_embeddings (as a linear layer's).
-    """
+    """Projection to logits: hidden [N, embedding_dim] → float32 [N, num_embeddings], by
+    ``apply_float32`` with every method. The weight is its own, or with ``tied_embedding`` the
+    embedding's table (loaded once; ``lm_head.weight`` ignored; kept dense or in the table's
+    block format). A plain ``UnquantizedLinearMethod`` becomes ``DenseLogitsMethod``."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype, device: torch.device,
                  tied_embedding: VocabParallelEmbedding | None = None,
@@ -143,13 +107,12 @@ class ParallelLMHead(nn.Module):
 
     @property
     def compute_path(self) -> tuple[str, str, str]:
-        """("linear", the method's name for this layer, "lm_head"), for ``describe_compute_path``."""
+        """("linear", the method's name for this layer, "lm_head")."""
         return ("linear", self.linear_method.layer_name(self), "lm_head")
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, embedding_dim] in the model's dtype → float32 logits [N, num_embeddings],
-        multiplied in the model's dtype and accumulated in float32 (``apply_float32``),
-        never rounded through a 16-bit dtype."""
+        """hidden [N, embedding_dim] → float32 logits [N, vocab] (gathered over the ranks),
+        never rounded to 16 bits."""
         logits = self.linear_method.apply_float32(self, hidden).contiguous()
         if self.tp_size == 1:
             return logits

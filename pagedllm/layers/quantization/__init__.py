@@ -1,18 +1,8 @@
-"""Quantized weights (``--quantization``): each method is a ``QuantizationConfig`` that
-hands every linear layer a ``LinearMethod`` (after vLLM's ``quantization/`` package).
-
-Methods:
-    int8: int8 weights (per-output-channel scales, quantized at load) with int8
-        activations quantized per token at run time (W8A8), through the project's AMX-INT8
-        kernel (Intel Xeon), its AVX2 kernel (a CPU without VNNI or AMX), else oneDNN's
-        int8 matmul (``int8.Int8W8A8LinearMethod``).
-    gguf: a GGUF file's own Q8_0 / Q4_0 / Q4_1 blocks, kept packed (no float copy).
-    q8_0, q4_0, q4_1: float weights (HF safetensors, or a GGUF's float tensors) quantized
-        at load into those 32-weight block formats (4- and 8-bit weights for memory-bound
-        decode). A GGUF's quantized tensors are dequantized first, so on an already
-        quantized file these round twice (the bundled Q4_1 file with ``q4_0``: perplexity
-        +23 %); ``gguf`` keeps the file's own blocks.
-"""
+"""Quantized weights (``--quantization``, after vLLM's ``quantization/`` package): each
+method is a ``QuantizationConfig`` that hands every linear layer a ``LinearMethod``.
+``int8``: W8A8 (``int8.py``); ``gguf``: a GGUF file's own blocks, kept packed; ``q8_0``,
+``q4_0``, ``q4_1``: float weights quantized at load (an already quantized GGUF is
+dequantized first, so rounds twice)."""
 from __future__ import annotations
 
 import importlib
@@ -30,20 +20,9 @@ QUANTIZATION_METHODS: dict[str, str] = {
 
 
 def get_quantization_config(name: str, **model_info) -> QuantizationConfig:
-    """The config of the method ``name`` for one model.
-
-    Args:
-        name: a key of ``QUANTIZATION_METHODS``.
-        **model_info: what the method needs to know about the model and where it runs:
-            ``device`` and ``gguf_tensor_types`` (HF name → GGML type name, for a GGUF
-            file; None for a HF directory). Not the dtype: the engine makes the config
-            before it resolves ``--dtype auto``, so that a method that cannot run fails
-            before that timing.
-
-    Raises:
-        InvalidParameterError("quantization"): unknown name, or the method cannot run with
-        this model or machine (the reason in the message).
-    """
+    """The config of method ``name`` for one model; ``model_info``: ``device`` and
+    ``gguf_tensor_types`` (None for a HF directory). Raises InvalidParameterError("quantization")
+    for an unknown name or a method that cannot run with this model or machine."""
     if name not in QUANTIZATION_METHODS:
         raise unsupported(f"unknown method {name!r}; supported: {', '.join(QUANTIZATION_METHODS)}")
     module, cls = QUANTIZATION_METHODS[name].split(":")

@@ -1,38 +1,9 @@
-"""Linear layers and the tied LM head with weights in GGUF's block formats Q8_0, Q4_0 and
-Q4_1, computed the way llama.cpp's CPU backend does: activations quantized per 32-element
-block to int8, integer dot products per block, float scales per block.
-
-Formats (ggml's ``ggml-common.h``; 32 weights per block along the input dimension K,
-a weight row is ``K / 32`` consecutive blocks, so a packed [N, K] weight is uint8
-[N, K / 32 * block_bytes]):
-
-======  ====  =====  ==========================================  ===================
-name    type  bytes  block                                       weight value
-======  ====  =====  ==========================================  ===================
-Q4_0    2     18     fp16 d, 16 bytes of nibbles                 d * (q - 8)
-Q4_1    3     20     fp16 d, fp16 m, 16 bytes of nibbles         d * q + m
-Q8_0    8     34     fp16 d, 32 int8                             d * q
-======  ====  =====  ==========================================  ===================
-
-In the nibble formats byte j holds element j in its low nibble and element j + 16 in its
-high nibble (checked against ``gguf.quants.dequantize`` in the tests).
-
-The product (``block_quant_linear_ref`` in torch, ``block_quant_linear`` in
-``kernels/csrc/block_quant.cpp``, which documents the same steps):
-
-1. each 32-element block of an activation row x: ``d_x = max|x_i| * (1/127)`` (float32),
-   ``q_i = round_half_even(x_i * (1/d_x))`` clamped to [-127, 127] (0 when d_x = 0),
-   ``S = sum q_i`` and ``s_x = d_x * S``;
-2. per output column and block the exact integer dot ``I = sum_i qw_i * q_i`` (Q4_0:
-   ``qw_i - 8``);
-3. ``acc = fma(d_w * d_x, I, acc)`` over the blocks in order from 0; Q4_1 also sums
-   ``accm = fma(m_w, s_x, accm)`` apart and adds it after the last block; then ``+ bias``,
-   stored in x's dtype.
-
-Each output row depends only on its own input row, in a reduction order fixed by K:
-rows are batch-invariant. The error against the float product is that of the 8-bit
-activations (relative ~0.5/127 per element, averaging out over K) on top of the weights'.
-"""
+"""Linear layers and the tied LM head with weights in GGUF's Q8_0, Q4_0 and Q4_1 blocks
+(ggml's ``ggml-common.h`` layouts: 32 weights per block along K, a packed [N, K] weight is
+uint8 [N, K / 32 * block_bytes]), computed as llama.cpp's CPU backend does: activations
+quantized per 32-element block to int8, an exact integer dot per block, then
+``acc = fma(d_w * d_x, I, acc)`` over the blocks in order (Q4_1 adds its ``m_w * s_x`` term
+apart). Rows are batch-invariant. Formats and steps: docs/notes/layers-quantization-gguf_blocks.md."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -51,14 +22,8 @@ INV127 = torch.tensor(1.0 / 127.0, dtype=torch.float32).item()
 
 @dataclass(frozen=True)
 class BlockFormat:
-    """One GGUF block format.
-
-    Attributes:
-        name: "Q8_0", "Q4_0" or "Q4_1".
-        ggml_type: its ``gguf.GGMLQuantizationType`` (int value = the kernel's ``fmt``).
-        block_bytes: bytes per block of ``block_size`` weights.
-        block_size: weights per block (32).
-    """
+    """One GGUF block format: ``name``, ``ggml_type`` (its int is the kernel's ``fmt``),
+    ``block_bytes`` per ``block_size`` (32) weights."""
 
     name: str
     ggml_type: gguf.GGMLQuantizationType
@@ -66,7 +31,7 @@ class BlockFormat:
     block_size: int = BLOCK_SIZE
 
     def row_bytes(self, k: int) -> int:
-        """Bytes of one packed row of ``k`` weights (``k`` a multiple of 32; else ValueError)."""
+        """Bytes of one packed row of ``k`` weights. Raises ValueError unless k is a multiple of 32."""
         check_k(k, self.name)
         return k // self.block_size * self.block_bytes
 
@@ -79,11 +44,8 @@ FORMATS: dict[str, BlockFormat] = {
 
 
 def block_format(fmt: "str | int | BlockFormat | gguf.GGMLQuantizationType") -> BlockFormat:
-    """The ``BlockFormat`` for a name ("Q4_1"), a ggml type (enum or int) or a format.
-
-    Raises:
-        ValueError: ``fmt`` is none of Q8_0, Q4_0, Q4_1.
-    """
+    """The ``BlockFormat`` for a name, a ggml type (enum or int) or a format.
+    Raises ValueError for anything but Q8_0, Q4_0, Q4_1."""
     if isinstance(fmt, BlockFormat):
         return fmt
     for f in FORMATS.values():
@@ -107,25 +69,14 @@ def _check_packed(packed: torch.Tensor, f: BlockFormat, k: int) -> None:
 
 
 def _half(b: torch.Tensor) -> torch.Tensor:
-    """uint8 [..., 2] little-endian fp16 bytes → float32 [...]."""
     return b.contiguous().view(torch.float16).squeeze(-1).float()
 
 
 def unpack_blocks(packed: torch.Tensor, fmt, k: int):
-    """The integer codes and scales of a packed weight.
-
-    Args:
-        packed: uint8 [N, K / 32 * block_bytes]; fmt: a format (``block_format``); k: K.
-
-    Returns:
-        (q, d, m): q int8 [N, K / 32, 32] with the weight's integer value per element
-        (Q4_0: nibble - 8, in [-8, 7]; Q4_1: the nibble, [0, 15]; Q8_0: the int8),
-        d float32 [N, K / 32], m float32 [N, K / 32] for Q4_1 else None; the weight is
-        ``d * q (+ m)``.
-
-    Raises:
-        ValueError: K not a multiple of 32, or ``packed`` not uint8 of that row size.
-    """
+    """(q, d, m) of a packed uint8 [N, K / 32 * block_bytes] weight: q int8 [N, K / 32, 32]
+    (Q4_0: nibble - 8; Q4_1: nibble; Q8_0: the int8), d float32 [N, K / 32], m likewise for
+    Q4_1 else None; the weight is ``d * q (+ m)``. Raises ValueError for K not a multiple of 32
+    or ``packed`` not uint8 of that row size."""
     f = block_format(fmt)
     _check_packed(packed, f, k)
     blocks = packed.reshape(packed.shape[0], k // BLOCK_SIZE, f.block_bytes)
@@ -145,12 +96,8 @@ def unpack_blocks(packed: torch.Tensor, fmt, k: int):
 
 
 def dequantize_blocks(packed: torch.Tensor, fmt, k: int) -> torch.Tensor:
-    """Packed blocks → float32 [N, K] (``d * q``, ``d * (q - 8)`` or ``d * q + m``, as
-    ggml's ``dequantize_row_*``; exact in float32).
-
-    Raises:
-        ValueError: as ``unpack_blocks``.
-    """
+    """Packed blocks → float32 [N, K], as ggml's ``dequantize_row_*`` (exact). Raises as
+    ``unpack_blocks``."""
     q, d, m = unpack_blocks(packed, fmt, k)
     w = d.unsqueeze(-1) * q.float()
     if m is not None:
@@ -159,22 +106,9 @@ def dequantize_blocks(packed: torch.Tensor, fmt, k: int) -> torch.Tensor:
 
 
 def quantize_to_blocks(w: torch.Tensor, fmt) -> torch.Tensor:
-    """Quantize a float weight to packed blocks with ggml's reference rounding
-    (``quantize_row_q8_0_ref``: d = amax/127, q = round half away from zero;
-    ``quantize_row_q4_0_ref``: d = -(value of largest magnitude)/8, q = trunc(x/d + 8.5)
-    clamped to 15; ``quantize_row_q4_1_ref``: d = (max - min)/15, m = min,
-    q = trunc((x - min)/d + 0.5) clamped to 15), in float32 on w's device.
-
-    Args:
-        w: [N, K] float (any float dtype); K a multiple of 32.
-        fmt: the format (``block_format``).
-
-    Returns:
-        uint8 [N, K / 32 * block_bytes] on w's device.
-
-    Raises:
-        ValueError: w not 2-D float, or K not a multiple of 32 (K named).
-    """
+    """Float w [N, K] → packed uint8 [N, K / 32 * block_bytes] on w's device, with ggml's
+    reference rounding (``quantize_row_q8_0_ref`` / ``q4_0_ref`` / ``q4_1_ref``). Raises
+    ValueError for w not 2-D float or K not a multiple of 32."""
     f = block_format(fmt)
     if w.dim() != 2 or not w.is_floating_point():
         raise ValueError(f"w must be a 2-D float tensor [N, K], got {w.dtype} {tuple(w.shape)}")
@@ -211,9 +145,8 @@ def quantize_to_blocks(w: torch.Tensor, fmt) -> torch.Tensor:
 
 
 def quantize_activations(x: torch.Tensor):
-    """Step 1 of the product: x [M, K] float → (q int8 [M, K / 32, 32], d float32
-    [M, K / 32], s float32 [M, K / 32] = d * sum(q)), in float32 arithmetic (the kernel's
-    ``block_quant_quantize_act`` gives the same bits)."""
+    """x [M, K] → (q int8 [M, K / 32, 32], d float32 [M, K / 32], s = d * sum(q)), the same
+    bits as the kernel's ``block_quant_quantize_act``."""
     m, k = x.shape
     xb = x.float().reshape(m, k // BLOCK_SIZE, BLOCK_SIZE)
     d = xb.abs().amax(-1) * INV127
@@ -225,12 +158,8 @@ def quantize_activations(x: torch.Tensor):
 
 def block_quant_linear_unpacked(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None,
                                 bias: torch.Tensor | None = None, out_float32: bool = False) -> torch.Tensor:
-    """``block_quant_linear_ref`` on a weight already unpacked by ``unpack_blocks``
-    (q int8 [N, K / 32, 32], d and m float32 [N, K / 32] on x's device). Steps 1-3 of
-    the module docstring in torch: the per-block integer dots are float32 matmuls of
-    integers, exact (|products| <= 128 * 127, sums of 32 < 2**24, inputs exact even in
-    TF32); the blocks are accumulated one at a time in order. Returns [M, N] in x's dtype
-    (float32 with ``out_float32``)."""
+    """``block_quant_linear_ref`` on a weight already unpacked (``unpack_blocks``); [M, N] in
+    x's dtype, or float32 with ``out_float32``."""
     xq, dx, sx = quantize_activations(x)
     nb = q.shape[1]
     qf = q.float()
@@ -251,21 +180,10 @@ def block_quant_linear_unpacked(x: torch.Tensor, q: torch.Tensor, d: torch.Tenso
 
 def block_quant_linear_ref(x: torch.Tensor, packed: torch.Tensor, fmt, k: int,
                            bias: torch.Tensor | None = None, out_float32: bool = False) -> torch.Tensor:
-    """``x @ W.T + bias`` the way the C++ kernel computes it (module docstring), in torch:
-    the fallback where the kernels do not run (CUDA, float16, kernels disabled) and the
-    reference the kernel is tested against (agreement to float32 rounding of the scale
-    products and sums, not bitwise).
-
-    Args:
-        x: [M, K] float; packed: uint8 [N, K / 32 * block_bytes] (``fmt``'s blocks);
-        k: K; bias: [N] or None.
-
-    Returns:
-        [M, N] in x's dtype (float32 with ``out_float32``).
-
-    Raises:
-        ValueError: x not [M, K], or as ``unpack_blocks``.
-    """
+    """``x @ W.T + bias`` as the C++ kernel computes it, in torch (its fallback and reference;
+    agreement to float32 rounding). x [M, K]; packed uint8 [N, K / 32 * block_bytes]; bias [N]
+    or None → [M, N] in x's dtype (float32 with ``out_float32``). Raises ValueError for x not
+    [M, K], or as ``unpack_blocks``."""
     if x.dim() != 2 or x.shape[1] != k:
         raise ValueError(f"x must be [M, {k}], got {tuple(x.shape)}")
     q, d, m = unpack_blocks(packed, fmt, k)
@@ -278,42 +196,15 @@ def kernel_isa(ops) -> str:
 
 
 def _weight_tensor(layer: nn.Module) -> torch.Tensor:
-    """``layer.weight`` as a plain tensor: a Parameter's data, or the tensor itself (a tied
-    LM head holds its packed copy as a plain attribute)."""
+    """``layer.weight`` as a plain tensor (a tied LM head holds a plain tensor)."""
     return layer.weight.data if isinstance(layer.weight, nn.Parameter) else layer.weight
 
 
 class BlockQuantLinearMethod(LinearMethod):
-    """A ``LinearMethod`` whose weight is kept in a GGUF block format.
-
-    Loaded as packed blocks (``from_float=False``: e.g. from a GGUF file), ``create_weights``
-    registers ``layer.weight`` uint8 [sum(output_partition_sizes), K / 32 * block_bytes]:
-    packed rows are whole output rows, so the fused layers' loaders (which narrow dim 0)
-    copy a checkpoint's packed q/k/v or gate/up rows straight in. With ``from_float=True``
-    it registers a float weight [out, K] in ``params_dtype`` that
-    ``process_weights_after_loading`` quantizes (``quantize_to_blocks``) and replaces.
-
-    ``apply`` runs the C++ kernel ``block_quant_linear`` where
-    ``kernels_for(device, params_dtype)`` gives the kernels (decided once, in
-    ``create_weights``), else ``block_quant_linear_ref`` on the weight unpacked once.
-
-    Works for a tied LM head too (``ParallelLMHead`` with this method and a tied embedding
-    whose table is packed in ``fmt``, from ``BlockQuantEmbeddingMethod``): the head's
-    ``weight`` is then the embedding's packed table, used as it is; with ``from_float`` a
-    tied float table is quantized into the head's own packed copy and the embedding keeps
-    its float table. (Such a head has no ``create_weights`` call: the kernel is picked in
-    ``process_weights_after_loading`` from ``layer.params_dtype``.)
-
-    Args:
-        fmt: the block format ("Q8_0", "Q4_0", "Q4_1" or a ggml type).
-        from_float: quantize a float checkpoint weight at load instead of loading blocks.
-
-    Attributes:
-        name: e.g. "gguf Q4_1 (C++ AVX2)" or "gguf Q4_1 (torch)", for ``describe_compute_path``.
-
-    Raises:
-        ValueError: (constructor) an unknown fmt; (create_weights) K not a multiple of 32.
-    """
+    """A ``LinearMethod`` whose weight stays in a GGUF block format (packed rows loaded as they
+    are, or with ``from_float`` quantized at load); the C++ ``block_quant_linear`` where the
+    kernels serve, else ``block_quant_linear_ref``. Serves a tied LM head over a packed table.
+    Raises ValueError for an unknown fmt, or (``create_weights``) K not a multiple of 32."""
 
     def __init__(self, fmt, from_float: bool = False):
         self.fmt = block_format(fmt)
@@ -354,13 +245,8 @@ class BlockQuantLinearMethod(LinearMethod):
         layer.params_dtype = params_dtype   # the compute dtype (the weight becomes uint8)
 
     def process_weights_after_loading(self, layer):
-        """Quantize a float weight (``from_float``) or check the packed one; without the
-        kernels, also unpack it once for the torch path (``layer.block_unpacked``).
-
-        Raises:
-            ValueError: a packed weight of the wrong dtype or row size for ``fmt`` and
-                ``layer.input_size``.
-        """
+        """Quantize a float weight (``from_float``) or check the packed one; unpack it for the
+        torch path. Raises ValueError for a packed weight of the wrong dtype or row size."""
         k = layer.input_size
         if not self._picked:            # a tied LM head: create_weights did not run
             self._pick(layer.weight.device, layer.params_dtype)
@@ -377,9 +263,7 @@ class BlockQuantLinearMethod(LinearMethod):
             layer.block_unpacked = unpack_blocks(w, self.fmt, k)
 
     def stack_linear(self, layer, kernels):
-        """``kernels.StackLinear.block`` over the packed weight (uint8 [out, in / 32 *
-        block_bytes]), its ggml format id and the layer's bias, when the C++ kernel computes
-        this layer; else None (the torch path)."""
+        """``kernels.StackLinear.block`` when the C++ kernel computes this layer, else None."""
         if self._ops is None:
             return None
         return kernels.StackLinear.block(_weight_tensor(layer), self._fmt_id, layer.bias)
@@ -403,34 +287,24 @@ class BlockQuantLinearMethod(LinearMethod):
 
 
 class BlockQuantEmbeddingMethod:
-    """A token embedding whose table stays in a GGUF block format (e.g. SmolLM2's Q8_0
-    ``token_embd``, which is also the tied LM head's weight): only the looked-up rows are
-    dequantized.
-
-    Args:
-        fmt: the block format ("Q8_0", "Q4_0", "Q4_1" or a ggml type).
-    """
+    """A token embedding kept in a GGUF block format; only looked-up rows are dequantized."""
 
     def __init__(self, fmt):
         self.fmt = block_format(fmt)
 
     def create_weights(self, layer: nn.Module, num_embeddings: int, embedding_dim: int,
                        dtype: torch.dtype, device: torch.device) -> None:
-        """Register ``layer.weight`` uint8 [num_embeddings, embedding_dim / 32 * block_bytes]
-        and remember ``dtype`` as ``layer.params_dtype`` (the dtype lookups return).
-
-        Raises:
-            ValueError: embedding_dim not a multiple of 32."""
+        """Register ``layer.weight`` uint8 [num_embeddings, embedding_dim / 32 * block_bytes].
+        Raises ValueError unless embedding_dim is a multiple of 32."""
         layer.weight = nn.Parameter(
             torch.empty(num_embeddings, self.fmt.row_bytes(embedding_dim), dtype=torch.uint8, device=device),
             requires_grad=False)
         layer.params_dtype, layer.embedding_dim = dtype, embedding_dim
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        """Nothing to prepare: the file's blocks are looked up as they are."""
+        """Nothing to prepare."""
 
     def embedding(self, layer: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
-        """int64 ids [T] → [T, embedding_dim] in ``layer.params_dtype`` (dequantized
-        exactly in float32, then rounded to the dtype)."""
+        """int64 ids [T] → [T, embedding_dim] in ``layer.params_dtype``."""
         rows = layer.weight.index_select(0, input_ids)
         return dequantize_blocks(rows, self.fmt, layer.embedding_dim).to(layer.params_dtype)

@@ -1,20 +1,7 @@
-"""GGUF block formats as quantization methods: ``--quantization gguf`` keeps a GGUF file's
-own Q8_0 / Q4_0 / Q4_1 blocks packed; ``--quantization q8_0 | q4_0 | q4_1`` quantizes float
-weights (a HF directory's, or a GGUF's float tensors) into that format at load.
-
-Both compute with ``gguf_blocks.BlockQuantLinearMethod`` (activations quantized per
-32-element block to 8 bits inside the kernel, integer dot products per block, as
-llama.cpp's CPU path). Which layers:
-- ``gguf``: every linear layer whose checkpoint tensors are all of one packed type (a
-  fused layer, e.g. q|k|v, needs the same type in each part); float tensors (F32, F16,
-  BF16) stay dense; any other type (K-quants, IQ types, ...) is an error naming the tensor,
-  since it cannot be kept packed and dequantizing it would silently be something else.
-  The token embedding, when packed, stays packed too (looked-up rows are dequantized),
-  and a tied LM head multiplies by those same blocks.
-- ``q8_0``/``q4_0``/``q4_1``: every linear layer in that format, and the LM head in
-  Q8_0 (as llama.cpp keeps the output layer at higher precision: a 4-bit head costs most
-  of the accuracy); the token embedding stays dense.
-"""
+"""GGUF block formats as quantization methods, both computed by
+``gguf_blocks.BlockQuantLinearMethod``: ``gguf`` keeps a GGUF file's Q8_0 / Q4_0 / Q4_1
+blocks packed (float tensors stay dense; other types are an error); ``q8_0 | q4_0 | q4_1``
+quantize float weights at load into that format (the LM head into Q8_0, as llama.cpp)."""
 from __future__ import annotations
 
 from pagedllm.distributed import get_tp_size
@@ -39,11 +26,7 @@ def _check_divisible(prefix: str, input_size: int, method: str) -> None:
 
 
 class GGUFConfig(QuantizationConfig):
-    """``--quantization gguf``: the GGUF file's own blocks, kept packed.
-
-    Args:
-        tensor_types: HF name → GGML type name of every tensor the model uses.
-    """
+    """``--quantization gguf``; ``tensor_types``: HF name → GGML type name of each tensor."""
 
     name = "gguf"
 
@@ -52,9 +35,8 @@ class GGUFConfig(QuantizationConfig):
 
     @classmethod
     def create(cls, name: str, gguf_tensor_types: dict[str, str] | None = None, **_) -> GGUFConfig:
-        """Raises InvalidParameterError("quantization") for a model that is not a GGUF file,
-        or a GGUF file whose tensors are all floats (nothing to keep packed: running as
-        if quantized would silently be the float model)."""
+        """Raises InvalidParameterError("quantization") for a model that is not a GGUF file, or
+        one whose tensors are all floats."""
         if gguf_tensor_types is None:
             raise unsupported("gguf keeps a GGUF file's quantized blocks, but the model is not a .gguf "
                               "file; use q8_0, q4_0, q4_1 or int8 to quantize float weights at load")
@@ -69,8 +51,8 @@ class GGUFConfig(QuantizationConfig):
         return frozenset(FORMATS)
 
     def _type_of(self, prefix: str, names: list[str]) -> str | None:
-        """The one GGML type of the tensors ``names`` (None if absent); raises for a mix or
-        for a type that cannot be kept packed."""
+        """The one GGML type of ``names`` (None if absent). Raises ``unsupported`` for a mix of
+        types or a type that cannot be kept packed."""
         types = {self.tensor_types[n] for n in names if n in self.tensor_types}
         if not types:
             return None
@@ -87,8 +69,7 @@ class GGUFConfig(QuantizationConfig):
         return t
 
     def check_model(self, packed_modules_mapping):
-        """Every fused layer's parts (e.g. q|k|v of each decoder layer) share one packable
-        type, and the embedding / LM head tables are packable or float."""
+        """Check every fused layer's parts and the embedding / LM head tables (``_type_of``)."""
         by_layer: dict[str, list[str]] = {}
         for fused, parts in packed_modules_mapping.items():
             for part in parts:                       # the layer's order: q, k, v
@@ -124,12 +105,7 @@ class GGUFConfig(QuantizationConfig):
 
 
 class BlockQuantConfig(QuantizationConfig):
-    """``--quantization q8_0 | q4_0 | q4_1``: float weights quantized at load into that
-    block format (the LM head into Q8_0).
-
-    Args:
-        fmt: "Q8_0", "Q4_0" or "Q4_1".
-    """
+    """``--quantization q8_0 | q4_0 | q4_1``: float weights quantized at load into ``fmt``."""
 
     def __init__(self, fmt: str):
         self.fmt = fmt

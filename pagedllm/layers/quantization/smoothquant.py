@@ -1,27 +1,8 @@
-"""SmoothQuant's per-channel smoothing for int8 W8A8 (Xiao et al. 2023, "SmoothQuant:
-Accurate and Efficient Post-Training Quantization for Large Language Models", eq. 4).
-
-Per-token activation scales are set by a few outlier input channels (15-35x the mean |x| in
-SmolLM2-135M), which leaves the other channels few int8 steps. SmoothQuant moves part of
-that range into the weights, an exact identity before rounding: ``x W^T = (x / s)(W s)^T``
-with, per input channel j,
-
-    s[j] = max|X[:, j]| ** alpha / max|W[:, j]| ** (1 - alpha)
-
-(alpha = 0.5 as the paper's default), ``max|X[:, j]|`` measured on calibration text. The
-weights are multiplied by ``s`` once before they are quantized; the activations are divided
-by it (multiplied by ``1 / s``) before their per-token quantization, every call.
-
-Calibration (``calibrate_input_amax``; the prefills are ``worker.prefill.calibrate_smoothquant``)
-runs the float model over the text shipped in ``data/calibration.txt`` (prose, a chat turn,
-code, a recipe, JSON, a sum; 645 tokens of SmolLM2's tokenizer; not the perplexity text of
-``benchmarks/data``) in 128-token prefills, with the layers to be quantized computing in
-float from their loaded weights, and records each one's input |x| maximum per channel.
-Measured on the bundled SmolLM2-135M (perplexity on the fixed text, float32 20.21): W8A8
-without smoothing 21.46 (+6.2 %, 8-bit weights on an AVX512-VNNI CPU) and 21.09 (+4.4 %,
-7-bit weights); with alpha 0.5 20.41 (+1.0 %; before silent channels kept s = 1, 20.49,
-and 20.34 in 256-token prefills); alpha 0.8 20.95 (+3.7 %).
-"""
+"""SmoothQuant's per-channel smoothing for int8 W8A8 (Xiao et al. 2023, eq. 4):
+``x W^T = (x / s)(W s)^T`` with ``s[j] = max|X[:, j]| ** alpha / max|W[:, j]| ** (1 - alpha)``;
+the weights are multiplied by s before quantization, the activations by 1 / s every call.
+Maxima come from float prefills of ``data/calibration.txt`` (``calibrate_input_amax``).
+Measurements: docs/notes/layers-quantization-smoothquant.md."""
 from __future__ import annotations
 
 import os
@@ -44,18 +25,9 @@ def calibration_text() -> str:
 
 
 def smoothing_factors(act_amax: torch.Tensor, weight: torch.Tensor, alpha: float) -> torch.Tensor:
-    """SmoothQuant's s (eq. 4) per input channel: float32 [K].
-
-    Args:
-        act_amax: float32 [K], max |x| per input channel over the calibration tokens.
-        weight: [N, K], the layer's float weight (any float dtype).
-        alpha: migration strength in [0, 1] (0: s = 1 / max|W|, 1: s = max|X|).
-
-    Channels whose activation or weight maximum is ~0 get s = 1 (not smoothed).
-
-    Raises:
-        ValueError: alpha outside [0, 1], or shapes that do not match.
-    """
+    """SmoothQuant's s, float32 [K], from act_amax float32 [K] and weight [N, K] (alpha in
+    [0, 1]); channels with a ~0 maximum get s = 1. Raises ValueError for alpha outside [0, 1]
+    or shapes that do not match."""
     if not 0.0 <= alpha <= 1.0:
         raise ValueError(f"alpha must be in [0, 1], got {alpha}")
     if act_amax.shape != (weight.shape[1],):
@@ -69,15 +41,9 @@ def smoothing_factors(act_amax: torch.Tensor, weight: torch.Tensor, alpha: float
 
 def calibrate_input_amax(layers: Sequence[nn.Module], run: Callable[[list[int]], object], ids: list[int],
                          float_method: Callable[[], object]) -> int:
-    """Run ``run(ids)`` (a prefill of the whole model) once, with each of ``layers``
-    computing through ``float_method()`` (a dense float ``LinearMethod``; its loaded
-    ``weight`` unprocessed), and set on each layer ``int8_act_amax``: float32 [in_features],
-    max |x| per input channel of what it received (layers that received nothing get none).
-    The layers' own methods are put back afterwards, also when ``run`` raises.
-
-    Returns:
-        how many layers got maxima.
-    """
+    """Run ``run(ids)`` once with ``layers`` computing through ``float_method()``, set each
+    layer's ``int8_act_amax`` (float32 [in], max |x| per input channel seen), and restore their
+    methods (also if ``run`` raises). Returns how many layers got maxima."""
     saved = [layer.linear_method for layer in layers]
     handles = []
 
