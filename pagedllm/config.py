@@ -226,6 +226,8 @@ class EngineArgs:
     disable_hybrid_kv_cache_manager: bool = False
     tensor_parallel_size: int = 1
     distributed_executor_backend: str | None = None
+    data_parallel_size: int = 1
+    data_parallel_rank: int = 0    # set per engine by the data-parallel client
     engine_process: bool = True
 
     @staticmethod
@@ -269,6 +271,9 @@ class EngineArgs:
                                  "all layers) instead of releasing those out of the window")
         parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size,
                             help="split the model over this many ranks (worker processes)")
+        parser.add_argument("--data-parallel-size", "-dp", type=int, default=d.data_parallel_size,
+                            help="run this many engine replicas (each its own process and model copy, "
+                                 "with --tensor-parallel-size ranks each); requests go to the least loaded")
         parser.add_argument("--distributed-executor-backend", default=None, choices=list(EXECUTOR_BACKENDS),
                             help="uni: one worker in the engine process (default at tp 1); mp: one "
                                  "process per rank (default when tp > 1)")
@@ -343,7 +348,8 @@ class EngineArgs:
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
                 raise InvalidParameterError(name, f"{name} must be a positive int, got {v!r}")
         for n in ("max_model_len", "block_size", "num_gpu_blocks_override",
-                  "max_num_batched_tokens", "max_num_seqs", "num_threads", "tensor_parallel_size"):
+                  "max_num_batched_tokens", "max_num_seqs", "num_threads", "tensor_parallel_size",
+                  "data_parallel_size"):
             pos(n)
         if not (0 < self.gpu_memory_utilization <= 1):
             raise InvalidParameterError("gpu_memory_utilization", f"gpu_memory_utilization must be in (0, 1], "
@@ -372,6 +378,10 @@ class EngineArgs:
             raise InvalidParameterError(
                 "distributed_executor_backend", f"distributed_executor_backend must be one of "
                 f"{', '.join(EXECUTOR_BACKENDS)}, got {self.distributed_executor_backend!r}")
+        if self.data_parallel_size > 1 and not self.engine_process:
+            raise InvalidParameterError(
+                "data_parallel_size", "data_parallel_size > 1 runs each engine in its own process; "
+                "it cannot be combined with engine_process=False (--no-engine-process)")
         if self.tensor_parallel_size > 1 and self.distributed_executor_backend == "uni":
             raise InvalidParameterError(
                 "distributed_executor_backend", "distributed_executor_backend 'uni' runs one worker; "

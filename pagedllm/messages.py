@@ -81,6 +81,8 @@ class SchedulerStats(msgspec.Struct):
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
     spec_decode_num_accepted_tokens_per_pos: list[int] = []
+    # with data parallelism, each engine's (running, waiting, kv_cache_usage), engine order
+    engines: list[tuple[int, int, float]] = []
 
 
 class EngineCoreOutputs(msgspec.Struct):

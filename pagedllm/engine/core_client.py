@@ -40,6 +40,8 @@ class EngineCoreClient(ABC):
             ValueError / InvalidParameterError: the core could not start (as raised there).
             EngineDeadError: its process died while starting.
         """
+        if config.args.data_parallel_size > 1:
+            return DPClient(config)
         if config.args.engine_process:
             return MPClient(config)
         return InprocClient(config)
@@ -120,12 +122,15 @@ class MPClient(EngineCoreClient):
     POLL_S = 0.1
     SHUTDOWN_WAIT_S = 5.0
 
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, outputs: queue.Queue | None = None, engine_index: int = 0):
         import pickle
         import subprocess
         import sys
 
         import zmq
+
+        self.engine_index = engine_index   # outputs go to ``outputs`` as (engine_index, outs)
+        self._shared_outputs = outputs
 
         self._dir = tempfile.mkdtemp(prefix="pagedllm-core-")
         in_addr, out_addr = f"ipc://{self._dir}/input", f"ipc://{self._dir}/output"
@@ -204,7 +209,11 @@ class MPClient(EngineCoreClient):
                     continue
                 kind, payload = self._output.recv_multipart()
                 if kind == wire.OUTPUTS:
-                    self._outputs.put(self._outputs_decoder.decode(payload))
+                    outs = self._outputs_decoder.decode(payload)
+                    if self._shared_outputs is not None:
+                        self._shared_outputs.put((self.engine_index, outs))
+                    else:
+                        self._outputs.put(outs)
                 elif kind == wire.UTILITY:
                     res = msgspec.msgpack.decode(payload, type=UtilityResult)
                     fut, rtype = self._calls.pop(res.call_id, (None, None))
@@ -229,6 +238,8 @@ class MPClient(EngineCoreClient):
         logger.error("%s", reason)
         self._dead = reason
         self._outputs.put(None)   # wakes a waiting get_output
+        if self._shared_outputs is not None:
+            self._shared_outputs.put((self.engine_index, None))
         err = EngineDeadError(f"{reason}; restart the server")
         for fut, _ in list(self._calls.values()):
             if not fut.done():
@@ -320,6 +331,157 @@ class MPClient(EngineCoreClient):
         stop_process(proc, 2)
         ctx.destroy(linger=0)
         shutil.rmtree(path, ignore_errors=True)
+
+
+class DPClient(EngineCoreClient):
+    """``data_parallel_size`` engine cores, each an ``MPClient`` with its own process, model
+    replica and tensor-parallel ranks (vLLM's data-parallel load-balancing client). A
+    request goes to the engine with the lowest ``4 * waiting + running`` (the engines'
+    last reported counts plus what was sent since), unless the engine that last took the
+    same prompt prefix is within ``AFFINITY_SLACK`` of that (its cached blocks are reused).
+    Outputs of every engine arrive in one queue; the stats returned are the engines' sum
+    with each engine's gauges in ``SchedulerStats.engines``. One dead engine fails the
+    whole client (``EngineDeadError``), as vLLM's.
+    """
+
+    AFFINITY_SLACK = 4        # load units an engine holding the prefix may be above the least loaded
+    PREFIX_KEYS = 4096        # prefixes remembered (least recently used forgotten)
+
+    def __init__(self, config: EngineConfig):
+        import copy
+        import dataclasses
+        from collections import OrderedDict
+        from concurrent.futures import ThreadPoolExecutor
+
+        n = config.args.data_parallel_size
+        self._outputs: queue.Queue = queue.Queue()
+        self._lock = threading.Lock()
+
+        def start(i: int) -> MPClient:
+            cfg = copy.copy(config)
+            cfg.args = dataclasses.replace(config.args, data_parallel_rank=i)
+            return MPClient(cfg, self._outputs, i)
+
+        self.engines: list[MPClient] = []
+        with ThreadPoolExecutor(n) as pool:   # every engine loads its model at once
+            futures = [pool.submit(start, i) for i in range(n)]
+            errors = []
+            for f in futures:
+                try:
+                    self.engines.append(f.result())
+                except BaseException as e:  # noqa: BLE001  (raised below, after the others stop)
+                    errors.append(e)
+        if errors:
+            for e in self.engines:
+                e.shutdown()
+            raise errors[0]
+        infos = [e.info for e in self.engines]
+        self.info = EngineCoreInfo(min(i.max_model_len for i in infos), sum(i.num_kv_blocks for i in infos),
+                                   infos[0].block_size, f"{infos[0].compute_path}, data parallel {n} engines")
+        self._block_size = infos[0].block_size
+        self._stats = [SchedulerStats() for _ in range(n)]
+        self._sent = [0] * n                     # requests sent since the engine's last stats
+        self._owner: dict[str, int] = {}
+        self._prefix_owner: OrderedDict[int, int] = OrderedDict()
+
+    def _load(self, i: int) -> int:
+        s = self._stats[i]
+        return 4 * (s.num_waiting + self._sent[i]) + s.num_running
+
+    def engine_for(self, prompt_token_ids: list[int]) -> int:
+        """The engine the next request with this prompt goes to (the routing rule above)."""
+        loads = [self._load(i) for i in range(len(self.engines))]
+        best = min(range(len(loads)), key=loads.__getitem__)
+        key = hash(tuple(prompt_token_ids[:4 * self._block_size]))
+        held = self._prefix_owner.get(key)
+        if held is not None and loads[held] <= loads[best] + self.AFFINITY_SLACK:
+            best = held
+        self._prefix_owner[key] = best
+        self._prefix_owner.move_to_end(key)
+        while len(self._prefix_owner) > self.PREFIX_KEYS:
+            self._prefix_owner.popitem(last=False)
+        return best
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        with self._lock:
+            i = self.engine_for(request.prompt_token_ids)
+            self._owner[request.request_id] = i
+            self._sent[i] += 1
+        self.engines[i].add_request(request)
+
+    def get_output(self, timeout: float | None = None) -> EngineCoreOutputs:
+        self.check_health()
+        try:
+            i, outs = self._outputs.get(timeout=timeout)
+        except queue.Empty:
+            return EngineCoreOutputs()
+        if outs is None:
+            self._outputs.put((i, None))   # every later waiter wakes too
+            self.check_health()
+            return EngineCoreOutputs()
+        with self._lock:
+            for o in outs.outputs:
+                if o.finish_reason is not None:
+                    self._owner.pop(o.request_id, None)
+            for rid in outs.failed_request_ids:
+                self._owner.pop(rid, None)
+            if outs.scheduler_stats is not None:
+                self._stats[i] = outs.scheduler_stats
+                self._sent[i] = 0
+                outs.scheduler_stats = self._sum_stats(outs.scheduler_stats)
+        return outs
+
+    def _sum_stats(self, last: SchedulerStats) -> SchedulerStats:
+        """The engines' stats summed (``step_*`` from ``last``, the step just reported)."""
+        st = self._stats
+        total = SchedulerStats(
+            num_running=sum(s.num_running for s in st), num_waiting=sum(s.num_waiting for s in st),
+            num_blocks_used=sum(s.num_blocks_used for s in st), num_blocks_total=sum(s.num_blocks_total for s in st),
+            num_preemptions_total=sum(s.num_preemptions_total for s in st),
+            prefix_cache_queries=sum(s.prefix_cache_queries for s in st),
+            prefix_cache_hits=sum(s.prefix_cache_hits for s in st),
+            step_num_reqs=last.step_num_reqs, step_num_prefill_tokens=last.step_num_prefill_tokens,
+            step_num_decode_tokens=last.step_num_decode_tokens,
+            spec_decode_num_drafts=sum(s.spec_decode_num_drafts for s in st),
+            spec_decode_num_draft_tokens=sum(s.spec_decode_num_draft_tokens for s in st),
+            spec_decode_num_accepted_tokens=sum(s.spec_decode_num_accepted_tokens for s in st),
+            engines=[(s.num_running, s.num_waiting, s.kv_cache_usage) for s in st])
+        total.kv_cache_usage = total.num_blocks_used / max(1, total.num_blocks_total)
+        width = max(len(s.spec_decode_num_accepted_tokens_per_pos) for s in st)
+        total.spec_decode_num_accepted_tokens_per_pos = [
+            sum(s.spec_decode_num_accepted_tokens_per_pos[j] for s in st
+                if j < len(s.spec_decode_num_accepted_tokens_per_pos)) for j in range(width)]
+        return total
+
+    def abort_requests(self, request_ids: list[str]) -> EngineCoreOutputs:
+        by_engine: dict[int, list[str]] = {}
+        with self._lock:
+            for rid in request_ids:
+                i = self._owner.get(rid)
+                if i is not None:
+                    by_engine.setdefault(i, []).append(rid)
+        for i, ids in by_engine.items():
+            self.engines[i].abort_requests(ids)
+        return EngineCoreOutputs()
+
+    def reset_prefix_cache(self) -> int:
+        with self._lock:
+            self._prefix_owner.clear()
+        return sum(e.reset_prefix_cache() for e in self.engines)
+
+    def get_scheduler_stats(self) -> SchedulerStats:
+        with self._lock:
+            self._stats = [e.get_scheduler_stats() for e in self.engines]
+            self._sent = [0] * len(self.engines)
+            return self._sum_stats(self._stats[0])
+
+    def check_health(self) -> None:
+        for e in self.engines:
+            e.check_health()
+
+    def shutdown(self) -> None:
+        for e in self.engines:
+            e.shutdown()
 
 
 def _start_error(f: EngineCoreFailure) -> BaseException:

@@ -136,6 +136,13 @@ class PrometheusStatLogger:
         self.spec_per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
                                     "Draft tokens accepted, by position in the step's drafts",
                                     L + ["position"], registry=r)
+        E = L + ["engine"]   # with data parallelism, one series per engine
+        self.engine_running = Gauge("pagedllm:engine_num_requests_running", "Requests running, per engine", E,
+                                    registry=r)
+        self.engine_waiting = Gauge("pagedllm:engine_num_requests_waiting", "Requests waiting, per engine", E,
+                                    registry=r)
+        self.engine_kv_usage = Gauge("pagedllm:engine_kv_cache_usage_perc", "KV-cache usage 0..1, per engine", E,
+                                     registry=r)
         self._last_spec = [0, 0, 0]
         self._last_per_pos: list[int] = []
         self._last_preempt = self._last_q = self._last_h = 0
@@ -144,6 +151,10 @@ class PrometheusStatLogger:
         self.running.set(s.num_running)
         self.waiting.set(s.num_waiting)
         self.kv_usage.set(s.kv_cache_usage)
+        for i, (running, waiting, usage) in enumerate(s.engines):
+            self.engine_running.labels(self.model, str(i)).set(running)
+            self.engine_waiting.labels(self.model, str(i)).set(waiting)
+            self.engine_kv_usage.labels(self.model, str(i)).set(usage)
         self.preemptions.inc(s.num_preemptions_total - self._last_preempt)
         self.pc_queries.inc(s.prefix_cache_queries - self._last_q)
         self.pc_hits.inc(s.prefix_cache_hits - self._last_h)
