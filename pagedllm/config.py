@@ -228,6 +228,10 @@ class EngineArgs:
     distributed_executor_backend: str | None = None
     data_parallel_size: int = 1
     data_parallel_rank: int = 0    # set per engine by the data-parallel client
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None
     engine_process: bool = True
 
     @staticmethod
@@ -274,6 +278,15 @@ class EngineArgs:
         parser.add_argument("--data-parallel-size", "-dp", type=int, default=d.data_parallel_size,
                             help="run this many engine replicas (each its own process and model copy, "
                                  "with --tensor-parallel-size ranks each); requests go to the least loaded")
+        parser.add_argument("--nnodes", type=int, default=d.nnodes,
+                            help="machines the tensor-parallel ranks are spread over (an equal share each)")
+        parser.add_argument("--node-rank", type=int, default=d.node_rank,
+                            help="this machine's index; 0 runs the engine, the others `serve --headless`")
+        parser.add_argument("--master-addr", default=d.master_addr,
+                            help="node 0's address, reachable from every node")
+        parser.add_argument("--master-port", type=int, default=None,
+                            help="node 0's ports: this one (torch.distributed) and the next three (the "
+                                 "executor's sockets)")
         parser.add_argument("--distributed-executor-backend", default=None, choices=list(EXECUTOR_BACKENDS),
                             help="uni: one worker in the engine process (default at tp 1); mp: one "
                                  "process per rank (default when tp > 1)")
@@ -349,7 +362,7 @@ class EngineArgs:
                 raise InvalidParameterError(name, f"{name} must be a positive int, got {v!r}")
         for n in ("max_model_len", "block_size", "num_gpu_blocks_override",
                   "max_num_batched_tokens", "max_num_seqs", "num_threads", "tensor_parallel_size",
-                  "data_parallel_size"):
+                  "data_parallel_size", "nnodes"):
             pos(n)
         if not (0 < self.gpu_memory_utilization <= 1):
             raise InvalidParameterError("gpu_memory_utilization", f"gpu_memory_utilization must be in (0, 1], "
@@ -382,15 +395,35 @@ class EngineArgs:
             raise InvalidParameterError(
                 "data_parallel_size", "data_parallel_size > 1 runs each engine in its own process; "
                 "it cannot be combined with engine_process=False (--no-engine-process)")
+        if self.nnodes > 1:
+            self._check_nodes()
         if self.tensor_parallel_size > 1 and self.distributed_executor_backend == "uni":
             raise InvalidParameterError(
                 "distributed_executor_backend", "distributed_executor_backend 'uni' runs one worker; "
                 f"tensor_parallel_size {self.tensor_parallel_size} needs 'mp'")
 
+    def _check_nodes(self) -> None:
+        """Raises InvalidParameterError naming the first multi-node setting that does not fit."""
+        if not 0 <= self.node_rank < self.nnodes:
+            raise InvalidParameterError("node_rank", f"node_rank must be in [0, {self.nnodes}), got {self.node_rank}")
+        if self.tensor_parallel_size % self.nnodes:
+            raise InvalidParameterError("nnodes", f"nnodes {self.nnodes} does not divide tensor_parallel_size "
+                                                  f"{self.tensor_parallel_size} (each node runs an equal share)")
+        if self.master_port is None or not 0 < self.master_port <= 65532:
+            raise InvalidParameterError("master_port", "nnodes > 1 needs master_port (1-65532: it and the next "
+                                                       f"three ports on master_addr), got {self.master_port}")
+        if self.data_parallel_size > 1:
+            raise InvalidParameterError("data_parallel_size", "data_parallel_size > 1 with nnodes > 1 is not "
+                                                              "supported yet; run one data-parallel engine per node")
+        if self.distributed_executor_backend == "uni":
+            raise InvalidParameterError("distributed_executor_backend",
+                                        "nnodes > 1 needs distributed_executor_backend 'mp'")
+
     @property
     def executor_backend(self) -> str:
         """The executor that runs the workers: the flag, else "mp" when tp > 1, else "uni"."""
-        return self.distributed_executor_backend or ("mp" if self.tensor_parallel_size > 1 else "uni")
+        return self.distributed_executor_backend or (
+            "mp" if self.tensor_parallel_size > 1 or self.nnodes > 1 else "uni")
 
 
 @dataclass

@@ -61,6 +61,8 @@ def _models(args) -> int:
 def _serve(args) -> int:
     from pagedllm.entrypoints.openai.api_server import run_server
 
+    if args.headless:
+        return _headless(args)
     if args.enable_auto_tool_choice and args.tool_call_parser is None:   # before the model loads
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
     if args.max_waiting_requests is not None and args.max_waiting_requests < 1:
@@ -73,6 +75,14 @@ def _serve(args) -> int:
         raise ValueError(f"--port must be in 0-65535, got {args.port}")
     run_server(args)
     return 0
+
+
+def _headless(args) -> int:
+    """``serve --headless``: this node's tensor-parallel ranks, no API server."""
+    from pagedllm.config import EngineArgs, EngineConfig
+    from pagedllm.executor.multiproc_executor import run_headless
+
+    return run_headless(EngineConfig.from_args(EngineArgs.from_cli_args(args)))
 
 
 # generate's sampling flags by SamplingParams field, to name the flag in errors
@@ -138,6 +148,9 @@ def register(subparsers: "argparse._SubParsersAction") -> None:
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM / Ctrl-C, seconds that in-flight requests get to finish before "
                         "they are aborted")
+    p.add_argument("--headless", action="store_true",
+                   help="run this node's tensor-parallel ranks only (a node other than 0 of --nnodes; "
+                        "no API server)")
     p.set_defaults(func=_serve)
 
     p = subparsers.add_parser("generate", help="print a completion of PROMPT",

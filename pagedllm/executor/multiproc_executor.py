@@ -7,6 +7,11 @@ IPC, msgpack); every rank runs the same step and samples the same tokens from th
 gathered logits and seeded generators; rank 0 returns its ``ModelRunnerOutput`` and the
 others a digest of their tokens, which must match rank 0's.
 
+Across machines (``--nnodes``): node 0 runs this executor and its share of the ranks;
+every other node runs ``pagedllm serve --headless`` (``run_headless``), whose ranks reach
+node 0's sockets over TCP (``--master-addr``, ports ``--master-port`` + 1..3; + 3 a
+heartbeat, without which a remote rank exits after ``wire.HEARTBEAT_TIMEOUT_S``).
+
 Failure model: a rank's process that exits, or an error on some ranks only (the others
 are then stuck in a collective), or ranks that disagree, raise ``ExecutorDeadError``
 within ``POLL_S`` of being seen; the workers are killed and the engine fails its
@@ -60,38 +65,36 @@ class MultiprocExecutor(Executor):
     def __init__(self, config: EngineConfig):
         import zmq
 
-        self.world_size = config.args.tensor_parallel_size
+        args = config.args
+        if args.node_rank != 0:
+            raise ValueError(f"node_rank {args.node_rank} runs no engine: start it with `pagedllm serve --headless`")
+        self.world_size = args.tensor_parallel_size
         self._dir = tempfile.mkdtemp(prefix="pagedllm-workers-")
-        call_addr, reply_addr = f"ipc://{self._dir}/calls", f"ipc://{self._dir}/replies"
+        addrs = rank_addresses(args, self._dir)
         self._ctx = zmq.Context()
         self._calls = self._ctx.socket(zmq.PUB)
         self._calls.setsockopt(zmq.LINGER, 0)
-        self._calls.bind(call_addr)
+        self._calls.bind(addrs["calls"])
         self._replies = self._ctx.socket(zmq.PULL)
         self._replies.setsockopt(zmq.LINGER, 0)
-        self._replies.bind(reply_addr)
+        self._replies.bind(addrs["replies"])
         self._encoder = msgspec.msgpack.Encoder()
         self._output_decoder = msgspec.msgpack.Decoder(ModelRunnerOutput)
         self._dead: str | None = None
-        init_method = f"tcp://127.0.0.1:{free_port()}"
-        level = logging.getLogger("pagedllm").getEffectiveLevel()
+        self._heartbeat = None
+        if "heartbeat" in addrs:
+            self._heartbeat = _Heartbeat(self._ctx, addrs["heartbeat"])
         self._procs: list[subprocess.Popen] = []
         # an executor dropped without shutdown() (or alive at interpreter exit) kills its ranks
         self._finalizer = weakref.finalize(self, _kill_all, self._procs, self._dir)
         try:
-            for rank in range(self.world_size):
-                proc = subprocess.Popen([sys.executable, "-c", f"from {wire.__name__} import main; main()"],
-                                        stdin=subprocess.PIPE)
-                self._procs.append(proc)
-                proc.stdin.write(pickle.dumps((config, rank, self.world_size, init_method, call_addr,
-                                               reply_addr, os.getpid(), level)))
-                proc.stdin.close()
+            spawn_ranks(config, addrs, self._procs)
             self._wait_ready()
         except BaseException:
             self.shutdown()
             raise
-        logger.info("tensor parallel: %d worker processes (pids %s), torch.distributed %s",
-                    self.world_size, " ".join(str(p.pid) for p in self._procs), init_method)
+        logger.info("tensor parallel: %d ranks, %d here (pids %s), torch.distributed %s", self.world_size,
+                    len(self._procs), " ".join(str(p.pid) for p in self._procs), addrs["init"])
 
     # -- waiting for ranks ---------------------------------------------------------------
     def _check_alive(self) -> None:
@@ -207,6 +210,8 @@ class MultiprocExecutor(Executor):
                         pass
         finally:
             self._kill()
+            if self._heartbeat is not None:
+                self._heartbeat.stop()
             self._calls.close()
             self._replies.close()
             self._ctx.term()
@@ -226,3 +231,82 @@ def _kill_all(procs: list[subprocess.Popen], directory: str | None) -> None:
             pass
     if directory is not None:
         shutil.rmtree(directory, ignore_errors=True)
+
+
+def rank_addresses(args, directory: str) -> dict[str, str]:
+    """Where the ranks meet: ``init`` (torch.distributed), ``calls`` and ``replies`` (the
+    executor's sockets), and across nodes ``heartbeat``: IPC files in ``directory`` and a
+    free loopback port on one node; node 0's ``master_addr`` and ``master_port`` + 0..3
+    across nodes."""
+    if args.nnodes == 1:
+        return {"init": f"tcp://127.0.0.1:{free_port()}", "calls": f"ipc://{directory}/calls",
+                "replies": f"ipc://{directory}/replies"}
+    host, port = args.master_addr, args.master_port
+    return {"init": f"tcp://{host}:{port}", "calls": f"tcp://{host}:{port + 1}",
+            "replies": f"tcp://{host}:{port + 2}", "heartbeat": f"tcp://{host}:{port + 3}"}
+
+
+def spawn_ranks(config: EngineConfig, addrs: dict[str, str], procs: list[subprocess.Popen]) -> None:
+    """Start this node's share of the ranks (node ``node_rank`` of ``nnodes`` runs ranks
+    ``node_rank * tp / nnodes`` on), appending each process to ``procs`` as it starts."""
+    args = config.args
+    per_node = args.tensor_parallel_size // args.nnodes
+    level = logging.getLogger("pagedllm").getEffectiveLevel()
+    for rank in range(args.node_rank * per_node, (args.node_rank + 1) * per_node):
+        proc = subprocess.Popen([sys.executable, "-c", f"from {wire.__name__} import main; main()"],
+                                stdin=subprocess.PIPE)
+        procs.append(proc)
+        proc.stdin.write(pickle.dumps((config, rank, args.tensor_parallel_size, addrs, os.getpid(), level)))
+        proc.stdin.close()
+
+
+def run_headless(config: EngineConfig) -> int:
+    """``pagedllm serve --headless`` on node ``node_rank`` > 0: run this node's ranks until
+    they exit (node 0's SHUTDOWN, its loss, or a rank's failure, which ends the others);
+    SIGINT/SIGTERM kill them. Returns the highest exit code."""
+    import signal
+
+    args = config.args
+    if args.nnodes < 2 or args.node_rank == 0:
+        raise ValueError("--headless runs the ranks of a node other than 0: give --nnodes > 1 and --node-rank > 0")
+    procs: list[subprocess.Popen] = []
+    stop = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.append(1))
+    try:
+        spawn_ranks(config, rank_addresses(args, ""), procs)
+        logger.info("headless node %d of %d: ranks in processes %s, waiting for node 0 at %s", args.node_rank,
+                    args.nnodes, " ".join(str(p.pid) for p in procs), args.master_addr)
+        while not stop and any(p.poll() is None for p in procs):
+            if any(p.poll() not in (None, 0) for p in procs):
+                break   # a failed rank: the node's share is lost
+            time.sleep(0.2)
+    finally:
+        _kill_all(procs, None)
+    return max((abs(p.returncode or 0) for p in procs), default=0)
+
+
+class _Heartbeat:
+    """A thread publishing a ping every ``wire.HEARTBEAT_S`` on its own socket (remote ranks
+    exit when node 0 goes silent)."""
+
+    def __init__(self, ctx, addr: str):
+        import threading
+
+        import zmq
+
+        self._sock = ctx.socket(zmq.PUB)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.bind(addr)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="pagedllm-heartbeat", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(wire.HEARTBEAT_S):
+            self._sock.send(wire.PING)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2 * wire.HEARTBEAT_S)
+        self._sock.close()

@@ -25,8 +25,10 @@ from pagedllm import envs
 logger = logging.getLogger("pagedllm")
 
 READY, FAILED, OK, ERROR = b"ready", b"failed", b"ok", b"error"
-EXECUTE, SHUTDOWN = b"execute_model", b"shutdown"
+EXECUTE, SHUTDOWN, PING = b"execute_model", b"shutdown", b"ping"
 PARENT_CHECK_S = 1.0
+HEARTBEAT_S = 1.0               # node 0's ping period across nodes
+HEARTBEAT_TIMEOUT_S = 15.0      # a remote rank that hears nothing for this long exits
 
 
 def sampled_digest(sampled_token_ids: list[list[int]]) -> int:
@@ -61,10 +63,11 @@ def main() -> None:
     run_worker(*pickle.load(sys.stdin.buffer))
 
 
-def run_worker(config, rank: int, world_size: int, init_method: str, call_addr: str, reply_addr: str,
-               parent_pid: int, log_level: int) -> None:
-    """Body of rank ``rank``'s process; exits 0 after SHUTDOWN, 1 after a failed start
-    (the error sent as FAILED) or when the parent is gone."""
+def run_worker(config, rank: int, world_size: int, addrs: dict[str, str], parent_pid: int,
+               log_level: int) -> None:
+    """Body of rank ``rank``'s process (``addrs``: ``executor.multiproc_executor.rank_addresses``);
+    exits 0 after SHUTDOWN, 1 after a failed start (the error sent as FAILED) or when the
+    parent (or, across nodes, node 0's heartbeat) is gone."""
     import torch
     import zmq
 
@@ -76,10 +79,12 @@ def run_worker(config, rank: int, world_size: int, init_method: str, call_addr: 
     ctx = zmq.Context()
     calls = ctx.socket(zmq.SUB)
     calls.setsockopt(zmq.SUBSCRIBE, b"")
-    calls.connect(call_addr)
+    calls.connect(addrs["calls"])
+    if "heartbeat" in addrs:
+        calls.connect(addrs["heartbeat"])
     replies = ctx.socket(zmq.PUSH)
     replies.setsockopt(zmq.LINGER, 1000)
-    replies.connect(reply_addr)
+    replies.connect(addrs["replies"])
     me = str(rank).encode()
     status = 0
     try:
@@ -92,7 +97,7 @@ def run_worker(config, rank: int, world_size: int, init_method: str, call_addr: 
                 torch.cuda.set_device(config.device)
             from pagedllm.distributed import init_distributed_environment, initialize_model_parallel
 
-            init_distributed_environment(world_size, rank, init_method)
+            init_distributed_environment(world_size, rank, addrs["init"])
             initialize_model_parallel(world_size)
             from pagedllm.worker.worker import Worker
 
@@ -103,7 +108,7 @@ def run_worker(config, rank: int, world_size: int, init_method: str, call_addr: 
             status = 1
             return
         replies.send_multipart([me, READY, b""])
-        _serve(worker, rank, calls, replies, parent_pid)
+        _serve(worker, rank, calls, replies, parent_pid, "heartbeat" in addrs)
     finally:
         calls.close(linger=0)
         replies.close()
@@ -112,19 +117,29 @@ def run_worker(config, rank: int, world_size: int, init_method: str, call_addr: 
         os._exit(status)
 
 
-def _serve(worker, rank: int, calls, replies, parent_pid: int) -> None:
+def _serve(worker, rank: int, calls, replies, parent_pid: int, remote: bool) -> None:
+    import time
+
     from pagedllm.messages import SchedulerOutput
 
     decoder = msgspec.msgpack.Decoder(SchedulerOutput)
     encoder = msgspec.msgpack.Encoder()
     me = str(rank).encode()
+    heard = time.monotonic()
     while True:
         if not calls.poll(int(PARENT_CHECK_S * 1000)):
             if os.getppid() != parent_pid:
                 logger.warning("rank %d: the executor's process is gone; exiting", rank)
                 return
+            if remote and time.monotonic() - heard > HEARTBEAT_TIMEOUT_S:
+                logger.warning("rank %d: node 0 silent for %.0f s; exiting", rank, HEARTBEAT_TIMEOUT_S)
+                return
             continue
-        method, payload = calls.recv_multipart()
+        frames = calls.recv_multipart()
+        heard = time.monotonic()
+        if frames[0] == PING:
+            continue
+        method, payload = frames
         if method == SHUTDOWN:
             return
         try:

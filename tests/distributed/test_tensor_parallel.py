@@ -152,3 +152,59 @@ def test_a_dead_rank_fails_the_engine_at_once_and_leaves_no_process(tiny_model_d
     finally:
         llm.shutdown()
     assert _gone(pids)
+
+
+def test_two_nodes_on_loopback_equal_one_process(tiny_model_dir):
+    """Node 1 runs `pagedllm serve --headless` (rank 1); node 0 the engine (rank 0), both on
+    127.0.0.1, reaching each other only through --master-addr/--master-port."""
+    import subprocess
+    import sys
+
+    from pagedllm.executor.multiproc_executor import free_port
+
+    path = _dir(tiny_model_dir, "llama")
+    prompts = _prompts(4)
+    ref_llm = _llm(path, 1)
+    ref = [o.token_ids for o in _greedy(ref_llm, prompts)]
+    ref_llm.shutdown()
+    port = free_port()
+    while any(_port_taken(port + k) for k in range(1, 4)):
+        port = free_port()
+    node = ["--model", path, "--dtype", "float32", "--kv-cache-memory", "16MiB", "--num-threads", "1", "-tp", "2",
+            "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(port)]
+    headless = subprocess.Popen([sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--headless",
+                                 "--node-rank", "1", *node], start_new_session=True)
+    try:
+        llm = _llm(path, 2, nnodes=2, node_rank=0, master_addr="127.0.0.1", master_port=port)
+        try:
+            assert [o.token_ids for o in _greedy(llm, prompts)] == ref
+        finally:
+            llm.shutdown()
+        assert headless.wait(30) == 0     # its rank stopped at node 0's SHUTDOWN, and so did it
+    finally:
+        if headless.poll() is None:
+            os.killpg(headless.pid, 9)
+            headless.wait(10)
+
+
+def _port_taken(port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return True
+    return False
+
+
+def test_node_settings_that_do_not_fit_are_errors(tiny_model_dir):
+    path = _dir(tiny_model_dir, "llama")
+    with pytest.raises(ValueError, match="nnodes > 1 needs master_port"):
+        _llm(path, 2, nnodes=2)
+    with pytest.raises(ValueError, match="nnodes 2 does not divide tensor_parallel_size 3"):
+        _llm(path, 3, nnodes=2, master_port=29500)
+    with pytest.raises(ValueError, match=r"node_rank must be in \[0, 2\)"):
+        _llm(path, 2, nnodes=2, node_rank=2, master_port=29500)
+    with pytest.raises(ValueError, match="node_rank 1 runs no engine"):
+        _llm(path, 2, nnodes=2, node_rank=1, master_port=29500)
