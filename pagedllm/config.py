@@ -192,8 +192,9 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True,
         return self.num_speculative_tokens if self.method == "draft_model" else 0
 
 
-# --distributed-executor-backend: one worker in the engine's process, or one process per rank
-EXECUTOR_BACKENDS = ("uni", "mp")
+# --distributed-executor-backend: one worker in the engine's process, one process per rank,
+# or one Ray actor per rank
+EXECUTOR_BACKENDS = ("uni", "mp", "ray")
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """The executor interface: what the engine core asks of the workers (vLLM V1's
 ``Executor``); ``uniproc`` drives one worker in this process, ``multiproc`` one process
-per tensor-parallel rank."""
+per tensor-parallel rank, ``ray_executor`` one Ray actor per rank."""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
@@ -15,7 +15,11 @@ class Executor(ABC):
     @staticmethod
     def get_class(config: EngineConfig) -> type[Executor]:
         """The executor for ``config.args.executor_backend``: "uni" one worker in this
-        process, "mp" one process per tensor-parallel rank."""
+        process, "mp" one process per tensor-parallel rank, ``ray_executor`` one Ray actor per rank."""
+        if config.args.executor_backend == "ray":
+            from pagedllm.executor.ray_executor import RayDistributedExecutor
+
+            return RayDistributedExecutor
         if config.args.executor_backend == "mp":
             from pagedllm.executor.multiproc_executor import MultiprocExecutor
 

@@ -208,3 +208,19 @@ def test_node_settings_that_do_not_fit_are_errors(tiny_model_dir):
         _llm(path, 2, nnodes=2, node_rank=2, master_port=29500)
     with pytest.raises(ValueError, match="node_rank 1 runs no engine"):
         _llm(path, 2, nnodes=2, node_rank=1, master_port=29500)
+
+
+def test_ray_executor_equals_one_process(tiny_model_dir):
+    ray = pytest.importorskip("ray")
+    path = _dir(tiny_model_dir, "llama")
+    prompts = _prompts(4)
+    ref_llm = _llm(path, 1)
+    ref = [o.token_ids for o in _greedy(ref_llm, prompts)]
+    ref_llm.shutdown()
+    llm = _llm(path, 2, distributed_executor_backend="ray")
+    try:
+        assert "(ray)" in llm.llm_engine.engine_core.info.compute_path
+        assert [o.token_ids for o in _greedy(llm, prompts)] == ref
+    finally:
+        llm.shutdown()
+    assert not ray.is_initialized()     # the local cluster it started is stopped
