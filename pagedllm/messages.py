@@ -81,8 +81,8 @@ class SchedulerStats(msgspec.Struct):
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
     spec_decode_num_accepted_tokens_per_pos: list[int] = []
-    # with data parallelism, each engine's (running, waiting, kv_cache_usage), engine order
-    engines: list[tuple[int, int, float]] = []
+    # with data parallelism, each engine's (running, waiting, kv_cache_usage, alive), engine order
+    engines: list[tuple[int, int, float, bool]] = []
 
 
 class EngineCoreOutputs(msgspec.Struct):
@@ -93,6 +93,7 @@ class EngineCoreOutputs(msgspec.Struct):
     scheduler_stats: SchedulerStats | None = None
     failed_request_ids: list[str] = []
     error: str | None = None
+    engine_dead: bool = False   # the failed requests' engine died (data parallelism: the others go on)
 
 
 class EngineCoreInfo(msgspec.Struct):

@@ -258,6 +258,10 @@ class AsyncLLM:
         """Raises EngineDeadError when the engine loop has died."""
         self._check_alive()
 
+    def engine_status(self) -> list[tuple[int, str | None]]:
+        """With data parallelism, (engine index, why it died or None) per engine; else []."""
+        return self.engine.engine_status()
+
     def stats(self):
         """Scheduler statistics now (SchedulerStats)."""
         return self.engine.get_scheduler_stats()
@@ -352,13 +356,15 @@ class AsyncLLM:
             except EngineDeadError:
                 raise
             except Exception as e:  # fail the requests of this step, keep serving others
-                self._failed_steps += 1
+                dead_replica = isinstance(e, EngineStepError) and e.engine_dead
+                self._failed_steps += not dead_replica
                 if self._failed_steps >= MAX_CONSECUTIVE_STEP_FAILURES:
                     raise
                 if isinstance(e, EngineStepError):  # the core freed them already
                     for out in e.outputs:
                         self._deliver(out.request_id, out)
-                    ids, err = e.request_ids, RuntimeError(str(e))
+                    ids = e.request_ids
+                    err = EngineDeadError(str(e)) if dead_replica else RuntimeError(str(e))
                 else:  # outside the executor: which requests it hit is unknown, so all
                     logger.exception("engine step failed")
                     ids, err = eng.unfinished_request_ids(), RuntimeError(f"engine step failed: {e}")

@@ -75,6 +75,10 @@ class EngineCoreClient(ABC):
     def check_health(self) -> None:
         """Raises EngineDeadError when the core has died."""
 
+    def engine_status(self) -> list[tuple[int, str | None]]:
+        """With data parallelism, (engine index, why it died or None) per engine; else []."""
+        return []
+
     @abstractmethod
     def shutdown(self) -> None:
         """Stop the core and release its resources."""
@@ -340,8 +344,9 @@ class DPClient(EngineCoreClient):
     last reported counts plus what was sent since), unless the engine that last took the
     same prompt prefix is within ``AFFINITY_SLACK`` of that (its cached blocks are reused).
     Outputs of every engine arrive in one queue; the stats returned are the engines' sum
-    with each engine's gauges in ``SchedulerStats.engines``. One dead engine fails the
-    whole client (``EngineDeadError``), as vLLM's.
+    with each engine's gauges in ``SchedulerStats.engines``. An engine that dies fails its
+    own requests (``EngineCoreOutputs.engine_dead``) and gets no more; the client serves
+    on while one is alive and raises ``EngineDeadError`` when none is.
     """
 
     AFFINITY_SLACK = 4        # load units an engine holding the prefix may be above the least loaded
@@ -383,6 +388,7 @@ class DPClient(EngineCoreClient):
         self._sent = [0] * n                     # requests sent since the engine's last stats
         self._owner: dict[str, int] = {}
         self._prefix_owner: OrderedDict[int, int] = OrderedDict()
+        self._dead: dict[int, str] = {}
 
     def _load(self, i: int) -> int:
         s = self._stats[i]
@@ -390,11 +396,14 @@ class DPClient(EngineCoreClient):
 
     def engine_for(self, prompt_token_ids: list[int]) -> int:
         """The engine the next request with this prompt goes to (the routing rule above)."""
-        loads = [self._load(i) for i in range(len(self.engines))]
-        best = min(range(len(loads)), key=loads.__getitem__)
+        alive = [i for i in range(len(self.engines)) if i not in self._dead]
+        if not alive:
+            raise EngineDeadError("every data-parallel engine has died; restart the server")
+        loads = {i: self._load(i) for i in alive}
+        best = min(alive, key=loads.__getitem__)
         key = hash(tuple(prompt_token_ids[:4 * self._block_size]))
         held = self._prefix_owner.get(key)
-        if held is not None and loads[held] <= loads[best] + self.AFFINITY_SLACK:
+        if held in loads and loads[held] <= loads[best] + self.AFFINITY_SLACK:
             best = held
         self._prefix_owner[key] = best
         self._prefix_owner.move_to_end(key)
@@ -403,11 +412,18 @@ class DPClient(EngineCoreClient):
         return best
 
     def add_request(self, request: EngineCoreRequest) -> None:
-        with self._lock:
-            i = self.engine_for(request.prompt_token_ids)
-            self._owner[request.request_id] = i
-            self._sent[i] += 1
-        self.engines[i].add_request(request)
+        while True:
+            with self._lock:
+                i = self.engine_for(request.prompt_token_ids)
+                self._owner[request.request_id] = i
+                self._sent[i] += 1
+            try:
+                self.engines[i].add_request(request)
+                return
+            except EngineDeadError as e:   # died before its output thread said so: the next one
+                with self._lock:
+                    self._owner.pop(request.request_id, None)
+                    self._dead.setdefault(i, str(e))
 
     def get_output(self, timeout: float | None = None) -> EngineCoreOutputs:
         self.check_health()
@@ -416,9 +432,7 @@ class DPClient(EngineCoreClient):
         except queue.Empty:
             return EngineCoreOutputs()
         if outs is None:
-            self._outputs.put((i, None))   # every later waiter wakes too
-            self.check_health()
-            return EngineCoreOutputs()
+            return self._engine_died(i)
         with self._lock:
             for o in outs.outputs:
                 if o.finish_reason is not None:
@@ -430,6 +444,24 @@ class DPClient(EngineCoreClient):
                 self._sent[i] = 0
                 outs.scheduler_stats = self._sum_stats(outs.scheduler_stats)
         return outs
+
+    def _engine_died(self, i: int) -> EngineCoreOutputs:
+        """Engine ``i``'s requests, failed (their streams end with EngineDeadError)."""
+        with self._lock:
+            reason = self.engines[i]._dead or "it stopped"
+            self._dead.setdefault(i, reason)
+            lost = [rid for rid, owner in self._owner.items() if owner == i]
+            for rid in lost:
+                del self._owner[rid]
+            # gauges to zero; cumulative counters kept (a Prometheus counter never goes down)
+            self._stats[i] = msgspec.structs.replace(self._stats[i], num_running=0, num_waiting=0,
+                                                     num_blocks_used=0, num_blocks_total=0, kv_cache_usage=0.0)
+            self._sent[i] = 0
+            stats = self._sum_stats(self._stats[i])
+        logger.error("data-parallel engine %d died (%s); %d of %d engines serve on", i, reason,
+                     len(self.engines) - len(self._dead), len(self.engines))
+        self.check_health()
+        return EngineCoreOutputs([], stats, lost, f"data-parallel engine {i} died: {reason}", engine_dead=True)
 
     def _sum_stats(self, last: SchedulerStats) -> SchedulerStats:
         """The engines' stats summed (``step_*`` from ``last``, the step just reported)."""
@@ -445,7 +477,8 @@ class DPClient(EngineCoreClient):
             spec_decode_num_drafts=sum(s.spec_decode_num_drafts for s in st),
             spec_decode_num_draft_tokens=sum(s.spec_decode_num_draft_tokens for s in st),
             spec_decode_num_accepted_tokens=sum(s.spec_decode_num_accepted_tokens for s in st),
-            engines=[(s.num_running, s.num_waiting, s.kv_cache_usage) for s in st])
+            engines=[(s.num_running, s.num_waiting, s.kv_cache_usage, i not in self._dead)
+                     for i, s in enumerate(st)])
         total.kv_cache_usage = total.num_blocks_used / max(1, total.num_blocks_total)
         width = max(len(s.spec_decode_num_accepted_tokens_per_pos) for s in st)
         total.spec_decode_num_accepted_tokens_per_pos = [
@@ -461,23 +494,35 @@ class DPClient(EngineCoreClient):
                 if i is not None:
                     by_engine.setdefault(i, []).append(rid)
         for i, ids in by_engine.items():
-            self.engines[i].abort_requests(ids)
+            if i not in self._dead:
+                try:
+                    self.engines[i].abort_requests(ids)
+                except EngineDeadError:
+                    pass   # its requests are failed when its death is read
         return EngineCoreOutputs()
+
+    def _alive(self) -> list[int]:
+        return [i for i in range(len(self.engines)) if i not in self._dead]
 
     def reset_prefix_cache(self) -> int:
         with self._lock:
             self._prefix_owner.clear()
-        return sum(e.reset_prefix_cache() for e in self.engines)
+        return sum(self.engines[i].reset_prefix_cache() for i in self._alive())
 
     def get_scheduler_stats(self) -> SchedulerStats:
         with self._lock:
-            self._stats = [e.get_scheduler_stats() for e in self.engines]
-            self._sent = [0] * len(self.engines)
+            for i in self._alive():
+                self._stats[i] = self.engines[i].get_scheduler_stats()
+                self._sent[i] = 0
             return self._sum_stats(self._stats[0])
 
     def check_health(self) -> None:
-        for e in self.engines:
-            e.check_health()
+        if len(self._dead) == len(self.engines):
+            raise EngineDeadError(f"every data-parallel engine has died ({'; '.join(self._dead.values())}); "
+                                  "restart the server")
+
+    def engine_status(self) -> list[tuple[int, str | None]]:
+        return [(i, self._dead.get(i)) for i in range(len(self.engines))]
 
     def shutdown(self) -> None:
         for e in self.engines:

@@ -21,12 +21,15 @@ from pagedllm.tokenizer import eos_token_ids, get_tokenizer
 
 class EngineStepError(RuntimeError):
     """A step failed for ``request_ids`` (gone, blocks freed); ``outputs`` are the same
-    step's RequestOutputs for other requests, to deliver first."""
+    step's RequestOutputs for other requests, to deliver first; ``engine_dead``: their
+    (data-parallel) engine died, the others serve on."""
 
-    def __init__(self, message: str, request_ids: list[str], outputs: list[RequestOutput]):
+    def __init__(self, message: str, request_ids: list[str], outputs: list[RequestOutput],
+                 engine_dead: bool = False):
         super().__init__(message)
         self.request_ids = request_ids
         self.outputs = outputs
+        self.engine_dead = engine_dead
 
 
 class LLMEngine:
@@ -163,7 +166,8 @@ class LLMEngine:
         if siblings:   # a parent request fails whole
             self.abort_request(siblings)
         if outs.failed_request_ids:
-            raise EngineStepError(f"engine step failed: {outs.error}", failed, processed.request_outputs)
+            raise EngineStepError(outs.error if outs.engine_dead else f"engine step failed: {outs.error}", failed,
+                                  processed.request_outputs, outs.engine_dead)
         return processed.request_outputs
 
     def _record_stats(self, it: IterationStats, stats: SchedulerStats | None) -> None:
@@ -201,8 +205,12 @@ class LLMEngine:
         return self.engine_core.get_scheduler_stats()
 
     def check_health(self) -> None:
-        """Raises EngineDeadError when the engine core has died."""
+        """Raises EngineDeadError when the engine core has died (every one, with data parallelism)."""
         self.engine_core.check_health()
+
+    def engine_status(self) -> list[tuple[int, str | None]]:
+        """With data parallelism, (engine index, why it died or None) for each engine; else []."""
+        return self.engine_core.engine_status()
 
     def shutdown(self) -> None:
         self.engine_core.shutdown()

@@ -141,6 +141,8 @@ class PrometheusStatLogger:
                                     registry=r)
         self.engine_waiting = Gauge("pagedllm:engine_num_requests_waiting", "Requests waiting, per engine", E,
                                     registry=r)
+        self.engine_alive = Gauge("pagedllm:engine_alive", "1 while the engine serves, 0 once it died", E,
+                                  registry=r)
         self.engine_kv_usage = Gauge("pagedllm:engine_kv_cache_usage_perc", "KV-cache usage 0..1, per engine", E,
                                      registry=r)
         self._last_spec = [0, 0, 0]
@@ -151,13 +153,14 @@ class PrometheusStatLogger:
         self.running.set(s.num_running)
         self.waiting.set(s.num_waiting)
         self.kv_usage.set(s.kv_cache_usage)
-        for i, (running, waiting, usage) in enumerate(s.engines):
+        for i, (running, waiting, usage, alive) in enumerate(s.engines):
+            self.engine_alive.labels(self.model, str(i)).set(int(alive))
             self.engine_running.labels(self.model, str(i)).set(running)
             self.engine_waiting.labels(self.model, str(i)).set(waiting)
             self.engine_kv_usage.labels(self.model, str(i)).set(usage)
-        self.preemptions.inc(s.num_preemptions_total - self._last_preempt)
-        self.pc_queries.inc(s.prefix_cache_queries - self._last_q)
-        self.pc_hits.inc(s.prefix_cache_hits - self._last_h)
+        self.preemptions.inc(max(0, s.num_preemptions_total - self._last_preempt))
+        self.pc_queries.inc(max(0, s.prefix_cache_queries - self._last_q))
+        self.pc_hits.inc(max(0, s.prefix_cache_hits - self._last_h))
         self._last_preempt, self._last_q, self._last_h = (
             s.num_preemptions_total, s.prefix_cache_queries, s.prefix_cache_hits)
         spec = [s.spec_decode_num_drafts, s.spec_decode_num_draft_tokens, s.spec_decode_num_accepted_tokens]

@@ -31,6 +31,7 @@ def _router(n: int, block_size: int = 4) -> DPClient:
     c._stats = [SchedulerStats() for _ in range(n)]
     c._sent = [0] * n
     c._prefix_owner = OrderedDict()
+    c._dead = {}
     return c
 
 
@@ -47,7 +48,9 @@ def test_routing_takes_the_least_loaded_engine_unless_the_prefix_holder_is_close
     assert c.engine_for(b) == 1
     assert c.engine_for(b) == 1                          # and the prefix now lives there
     s = c._sum_stats(SchedulerStats())
-    assert (s.num_running, s.num_waiting, s.engines) == (1, 3, [(0, 3, 0.0), (1, 0, 0.0)])
+    assert (s.num_running, s.num_waiting, s.engines) == (1, 3, [(0, 3, 0.0, True), (1, 0, 0.0, True)])
+    c._dead[1] = "killed"                                # a dead engine gets nothing more
+    assert c.engine_for(a) == 0 and c._sum_stats(SchedulerStats()).engines[1][3] is False
 
 
 @pytest.mark.slow
@@ -71,16 +74,75 @@ def test_two_replicas_equal_one_and_share_the_load(tiny_model_dir):
         assert all(q > 0 for q in per_engine), per_engine      # both engines computed prompts
         stats = llm.get_scheduler_stats() if hasattr(llm, "get_scheduler_stats") else client.get_scheduler_stats()
         assert stats.prefix_cache_queries == sum(per_engine) and len(stats.engines) == 2
-        # one engine's death fails the client
-        os.kill(client.engines[1].pid, signal.SIGKILL)
-        t = time.monotonic()
-        with pytest.raises(EngineDeadError):
-            for _ in range(50):
-                llm.generate(prompts[:2], params, use_tqdm=False)
-                time.sleep(0.1)
-        assert time.monotonic() - t < 10
     finally:
         llm.shutdown()
+
+
+@pytest.mark.slow
+def test_served_replicas_keep_prefixes_and_outlive_one_dead_engine(tiny_model_dir):
+    import json
+    import threading
+
+    import httpx
+
+    from server_helpers import _Server
+
+    path = tiny_model_dir("llama", std=0.2, **SMALL)
+    srv = _Server(engine_kw=dict(model=path, data_parallel_size=2, engine_process=True, kv_cache_memory="16MiB",
+                                 max_model_len=512))
+    client = srv.engine.engine.engine_core
+    url = f"{srv.url}/v1/completions"
+    try:
+        # the same 80-token prefix twice: the second lands where the first was cached
+        prefix = [(7 * i) % 500 + 3 for i in range(80)]
+        body = dict(model=srv.engine.model_name, max_tokens=2, temperature=0)
+        first = httpx.post(url, json={**body, "prompt": prefix + [5]}, timeout=60).json()
+        second = httpx.post(url, json={**body, "prompt": prefix + [9, 9]}, timeout=60).json()
+        assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= 64
+        # four long streams, two per engine; engine 1 killed while they run
+        results: list = [None] * 4
+
+        def stream(k: int) -> None:
+            req = {**body, "prompt": [11 + k, 12, 13, 14], "max_tokens": 300, "ignore_eos": True, "stream": True}
+            events = []
+            with httpx.stream("POST", url, json=req, timeout=60) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: ") and line != "data: [DONE]":
+                        events.append(json.loads(line[6:]))
+            results[k] = events
+
+        threads = [threading.Thread(target=stream, args=(k,)) for k in range(4)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 30
+        while sum(s.num_running for s in (e.get_scheduler_stats() for e in client.engines)) < 4:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        os.kill(client.engines[1].pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        for t in threads:
+            t.join(60)
+        errored = [ev for ev in results if "error" in ev[-1]]
+        finished = [ev for ev in results if ev[-1].get("choices", [{}])[0].get("finish_reason") == "length"]
+        assert len(errored) == 2 and len(finished) == 2, [ev[-1] for ev in results]
+        assert time.monotonic() - t0 < 60
+        health = httpx.get(f"{srv.url}/health", timeout=10)
+        assert health.status_code == 200
+        engines = health.json()["engines"]
+        assert [e["alive"] for e in engines] == [True, False] and "died" in engines[1]["error"]
+        after = httpx.post(url, json={**body, "prompt": [3, 4, 5]}, timeout=60)
+        assert after.status_code == 200
+        metrics = httpx.get(f"{srv.url}/metrics", timeout=10).text
+        assert 'pagedllm:engine_alive{engine="1"' in metrics and any(
+            line.startswith('pagedllm:engine_alive{engine="1"') and line.endswith(" 0.0") for line in metrics.splitlines())
+        os.kill(client.engines[0].pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while httpx.get(f"{srv.url}/health", timeout=10).status_code != 503:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+    finally:
+        srv.stop()
 
 
 def test_data_parallel_needs_the_engine_process(tiny_model_dir):

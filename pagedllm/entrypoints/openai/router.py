@@ -40,8 +40,15 @@ def tokenization(raw: Request) -> OpenAIServingTokenization:
 
 @router.get("/health")
 async def health(raw: Request):
-    await engine(raw).check_health()
-    return Response(status_code=200)
+    """200 while an engine serves (503 when none does); with data parallelism the body
+    lists each engine, ``{"engines": [{"engine": 0, "alive": true}, ...]}``."""
+    eng = engine(raw)
+    await eng.check_health()
+    status = eng.engine_status()
+    if not status:
+        return Response(status_code=200)
+    return {"engines": [{"engine": i, "alive": why is None, **({"error": why} if why else {})}
+                        for i, why in status]}
 
 
 @router.get("/version")
