@@ -509,6 +509,8 @@ def _check_tensor_parallel(args: EngineArgs, arch: ModelArchConfig, device: torc
     before any process starts (the layers check the rest, such as GGUF block
     boundaries, as they are built)."""
     tp = args.tensor_parallel_size
+    if device.type == "cpu" and tp * args.data_parallel_size > 1:
+        _share_cores(args)
     if tp == 1:
         return
     from pagedllm.distributed import divide, kv_head_shard
@@ -525,6 +527,21 @@ def _check_tensor_parallel(args: EngineArgs, arch: ModelArchConfig, device: torc
     if device.type == "cuda" and torch.cuda.device_count() < tp:
         raise InvalidParameterError("tensor_parallel_size", f"tensor_parallel_size {tp} needs {tp} GPUs, "
                                     f"{torch.cuda.device_count()} visible")
+
+
+def _share_cores(args: EngineArgs) -> None:
+    """Give each CPU rank on this node (tensor x data parallel) its share of the cores as its
+    threads when ``num_threads`` is unset; more ranks than cores is an error naming the
+    larger flag unless ``PAGEDLLM_ALLOW_CPU_OVERSUBSCRIPTION=1``."""
+    ranks = args.tensor_parallel_size // args.nnodes * args.data_parallel_size
+    cores = platform.usable_cores()
+    if ranks > cores and not envs.allow_cpu_oversubscription():
+        flag = "tensor_parallel_size" if args.tensor_parallel_size > 1 else "data_parallel_size"
+        raise InvalidParameterError(
+            flag, f"{flag}: {ranks} CPU ranks (tensor x data parallel) on {cores} cores would fight over them; "
+                  "use fewer, or set PAGEDLLM_ALLOW_CPU_OVERSUBSCRIPTION=1")
+    if args.num_threads is None:
+        args.num_threads = max(1, cores // ranks)
 
 
 def _quant_config(method: str | None, path: str, device: torch.device):

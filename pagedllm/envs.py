@@ -109,3 +109,9 @@ def cpu_omp_threads_bind() -> str | None:
     tensor-parallel rank's CPU cores, ranks separated by ``|`` (``0-31|32-63``); None when
     unset (no binding)."""
     return os.environ.get("PAGEDLLM_CPU_OMP_THREADS_BIND") or None
+
+
+def allow_cpu_oversubscription() -> bool:
+    """``PAGEDLLM_ALLOW_CPU_OVERSUBSCRIPTION=1``: start more CPU ranks (tensor x data
+    parallel) than the process has cores."""
+    return _flag("PAGEDLLM_ALLOW_CPU_OVERSUBSCRIPTION", False)

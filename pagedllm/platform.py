@@ -169,3 +169,20 @@ def auto_cpu_dtype(in_features: int, out_features: int, measure: MeasureLinear,
 
 __all__ = ["BF16_MIN_SPEEDUP", "CpuFeatures", "DtypeChoice", "FLAGS", "auto_cpu_dtype", "choose_cpu_dtype",
            "cpu_features", "describe", "has_native_bf16"]
+
+
+def usable_cores() -> int:
+    """CPU cores this process may run on: its affinity mask, capped by a cgroup v2 CPU quota
+    (``/sys/fs/cgroup/cpu.max``, rounded up) where one is set."""
+    import math
+    import os
+
+    n = len(os.sched_getaffinity(0))
+    try:
+        with open("/sys/fs/cgroup/cpu.max") as f:
+            quota, period = f.read().split()[:2]
+        if quota != "max":
+            n = min(n, max(1, math.ceil(int(quota) / int(period))))
+    except (OSError, ValueError):
+        pass
+    return n

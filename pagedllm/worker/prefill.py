@@ -5,6 +5,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from pagedllm.distributed import get_tp_size
+
 
 def prefill_logits(model: torch.nn.Module, arch, ids: list[int], dtype: torch.dtype,
                    device: torch.device, attention_backend: str = "auto", block_size: int = 16,
@@ -24,7 +26,8 @@ def prefill_logits(model: torch.nn.Module, arch, ids: list[int], dtype: torch.dt
     attn = get_attention_backend(attention_backend, device, dtype)
     T, bs = len(ids), block_size
     nb = -(-T // bs)
-    kv = torch.zeros(attn.kv_cache_shape(arch.num_hidden_layers, nb + 1, bs, arch.num_key_value_heads,
+    nkv = arch.num_kv_heads_per_rank(get_tp_size())   # this tensor-parallel rank's
+    kv = torch.zeros(attn.kv_cache_shape(arch.num_hidden_layers, nb + 1, bs, nkv,
                                          arch.head_dim), dtype=dtype, device=device)
     bt = np.arange(1, nb + 1, dtype=np.int32)[None]
     pos = np.arange(T)

@@ -72,7 +72,7 @@ def test_two_replicas_equal_one_and_share_the_load(tiny_model_dir):
         assert [o.outputs[0].token_ids for o in out] == ref
         per_engine = [e.get_scheduler_stats().prefix_cache_queries for e in client.engines]
         assert all(q > 0 for q in per_engine), per_engine      # both engines computed prompts
-        stats = llm.get_scheduler_stats() if hasattr(llm, "get_scheduler_stats") else client.get_scheduler_stats()
+        stats = llm.stats()
         assert stats.prefix_cache_queries == sum(per_engine) and len(stats.engines) == 2
     finally:
         llm.shutdown()

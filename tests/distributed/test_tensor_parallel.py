@@ -35,6 +35,10 @@ MODELS = {
                                                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})),
     "mixtral": ("mixtral", dict(intermediate_size=64, num_local_experts=4, num_experts_per_tok=2,
                                 rope_theta=10000.0)),
+    # q/k/v biases (split with their rows), tied head
+    "qwen2": ("qwen2", dict(tie_word_embeddings=True)),
+    # per-head q/k norms, head_dim 32
+    "qwen3": ("qwen3", dict(head_dim=32)),
 }
 
 
@@ -80,7 +84,7 @@ def _gone(pids: list[int], timeout: float = 10.0) -> bool:
 
 
 @pytest.mark.parametrize("name,quant", [("llama", None), ("llama-kv1-tied", None), ("gemma3", None),
-                                        ("mixtral", None), ("llama", "q8_0")])
+                                        ("mixtral", None), ("qwen2", None), ("qwen3", None), ("llama", "q8_0")])
 def test_tp2_greedy_tokens_equal_tp1(tiny_model_dir, name, quant):
     path = _dir(tiny_model_dir, name)
     vocab = MODELS[name][1].get("vocab_size", VOCAB)
@@ -105,11 +109,44 @@ def test_tp2_greedy_tokens_equal_tp1(tiny_model_dir, name, quant):
         llm.shutdown()
     assert _gone(pids)
     if name == "llama" and quant is None:
-        chunked = _llm(path, 2, max_num_batched_tokens=8, max_num_seqs=4)
+        # chunked prefill (8-token steps), a KV cache too small for every request at once
+        # (preemption), and prompts that share a prefix cached by an earlier request
+        shared = [{"prompt_token_ids": prompts[0]["prompt_token_ids"] * 2 + p["prompt_token_ids"][:5]}
+                  for p in prompts]
+        squeeze = _llm(path, 1, max_num_batched_tokens=8, max_num_seqs=4, num_gpu_blocks_override=12)
         try:
-            assert [o.token_ids for o in _greedy(chunked, prompts)] == [o.token_ids for o in ref]
+            want = [o.token_ids for o in _greedy(squeeze, prompts + shared, max_tokens=24)]
+        finally:
+            squeeze.shutdown()
+        chunked = _llm(path, 2, max_num_batched_tokens=8, max_num_seqs=4, num_gpu_blocks_override=12)
+        try:
+            got = [o.token_ids for o in _greedy(chunked, prompts + shared, max_tokens=24)]
+            stats = chunked.stats()
+            assert got == want
+            assert stats.num_preemptions_total > 0 and stats.prefix_cache_hits > 0
         finally:
             chunked.shutdown()
+        full = _llm(path, 1)
+        try:   # and all of it equals the unhurried, unchunked engine
+            assert [o.token_ids for o in _greedy(full, prompts + shared, max_tokens=24)] == want
+        finally:
+            full.shutdown()
+
+
+def test_tp2_int8_quantizes_each_shard_and_is_batch_invariant(tiny_model_dir):
+    """int8 scales each rank's shard on its own (per output row of its input features, per
+    token of its activations), a finer quantization than tp = 1's: not tp = 1's tokens,
+    but deterministic and the same batched or alone (the ranks' digests agree each step)."""
+    path = _dir(tiny_model_dir, "llama")
+    prompts = _prompts()
+    llm = _llm(path, 2, quantization="int8")
+    try:
+        assert "int8" in llm.llm_engine.engine_core.info.compute_path
+        batched = [o.token_ids for o in _greedy(llm, prompts)]
+        params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+        assert run_alone(llm, prompts, params) == batched
+    finally:
+        llm.shutdown()
 
 
 @pytest.mark.skipif(not has_native_bf16(), reason="no native bfloat16 on this CPU")
@@ -224,3 +261,44 @@ def test_ray_executor_equals_one_process(tiny_model_dir):
     finally:
         llm.shutdown()
     assert not ray.is_initialized()     # the local cluster it started is stopped
+
+
+def test_bundled_model_served_at_tp3_equals_tp1(monkeypatch):
+    """SmolLM2-135M has 9 query and 3 KV heads: tp = 2 cannot split it (an error naming the
+    flag), tp = 3 can; served over HTTP at tp = 3 (three ranks on this machine's cores, so
+    oversubscription is allowed here), it answers as the engine at tp = 1 does."""
+    import httpx
+
+    from server_helpers import _Server
+
+    monkeypatch.setenv("PAGEDLLM_ALLOW_CPU_OVERSUBSCRIPTION", "1")
+    with pytest.raises(ValueError, match="tensor_parallel_size 2 does not divide the model's attention heads"):
+        LLM(tensor_parallel_size=2, dtype="float32")
+    questions = ["What is the capital of France?", "Name three primary colors."]
+    ref_llm = LLM(dtype="float32", kv_cache_memory="64MiB", engine_process=False, max_model_len=512)
+    try:
+        ref = [o.outputs[0].text for o in ref_llm.chat(
+            [[{"role": "user", "content": q}] for q in questions],
+            SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)]
+    finally:
+        ref_llm.shutdown()
+    srv = _Server(engine_kw=dict(model=None, tensor_parallel_size=3, engine_process=True, kv_cache_memory="64MiB",
+                                 max_model_len=512))
+    try:
+        for q, want in zip(questions, ref):
+            r = httpx.post(f"{srv.url}/v1/chat/completions", timeout=120, json={
+                "model": srv.engine.model_name, "messages": [{"role": "user", "content": q}],
+                "temperature": 0, "max_tokens": 24})
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["message"]["content"] == want
+    finally:
+        srv.stop()
+
+
+def test_more_ranks_than_cores_is_an_error_naming_the_flag(tiny_model_dir, monkeypatch):
+    from pagedllm import platform
+
+    monkeypatch.setattr(platform, "usable_cores", lambda: 2)
+    path = _dir(tiny_model_dir, "llama")
+    with pytest.raises(ValueError, match="tensor_parallel_size: 4 CPU ranks .* on 2 cores"):
+        LLM(model=path, tensor_parallel_size=2, data_parallel_size=2, dtype="float32")
