@@ -115,3 +115,9 @@ def allow_cpu_oversubscription() -> bool:
     """``PAGEDLLM_ALLOW_CPU_OVERSUBSCRIPTION=1``: start more CPU ranks (tensor x data
     parallel) than the process has cores."""
     return _flag("PAGEDLLM_ALLOW_CPU_OVERSUBSCRIPTION", False)
+
+
+def dp_prefix_affinity() -> bool:
+    """``PAGEDLLM_DP_PREFIX_AFFINITY=0``: data-parallel routing by load alone (no prompt-prefix
+    affinity; for comparing the two)."""
+    return _flag("PAGEDLLM_DP_PREFIX_AFFINITY", True)

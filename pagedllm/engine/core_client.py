@@ -17,6 +17,7 @@ from concurrent.futures import Future
 
 import msgspec
 
+from pagedllm import envs
 from pagedllm.config import EngineConfig
 from pagedllm.core import engine_proc as wire   # the process's entry point and wire format
 from pagedllm.errors import EngineDeadError, InvalidParameterError
@@ -389,6 +390,7 @@ class DPClient(EngineCoreClient):
         self._owner: dict[str, int] = {}
         self._prefix_owner: OrderedDict[int, int] = OrderedDict()
         self._dead: dict[int, str] = {}
+        self._affinity = envs.dp_prefix_affinity()
 
     def _load(self, i: int) -> int:
         s = self._stats[i]
@@ -402,7 +404,7 @@ class DPClient(EngineCoreClient):
         loads = {i: self._load(i) for i in alive}
         best = min(alive, key=loads.__getitem__)
         key = hash(tuple(prompt_token_ids[:4 * self._block_size]))
-        held = self._prefix_owner.get(key)
+        held = self._prefix_owner.get(key) if self._affinity else None
         if held in loads and loads[held] <= loads[best] + self.AFFINITY_SLACK:
             best = held
         self._prefix_owner[key] = best

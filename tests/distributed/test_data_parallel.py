@@ -32,6 +32,7 @@ def _router(n: int, block_size: int = 4) -> DPClient:
     c._sent = [0] * n
     c._prefix_owner = OrderedDict()
     c._dead = {}
+    c._affinity = True
     return c
 
 
