@@ -507,26 +507,25 @@ def _check_tensor_parallel(args: EngineArgs, arch: ModelArchConfig, device: torc
     """Raises InvalidParameterError("tensor_parallel_size") when the model's heads, MLP
     features or the device count do not split over ``args.tensor_parallel_size`` ranks,
     before any process starts (the layers check the rest, such as GGUF block
-    boundaries, as they are built)."""
+    boundaries, as they are built); then shares the CPU cores out (``_share_cores``)."""
     tp = args.tensor_parallel_size
+    if tp > 1:
+        from pagedllm.distributed import divide, kv_head_shard
+
+        divide(arch.num_attention_heads, tp, "attention heads")
+        kv_head_shard(arch.num_key_value_heads, 0, tp)
+        for what, n in (("intermediate size", arch.intermediate_size),
+                        ("MoE intermediate size", getattr(arch, "moe_intermediate_size", None))):
+            if n:
+                divide(n, tp, what)
+        if spec is not None and spec.method == "draft_model":
+            raise InvalidParameterError("tensor_parallel_size", "tensor_parallel_size > 1 does not run a draft "
+                                        "model yet; use the ngram or suffix method")
+        if device.type == "cuda" and torch.cuda.device_count() < tp:
+            raise InvalidParameterError("tensor_parallel_size", f"tensor_parallel_size {tp} needs {tp} GPUs, "
+                                        f"{torch.cuda.device_count()} visible")
     if device.type == "cpu" and tp * args.data_parallel_size > 1:
         _share_cores(args)
-    if tp == 1:
-        return
-    from pagedllm.distributed import divide, kv_head_shard
-
-    divide(arch.num_attention_heads, tp, "attention heads")
-    kv_head_shard(arch.num_key_value_heads, 0, tp)
-    for what, n in (("intermediate size", arch.intermediate_size),
-                    ("MoE intermediate size", getattr(arch, "moe_intermediate_size", None))):
-        if n:
-            divide(n, tp, what)
-    if spec is not None and spec.method == "draft_model":
-        raise InvalidParameterError("tensor_parallel_size", "tensor_parallel_size > 1 does not run a draft "
-                                    "model yet; use the ngram or suffix method")
-    if device.type == "cuda" and torch.cuda.device_count() < tp:
-        raise InvalidParameterError("tensor_parallel_size", f"tensor_parallel_size {tp} needs {tp} GPUs, "
-                                    f"{torch.cuda.device_count()} visible")
 
 
 def _share_cores(args: EngineArgs) -> None:

@@ -121,3 +121,9 @@ def dp_prefix_affinity() -> bool:
     """``PAGEDLLM_DP_PREFIX_AFFINITY=0``: data-parallel routing by load alone (no prompt-prefix
     affinity; for comparing the two)."""
     return _flag("PAGEDLLM_DP_PREFIX_AFFINITY", True)
+
+
+def shm_allreduce() -> bool:
+    """``PAGEDLLM_SHM_ALLREDUCE=0``: CPU tensor-parallel ranks on one machine all-reduce
+    through gloo instead of shared memory."""
+    return _flag("PAGEDLLM_SHM_ALLREDUCE", True)

@@ -3,7 +3,8 @@
     python -m pagedllm.benchmarks.allreduce [--world 2] [--hidden 576 640] [--rows 1 32 256]
 
 Two (``--world``) loopback processes in a gloo world (``pagedllm.distributed``, one thread
-each) sum [rows, hidden] tensors in float32 and bfloat16; prints the median microseconds
+each) sum [rows, hidden] tensors in float32 and bfloat16, through the shared-memory
+all-reduce (``--no-shm``: gloo's, as ``PAGEDLLM_SHM_ALLREDUCE=0``); prints the median microseconds
 per call over ``--iters`` calls after a warm-up, and the per-step cost of a Llama-family
 model with ``--layers`` layers (two all-reduces a layer, one for the embedding; the
 logits' all-gather is not counted).
@@ -50,7 +51,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rows", type=int, nargs="+", default=[1, 32, 256])
     p.add_argument("--iters", type=int, default=200)
     p.add_argument("--layers", type=int, default=30, help="decoder layers of the model priced per step")
+    p.add_argument("--no-shm", action="store_true", help="gloo's all-reduce instead of the shared-memory one")
     args = p.parse_args(argv)
+    import os
+
+    os.environ["PAGEDLLM_SHM_ALLREDUCE"] = "0" if args.no_shm else "1"   # read by the spawned ranks
 
     import torch.multiprocessing as mp
 
@@ -58,7 +63,8 @@ def main(argv: list[str] | None = None) -> None:
     from pagedllm.executor.multiproc_executor import free_port
 
     m = machine_info()
-    print(f"{m['cpu']} ({' '.join(m['isa'])}); {m['cores']} cores; gloo, {args.world} processes x 1 thread")
+    how = "gloo" if args.no_shm else "shared memory (gloo world)"
+    print(f"{m['cpu']} ({' '.join(m['isa'])}); {m['cores']} cores; {how}, {args.world} processes x 1 thread")
     ctx = mp.get_context("spawn")
     with ctx.Manager() as manager:
         results = manager.dict()

@@ -21,8 +21,9 @@ class GroupCoordinator:
         group: the torch.distributed group, or None at size 1.
     """
 
-    def __init__(self, rank_in_group: int = 0, world_size: int = 1, group=None):
+    def __init__(self, rank_in_group: int = 0, world_size: int = 1, group=None, shm=None):
         self.rank_in_group, self.world_size, self.group = rank_in_group, world_size, group
+        self.shm = shm   # a ShmAllReduce for CPU tensors when every rank is on this machine
 
     @property
     def is_first_rank(self) -> bool:
@@ -31,6 +32,8 @@ class GroupCoordinator:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The elementwise sum of ``x`` over the group, in place (returned)."""
         if self.world_size > 1:
+            if self.shm is not None and self.shm.supports(x):
+                return self.shm.all_reduce(x)
             dist.all_reduce(x, group=self.group)
         return x
 
@@ -84,8 +87,35 @@ def initialize_model_parallel(tensor_parallel_size: int, data_parallel_rank: int
         raise ValueError(f"tensor_parallel_size {tensor_parallel_size} but the torch.distributed world has "
                          f"{size} ranks")
     group = dist.group.WORLD if size > 1 else None
-    _TP = GroupCoordinator(dist.get_rank() if size > 1 else 0, size, group)
+    rank = dist.get_rank() if size > 1 else 0
+    _TP = GroupCoordinator(rank, size, group, _shm_allreduce(group, rank, size) if size > 1 else None)
     _DP = (data_parallel_rank, data_parallel_size)
+
+
+def _shm_allreduce(group, rank: int, size: int):
+    """A ``ShmAllReduce`` over ``group`` when its backend is gloo, every rank runs on this
+    machine (same boot id and host name) and ``PAGEDLLM_SHM_ALLREDUCE`` is on; else None."""
+    import socket
+
+    from pagedllm import envs
+
+    if dist.get_backend(group) != "gloo":
+        return None
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            me = (socket.gethostname(), f.read().strip())
+    except OSError:
+        me = (socket.gethostname(), f"pid-host-{rank}")   # unknown: never shared
+    views: list = [None] * size   # each rank's (host, wanted): the choice is made alike on all
+    dist.all_gather_object(views, (me, envs.shm_allreduce()), group=group)
+    if not all(wanted for _, wanted in views) or len({host for host, _ in views}) != 1:
+        return None
+    from pagedllm.distributed.shm_allreduce import ShmAllReduce
+
+    try:
+        return ShmAllReduce(group, rank, size)
+    except RuntimeError:
+        return None
 
 
 def model_parallel_initialized() -> bool:

@@ -343,14 +343,19 @@ class DPClient(EngineCoreClient):
     replica and tensor-parallel ranks (vLLM's data-parallel load-balancing client). A
     request goes to the engine with the lowest ``4 * waiting + running`` (the engines'
     last reported counts plus what was sent since), unless the engine that last took the
-    same prompt prefix is within ``AFFINITY_SLACK`` of that (its cached blocks are reused).
+    same prompt prefix (its first 4 blocks) is within ``AFFINITY_ABS`` / ``AFFINITY_REL``
+    of that (its cached blocks are reused).
     Outputs of every engine arrive in one queue; the stats returned are the engines' sum
     with each engine's gauges in ``SchedulerStats.engines``. An engine that dies fails its
     own requests (``EngineCoreOutputs.engine_dead``) and gets no more; the client serves
     on while one is alive and raises ``EngineDeadError`` when none is.
     """
 
-    AFFINITY_SLACK = 4        # load units an engine holding the prefix may be above the least loaded
+    # the engine holding a prefix keeps it unless its load exceeds the least loaded one's by
+    # more than AFFINITY_ABS units (4 per waiting request) and AFFINITY_REL of that load
+    # (cache first, as SGLang's cache-aware router; balance when the loads diverge)
+    AFFINITY_ABS = 64
+    AFFINITY_REL = 0.5
     PREFIX_KEYS = 4096        # prefixes remembered (least recently used forgotten)
 
     def __init__(self, config: EngineConfig):
@@ -405,7 +410,7 @@ class DPClient(EngineCoreClient):
         best = min(alive, key=loads.__getitem__)
         key = hash(tuple(prompt_token_ids[:4 * self._block_size]))
         held = self._prefix_owner.get(key) if self._affinity else None
-        if held in loads and loads[held] <= loads[best] + self.AFFINITY_SLACK:
+        if held in loads and loads[held] <= loads[best] + max(self.AFFINITY_ABS, self.AFFINITY_REL * loads[best]):
             best = held
         self._prefix_owner[key] = best
         self._prefix_owner.move_to_end(key)

@@ -3,6 +3,7 @@ and on 2 processes over loopback gloo the same values as torch.distributed's own
 collectives computed by hand, in float32 and bfloat16."""
 from __future__ import annotations
 
+import platform
 import socket
 
 import pytest
@@ -53,6 +54,16 @@ def _worker(rank: int, world: int, port: int, results) -> None:
             out[f"gather_{dtype}"] = torch.equal(gathered, torch.cat(mine, dim=1))
             b = pd.tensor_model_parallel_broadcast(x.clone(), src=1)
             out[f"bcast_{dtype}"] = torch.equal(b, mine[1])
+            # many calls through the shared-memory buffers (both parities, several shapes),
+            # and one too big for them (gloo), each bit for bit gloo's
+            same = []
+            for i, rows in enumerate([1, 7, 32, 1, 300, 5] + [3] * 20 + [3 * (1 << 20) // 4]):
+                y = torch.randn(rows, 4, generator=torch.Generator().manual_seed(100 * rank + i)).to(dtype)
+                ref = y.clone()
+                dist.all_reduce(ref)
+                same.append(torch.equal(pd.tensor_model_parallel_all_reduce(y), ref))
+            out[f"many_{dtype}"] = all(same)
+        out["shm"] = pd.get_tp_group().shm is not None
         results[rank] = out
     finally:
         pd.destroy_model_parallel()
@@ -79,7 +90,8 @@ def test_collectives_on_two_processes_match_torch_distributed():
         for dtype in (torch.float32, torch.bfloat16):
             same, err = r[f"reduce_{dtype}"]
             assert same and err <= (0 if dtype == torch.float32 else 0.02)
-            assert r[f"gather_{dtype}"] and r[f"bcast_{dtype}"]
+            assert r[f"gather_{dtype}"] and r[f"bcast_{dtype}"] and r[f"many_{dtype}"]
+        assert r["shm"] == (platform.machine() == "x86_64")
 
 
 def test_bad_rank_and_size_are_errors():

@@ -44,12 +44,12 @@ def test_routing_takes_the_least_loaded_engine_unless_the_prefix_holder_is_close
     c._sent[1] += 1                                      # loads 3 and 4 * 1 + 1 = 5
     assert c.engine_for(b) == 0                          # a new prefix: the least loaded
     c._sent[0] += 1                                      # loads 4 + 3 = 7 and 5
-    assert c.engine_for(b[:16] + [7, 7]) == 0            # b's first 16 tokens: its engine, 7 <= 5 + 4
-    c._stats[0] = SchedulerStats(num_waiting=3)          # loads 4 * 4 = 16 and 5: beyond the slack
+    assert c.engine_for(b[:16] + [7, 7]) == 0            # b's first 16 tokens: its engine, 7 <= 5 + 64
+    c._stats[0] = SchedulerStats(num_waiting=30)         # loads 4 * 31 = 124 and 5: beyond 5 + 64
     assert c.engine_for(b) == 1
     assert c.engine_for(b) == 1                          # and the prefix now lives there
     s = c._sum_stats(SchedulerStats())
-    assert (s.num_running, s.num_waiting, s.engines) == (1, 3, [(0, 3, 0.0, True), (1, 0, 0.0, True)])
+    assert (s.num_running, s.num_waiting, s.engines) == (1, 30, [(0, 30, 0.0, True), (1, 0, 0.0, True)])
     c._dead[1] = "killed"                                # a dead engine gets nothing more
     assert c.engine_for(a) == 0 and c._sum_stats(SchedulerStats()).engines[1][3] is False
 
