@@ -241,25 +241,37 @@ class EngineArgs:
         parser.add_argument("--model", default=None,
                             help="a .gguf file or HF model directory (default: the bundled "
                                  "SmolLM2-135M-Instruct)%(default).0s")
-        parser.add_argument("--served-model-name", default=None)
-        parser.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"])
-        parser.add_argument("--device", default=d.device)
-        parser.add_argument("--max-model-len", type=int, default=None)
-        parser.add_argument("--block-size", type=int, default=d.block_size)
+        parser.add_argument("--served-model-name", default=None,
+                            help="the name /v1/models reports and requests use (default: the file or folder name)")
+        parser.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"],
+                            help="weights and activations; auto: bfloat16 where the CPU has a native bf16 kernel, else float32")
+        parser.add_argument("--device", default=d.device,
+                            help="auto, cpu or cuda[:N]")
+        parser.add_argument("--max-model-len", type=int, default=None,
+                            help="most tokens (prompt + output) per request (default: the model's context, lowered to what the KV cache holds)")
+        parser.add_argument("--block-size", type=int, default=d.block_size,
+                            help="tokens per KV-cache block")
         parser.add_argument("--kv-cache-memory", default=d.kv_cache_memory,
                             help="KV cache size on CPU: bytes or e.g. 4GiB")
-        parser.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
-        parser.add_argument("--num-gpu-blocks-override", type=int, default=None)
-        parser.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
-        parser.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+        parser.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,
+                            help="share of GPU memory for weights and KV cache (CUDA)")
+        parser.add_argument("--num-gpu-blocks-override", type=int, default=None,
+                            help="an exact number of KV blocks (tests, debugging)")
+        parser.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
+                            help="token budget per step")
+        parser.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,
+                            help="most requests running at once")
         parser.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
-                            default=d.enable_chunked_prefill)
+                            default=d.enable_chunked_prefill,
+                            help="split long prompts across steps")
         parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                            default=d.enable_prefix_caching)
+                            default=d.enable_prefix_caching,
+                            help="reuse the KV blocks of shared prompt prefixes")
         parser.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=list(KV_CACHE_DTYPES),
                             help="KV cache element type: auto = the model's dtype; fp8 = fp8_e4m3 "
                                  "(per-layer k/v scales from the checkpoint, else 1.0)")
-        parser.add_argument("--attention-backend", default=d.attention_backend)
+        parser.add_argument("--attention-backend", default=d.attention_backend,
+                            help="auto, cpu_kernel or torch")
         parser.add_argument("--quantization", "-q", default=None,
                             help="int8 (W8A8), gguf (keep a GGUF's Q8_0/Q4_0/Q4_1 blocks packed), "
                                  "q8_0, q4_0, q4_1 (quantize float weights at load); default: none")
@@ -267,8 +279,10 @@ class EngineArgs:
                             help='speculative decoding as JSON, e.g. \'{"method": "ngram", '
                                  '"num_speculative_tokens": 4, "prompt_lookup_max": 4}\'; methods: '
                                  'ngram, suffix, draft_model (with "model")')
-        parser.add_argument("--seed", type=int, default=d.seed)
-        parser.add_argument("--num-threads", type=int, default=None)
+        parser.add_argument("--seed", type=int, default=d.seed,
+                            help="seed for requests that set none")
+        parser.add_argument("--num-threads", type=int, default=None,
+                            help="CPU threads (per rank with -tp/-dp); default: torch's, or the cores shared out over the ranks")
         parser.add_argument("--profile-dir", default=None,
                             help="write steps.jsonl and a torch.profiler trace here")
         parser.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",

@@ -16,6 +16,7 @@ import time
 import torch
 
 from pagedllm.worker.prefill import calibrate_smoothquant, prefill_logits
+from pagedllm.entrypoints.cli import HelpFormatter
 
 from .report import output_file, save_json
 from .serve_options import positive_int
@@ -135,7 +136,7 @@ def hf_greedy_outputs(model, prompt_ids: list[list[int]], max_tokens: int,
 def register(subparsers: "argparse._SubParsersAction") -> None:
     p = subparsers.add_parser("accuracy", help="perplexity and greedy agreement of a dtype, quantization "
                               "methods and KV-cache dtypes against float32 (and HF transformers with --hf)",
-                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                              formatter_class=HelpFormatter)
     p.add_argument("--model", default=None,
                    help="a .gguf file or HF directory (default: the bundled model)%(default).0s")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],

@@ -10,6 +10,7 @@ import argparse
 import time
 
 import torch
+from pagedllm.entrypoints.cli import HelpFormatter
 
 from .report import output_file, save_json
 from .serve_options import positive_int
@@ -19,7 +20,7 @@ def register(subparsers: "argparse._SubParsersAction") -> None:
     from pagedllm.config import EngineArgs
 
     p = subparsers.add_parser("latency", help="single-stream latency: TTFT, decode tok/s, matmul vs rest",
-                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                              formatter_class=HelpFormatter)
     p.add_argument("--backend", nargs="+", choices=["pagedllm", "hf", "llama.cpp", "both"], default=["pagedllm"],
                    help="one or more, run in this order and compared with the last: hf: HF transformers "
                         "generate; llama.cpp: llama-cpp-python on the same GGUF file (if installed; "

@@ -7,6 +7,7 @@ import argparse
 import time
 
 import numpy as np
+from pagedllm.entrypoints.cli import HelpFormatter
 
 from .report import output_file, save_json
 from .serve_options import positive_int
@@ -16,7 +17,7 @@ def register(subparsers: "argparse._SubParsersAction") -> None:
     from pagedllm.config import EngineArgs
 
     p = subparsers.add_parser("prefix", help="shared-prefix workload, prefix caching on vs off",
-                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                              formatter_class=HelpFormatter)
     p.add_argument("--num-requests", type=positive_int, default=32)
     p.add_argument("--prefix-len", type=positive_int, default=1000)
     p.add_argument("--suffix-len", type=int, default=20)

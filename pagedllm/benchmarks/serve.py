@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
+from pagedllm.entrypoints.cli import HelpFormatter
 from typing import Any
 
 from .extras import require_bench_packages
@@ -22,7 +23,7 @@ def register(subparsers: "argparse._SubParsersAction") -> None:
     p = subparsers.add_parser(
         "serve", help="load-test an OpenAI-compatible server (TTFT, TPOT, ITL, E2E, goodput)",
         description="Benchmark an OpenAI-compatible streaming server with a chosen dataset and load shape.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=HelpFormatter)
     add_serve_arguments(p)
     p.set_defaults(func=serve_main)
 

@@ -17,6 +17,7 @@ import sys
 import time
 
 from pagedllm.utils import stop_process
+from pagedllm.entrypoints.cli import HelpFormatter
 
 from .report import output_file, save_json
 from .serve_options import positive_int
@@ -29,7 +30,7 @@ def register(subparsers: "argparse._SubParsersAction") -> None:
 
     p = subparsers.add_parser(
         "server", help="the HTTP server vs the offline engine, engine core in its own process or not",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=HelpFormatter)
     p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES),
                    help="process: the engine core in its own process; inprocess: --no-engine-process")
     p.add_argument("--concurrency", nargs="+", type=positive_int, default=[1, 8, 32, 64])

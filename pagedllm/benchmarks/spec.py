@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from pagedllm.entrypoints.cli import HelpFormatter
 
 from .report import output_file, save_json
 from .serve_options import positive_int
@@ -111,7 +112,7 @@ def register(subparsers: "argparse._SubParsersAction") -> None:
     from pagedllm.config import EngineArgs
 
     p = subparsers.add_parser("spec", help="speculative decoding vs plain decoding: tok/s, TPOT, acceptance",
-                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                              formatter_class=HelpFormatter)
     p.add_argument("--methods", nargs="+", default=["none", "ngram", "suffix"],
                    choices=["none", "ngram", "suffix", "draft_model"],
                    help="none = the baseline (always run first); draft_model needs --draft-model")

@@ -17,6 +17,7 @@ import asyncio
 import dataclasses
 import math
 import sys
+from pagedllm.entrypoints.cli import HelpFormatter
 from typing import Any, Sequence
 
 from .datasets import Dataset, TokenSource
@@ -257,7 +258,7 @@ def register(subparsers: "argparse._SubParsersAction") -> None:
     p = subparsers.add_parser(
         "sweep", help="find the highest request rate / concurrency that meets an SLO",
         description="Run 'bench serve' at increasing load and report the highest load meeting the SLO.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=HelpFormatter)
     add_sweep_arguments(p)
     p.set_defaults(func=sweep_main)
 

@@ -9,6 +9,7 @@ import time
 
 import numpy as np
 import torch
+from pagedllm.entrypoints.cli import HelpFormatter
 
 from .report import output_file, save_json
 from .serve_options import positive_int
@@ -18,7 +19,7 @@ def register(subparsers: "argparse._SubParsersAction") -> None:
     from pagedllm.config import EngineArgs
 
     p = subparsers.add_parser("throughput", help="offline throughput (random prompts, ignore_eos)",
-                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                              formatter_class=HelpFormatter)
     p.add_argument("--backend", choices=["pagedllm", "hf", "both"], default="pagedllm",
                    help="hf: HF transformers batched generate; both: HF then pagedllm in one run")
     p.add_argument("--num-prompts", type=positive_int, default=64)

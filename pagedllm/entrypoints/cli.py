@@ -35,6 +35,16 @@ COMMANDS: dict[str, tuple[str, tuple[str, ...]]] = {
 }
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows a flag's default unless it is None or its help already says it."""
+
+    def _get_help_string(self, action):
+        help_text = action.help or ""
+        if action.default is None or "default" in help_text or action.default is argparse.SUPPRESS:
+            return help_text
+        return super()._get_help_string(action)
+
+
 def _setup_logging(level: str = "INFO") -> None:
     logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO),
                         format="%(levelname)s %(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
@@ -125,11 +135,11 @@ def register(subparsers: "argparse._SubParsersAction") -> None:
     from pagedllm.config import EngineArgs
 
     p = subparsers.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
-                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                              formatter_class=HelpFormatter)
     EngineArgs.add_cli_args(p)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--uvicorn-log-level", default="warning")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on")
+    p.add_argument("--uvicorn-log-level", default="warning", help="uvicorn's log level")
     p.add_argument("--trust-request-chat-template", action="store_true",
                    help="honour a chat request's own chat_template field (a template is a program "
                         "the server runs; off by default, as in vLLM)")
@@ -154,7 +164,7 @@ def register(subparsers: "argparse._SubParsersAction") -> None:
     p.set_defaults(func=_serve)
 
     p = subparsers.add_parser("generate", help="print a completion of PROMPT",
-                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                              formatter_class=HelpFormatter)
     p.add_argument("prompt")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)

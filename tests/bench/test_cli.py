@@ -217,4 +217,4 @@ def test_the_bench_extra_is_optional_and_make_install_installs_it():
     core = " ".join(project["dependencies"])
     assert "aiohttp" not in core and "matplotlib" not in core
     assert sorted(d.split(">")[0] for d in project["optional-dependencies"]["bench"]) == ["aiohttp", "matplotlib"]
-    assert "pip install -q -e '.[test,bench]'" in (root / "Makefile").read_text()
+    assert "pip install -q -e '.[test,bench,ray]'" in (root / "Makefile").read_text()

@@ -94,6 +94,25 @@ def test_readme_commands_parse_and_make_targets_exist():
         assert os.path.exists(os.path.join(ROOT, link)), link
 
 
+def test_every_relative_link_in_the_docs_resolves():
+    """README.md, docs/*.md and docs/notes/*.md: each relative markdown link names a file
+    that exists (anchors and web addresses are not checked)."""
+    import glob
+
+    pages = ["README.md", "tests/README.md"] + sorted(
+        os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs", "**", "*.md"), recursive=True))
+    assert len(pages) > 20
+    broken = []
+    for page in pages:
+        for target in re.findall(r"\]\(([^)\s]+)\)", _read(page)):
+            target = target.split("#")[0]
+            if not target or "://" in target or target.startswith("mailto:"):
+                continue
+            if not os.path.exists(os.path.join(ROOT, os.path.dirname(page), target)):
+                broken.append(f"{page} -> {target}")
+    assert not broken, broken
+
+
 @pytest.mark.slow
 def test_readme_and_api_examples_run_as_written(tmp_path):
     """The README's curl request and Python examples, and docs/api.md's, against a live

@@ -17,7 +17,7 @@ access_logger = logging.getLogger("pagedllm.access")
 
 
 def _error(message: str, code: int, type_: str, extra_headers: list | None = None):
-    body = json.dumps(error_body(message, None, code, type_)).encode()
+    body = json.dumps(error_body(message, None, code, type_), separators=(",", ":")).encode()   # as JSONResponse
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     return body, headers + (extra_headers or [])
 
