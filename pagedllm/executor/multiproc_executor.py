@@ -1,21 +1,12 @@
 """The multi-process executor (vLLM V1's ``MultiprocExecutor``): one worker process per
-tensor-parallel rank, each with its own threads, joined in a torch.distributed world
-(gloo on the CPU, NCCL on CUDA) over ``tcp://127.0.0.1:<free port>``.
+tensor-parallel rank in a torch.distributed world. Each step's ``SchedulerOutput`` is
+published once to every rank (ZMQ PUB, msgpack; IPC on one node, TCP from node 0 across
+``--nnodes``, whose other nodes run ``run_headless``); every rank samples the same tokens,
+rank 0 returns its ``ModelRunnerOutput`` and the others a digest that must match.
 
-Each step's ``SchedulerOutput`` is published once to every rank (a ZMQ PUB socket over
-IPC, msgpack); every rank runs the same step and samples the same tokens from the same
-gathered logits and seeded generators; rank 0 returns its ``ModelRunnerOutput`` and the
-others a digest of their tokens, which must match rank 0's.
-
-Across machines (``--nnodes``): node 0 runs this executor and its share of the ranks;
-every other node runs ``pagedllm serve --headless`` (``run_headless``), whose ranks reach
-node 0's sockets over TCP (``--master-addr``, ports ``--master-port`` + 1..3; + 3 a
-heartbeat, without which a remote rank exits after ``wire.HEARTBEAT_TIMEOUT_S``).
-
-Failure model: a rank's process that exits, or an error on some ranks only (the others
-are then stuck in a collective), or ranks that disagree, raise ``ExecutorDeadError``
-within ``POLL_S`` of being seen; the workers are killed and the engine fails its
-requests. An error raised on every rank (a bad request's step) fails that step only.
+Failure model: a rank's process that exits, an error on some ranks only, or ranks that
+disagree raise ``ExecutorDeadError`` within ``POLL_S`` (the ranks are killed); an error on
+every rank fails the step only. Details: docs/scaling.md.
 """
 from __future__ import annotations
 
