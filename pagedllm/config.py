@@ -231,8 +231,8 @@ class EngineArgs:
     data_parallel_rank: int = 0    # set per engine by the data-parallel client
     nnodes: int = 1
     node_rank: int = 0
-    master_addr: str = "127.0.0.1"
-    master_port: int | None = None
+    master_addr: str | None = None     # None: $MASTER_ADDR, else 127.0.0.1
+    master_port: int | None = None     # None: $MASTER_PORT
     engine_process: bool = True
 
     @staticmethod
@@ -297,11 +297,12 @@ class EngineArgs:
                             help="machines the tensor-parallel ranks are spread over (an equal share each)")
         parser.add_argument("--node-rank", type=int, default=d.node_rank,
                             help="this machine's index; 0 runs the engine, the others `serve --headless`")
-        parser.add_argument("--master-addr", default=d.master_addr,
-                            help="node 0's address, reachable from every node")
+        parser.add_argument("--master-addr", default=None,
+                            help="node 0's address, reachable from every node (default: $MASTER_ADDR, "
+                                 "else 127.0.0.1)")
         parser.add_argument("--master-port", type=int, default=None,
                             help="node 0's ports: this one (torch.distributed) and the next three (the "
-                                 "executor's sockets)")
+                                 "executor's sockets); default: $MASTER_PORT")
         parser.add_argument("--distributed-executor-backend", default=None, choices=list(EXECUTOR_BACKENDS),
                             help="uni: one worker in the engine process (default at tp 1); mp: one "
                                  "process per rank (default when tp > 1)")
@@ -424,6 +425,10 @@ class EngineArgs:
         if self.tensor_parallel_size % self.nnodes:
             raise InvalidParameterError("nnodes", f"nnodes {self.nnodes} does not divide tensor_parallel_size "
                                                   f"{self.tensor_parallel_size} (each node runs an equal share)")
+        # torch.distributed's env:// variables fill what the flags leave out
+        self.master_addr = self.master_addr or envs.master_addr() or "127.0.0.1"
+        if self.master_port is None and envs.master_port() is not None:
+            self.master_port = envs.master_port()
         if self.master_port is None or not 0 < self.master_port <= 65532:
             raise InvalidParameterError("master_port", "nnodes > 1 needs master_port (1-65532: it and the next "
                                                        f"three ports on master_addr), got {self.master_port}")

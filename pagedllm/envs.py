@@ -127,3 +127,23 @@ def shm_allreduce() -> bool:
     """``PAGEDLLM_SHM_ALLREDUCE=0``: CPU tensor-parallel ranks on one machine all-reduce
     through gloo instead of shared memory."""
     return _flag("PAGEDLLM_SHM_ALLREDUCE", True)
+
+
+def master_addr() -> str | None:
+    """``MASTER_ADDR`` (torch.distributed's env:// rendezvous): node 0's address when
+    ``--master-addr`` is not given."""
+    return os.environ.get("MASTER_ADDR") or None
+
+
+def master_port() -> int | None:
+    """``MASTER_PORT``: node 0's first port when ``--master-port`` is not given.
+
+    Raises:
+        ValueError: not an integer (the variable named)."""
+    raw = os.environ.get("MASTER_PORT")
+    if not raw:
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"MASTER_PORT must be an integer port, got {raw!r}") from None

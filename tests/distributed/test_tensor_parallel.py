@@ -302,3 +302,19 @@ def test_more_ranks_than_cores_is_an_error_naming_the_flag(tiny_model_dir, monke
     path = _dir(tiny_model_dir, "llama")
     with pytest.raises(ValueError, match="tensor_parallel_size: 4 CPU ranks .* on 2 cores"):
         LLM(model=path, tensor_parallel_size=2, data_parallel_size=2, dtype="float32")
+
+
+def test_master_address_and_port_come_from_torch_env_names(monkeypatch):
+    from pagedllm.config import EngineArgs
+
+    monkeypatch.setenv("MASTER_ADDR", "10.1.2.3")
+    monkeypatch.setenv("MASTER_PORT", "29511")
+    a = EngineArgs(tensor_parallel_size=2, nnodes=2)
+    a.validate()
+    assert (a.master_addr, a.master_port) == ("10.1.2.3", 29511)
+    b = EngineArgs(tensor_parallel_size=2, nnodes=2, master_addr="h", master_port=4000)
+    b.validate()
+    assert (b.master_addr, b.master_port) == ("h", 4000)
+    monkeypatch.setenv("MASTER_PORT", "x")
+    with pytest.raises(ValueError, match="MASTER_PORT must be an integer"):
+        EngineArgs(tensor_parallel_size=2, nnodes=2).validate()
