@@ -416,7 +416,7 @@ class EngineArgs:
         if self.tensor_parallel_size > 1 and self.distributed_executor_backend == "uni":
             raise InvalidParameterError(
                 "distributed_executor_backend", "distributed_executor_backend 'uni' runs one worker; "
-                f"tensor_parallel_size {self.tensor_parallel_size} needs 'mp'")
+                f"tensor_parallel_size {self.tensor_parallel_size} needs 'mp' or 'ray'")
 
     def _check_nodes(self) -> None:
         """Raises InvalidParameterError naming the first multi-node setting that does not fit."""
@@ -552,6 +552,13 @@ def _share_cores(args: EngineArgs) -> None:
     threads when ``num_threads`` is unset; more ranks than cores is an error naming the
     larger flag unless ``PAGEDLLM_ALLOW_CPU_OVERSUBSCRIPTION=1``."""
     ranks = args.tensor_parallel_size // args.nnodes * args.data_parallel_size
+    bind = envs.cpu_omp_threads_bind()
+    if bind and args.tensor_parallel_size > 1:   # checked here, before any process starts
+        from pagedllm.distributed.utils import parse_cpu_bind
+
+        per_node = args.tensor_parallel_size // args.nnodes
+        for rank in range(args.node_rank * per_node, (args.node_rank + 1) * per_node):
+            parse_cpu_bind(bind, rank, args.tensor_parallel_size)
     cores = platform.usable_cores()
     if ranks > cores and not envs.allow_cpu_oversubscription():
         flag = "tensor_parallel_size" if args.tensor_parallel_size > 1 else "data_parallel_size"

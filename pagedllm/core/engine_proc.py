@@ -101,6 +101,7 @@ class EngineCoreProc:
                 if not self._parent_alive():
                     logger.warning("engine core: the front end's process is gone; exiting")
                     return
+                core.executor.check_health()   # a rank that died while idle: fail now, not at the next request
             if not core.has_unfinished_requests():
                 continue
             outs = core.step()

@@ -54,6 +54,17 @@ class ShmAllReduce:
         self._flags = self._mm[:flags_bytes].view(np.int64)
         self._data = self._mm[flags_bytes:].reshape(2, world_size, slot_bytes)
         self._seq = 0
+        pids: list = [None] * world_size
+        dist.all_gather_object(pids, os.getpid(), group=group)
+        self._peers = [p for r, p in enumerate(pids) if r != rank]
+
+    def _check_peers(self) -> None:
+        """Raises RuntimeError when another rank's process is gone (it will never publish)."""
+        for pid in self._peers:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                raise RuntimeError(f"all-reduce: the rank in process {pid} is gone") from None
 
     def supports(self, x: torch.Tensor) -> bool:
         return x.device.type == "cpu" and x.dtype in _DTYPES and x.numel() * x.element_size() <= self.slot_bytes
@@ -72,6 +83,8 @@ class ShmAllReduce:
             spins += 1
             if spins > 64:
                 time.sleep(0) if spins < 10000 else time.sleep(0.0001)
+                if spins % 2048 == 0:
+                    self._check_peers()
         parts = [torch.from_numpy(buf[r, :nbytes]).view(x.dtype) for r in range(self.world_size)]
         out = parts[0].clone()
         for p in parts[1:]:

@@ -3,6 +3,8 @@
 feature and vocabulary ranges."""
 from __future__ import annotations
 
+import os
+
 from pagedllm.errors import InvalidParameterError
 
 
@@ -41,3 +43,29 @@ def vocab_shard(vocab_size: int, tp_rank: int, tp_size: int) -> tuple[int, int, 
     per = -(-vocab_size // tp_size)
     start = tp_rank * per
     return start, per, max(0, min(per, vocab_size - start))
+
+
+def parse_cpu_bind(spec: str, rank: int, world_size: int) -> set[int]:
+    """Rank ``rank``'s cores from a ``PAGEDLLM_CPU_OMP_THREADS_BIND`` value such as
+    ``0-3,8|4-7`` (one ``|``-separated list per rank).
+
+    Raises:
+        ValueError: not one list per rank, a part that is not ``N`` or ``N-M``, or a core
+            this process may not run on (each naming the variable)."""
+    lists = spec.split("|")
+    if len(lists) != world_size:
+        raise ValueError(f"PAGEDLLM_CPU_OMP_THREADS_BIND has {len(lists)} core lists for {world_size} ranks: {spec!r}")
+    cores: set[int] = set()
+    for part in lists[rank].split(","):
+        lo, _, hi = part.strip().partition("-")
+        try:
+            cores.update(range(int(lo), int(hi or lo) + 1))
+        except ValueError:
+            raise ValueError(f"PAGEDLLM_CPU_OMP_THREADS_BIND: {part!r} is not N or N-M") from None
+    if not cores:
+        raise ValueError(f"PAGEDLLM_CPU_OMP_THREADS_BIND: no cores for rank {rank}")
+    missing = sorted(cores - os.sched_getaffinity(0))
+    if missing:
+        raise ValueError(f"PAGEDLLM_CPU_OMP_THREADS_BIND: rank {rank}'s cores {missing} are not among this "
+                         f"process's cores {sorted(os.sched_getaffinity(0))}")
+    return cores

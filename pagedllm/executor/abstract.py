@@ -52,5 +52,9 @@ class Executor(ABC):
     def describe_compute_path(self) -> str:
         """One line for the start-up log: kernels and linear implementation in use."""
 
+    def check_health(self) -> None:
+        """Raises ExecutorDeadError when a worker is known to be gone (while idle; a step
+        notices by itself). Nothing to check in-process."""
+
     def shutdown(self) -> None:
         """Release workers (nothing to do in-process)."""

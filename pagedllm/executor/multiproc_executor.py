@@ -72,6 +72,8 @@ class MultiprocExecutor(Executor):
         self._encoder = msgspec.msgpack.Encoder()
         self._output_decoder = msgspec.msgpack.Decoder(ModelRunnerOutput)
         self._dead: str | None = None
+        self._config = config
+        self._parent = os.getppid()   # an engine whose parent exits while it starts stops too
         self._heartbeat = None
         if "heartbeat" in addrs:
             self._heartbeat = _Heartbeat(self._ctx, addrs["heartbeat"])
@@ -80,6 +82,9 @@ class MultiprocExecutor(Executor):
         self._finalizer = weakref.finalize(self, _kill_all, self._procs, self._dir)
         try:
             spawn_ranks(config, addrs, self._procs)
+            if args.nnodes > 1:
+                logger.info("waiting for the ranks of %d other node(s) (`pagedllm serve --headless --node-rank N` "
+                            "with the same flags) at %s", args.nnodes - 1, addrs["init"])
             self._wait_ready()
         except BaseException:
             self.shutdown()
@@ -109,17 +114,37 @@ class MultiprocExecutor(Executor):
                 return None
 
     def _wait_ready(self) -> None:
+        """Every rank's READY; raises a rank's start-up error, ``ValueError`` when a rank runs
+        with other settings (another node started with other flags), ``ExecutorDeadError``
+        when a local rank exits, this process's parent does, or START_TIMEOUT_S passes."""
         ready: set[int] = set()
         deadline = time.monotonic() + self.START_TIMEOUT_S
+        mine = wire.config_fingerprint(self._config)
         while len(ready) < self.world_size:
-            got = self._recv(deadline)
+            got = self._recv(min(deadline, time.monotonic() + 1.0))
+            if os.getppid() != self._parent:
+                raise ExecutorDeadError("the engine's parent process exited while the ranks were starting")
             if got is None:
+                if time.monotonic() < deadline:
+                    continue
                 raise ExecutorDeadError(f"tensor-parallel ranks {sorted(set(range(self.world_size)) - ready)} "
                                         f"did not start within {self.START_TIMEOUT_S:.0f} s")
             rank, status, payload = got
             if status == wire.FAILED:
                 raise pickle.loads(payload)
+            theirs = pickle.loads(payload)
+            differ = {k: (mine[k], theirs.get(k)) for k in mine if theirs.get(k) != mine[k]}
+            if differ:
+                raise ValueError(f"tensor-parallel rank {rank} runs with other settings than node 0 ("
+                                 + ", ".join(f"{k}: {a!r} here, {b!r} there" for k, (a, b) in differ.items())
+                                 + "): start every node with the same engine flags")
             ready.add(rank)
+
+    def check_health(self) -> None:
+        """Raises ExecutorDeadError when a local rank's process has exited (called while idle)."""
+        if self._dead:
+            raise ExecutorDeadError(self._dead)
+        self._check_alive()
 
     def _call(self, method: str, *args) -> list:
         """Run ``Worker.<method>(*args)`` on every rank; their results in rank order."""
@@ -260,6 +285,7 @@ def run_headless(config: EngineConfig) -> int:
     args = config.args
     if args.nnodes < 2 or args.node_rank == 0:
         raise ValueError("--headless runs the ranks of a node other than 0: give --nnodes > 1 and --node-rank > 0")
+
     procs: list[subprocess.Popen] = []
     stop = []
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -274,7 +300,10 @@ def run_headless(config: EngineConfig) -> int:
             time.sleep(0.2)
     finally:
         _kill_all(procs, None)
-    return max((abs(p.returncode or 0) for p in procs), default=0)
+    code = max((abs(p.returncode or 0) for p in procs), default=0)
+    logger.info("headless node %d: ranks exited (%s); exiting", args.node_rank,
+                "node 0 shut down" if code == 0 else f"exit codes {[p.returncode for p in procs]}")
+    return code
 
 
 class _Heartbeat:

@@ -21,6 +21,7 @@ import zlib
 import msgspec
 
 from pagedllm import envs
+from pagedllm.distributed.utils import parse_cpu_bind
 
 logger = logging.getLogger("pagedllm")
 
@@ -36,25 +37,46 @@ def sampled_digest(sampled_token_ids: list[list[int]]) -> int:
     return zlib.crc32(msgspec.msgpack.encode(sampled_token_ids))
 
 
-def parse_cpu_bind(spec: str, rank: int, world_size: int) -> set[int]:
-    """Rank ``rank``'s cores from a ``PAGEDLLM_CPU_OMP_THREADS_BIND`` value such as
-    ``0-3,8|4-7`` (one ``|``-separated list per rank).
+def config_fingerprint(config) -> dict:
+    """The settings every rank of one engine must share (compared across nodes at start)."""
+    a = config.args
+    return {"model": config.model_path, "dtype": str(config.dtype), "kv_cache_dtype": str(config.kv_cache_dtype),
+            "quantization": a.quantization, "tensor_parallel_size": a.tensor_parallel_size, "nnodes": a.nnodes,
+            "max_model_len": config.max_model_len, "block_size": a.block_size, "seed": a.seed,
+            "speculative_config": repr(config.speculative_config), "attention_backend": a.attention_backend}
 
-    Raises:
-        ValueError: not one list per rank, or a part that is not ``N`` or ``N-M``."""
-    lists = spec.split("|")
-    if len(lists) != world_size:
-        raise ValueError(f"PAGEDLLM_CPU_OMP_THREADS_BIND has {len(lists)} core lists for {world_size} ranks: {spec!r}")
-    cores: set[int] = set()
-    for part in lists[rank].split(","):
-        lo, _, hi = part.strip().partition("-")
-        try:
-            cores.update(range(int(lo), int(hi or lo) + 1))
-        except ValueError:
-            raise ValueError(f"PAGEDLLM_CPU_OMP_THREADS_BIND: {part!r} is not N or N-M") from None
-    if not cores:
-        raise ValueError(f"PAGEDLLM_CPU_OMP_THREADS_BIND: no cores for rank {rank}")
-    return cores
+
+def _watchdog(parent_pid: int, heartbeat_addr: str | None, rank: int) -> None:
+    """A thread that ends the process when its parent is gone or, across nodes, node 0 has
+    been silent for ``HEARTBEAT_TIMEOUT_S`` (whatever the main thread is blocked in: a
+    rendezvous, a collective)."""
+    import threading
+    import time
+
+    def run():
+        sock = None
+        if heartbeat_addr is not None:
+            import zmq
+
+            sock = zmq.Context.instance().socket(zmq.SUB)
+            sock.setsockopt(zmq.SUBSCRIBE, b"")
+            sock.connect(heartbeat_addr)
+        heard = time.monotonic()
+        while True:
+            if sock is not None and sock.poll(int(PARENT_CHECK_S * 1000)):
+                while sock.poll(0):
+                    sock.recv()
+                heard = time.monotonic()
+            elif sock is None:
+                time.sleep(PARENT_CHECK_S)
+            if os.getppid() != parent_pid:
+                logger.warning("rank %d: its parent process is gone; exiting", rank)
+                os._exit(1)
+            if sock is not None and time.monotonic() - heard > HEARTBEAT_TIMEOUT_S:
+                logger.warning("rank %d: node 0 silent for %.0f s; exiting", rank, HEARTBEAT_TIMEOUT_S)
+                os._exit(1)
+
+    threading.Thread(target=run, name="pagedllm-rank-watchdog", daemon=True).start()
 
 
 def main() -> None:
@@ -80,8 +102,7 @@ def run_worker(config, rank: int, world_size: int, addrs: dict[str, str], parent
     calls = ctx.socket(zmq.SUB)
     calls.setsockopt(zmq.SUBSCRIBE, b"")
     calls.connect(addrs["calls"])
-    if "heartbeat" in addrs:
-        calls.connect(addrs["heartbeat"])
+    _watchdog(parent_pid, addrs.get("heartbeat"), rank)
     replies = ctx.socket(zmq.PUSH)
     replies.setsockopt(zmq.LINGER, 1000)
     replies.connect(addrs["replies"])
@@ -107,8 +128,8 @@ def run_worker(config, rank: int, world_size: int, addrs: dict[str, str], parent
             replies.send_multipart([me, FAILED, _pickle_error(e)])
             status = 1
             return
-        replies.send_multipart([me, READY, b""])
-        _serve(worker, rank, calls, replies, parent_pid, "heartbeat" in addrs)
+        replies.send_multipart([me, READY, pickle.dumps(config_fingerprint(config))])
+        _serve(worker, rank, calls, replies)
     finally:
         calls.close(linger=0)
         replies.close()
@@ -117,29 +138,15 @@ def run_worker(config, rank: int, world_size: int, addrs: dict[str, str], parent
         os._exit(status)
 
 
-def _serve(worker, rank: int, calls, replies, parent_pid: int, remote: bool) -> None:
-    import time
-
+def _serve(worker, rank: int, calls, replies) -> None:
+    """Answer calls until SHUTDOWN (the watchdog ends the process if the parent goes)."""
     from pagedllm.messages import SchedulerOutput
 
     decoder = msgspec.msgpack.Decoder(SchedulerOutput)
     encoder = msgspec.msgpack.Encoder()
     me = str(rank).encode()
-    heard = time.monotonic()
     while True:
-        if not calls.poll(int(PARENT_CHECK_S * 1000)):
-            if os.getppid() != parent_pid:
-                logger.warning("rank %d: the executor's process is gone; exiting", rank)
-                return
-            if remote and time.monotonic() - heard > HEARTBEAT_TIMEOUT_S:
-                logger.warning("rank %d: node 0 silent for %.0f s; exiting", rank, HEARTBEAT_TIMEOUT_S)
-                return
-            continue
-        frames = calls.recv_multipart()
-        heard = time.monotonic()
-        if frames[0] == PING:
-            continue
-        method, payload = frames
+        method, payload = calls.recv_multipart()
         if method == SHUTDOWN:
             return
         try:

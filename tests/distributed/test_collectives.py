@@ -101,8 +101,12 @@ def test_bad_rank_and_size_are_errors():
         pd.initialize_model_parallel(2)
 
 
-def test_cpu_bind_lists():
-    from pagedllm.worker.worker_proc import parse_cpu_bind
+def test_cpu_bind_lists(monkeypatch):
+    import os
+
+    from pagedllm.distributed.utils import parse_cpu_bind
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(6)))
 
     assert parse_cpu_bind("0-1,4|2-3", 0, 2) == {0, 1, 4}
     assert parse_cpu_bind("0-1,4|2-3", 1, 2) == {2, 3}
@@ -110,3 +114,5 @@ def test_cpu_bind_lists():
         parse_cpu_bind("0|1", 0, 3)
     with pytest.raises(ValueError, match="'x' is not N or N-M"):
         parse_cpu_bind("x|1", 0, 2)
+    with pytest.raises(ValueError, match=r"PAGEDLLM_CPU_OMP_THREADS_BIND: rank 1's cores \[99\] are not among"):
+        parse_cpu_bind("0|99", 1, 2)

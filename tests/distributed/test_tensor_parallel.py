@@ -218,10 +218,103 @@ def test_two_nodes_on_loopback_equal_one_process(tiny_model_dir):
         finally:
             llm.shutdown()
         assert headless.wait(30) == 0     # its rank stopped at node 0's SHUTDOWN, and so did it
+        # node 1 lost mid-run: node 0's rank fails its all-reduce, the engine fails at once
+        headless = subprocess.Popen([sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--headless",
+                                     "--node-rank", "1", *node], start_new_session=True)
+        llm = _llm(path, 2, nnodes=2, node_rank=0, master_addr="127.0.0.1", master_port=port)
+        pids = _worker_pids(llm)
+        try:
+            os.killpg(headless.pid, 9)
+            headless.wait(10)
+            t = time.monotonic()
+            with pytest.raises(EngineDeadError, match="out of step|exited"):
+                _greedy(llm, prompts)
+            assert time.monotonic() - t < 10
+        finally:
+            llm.shutdown()
+        assert _gone(pids)
+        # nodes started with other settings: refused, naming them
+        headless = subprocess.Popen([sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--headless",
+                                     "--node-rank", "1", *node[:3], "bfloat16", *node[4:]], start_new_session=True)
+        with pytest.raises(ValueError, match="runs with other settings than node 0 .*dtype"):
+            _llm(path, 2, nnodes=2, node_rank=0, master_addr="127.0.0.1", master_port=port)
     finally:
         if headless.poll() is None:
             os.killpg(headless.pid, 9)
             headless.wait(10)
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` now (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def test_a_server_killed_while_its_ranks_wait_for_other_nodes_leaves_nothing(tiny_model_dir):
+    """Node 0 waits for a node 1 that never comes; its front end is killed: the engine
+    process and its rank see their parent go and exit."""
+    import subprocess
+    import sys
+
+    from pagedllm.executor.multiproc_executor import free_port
+
+    path = _dir(tiny_model_dir, "llama")
+    server = subprocess.Popen([sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--model", path,
+                               "--dtype", "float32", "--kv-cache-memory", "16MiB", "--num-threads", "1", "-tp", "2",
+                               "--nnodes", "2", "--master-port", str(free_port()), "--port", str(free_port())])
+    try:
+        deadline = time.monotonic() + 60
+        below: list[int] = []
+        while time.monotonic() < deadline and not any(
+                "worker_proc" in open(f"/proc/{p}/cmdline").read() for p in below if os.path.exists(f"/proc/{p}")):
+            time.sleep(0.5)
+            below = _descendants(server.pid)
+        assert below
+        server.kill()
+        server.wait(10)
+        assert _gone(below, timeout=15)
+    finally:
+        if server.poll() is None:
+            server.kill()
+
+
+def test_a_rank_that_dies_while_the_engine_idles_fails_it_at_once(tiny_model_dir):
+    """The engine core checks its ranks while idle: health turns dead within seconds,
+    not at the next request."""
+    from pagedllm.errors import EngineDeadError as Dead
+
+    path = _dir(tiny_model_dir, "llama")
+    llm = _llm(path, 2, engine_process=True)
+    try:
+        assert len(_greedy(llm, _prompts(2))) == 2
+        ranks = [p for p in _descendants(llm.llm_engine.engine_core.pid)
+                 if "worker_proc" in open(f"/proc/{p}/cmdline").read()]
+        assert len(ranks) == 2
+        os.kill(ranks[1], 9)
+        deadline = time.monotonic() + 5
+        while True:
+            try:
+                llm.llm_engine.check_health()
+            except Dead:
+                break
+            assert time.monotonic() < deadline, "a dead rank went unnoticed while idle"
+            time.sleep(0.1)
+    finally:
+        llm.shutdown()
+    assert _gone(ranks)
 
 
 def _port_taken(port: int) -> bool:
