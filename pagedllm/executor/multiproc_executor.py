@@ -25,7 +25,7 @@ import msgspec
 
 from pagedllm.config import EngineConfig
 from pagedllm.errors import ExecutorDeadError
-from pagedllm.executor.abstract import Executor
+from pagedllm.executor.ranked import RankedExecutor
 from pagedllm.messages import ModelRunnerOutput, SchedulerOutput
 from pagedllm.worker import worker_proc as wire
 
@@ -39,7 +39,7 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-class MultiprocExecutor(Executor):
+class MultiprocExecutor(RankedExecutor):
     """Args:
         config: the resolved engine config; ``config.args.tensor_parallel_size`` ranks.
 
@@ -50,8 +50,8 @@ class MultiprocExecutor(Executor):
     """
 
     POLL_S = 0.1          # how often a wait checks that every rank's process is alive
-    MISMATCH_WAIT_S = 2.0  # after one rank's error, how long the others get to report theirs
     START_TIMEOUT_S = 900.0
+    backend = "mp"
 
     def __init__(self, config: EngineConfig):
         import zmq
@@ -71,7 +71,6 @@ class MultiprocExecutor(Executor):
         self._replies.bind(addrs["replies"])
         self._encoder = msgspec.msgpack.Encoder()
         self._output_decoder = msgspec.msgpack.Decoder(ModelRunnerOutput)
-        self._dead: str | None = None
         self._config = config
         self._parent = os.getppid()   # an engine whose parent exits while it starts stops too
         self._heartbeat = None
@@ -97,11 +96,6 @@ class MultiprocExecutor(Executor):
         for rank, p in enumerate(self._procs):
             if p.poll() is not None:
                 self._fail(f"tensor-parallel rank {rank}'s process exited (code {p.returncode})")
-
-    def _fail(self, reason: str) -> None:
-        self._dead = reason
-        self._kill()
-        raise ExecutorDeadError(reason)
 
     def _recv(self, deadline: float | None = None) -> tuple[int, bytes, bytes] | None:
         """One rank's reply; None at ``deadline``; checks liveness every ``POLL_S``."""
@@ -142,73 +136,39 @@ class MultiprocExecutor(Executor):
 
     def check_health(self) -> None:
         """Raises ExecutorDeadError when a local rank's process has exited (called while idle)."""
-        if self._dead:
-            raise ExecutorDeadError(self._dead)
+        self._check_dead()
         self._check_alive()
 
-    def _call(self, method: str, *args) -> list:
-        """Run ``Worker.<method>(*args)`` on every rank; their results in rank order."""
-        if self._dead:
-            raise ExecutorDeadError(self._dead)
-        self._calls.send_multipart([method.encode(), pickle.dumps(args)])
-        return [pickle.loads(p) for p in self._gather()]
-
     def _gather(self) -> list[bytes]:
-        """Every rank's OK payload for the call just sent, in rank order.
-
-        Raises:
-            the ranks' error when every rank raised one (the step failed everywhere);
-            ExecutorDeadError when only some did, or a process exited."""
+        """Every rank's OK payload for the call just sent, in rank order (``_verdict`` on
+        the errors; a rank that has not answered ``MISMATCH_WAIT_S`` after another's error
+        counts as missing)."""
         payloads: dict[int, bytes] = {}
         errors: dict[int, BaseException] = {}
         deadline = None
         while len(payloads) + len(errors) < self.world_size:
             got = self._recv(deadline)
             if got is None:
-                missing = sorted(set(range(self.world_size)) - set(payloads) - set(errors))
-                first = next(iter(errors.values()))
-                self._fail(f"tensor-parallel ranks out of step: {type(first).__name__}: {first} on ranks "
-                           f"{sorted(errors)}, no answer from ranks {missing}")
+                break
             rank, status, payload = got
             if status == wire.OK:
                 payloads[rank] = payload
             else:
                 errors[rank] = pickle.loads(payload)
                 deadline = deadline or time.monotonic() + self.MISMATCH_WAIT_S
-        if errors:
-            if len(errors) < self.world_size:
-                first = next(iter(errors.values()))
-                self._fail(f"tensor-parallel ranks out of step: {type(first).__name__}: {first} on ranks "
-                           f"{sorted(errors)} only")
-            raise errors[0]
+        self._verdict(errors, sorted(set(range(self.world_size)) - set(payloads) - set(errors)))
         return [payloads[r] for r in range(self.world_size)]
 
-    # -- Executor --------------------------------------------------------------------------
-    def kv_bytes_per_block(self) -> int:
-        return self._call("kv_bytes_per_block")[0]
+    def _call_ranks(self, method: str, *args) -> list:
+        self._calls.send_multipart([method.encode(), pickle.dumps(args)])
+        return [pickle.loads(p) for p in self._gather()]
 
-    def determine_num_kv_blocks(self) -> int:
-        return min(self._call("determine_num_kv_blocks"))
-
-    def initialize_kv_cache(self, num_blocks: int) -> None:
-        self._call("initialize_kv_cache", num_blocks)
-
-    def describe_compute_path(self) -> str:
-        return f"{self._call('describe_compute_path')[0]}, tensor parallel {self.world_size} ranks (mp)"
-
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        if self._dead:
-            raise ExecutorDeadError(self._dead)
+    def _step_ranks(self, scheduler_output: SchedulerOutput) -> tuple[ModelRunnerOutput, list[int]]:
         self._calls.send_multipart([wire.EXECUTE, self._encoder.encode(scheduler_output)])
         payloads = self._gather()
-        out = self._output_decoder.decode(payloads[0])
-        digest = str(wire.sampled_digest(out.sampled_token_ids)).encode()
-        differ = [r for r in range(1, self.world_size) if payloads[r] != digest]
-        if differ:
-            self._fail(f"tensor-parallel ranks {differ} sampled other tokens than rank 0")
-        return out
+        return self._output_decoder.decode(payloads[0]), [int(p) for p in payloads[1:]]
 
-    def _kill(self) -> None:
+    def _kill_ranks(self) -> None:
         _kill_all(self._procs, None)
 
     def shutdown(self) -> None:
@@ -225,7 +185,7 @@ class MultiprocExecutor(Executor):
                     except subprocess.TimeoutExpired:
                         pass
         finally:
-            self._kill()
+            self._kill_ranks()
             if self._heartbeat is not None:
                 self._heartbeat.stop()
             self._calls.close()

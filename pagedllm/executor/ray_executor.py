@@ -15,8 +15,7 @@ import logging
 import time
 
 from pagedllm.config import EngineConfig
-from pagedllm.errors import ExecutorDeadError
-from pagedllm.executor.abstract import Executor
+from pagedllm.executor.ranked import RankedExecutor
 from pagedllm.messages import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger("pagedllm")
@@ -54,11 +53,11 @@ class RayWorkerWrapper:
         return out if self.rank == 0 else sampled_digest(out.sampled_token_ids)
 
 
-class RayDistributedExecutor(Executor):
+class RayDistributedExecutor(RankedExecutor):
     """Raises ImportError naming the extra when Ray is missing; what a rank raised while
     starting (as its type); ``ExecutorDeadError`` when an actor dies."""
 
-    MISMATCH_WAIT_S = 2.0
+    backend = "ray"
 
     def __init__(self, config: EngineConfig):
         try:
@@ -73,7 +72,6 @@ class RayDistributedExecutor(Executor):
         if self._owns_ray:
             ray.init(ignore_reinit_error=True, include_dashboard=False, log_to_driver=False,
                      logging_level=logging.WARNING)
-        self._dead: str | None = None
         self._pg = None
         self.workers = []
         try:
@@ -97,8 +95,8 @@ class RayDistributedExecutor(Executor):
         logger.info("tensor parallel: %d Ray actors, torch.distributed %s", self.world_size, init_method)
 
     def _gather(self, refs: list) -> list:
-        """Every rank's result in rank order. Raises the ranks' error when all raised it;
-        ``ExecutorDeadError`` when an actor died or only some ranks raised."""
+        """Every rank's result in rank order (``_verdict`` on the errors);
+        ``ExecutorDeadError`` when an actor died."""
         ray = self._ray
         results: dict[int, object] = {}
         errors: dict[int, BaseException] = {}
@@ -117,48 +115,19 @@ class RayDistributedExecutor(Executor):
                     deadline = deadline or time.monotonic() + self.MISMATCH_WAIT_S
             if errors and pending and time.monotonic() > deadline:
                 break
-        if errors:
-            if len(errors) < self.world_size:
-                first = next(iter(errors.values()))
-                self._fail(f"tensor-parallel ranks out of step: {type(first).__name__}: {first} on ranks "
-                           f"{sorted(errors)} only")
-            raise errors[0]
+        self._verdict(errors, sorted(index[r] for r in pending))
         return [results[i] for i in range(len(refs))]
 
-    def _fail(self, reason: str) -> None:
-        self._dead = reason
+    def _kill_ranks(self) -> None:
         for w in self.workers:
             self._ray.kill(w)
-        raise ExecutorDeadError(reason)
 
-    def _call(self, method: str, *args) -> list:
-        if self._dead:
-            raise ExecutorDeadError(self._dead)
+    def _call_ranks(self, method: str, *args) -> list:
         return self._gather([w.call.remote(method, *args) for w in self.workers])
 
-    def kv_bytes_per_block(self) -> int:
-        return self._call("kv_bytes_per_block")[0]
-
-    def determine_num_kv_blocks(self) -> int:
-        return min(self._call("determine_num_kv_blocks"))
-
-    def initialize_kv_cache(self, num_blocks: int) -> None:
-        self._call("initialize_kv_cache", num_blocks)
-
-    def describe_compute_path(self) -> str:
-        return f"{self._call('describe_compute_path')[0]}, tensor parallel {self.world_size} ranks (ray)"
-
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        from pagedllm.worker.worker_proc import sampled_digest
-
-        if self._dead:
-            raise ExecutorDeadError(self._dead)
+    def _step_ranks(self, scheduler_output: SchedulerOutput) -> tuple[ModelRunnerOutput, list[int]]:
         outs = self._gather([w.execute_model.remote(scheduler_output) for w in self.workers])
-        digest = sampled_digest(outs[0].sampled_token_ids)
-        differ = [r for r in range(1, self.world_size) if outs[r] != digest]
-        if differ:
-            self._fail(f"tensor-parallel ranks {differ} sampled other tokens than rank 0")
-        return outs[0]
+        return outs[0], outs[1:]
 
     def shutdown(self) -> None:
         """Kill the actors, remove the placement group, stop a Ray started here; idempotent."""

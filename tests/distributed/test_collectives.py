@@ -4,19 +4,13 @@ collectives computed by hand, in float32 and bfloat16."""
 from __future__ import annotations
 
 import platform
-import socket
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
 from pagedllm import distributed as pd
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from pagedllm.executor.multiproc_executor import free_port
 
 
 def test_one_rank_is_the_identity_without_torch_distributed():
@@ -73,7 +67,7 @@ def test_collectives_on_two_processes_match_torch_distributed():
     ctx = mp.get_context("spawn")
     with ctx.Manager() as manager:
         results = manager.dict()
-        port = _free_port()
+        port = free_port()
         procs = [ctx.Process(target=_worker, args=(r, 2, port, results)) for r in range(2)]
         for p in procs:
             p.start()
