@@ -101,7 +101,7 @@ def test_served_replicas_keep_prefixes_and_outlive_one_dead_engine(tiny_model_di
         second = httpx.post(url, json={**body, "prompt": prefix + [9, 9]}, timeout=60).json()
         assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
         assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= 64
-        # four long streams, two per engine; engine 1 killed while they run
+        # four long streams over both engines (as the load score places them); engine 1 killed while they run
         results: list = [None] * 4
 
         def stream(k: int) -> None:
@@ -120,13 +120,15 @@ def test_served_replicas_keep_prefixes_and_outlive_one_dead_engine(tiny_model_di
         while sum(s.num_running for s in (e.get_scheduler_stats() for e in client.engines)) < 4:
             assert time.monotonic() < deadline
             time.sleep(0.05)
+        on_engine_1 = client.engines[1].get_scheduler_stats().num_running
+        assert 1 <= on_engine_1 <= 3
         os.kill(client.engines[1].pid, signal.SIGKILL)
         t0 = time.monotonic()
         for t in threads:
             t.join(60)
         errored = [ev for ev in results if "error" in ev[-1]]
         finished = [ev for ev in results if ev[-1].get("choices", [{}])[0].get("finish_reason") == "length"]
-        assert len(errored) == 2 and len(finished) == 2, [ev[-1] for ev in results]
+        assert (len(errored), len(finished)) == (on_engine_1, 4 - on_engine_1), [ev[-1] for ev in results]
         assert time.monotonic() - t0 < 60
         health = httpx.get(f"{srv.url}/health", timeout=10)
         assert health.status_code == 200
