@@ -219,6 +219,7 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     kv_cache_dtype: str = "auto"
     attention_backend: str = "auto"
+    enforce_eager: bool = False
     quantization: str | None = None
     speculative_config: str | dict | None = None
     seed: int = 0
@@ -272,6 +273,8 @@ class EngineArgs:
                                  "(per-layer k/v scales from the checkpoint, else 1.0)")
         parser.add_argument("--attention-backend", default=d.attention_backend,
                             help="auto, cpu_kernel or torch")
+        parser.add_argument("--enforce-eager", action="store_true",
+                            help="run every step eagerly: no CUDA graphs (CUDA only; the CPU never captures)")
         parser.add_argument("--quantization", "-q", default=None,
                             help="int8 (W8A8), gguf (keep a GGUF's Q8_0/Q4_0/Q4_1 blocks packed), "
                                  "q8_0, q4_0, q4_1 (quantize float weights at load); default: none")
