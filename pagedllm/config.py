@@ -82,7 +82,7 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype, device
         raise InvalidParameterError(
             "kv_cache_dtype", f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {kv_cache_dtype!r}")
     dtype = KV_CACHE_DTYPES[kv_cache_dtype] or model_dtype
-    from pagedllm.attention.backend import attention_backend_class
+    from pagedllm.attention.registry import attention_backend_class
 
     try:
         backend = attention_backend_class(attention_backend, device)
@@ -390,7 +390,7 @@ class EngineArgs:
             parse_size(self.kv_cache_memory)
         except ValueError as e:
             raise InvalidParameterError("kv_cache_memory", f"kv_cache_memory: {e}") from None
-        from pagedllm.attention.backend import attention_backend_class
+        from pagedllm.attention.registry import attention_backend_class
 
         try:
             attention_backend_class(self.attention_backend)

@@ -42,10 +42,13 @@ class CommonAttentionMetadata:
 
 
 def build_common_metadata(context_lens: np.ndarray, query_lens: np.ndarray, block_table: np.ndarray,
-                          block_size: int, device: torch.device) -> tuple[CommonAttentionMetadata, np.ndarray, np.ndarray]:
+                          block_size: int, device: torch.device,
+                          buffers: Any = None) -> tuple[CommonAttentionMetadata, np.ndarray, np.ndarray]:
     """Describe one batch (decodes first) from context_lens, query_lens (int64 [B]) and
     block_table int32 [B, max_blocks]. Returns (metadata, positions int64 [T], request index
-    of each token int64 [T])."""
+    of each token int64 [T]). ``buffers``: the runner's persistent ``InputBuffers``; when the
+    step fits, the device tensors are views of their heads (valid until the next step),
+    else fresh tensors."""
     B = len(query_lens)
     qsl = np.zeros(B + 1, dtype=np.int64)
     np.cumsum(query_lens, out=qsl[1:])
@@ -54,26 +57,40 @@ def build_common_metadata(context_lens: np.ndarray, query_lens: np.ndarray, bloc
     req_of_tok = np.repeat(np.arange(B), query_lens)
     pos = context_lens[req_of_tok] + (np.arange(T) - qsl[:-1][req_of_tok])
     slot_mapping = block_table[req_of_tok, pos // block_size].astype(np.int64) * block_size + pos % block_size
-    to = (lambda a: torch.from_numpy(a)) if device.type == "cpu" else (
-        lambda a: torch.from_numpy(a).to(device, non_blocking=True))
+    if buffers is not None and buffers.fits(T, B, block_table.shape[1]):
+        to = buffers.stage
+    elif device.type == "cpu":
+        to = lambda name, a: torch.from_numpy(a)  # noqa: E731
+    else:
+        to = lambda name, a: torch.from_numpy(a).to(device, non_blocking=True)  # noqa: E731
     common = CommonAttentionMetadata(
         num_reqs=B, num_tokens=T, num_decodes=int((query_lens == 1).sum()),
-        query_start_loc=to(qsl.astype(np.int32)), seq_lens=to(seq_lens.astype(np.int32)),
-        context_lens=to(context_lens.astype(np.int32)), block_table=to(block_table),
-        slot_mapping=to(slot_mapping), block_size=block_size,
+        query_start_loc=to("query_start_loc", qsl.astype(np.int32)),
+        seq_lens=to("seq_lens", seq_lens.astype(np.int32)),
+        context_lens=to("context_lens", context_lens.astype(np.int32)),
+        block_table=to("block_table", block_table), slot_mapping=to("slot_mapping", slot_mapping),
+        block_size=block_size,
         query_start_loc_np=qsl, seq_lens_np=seq_lens, context_lens_np=context_lens,
         block_table_np=block_table)
     return common, pos, req_of_tok
 
 
 class AttentionBackend(ABC):
-    """Interface every attention implementation provides. ``name``: the
-    ``--attention-backend`` name; ``kv_cache_dtypes``: cache dtypes it supports; ``kernels``:
-    its compiled C++ module (for a fused caller), or None."""
+    """Interface every attention implementation provides, and what it needs from its callers.
+
+    ``name``: the ``--attention-backend`` name (``attention/registry.py``); ``kv_cache_dtypes``:
+    cache dtypes it supports; ``kernels``: its compiled C++ module (for a fused caller), or
+    None; ``contiguous_v``: ``forward`` wants v contiguous (the layer copies a strided v once);
+    ``cudagraph_support``: its decode ``forward`` reads only device tensors that the runner's
+    persistent buffers hold, so a step may be captured and replayed (``worker/cuda_graph.py``);
+    ``why``: how it was chosen (set by ``get_attention_backend``)."""
 
     name: str = "abstract"
     kv_cache_dtypes: tuple[torch.dtype, ...] = ()
     kernels: Any = None
+    contiguous_v: bool = True
+    cudagraph_support: bool = False
+    why: str = ""
 
     def __init__(self, device: torch.device | None = None, dtype: torch.dtype = torch.float32,
                  kv_cache_dtype: torch.dtype | None = None):
@@ -112,34 +129,3 @@ class AttentionBackend(ABC):
         """Write K/V at the slot mapping, then attend. q [T, num_heads, head_dim], k, v
         [T, num_kv_heads, head_dim] (model dtype); the cache holds k / k_scale, v / v_scale.
         Returns [T, num_heads * head_dim]."""
-
-
-_BACKENDS: dict[str, type[AttentionBackend]] = {}
-
-
-def register_backend(cls: type[AttentionBackend]) -> type[AttentionBackend]:
-    _BACKENDS[cls.name] = cls
-    return cls
-
-
-def attention_backend_class(name: str = "auto", device: torch.device | None = None) -> type[AttentionBackend]:
-    """The backend class ``name``; "auto": ``cpu_kernel`` on the CPU, else ``torch``.
-    Raises ValueError for an unknown name (the known ones listed)."""
-    from pagedllm.attention import cpu_backend, torch_backend  # noqa: F401  (register themselves)
-
-    if name == "auto":
-        name = "cpu_kernel" if (device is None or torch.device(device).type == "cpu") else "torch"
-    if name not in _BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r}; available: {sorted(_BACKENDS)}")
-    return _BACKENDS[name]
-
-
-def get_attention_backend(name: str = "auto", device: torch.device | None = None,
-                          dtype: torch.dtype = torch.float32,
-                          kv_cache_dtype: torch.dtype | None = None) -> AttentionBackend:
-    """Instantiate backend ``name`` for ``dtype`` with a ``kv_cache_dtype`` cache (None: dtype).
-    Raises ValueError for an unknown name or an unsupported ``kv_cache_dtype``."""
-    cls = attention_backend_class(name, device)
-    if kv_cache_dtype is not None and kv_cache_dtype not in cls.kv_cache_dtypes:
-        raise ValueError(f"kv_cache_dtype {kv_cache_dtype} is not supported by the {cls.name!r} attention backend")
-    return cls(device=device, dtype=dtype, kv_cache_dtype=kv_cache_dtype)

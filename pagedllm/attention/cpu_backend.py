@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from pagedllm import envs
-from pagedllm.attention.backend import CommonAttentionMetadata, register_backend
+from pagedllm.attention.backend import CommonAttentionMetadata
 from pagedllm.attention.torch_backend import TorchAttentionBackend
 from pagedllm.kernels.cpu import KERNEL_DTYPES, KV_CACHE_KERNEL_DTYPES, kernels_for, trace
 
@@ -31,11 +31,15 @@ class CpuAttentionMetadata:
     sliding_window: int = 0
 
 
-@register_backend
 class CpuKernelAttentionBackend(TorchAttentionBackend):
     """The C++ paged-attention kernel where it applies, else the torch backend's ops."""
 
     name = "cpu_kernel"
+
+    @property
+    def contiguous_v(self) -> bool:
+        """The C++ K/V write reads strided rows in place; the torch ops read a contiguous v faster."""
+        return self.kernels is None
 
     def __init__(self, device: torch.device | None = None, dtype: torch.dtype = torch.float32,
                  kv_cache_dtype: torch.dtype | None = None):

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from pagedllm.attention.backend import FP8_DTYPES, AttentionBackend, CommonAttentionMetadata, register_backend
+from pagedllm.attention.backend import FP8_DTYPES, AttentionBackend, CommonAttentionMetadata
 
 
 def quantize_kv(x: torch.Tensor, cache_dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
@@ -64,7 +64,6 @@ class TorchAttentionMetadata:
     prefills: list[_PrefillItem]
 
 
-@register_backend
 class TorchAttentionBackend(AttentionBackend):
     """Attention in torch ops on any device; K/V caches in any of ``kv_cache_dtypes``."""
 

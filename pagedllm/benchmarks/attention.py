@@ -57,7 +57,7 @@ class _Case:
     def __init__(self, kv_cache_dtype: str, model_dtype: torch.dtype, num_requests: int, context_len: int,
                  num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, cache_layers: int,
                  backend: str, seed: int, contiguous: bool = False):
-        from pagedllm.attention.backend import get_attention_backend
+        from pagedllm.attention.registry import get_attention_backend
         from pagedllm.attention.torch_backend import quantize_kv
         from pagedllm.config import resolve_kv_cache_dtype
 

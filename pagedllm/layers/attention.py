@@ -13,7 +13,6 @@ from torch import nn
 
 from pagedllm.attention.backend import FP8_DTYPES
 from pagedllm.forward_context import get_forward_context
-from pagedllm.layers.utils import cpu_kernels_for
 
 if TYPE_CHECKING:
     from pagedllm.attention.backend import AttentionBackend
@@ -35,9 +34,7 @@ class Attention(nn.Module):
         self.kv_cache: Any = None
         self.k_scale = self.v_scale = 1.0
         self._scales = (1.0, 1.0)   # what the backend applies (bind_kv_cache)
-        # The C++ K/V write reads strided rows in place; the torch ops get a contiguous v
-        # (one copy per layer, which their index_copy_ and SDPA read faster).
-        self._contiguous_v = cpu_kernels_for(device, dtype) is None
+        self._contiguous_v = False  # the backend's ``contiguous_v`` (bind_kv_cache)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Write k, v into the cache at the step's slots, then attend. q [T, num_heads, head_dim],
@@ -52,17 +49,10 @@ class Attention(nn.Module):
             v = v.contiguous()
         return self.backend.forward(q, k, v, self.kv_cache, md, self.scale, *self._scales)
 
-    def kernel_module(self):
-        """The backend's compiled kernel module when bound to a cache, else None."""
-        if self.backend is None or self.kv_cache is None:
-            return None
-        return self.backend.kernels
-
-    def kernel_metadata(self) -> Any | None:
-        """The step's metadata when the kernels read it as it is (backend's ``kernel_metadata``), else None."""
-        if self.kernel_module() is None:
-            return None
-        return self.backend.kernel_metadata(get_forward_context().attn_metadata)
+    @property
+    def kv_scales(self) -> tuple[float, float]:
+        """(k_scale, v_scale) the backend applies: the checkpoint's with an fp8 cache, else 1.0."""
+        return self._scales
 
     def set_kv_scale(self, which: str, value: torch.Tensor, name: str) -> None:
         """Set ``k_scale`` or ``v_scale`` (``which``) from the one-element checkpoint tensor ``name``.
@@ -107,13 +97,14 @@ def bind_kv_cache(model: nn.Module, kv_cache: torch.Tensor, backend: AttentionBa
             m.backend, m.kv_cache = backend, backend.layer_cache(kv_cache, slot)
             m.attn_group = 0 if attn_group is None else attn_group[m.layer_idx]
             m._scales = (m.k_scale, m.v_scale) if fp8 else (1.0, 1.0)
+            m._contiguous_v = backend.contiguous_v
 
 
 def unbind_kv_cache(model: nn.Module) -> None:
     """Undo ``bind_kv_cache``: every ``Attention`` layer holds no cache or backend."""
     for m in model.modules():
         if isinstance(m, Attention):
-            m.backend, m.kv_cache, m.attn_group, m._scales = None, None, 0, (1.0, 1.0)
+            m.backend, m.kv_cache, m.attn_group, m._scales, m._contiguous_v = None, None, 0, (1.0, 1.0), False
 
 
 def describe_kv_scales(model: nn.Module) -> str:

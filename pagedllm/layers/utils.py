@@ -14,13 +14,14 @@ def cpu_kernels_for(device: torch.device | str, dtype: torch.dtype):
     return kernels_for(device, dtype)
 
 
-def describe_compute_path(model: nn.Module) -> str:
+def describe_compute_path(model: nn.Module, extra: list[tuple[str, str]] = ()) -> str:
     """The implementation each layer kind picked (from each module's ``compute_path`` =
     (kind, implementation[, name])), for the start-up log, e.g.
-    ``"linear oneDNN-packed (qkv_proj o_proj), rms_norm C++, rotary C++"``."""
+    ``"linear oneDNN-packed (qkv_proj o_proj), rms_norm C++, rotary C++"``; ``extra``: more
+    such tuples (the runner's decoder path)."""
     kinds: dict[str, dict[str, list[str]]] = {}
-    for m in model.modules():
-        path = getattr(m, "compute_path", None)
+    paths = [getattr(m, "compute_path", None) for m in model.modules()] + list(extra)
+    for path in paths:
         if path is not None:
             names = kinds.setdefault(path[0], {}).setdefault(path[1], [])
             if len(path) > 2 and path[2] not in names:

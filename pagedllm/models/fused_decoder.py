@@ -1,6 +1,8 @@
 """A Llama-family decoder stack as one C++ call a step (``kernels/csrc/decoder_stack.cpp``)
-when every layer runs C++ kernels; outputs bitwise the per-layer path's. Off with
-``PAGEDLLM_FUSED_DECODER=0``. Why: docs/notes/models.md."""
+when every layer runs C++ kernels; outputs bitwise the per-layer path's. The runner calls it
+through its compiled-step hook (``worker/cpu_fused_step.py``, the CPU twin of a CUDA graph),
+passing the attention backend's kernels and metadata. Off with ``PAGEDLLM_FUSED_DECODER=0``.
+Why: docs/notes/models.md."""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -14,7 +16,7 @@ from pagedllm.layers.layernorm import residual_stream
 
 class FusedDecoder:
     """Builds (once a KV cache is bound) and runs the C++ stack over layers offering
-    ``fused_operands()``; ``reason``: why it is not used (None when it is)."""
+    ``fused_operands(kernels)``; ``reason``: why it is not used (None when it is)."""
 
     def __init__(self):
         self._stack = None
@@ -25,12 +27,15 @@ class FusedDecoder:
         """Forget the stack (weights or caches changed)."""
         self._stack, self._cache_key, self.reason = None, None, "not built yet"
 
-    def _build(self, layers: Sequence[nn.Module]) -> None:
+    def _build(self, layers: Sequence[nn.Module], kernels) -> None:
         self._stack = None
         if not envs.fused_decoder_enabled():
             self.reason = "PAGEDLLM_FUSED_DECODER=0"
             return
-        ops = [layer.fused_operands() if hasattr(layer, "fused_operands") else
+        if kernels is None:
+            self.reason = "attention not on the C++ kernels"
+            return
+        ops = [layer.fused_operands(kernels) if hasattr(layer, "fused_operands") else
                f"{type(layer).__name__} has no fused form" for layer in layers]
         why = next((o for o in ops if isinstance(o, str)), None)
         if why is not None:
@@ -47,27 +52,26 @@ class FusedDecoder:
             stack.add_layer(**o)
         self._stack, self.reason = stack, None
 
-    def prepare(self, layers: Sequence[nn.Module]) -> bool:
-        """Rebuild for ``layers`` if their KV cache changed; False while no KV cache is bound."""
-        key = layers[0].self_attn.attn.kv_cache
-        if key is not self._cache_key:
+    def prepare(self, layers: Sequence[nn.Module], kernels) -> str | None:
+        """Rebuild for ``layers`` and the C++ module ``kernels`` (None: the attention backend has
+        none) if either or the KV cache changed. Returns ``reason`` (None: the stack applies)."""
+        key = (layers[0].self_attn.attn.kv_cache, kernels)
+        if key[0] is None:
+            self._stack, self._cache_key, self.reason = None, None, "no KV cache bound"
+        elif self._cache_key is None or any(a is not b for a, b in zip(key, self._cache_key)):
             self._cache_key = key
-            self._build(layers)
-        return key is not None
+            self._build(layers, kernels)
+        return self.reason
 
-    def __call__(self, layers: Sequence[nn.Module], x: torch.Tensor,
-                 positions: torch.Tensor) -> torch.Tensor | None:
+    def __call__(self, layers: Sequence[nn.Module], x: torch.Tensor, positions: torch.Tensor,
+                 md) -> torch.Tensor:
         """Run every layer on ``x`` (contiguous [T, hidden]; a float32 ``x`` is overwritten) at
-        ``positions`` (int64 [T]). Returns float32 [T, hidden] before the final norm, or None when
-        the stack does not apply (``x`` untouched; ``reason`` says why)."""
-        self.prepare(layers)
+        ``positions`` (int64 [T]) with the kernels' attention metadata ``md`` (the backend's
+        ``kernel_metadata``). Returns float32 [T, hidden] before the final norm. Raises
+        RuntimeError unless ``prepare`` returned None."""
         if self._stack is None:
-            return None
+            raise RuntimeError(f"the fused decoder stack does not apply: {self.reason}")
         first = layers[0]
-        md = first.self_attn.attn.kernel_metadata()
-        if md is None:   # several KV-cache groups, or the backend fell back to torch ops
-            self.reason = "attention metadata other than one cpu_kernel group"
-            return None
         h = first.input_layernorm(x)
         cos, sin = first.self_attn.rotary_emb.tables(positions)
         out, residual = self._stack.forward(h, residual_stream(x), cos, sin, md.slot_mapping, md.block_table,

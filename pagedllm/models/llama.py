@@ -127,17 +127,17 @@ class LlamaDecoderLayer(nn.Module):
         h, residual = self.post_attention_layernorm(self.self_attn(positions, h), residual)
         return self.mlp(h), residual
 
-    def fused_operands(self) -> dict | str:
-        """``DecoderStack.add_layer``'s arguments plus ``kernels`` and ``shape`` for ``FusedDecoder``,
-        or a string saying why this layer cannot run in C++."""
+    def fused_operands(self, kernels) -> dict | str:
+        """``DecoderStack.add_layer``'s arguments plus ``kernels`` (the attention backend's C++
+        module, given) and ``shape`` for ``FusedDecoder``, or a string saying why this layer
+        cannot run in C++."""
         at, mlp = self.self_attn, self.mlp
         if (type(self).forward is not LlamaDecoderLayer.forward or type(at) is not LlamaAttention
                 or type(mlp) is not LlamaMLP or at.q_norm is not None):
             return "not the plain Llama layer (q/k norms, another MLP or forward)"
         if at.o_proj.tp_size > 1:
             return f"tensor parallel (tp={at.o_proj.tp_size}): the C++ stack has no all-reduce"
-        kernels = at.attn.kernel_module()
-        if kernels is None:
+        if kernels is None or at.attn.kv_cache is None:
             return "attention not on the C++ kernels"
         for part in (self.input_layernorm, self.post_attention_layernorm, at.rotary_emb, mlp.act_fn):
             if getattr(part, "_kernels", None) is None or (isinstance(part, RMSNorm)
@@ -149,7 +149,7 @@ class LlamaDecoderLayer(nn.Module):
             ops[name] = lin.linear_method.stack_linear(lin, kernels)
             if ops[name] is None:
                 return f"linear {lin.linear_method.layer_name(lin)} has no C++ stack form"
-        k_scale, v_scale = at.attn._scales
+        k_scale, v_scale = at.attn.kv_scales
         key_cache, value_cache = at.attn.kv_cache[0], at.attn.kv_cache[1]
         return dict(ops, input_norm=self.input_layernorm.weight.data,
                     post_norm=self.post_attention_layernorm.weight.data,
@@ -175,19 +175,16 @@ class LlamaModel(nn.Module):
         # every layer in one C++ call when they allow it (models/fused_decoder.py)
         self.fused_decoder = FusedDecoder()
 
-    @property
-    def compute_path(self) -> tuple[str, str] | None:
-        """("decoder", fused or per-layer) for ``describe_compute_path``; None before a KV cache is bound."""
-        f = self.fused_decoder
-        if not f.prepare(self.layers):
-            return None
-        return ("decoder", "one C++ stack call a step" if f.reason is None else f"per-layer ({f.reason})")
+    def prepare_fused(self, kernels) -> str | None:
+        """Build the fused stack over the C++ module ``kernels``; None when it applies, else why not."""
+        return self.fused_decoder.prepare(self.layers, kernels)
+
+    def forward_fused(self, input_ids: torch.Tensor, positions: torch.Tensor, kernel_md) -> torch.Tensor:
+        """``forward`` as one C++ stack call (after ``prepare_fused`` returned None); bitwise equal."""
+        return self.fused_decoder(self.layers, self.embed_tokens(input_ids), positions, kernel_md)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
-        out = self.fused_decoder(self.layers, x, positions)
-        if out is not None:
-            return out
         residual = None
         for layer in self.layers:
             x, residual = layer(positions, x, residual)
@@ -220,6 +217,17 @@ class LlamaForCausalLM(nn.Module):
         """All layers over the flattened batch: ``input_ids``, ``positions`` int64 [T] → hidden
         states before the final norm, float32 [T, hidden]."""
         return self.model(input_ids, positions)
+
+    def prepare_fused(self, kernels) -> str | None:
+        """The decoder stack as one C++ call (``models/fused_decoder.py``): None when it applies
+        over the C++ module ``kernels``, else why not."""
+        prepare = getattr(self.model, "prepare_fused", None)
+        return f"{type(self.model).__name__} has no fused form" if prepare is None else prepare(kernels)
+
+    @torch.inference_mode()
+    def forward_fused(self, input_ids: torch.Tensor, positions: torch.Tensor, kernel_md) -> torch.Tensor:
+        """``forward`` through the fused stack (after ``prepare_fused`` returned None)."""
+        return self.model.forward_fused(input_ids, positions, kernel_md)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

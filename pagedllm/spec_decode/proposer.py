@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from pagedllm.attention.backend import build_common_metadata, get_attention_backend
+from pagedllm.attention.backend import build_common_metadata
+from pagedllm.attention.registry import get_attention_backend
 from pagedllm.config import EngineConfig
 from pagedllm.forward_context import set_forward_context
 

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from pagedllm.attention.backend import FP8_DTYPES, build_common_metadata, get_attention_backend
+from pagedllm.attention.backend import FP8_DTYPES, build_common_metadata
+from pagedllm.attention.registry import get_attention_backend
 from pagedllm.config import EngineConfig
 from pagedllm.distributed import get_tp_size
 from pagedllm.forward_context import set_forward_context
@@ -31,7 +32,9 @@ from pagedllm.sampling_params import is_greedy
 from pagedllm.spec_decode.adaptive import AdaptiveDraftLength
 from pagedllm.structured_output import apply_token_bitmask, unpack_bitmask
 from pagedllm.utils import cdiv
+from pagedllm.worker.compiled_step import CompiledStep, make_compiled_step
 from pagedllm.worker.input_batch import CachedRequestState, InputBatch
+from pagedllm.worker.input_buffers import InputBuffers
 from pagedllm.worker.prefill import calibrate_smoothquant
 
 logger = logging.getLogger("pagedllm")
@@ -104,6 +107,8 @@ class ModelRunner:
         self.requests: dict[str, CachedRequestState] = {}
         self._prompt_lp_sent: dict[str, int] = {}   # prompt positions whose logprobs were sent
         self.input_batch: InputBatch | None = None   # made with the KV cache
+        self.input_buffers: InputBuffers | None = None   # the step's device inputs, made with the KV cache
+        self.compiled_step: CompiledStep | None = None   # CUDA graphs or the CPU's fused stack
 
     def describe_compute_path(self) -> str:
         """One start-up log line: attention backend, kernels, linear implementation."""
@@ -111,16 +116,20 @@ class ModelRunner:
         spec = f", speculative decoding: {self.proposer.describe()}" if self.proposer is not None else ""
         attn = self.attn.describe(self.config.arch.head_dim, self.block_size,
                                   list(self.kv_cache_config.layer_windows))
-        return f"attention backend {attn}{scales}, {describe_compute_path(self.model)}{spec}"
+        why = f" [{self.attn.why}]" if self.attn.why else ""
+        extra = [self.compiled_step.compute_path()] if self.compiled_step is not None else []
+        return f"attention backend {attn}{why}{scales}, {describe_compute_path(self.model, extra)}{spec}"
 
     def describe_decoder(self) -> str | None:
-        """How the decoder layers run once the KV cache is bound (``models/fused_decoder.py``),
-        or None for a model without that choice."""
-        for m in self.model.modules():
-            path = getattr(m, "compute_path", None)
-            if path is not None and path[0] == "decoder":
-                return path[1]
-        return None
+        """How the decoder layers run once the KV cache is bound (the compiled step's
+        ``compute_path``: CUDA graphs, the CPU's fused stack, or per-layer and why), or None."""
+        return self.compiled_step.compute_path()[1] if self.compiled_step is not None else None
+
+    def metadata_for_graph(self, common):
+        """The attention metadata a captured step reads: one object, or one per attention group."""
+        if len(self.attn_groups) == 1:
+            return self.attn.build_metadata(common, self.attn_groups[0][1])
+        return [self.attn.build_metadata(common, window) for _, window in self.attn_groups]
 
     def kv_bytes_per_block(self) -> int:
         """Bytes of K and V for one block id across ``layers_per_block`` layers (plus the
@@ -144,6 +153,13 @@ class ModelRunner:
         bind_kv_cache(self.model, self.kv_cache, self.attn, self.layer_cache_slot, self.layer_attn_group)
         if self.proposer is not None:
             self.proposer.initialize_kv_cache(num_blocks, self.block_size)
+        args = self.config.args
+        self.input_buffers = InputBuffers(max(args.max_num_batched_tokens, args.max_num_seqs), args.max_num_seqs,
+                                          cdiv(max_len, self.block_size), self.device)
+        self.compiled_step = make_compiled_step(self)
+        capture = getattr(self.compiled_step, "capture", None)
+        if capture is not None:
+            capture()   # the worker logs how long it took and what it holds
 
     # ------------------------------------------------------------------------------
     def _update_states(self, so: SchedulerOutput) -> None:
@@ -292,16 +308,20 @@ class ModelRunner:
                     num_draft[i] = len(d)
         ctx = b.num_computed_tokens[rows]
         max_blocks = int(b.num_blocks[rows].max())
+        buffers = self.input_buffers
         common, pos, req_of_tok = build_common_metadata(ctx, q_lens, b.block_tables[0, rows, :max_blocks],
-                                                        self.block_size, self.device)
+                                                        self.block_size, self.device, buffers)
         ids = b.token_ids[rows[req_of_tok], pos].astype(np.int64)
-        dev = self.device
-        to = (lambda a: torch.from_numpy(a)) if dev.type == "cpu" else (
-            lambda a: torch.from_numpy(a).to(dev, non_blocking=True))
+        if buffers.fits(len(ids), B, max_blocks):
+            ids_t, pos_t = buffers.stage("input_ids", ids), buffers.stage("positions", pos)
+        else:
+            ids_t, pos_t = torch.from_numpy(ids).to(self.device), torch.from_numpy(pos).to(self.device)
         t_start = time.perf_counter()
         attn_md = self._attention_metadata(common, ctx, q_lens, rows, max_blocks)
         with set_forward_context(attn_md):
-            hidden = self.model(to(ids), to(pos))
+            hidden = self.compiled_step.run(ids_t, pos_t, common, attn_md) if self.compiled_step else None
+            if hidden is None:
+                hidden = self.model(ids_t, pos_t)
 
         qsl = common.query_start_loc_np
         sample_idx = np.flatnonzero(common.seq_lens_np >= b.num_tokens[rows])

@@ -17,7 +17,8 @@ def prefill_logits(model: torch.nn.Module, arch, ids: list[int], dtype: torch.dt
     Raises:
         ValueError: ``ids`` is empty.
     """
-    from pagedllm.attention.backend import CommonAttentionMetadata, get_attention_backend
+    from pagedllm.attention.backend import CommonAttentionMetadata
+    from pagedllm.attention.registry import get_attention_backend
     from pagedllm.forward_context import set_forward_context
     from pagedllm.layers import bind_kv_cache, unbind_kv_cache
 

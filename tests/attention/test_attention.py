@@ -6,7 +6,7 @@ import pytest
 import torch
 from attention_helpers import _batch, _naive, _one_request
 
-from pagedllm.attention.backend import get_attention_backend
+from pagedllm.attention.registry import get_attention_backend
 
 
 # Tolerances against the float32 reference: float32 to rounding; bfloat16 inputs are the

@@ -18,7 +18,8 @@ import pytest
 import torch
 from attention_helpers import _batch, _naive
 
-from pagedllm.attention.backend import CommonAttentionMetadata, get_attention_backend
+from pagedllm.attention.backend import CommonAttentionMetadata
+from pagedllm.attention.registry import get_attention_backend
 from pagedllm.attention.torch_backend import dequantize_kv, quantize_kv, write_kv
 from pagedllm.benchmarks.accuracy import greedy_agreement
 from pagedllm.kernels.cpu import load_cpu_kernels

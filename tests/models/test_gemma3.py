@@ -22,7 +22,8 @@ import torch
 
 from engine_helpers import assert_greedy_invariant, engine_core, engine_leaks, greedy, random_prompts
 from model_helpers import load_hf
-from pagedllm.attention.backend import build_common_metadata, get_attention_backend
+from pagedllm.attention.backend import build_common_metadata
+from pagedllm.attention.registry import get_attention_backend
 from pagedllm.kv_cache_interface import make_kv_cache_config
 from pagedllm.platform import has_native_bf16
 
