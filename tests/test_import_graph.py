@@ -146,11 +146,12 @@ def _runtime_imports(path: pathlib.Path) -> set[str]:
     return {m for m in out if m.startswith("pagedllm.") and m != mod}
 
 
-def test_models_modules_form_no_cycle():
-    """registry (what each architecture is) sits below arch_config and loader (which ask
-    it); build_model lives in loader, so no module of models/ imports one that imports it
-    back, even from inside a function."""
-    graph = {_module_name(p): _runtime_imports(p) for p in (ROOT / "models").glob("*.py")}
+@pytest.mark.parametrize("package", ["models", "attention"])
+def test_package_modules_form_no_cycle(package):
+    """No module of models/ or attention/ imports one that imports it back, even from inside a
+    function: models/registry (what each architecture is) sits below arch_config and loader,
+    which ask it; attention/registry names the backends, which know only attention/backend."""
+    graph = {_module_name(p): _runtime_imports(p) for p in (ROOT / package).glob("*.py")}
     graph = {m: {d for d in deps if d in graph} for m, deps in graph.items()}
     cycles = []
 
@@ -162,7 +163,7 @@ def test_models_modules_form_no_cycle():
             visit(d, stack + [m])
     for m in sorted(graph):
         visit(m, [])
-    assert not cycles, "import cycles in models/:\n" + "\n".join(sorted(set(cycles)))
+    assert not cycles, f"import cycles in {package}/:\n" + "\n".join(sorted(set(cycles)))
 
 
 def test_tool_calls_stay_pure():
