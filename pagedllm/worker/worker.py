@@ -35,14 +35,18 @@ class Worker:
         return self.model_runner.kv_bytes_per_block()
 
     def determine_num_kv_blocks(self) -> int:
-        """KV blocks the memory budget allows (``kv_cache_memory`` on CPU; on CUDA
-        ``gpu_memory_utilization`` minus memory in use); may be <= 0."""
+        """KV blocks the memory budget allows (``kv_cache_memory`` on CPU; on CUDA what
+        ``gpu_memory_utilization`` leaves after weights, a profiling step's activation peak
+        and memory outside torch: ``worker/memory_profile.py``); may be <= 0."""
         args = self.config.args
         per_block = self.kv_bytes_per_block()
         if self.config.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.config.device)
-            budget = total * args.gpu_memory_utilization - (total - free)
-            return int(budget // per_block)
+            from pagedllm.worker.memory_profile import profile_cuda_memory
+
+            profile = profile_cuda_memory(self.model_runner)
+            logger.info("GPU memory: %s (a profiling step of %d tokens)",
+                        profile.describe(args.gpu_memory_utilization), args.max_num_batched_tokens)
+            return profile.kv_cache_budget(args.gpu_memory_utilization) // per_block
         return parse_size(args.kv_cache_memory) // per_block
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
