@@ -272,7 +272,7 @@ class EngineArgs:
                             help="KV cache element type: auto = the model's dtype; fp8 = fp8_e4m3 "
                                  "(per-layer k/v scales from the checkpoint, else 1.0)")
         parser.add_argument("--attention-backend", default=d.attention_backend,
-                            help="auto, cpu_kernel or torch")
+                            help="auto (cpu_kernel on the CPU, triton on CUDA), cpu_kernel, triton or torch")
         parser.add_argument("--enforce-eager", action="store_true",
                             help="run every step eagerly: no CUDA graphs (CUDA only; the CPU never captures)")
         parser.add_argument("--quantization", "-q", default=None,
