@@ -37,7 +37,8 @@ class TritonAttentionMetadata:
 class TritonAttentionBackend(AttentionBackend):
     """Unified paged attention in Triton; K/V caches in any of ``kv_cache_dtypes``.
     Raises ValueError (naming ``attention_backend``) on a CPU device without
-    ``TRITON_INTERPRET=1``, or where Triton cannot be imported."""
+    ``TRITON_INTERPRET=1``, where Triton cannot be imported, or for an fp8_e4m3 cache on a
+    GPU older than compute capability 8.9."""
 
     name = "triton"
     kv_cache_dtypes = (torch.float32, torch.bfloat16, torch.float16) + FP8_DTYPES
@@ -49,6 +50,10 @@ class TritonAttentionBackend(AttentionBackend):
         if self.interpreted and not envs.triton_interpret():
             raise ValueError("attention_backend 'triton' runs on CUDA (on the CPU only in the Triton "
                              "interpreter, TRITON_INTERPRET=1, for tests); use 'cpu_kernel' or 'torch' here")
+        if (not self.interpreted and self.kv_cache_dtype == torch.float8_e4m3fn
+                and torch.cuda.get_device_capability(device) < (8, 9)):
+            raise ValueError("kv_cache_dtype fp8_e4m3 with attention_backend 'triton' needs compute capability "
+                             "8.9 or newer (Triton's fp8e4nv); use fp8_e5m2")
         try:
             # imported here: Triton picks its interpreter when a kernel is defined
             from pagedllm.kernels import triton_attention

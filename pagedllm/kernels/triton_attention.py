@@ -6,11 +6,11 @@ Design after vLLM's unified Triton attention and its paper (Ringlein et al., arX
 heads that share a KV head packed into its rows, K/V read in place through the block
 table, online softmax in float32; a program finds its request by a binary search over
 ``query_start_loc``, so the grid depends on host ints only (CUDA-graph capturable). Cache
-layout ``[num_slots, num_kv_heads, head_dim]`` per layer, slot = block * block_size + offset.
-fp8 caches hold fp8(x / scale) (nearest even, saturated), encoded by integer ops in the
-kernel: the Triton interpreter's float->fp8 cast truncates, and integer ops are exact on
-both. Runs on the CPU under ``TRITON_INTERPRET=1`` (set before this module is imported).
-More: docs/notes/attention.md."""
+layout ``[num_slots, num_kv_heads, head_dim]`` per layer, slot = block * block_size +
+offset. fp8 caches hold fp8(x / scale) (nearest even, saturated), encoded by integer ops in
+the kernel: the Triton interpreter's float->fp8 cast is not round-to-nearest-even; integer
+ops are exact on both. Runs on the CPU under ``TRITON_INTERPRET=1`` (set before triton is
+imported). More: docs/notes/attention.md."""
 from __future__ import annotations
 
 import torch
@@ -115,7 +115,7 @@ def _request_of(qsl_ptr, num_reqs, q_block, BLOCK_Q: tl.constexpr):
     with first_block(i) <= q_block (first_block(i) = qsl[i] // BLOCK_Q + i; qsl[i] when
     BLOCK_Q is 1). Binary search, log2(num_reqs) loads."""
     lo: tl.int32 = 0
-    hi = num_reqs - 1
+    hi: tl.int32 = num_reqs - 1                   # tensors, not constexprs: both change in the loop
     while lo < hi:
         mid = (lo + hi + 1) // 2
         first = tl.load(qsl_ptr + mid)
