@@ -131,6 +131,7 @@ CASES = {
     "prefill_no_context": (dict(ctx=[0], qlens=[37]), {}),
     "prefill_chunk_over_prefix": (dict(ctx=[35], qlens=[20]), {}),
     "mixed": (MIXED, {}),
+    "mixed_split_k": (MIXED, dict(split_kv=True)),          # forced: the kernel takes any batch
     "spec_verify": (dict(ctx=[30, 9, 50], qlens=[3, 5, 4]), {}),
     "gqa_8_1": (dict(MIXED, nh=8, nkv=1), {}),
     "gqa_6_2": (dict(MIXED, nh=6, nkv=2), {}),              # 3 query heads per KV head
