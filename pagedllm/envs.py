@@ -56,6 +56,13 @@ def torch_extensions_dir() -> str:
         os.path.expanduser("~"), ".cache", "torch_extensions")
 
 
+def triton_interpret() -> bool:
+    """``TRITON_INTERPRET=1`` (read by Triton itself when a kernel module is imported): Triton
+    kernels run in its interpreter on the CPU; the ``triton`` attention backend then accepts
+    a CPU device (tests)."""
+    return _flag("TRITON_INTERPRET", False)
+
+
 def onednn_enabled() -> bool:
     return _flag("PAGEDLLM_ONEDNN", True)
 

@@ -12,7 +12,8 @@ SWITCHES = [(envs.amx_enabled, "PAGEDLLM_AMX", True), (envs.onednn_enabled, "PAG
             (envs.fused_decoder_enabled, "PAGEDLLM_FUSED_DECODER", True),
             (envs.batch_invariant_probe_enabled, "PAGEDLLM_BATCH_INVARIANT_PROBE", True),
             (envs.configure_logging, "PAGEDLLM_CONFIGURE_LOGGING", True),
-            (envs.allow_long_max_model_len, "PAGEDLLM_ALLOW_LONG_MAX_MODEL_LEN", False)]
+            (envs.allow_long_max_model_len, "PAGEDLLM_ALLOW_LONG_MAX_MODEL_LEN", False),
+            (envs.triton_interpret, "TRITON_INTERPRET", False)]
 
 
 @pytest.mark.parametrize("read, name, default", SWITCHES)
