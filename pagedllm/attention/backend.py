@@ -118,6 +118,12 @@ class AttentionBackend(ABC):
         """Per-step precomputation shared by the layers with ``sliding_window`` (None: whole
         context; else query p sees keys p - window + 1 .. p, older blocks may be released)."""
 
+    def build_graph_metadata(self, common: CommonAttentionMetadata, sliding_window: int | None = None) -> Any:
+        """``build_metadata`` for a captured decode step over the runner's persistent buffers,
+        replayed on other requests: nothing in it may depend on this step's values beyond the
+        batch size (default: ``build_metadata``; only backends with ``cudagraph_support``)."""
+        return self.build_metadata(common, sliding_window)
+
     def kernel_metadata(self, metadata: Any) -> Any | None:
         """``metadata`` when ``kernels`` read it as it is, else None (default)."""
         return None

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from pagedllm import envs
-from pagedllm.attention.backend import FP8_DTYPES, AttentionBackend, CommonAttentionMetadata, register_backend
+from pagedllm.attention.backend import FP8_DTYPES, AttentionBackend, CommonAttentionMetadata
 
 
 @dataclass
@@ -33,7 +33,6 @@ class TritonAttentionMetadata:
     split_kv: bool | None = None
 
 
-@register_backend
 class TritonAttentionBackend(AttentionBackend):
     """Unified paged attention in Triton; K/V caches in any of ``kv_cache_dtypes``.
     Raises ValueError (naming ``attention_backend``) on a CPU device without
@@ -42,6 +41,8 @@ class TritonAttentionBackend(AttentionBackend):
 
     name = "triton"
     kv_cache_dtypes = (torch.float32, torch.bfloat16, torch.float16) + FP8_DTYPES
+    contiguous_v = False        # the K/V write reads strided rows
+    cudagraph_support = True    # forward reads only the metadata's device tensors
 
     def __init__(self, device: torch.device | None = None, dtype: torch.dtype = torch.float32,
                  kv_cache_dtype: torch.dtype | None = None):
@@ -87,6 +88,14 @@ class TritonAttentionBackend(AttentionBackend):
         return TritonAttentionMetadata(
             c.slot_mapping, c.block_table.to(torch.int32), c.query_start_loc.to(torch.int32),
             c.seq_lens.to(torch.int32), c.block_size, sliding_window or 0, max_q, max_seq, c.num_decodes)
+
+    def build_graph_metadata(self, c: CommonAttentionMetadata,
+                             sliding_window: int | None = None) -> TritonAttentionMetadata:
+        """``build_metadata`` for a captured decode batch: the longest sequence is unknown at
+        capture, so the split-K choice is made by batch size alone (as for long sequences)."""
+        md = self.build_metadata(c, sliding_window)
+        md.max_seq_len = self.ops.SPLIT_KV_MIN_SEQ_LEN
+        return md
 
     def forward(self, q, k, v, layer_cache, md: TritonAttentionMetadata, scale, k_scale=1.0, v_scale=1.0):
         T, nh, hd = q.shape

@@ -128,8 +128,8 @@ class ModelRunner:
     def metadata_for_graph(self, common):
         """The attention metadata a captured step reads: one object, or one per attention group."""
         if len(self.attn_groups) == 1:
-            return self.attn.build_metadata(common, self.attn_groups[0][1])
-        return [self.attn.build_metadata(common, window) for _, window in self.attn_groups]
+            return self.attn.build_graph_metadata(common, self.attn_groups[0][1])
+        return [self.attn.build_graph_metadata(common, window) for _, window in self.attn_groups]
 
     def kv_bytes_per_block(self) -> int:
         """Bytes of K and V for one block id across ``layers_per_block`` layers (plus the

@@ -28,7 +28,8 @@ import triton.language as tl  # noqa: E402
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 import pagedllm  # noqa: E402
-from pagedllm.attention.backend import build_common_metadata, get_attention_backend  # noqa: E402
+from pagedllm.attention.backend import build_common_metadata  # noqa: E402
+from pagedllm.attention.registry import get_attention_backend  # noqa: E402
 from pagedllm.attention.torch_backend import TorchAttentionBackend, quantize_kv, write_kv  # noqa: E402
 from pagedllm.attention.triton_backend import TritonAttentionBackend  # noqa: E402,F401  (registers "triton")
 
