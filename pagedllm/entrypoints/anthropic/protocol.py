@@ -62,8 +62,12 @@ class MessagesChatRequest(ChatCompletionRequest):
     """A Messages request as the chat pipeline takes it; its errors name the Messages fields."""
 
     def api_param_names(self) -> dict[str, str]:
-        return {"prompt": "messages", "stop": "stop_sequences", "parallel_tool_calls": "tool_choice",
-                "structured_outputs": "tools"}
+        return {"prompt": "messages", "stop": "stop_sequences", "parallel_tool_calls": "tool_choice"}
+
+    def to_api_error(self, e: InvalidParameterError) -> InvalidParameterError:
+        if e.param == "structured_outputs":   # only a forced call's schema, made of the tools' input_schema
+            return InvalidParameterError("tools", str(e).replace("structured_outputs.json", "a tool's input_schema"))
+        return super().to_api_error(e)
 
 
 class CountTokensRequest(_Body):
@@ -210,6 +214,7 @@ def _kind(block, where: str) -> str:
     extra = sorted(set(block) - {"type", "cache_control", *_BLOCK_KEYS[kind]})
     if extra:
         raise InvalidParameterError("messages", f"{where} has unknown keys: {', '.join(map(str, extra))}")
+    check_unicode_json("messages", block, where)
     return kind
 
 
@@ -222,6 +227,7 @@ def _text(block, where: str, param: str) -> dict:
         raise InvalidParameterError(param, f"{where} has unknown keys: {', '.join(map(str, extra))}")
     if not isinstance(block.get("text"), str):
         raise InvalidParameterError(param, f"{where}.text must be a string")
+    check_unicode_json(param, block["text"], f"{where}.text")
     return {"type": "text", "text": block["text"]}
 
 
@@ -239,7 +245,6 @@ def _assistant(i: int, blocks: list, call_ids: set[str]) -> dict:
                 raise InvalidParameterError("messages", f"{where}.name must be a non-empty string")
             if not isinstance(b.get("input"), dict):
                 raise InvalidParameterError("messages", f"{where}.input must be an object")
-            check_unicode_json("messages", b["input"], f"{where}.input")
             call_ids.add(b["id"])
             calls.append({"id": b["id"], "type": "function",
                           "function": {"name": b["name"], "arguments": json.dumps(b["input"], ensure_ascii=False)}})

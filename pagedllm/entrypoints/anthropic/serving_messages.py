@@ -138,6 +138,11 @@ class AnthropicServingMessages(OpenAIServing):
             raise InvalidParameterError("thinking", f"thinking of type {body.thinking.type!r} needs a reasoning "
                                                     "parser, and this server runs without one")
         chat_body = body.to_chat_request()
+        if chat_body.tools and chat_body.tool_choice in (None, "auto") and not self.chat.enable_auto_tool_choice:
+            raise InvalidParameterError("tool_choice", 'tool_choice "auto" (the default with tools) needs the server '
+                                                       "to run with --enable-auto-tool-choice and --tool-call-parser; "
+                                                       'send tool_choice {"type": "any"}, {"type": "tool", "name": '
+                                                       '...} or {"type": "none"}')
         try:
             tools = self.chat.chat_tools(chat_body)
             return chat_body, tools, await self.chat.render(chat_body, tools)
