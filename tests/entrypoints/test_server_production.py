@@ -60,15 +60,21 @@ def test_every_route_but_health_needs_the_key(server):
             if path == "/health":
                 assert no_key.status_code == 200
                 continue
-            for r in (no_key, wrong):
+            x_wrong = httpx.request(method, f"{server.url}{path}", timeout=30, headers={"x-api-key": "nope"}, **kw)
+            x_key = httpx.request(method, f"{server.url}{path}", timeout=30, headers={"x-api-key": KEY}, **kw)
+            for r in (no_key, wrong, x_wrong):
                 assert r.status_code == 401, (method, path, r.status_code)
-                assert r.json()["error"]["code"] == 401 and r.json()["error"]["type"] == "AuthenticationError"
+                if path.startswith("/v1/messages"):   # Anthropic's error shape there
+                    assert r.json()["type"] == "error" and r.json()["error"]["type"] == "authentication_error"
+                else:
+                    assert r.json()["error"]["code"] == 401 and r.json()["error"]["type"] == "AuthenticationError"
                 assert r.headers["www-authenticate"] == "Bearer"
-            assert with_key.status_code != 401, (method, path)
+            assert with_key.status_code != 401 and x_key.status_code != 401, (method, path)
             if isinstance(route, APIRoute):
                 checked.add(route.path)
     assert {"/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/models/{model_id:path}", "/tokenize",
-            "/detokenize", "/version", "/metrics", "/reset_prefix_cache"} <= checked
+            "/detokenize", "/version", "/metrics", "/reset_prefix_cache", "/v1/messages",
+            "/v1/messages/count_tokens"} <= checked
 
 
 def test_metrics_without_auth_opens_only_metrics():
@@ -360,7 +366,8 @@ def test_backpressure_503_with_retry_after(tiny_dir):  # noqa: F811 (fixture)
 
 @pytest.mark.slow
 def test_schemathesis_no_5xx_and_openai_shaped_4xx(tiny_server):
-    """A few hundred generated requests over every route of /openapi.json."""
+    """A few hundred generated requests over every route of /openapi.json (4xx in Anthropic's
+    shape on the Messages routes)."""
     import schemathesis
     from hypothesis import HealthCheck, given, settings
 
@@ -383,9 +390,14 @@ def test_schemathesis_no_5xx_and_openai_shaped_4xx(tiny_server):
             if r.status_code >= 500:
                 failures.append((case.method, case.path, r.status_code, r.text[:200]))
             elif r.status_code >= 400:
-                err = r.json().get("error", {})
-                if not (isinstance(err.get("message"), str) and "type" in err and err.get("code") == r.status_code
-                        and "param" in err):
+                body = r.json()
+                err = body.get("error", {})
+                if case.path.startswith("/v1/messages"):   # Anthropic's error shape
+                    if not (body.get("type") == "error" and set(err) == {"type", "message"}
+                            and isinstance(err["message"], str)):
+                        failures.append((case.method, case.path, r.status_code, r.text[:200]))
+                elif not (isinstance(err.get("message"), str) and "type" in err and err.get("code") == r.status_code
+                          and "param" in err):
                     failures.append((case.method, case.path, r.status_code, r.text[:200]))
 
         check()

@@ -15,6 +15,9 @@ from fastapi import FastAPI
 
 import pagedllm
 from pagedllm.engine.async_llm import AsyncLLM
+from pagedllm.entrypoints.anthropic.errors import AnthropicErrorShape
+from pagedllm.entrypoints.anthropic.router import router as anthropic_router
+from pagedllm.entrypoints.anthropic.serving_messages import AnthropicServingMessages
 from pagedllm.entrypoints.openai.admission import AdmissionControl
 from pagedllm.entrypoints.openai.errors import register_error_handlers
 from pagedllm.entrypoints.openai.middleware import ApiKeyMiddleware, InternalErrorMiddleware, RequestIdMiddleware
@@ -50,6 +53,7 @@ def build_app(engine: AsyncLLM, prometheus=None, trust_request_chat_template: bo
     app.add_middleware(InternalErrorMiddleware)   # innermost: inside the access log and auth
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key, metrics_without_auth=metrics_without_auth)
+    app.add_middleware(AnthropicErrorShape)   # outside auth: its 401 has Anthropic's shape on /v1/messages
     app.add_middleware(RequestIdMiddleware)   # outermost: a refused request has an id and a log line too
     register_error_handlers(app)
 
@@ -60,7 +64,9 @@ def build_app(engine: AsyncLLM, prometheus=None, trust_request_chat_template: bo
     state.openai_serving_completion = OpenAIServingCompletion(engine, models, admission)
     state.openai_serving_chat = chat
     state.openai_serving_tokenization = OpenAIServingTokenization(engine, models)
-    for route in router.routes:   # each on the app itself: app.routes lists them (include_router nests them)
+    state.anthropic_serving_messages = AnthropicServingMessages(engine, models, admission, chat)
+    # each on the app itself: app.routes lists them (include_router nests them)
+    for route in [*router.routes, *anthropic_router.routes]:
         app.add_api_route(route.path, route.endpoint, methods=list(route.methods), name=route.name)
     if admission is not None:
         engine.add_stat_logger(admission)   # the scheduler's counts after each step

@@ -55,9 +55,9 @@ class InternalErrorMiddleware:
 
 class ApiKeyMiddleware:
     """Bearer auth on every HTTP route except ``/health`` (and ``/metrics`` when
-    ``metrics_without_auth``): scheme case-insensitive (RFC 9110, 11.1), key compared in
-    constant time. A missing or wrong key gets 401 in OpenAI's error shape with
-    ``WWW-Authenticate: Bearer``.
+    ``metrics_without_auth``): scheme case-insensitive (RFC 9110, 11.1), or the key alone in
+    ``x-api-key`` (Anthropic's header); compared in constant time. A missing or wrong key
+    gets 401 in OpenAI's error shape with ``WWW-Authenticate: Bearer``.
 
     Raises:
         ValueError: an empty ``api_key``.
@@ -73,15 +73,18 @@ class ApiKeyMiddleware:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["path"] in self.open_paths or scope.get("method") == "OPTIONS":
             return await self.app(scope, receive, send)
-        given = b""
+        given = x_api_key = None   # the first of each header
         for k, v in scope.get("headers", ()):
-            if k == b"authorization":
+            if k == b"authorization" and given is None:
                 given = v
-                break
-        scheme, _, key = given.partition(b" ")
-        if scheme.lower() == b"bearer" and hmac.compare_digest(key.lstrip(b" "), self.expected):
+            elif k == b"x-api-key" and x_api_key is None:   # Anthropic's clients send the key so
+                x_api_key = v
+        scheme, _, key = (given or b"").partition(b" ")
+        if ((scheme.lower() == b"bearer" and hmac.compare_digest(key.lstrip(b" "), self.expected))
+                or (x_api_key is not None and hmac.compare_digest(x_api_key, self.expected))):
             return await self.app(scope, receive, send)
-        body, headers = _error("Incorrect or missing API key: send 'Authorization: Bearer <key>'", 401,
+        body, headers = _error("Incorrect or missing API key: send 'Authorization: Bearer <key>' "
+                               "(or 'x-api-key: <key>')", 401,
                                "AuthenticationError", [(b"www-authenticate", b"Bearer")])
         await send({"type": "http.response.start", "status": 401, "headers": headers})
         await send({"type": "http.response.body", "body": body})

@@ -63,21 +63,9 @@ class OpenAIServingChat(OpenAIServing):
         rid, engine_rid = self.request_ids(raw, "chatcmpl")
         self.log_user(body, rid)
         created = int(time.time())
-        tools = ChatTools(body, self.engine, self.enable_auto_tool_choice, self.tool_call_parser)
+        tools = self.chat_tools(body)
         try:
-            # Checked and reduced to string content by the engine (normalize_chat_messages).
-            messages = [m.model_dump() for m in body.messages]   # extra keys (name, ...) reach the template
-            messages, tools_kw = tools.render(messages)
-            try:
-                ids = await self.engine.apply_chat_template(messages, body.add_generation_prompt, body.chat_template,
-                                                            body.chat_template_kwargs, tools_kw)
-            except (InvalidParameterError, EngineDeadError):
-                raise
-            except Exception as e:  # the engine's ValueErrors already say what failed
-                raise InvalidParameterError(
-                    "chat_template" if body.chat_template is not None
-                    else "chat_template_kwargs" if body.chat_template_kwargs else "messages",
-                    str(e) if isinstance(e, ValueError) else f"cannot apply the chat template: {e}") from e
+            ids = await self.render(body, tools)
             params = body.to_sampling_params(default_max_tokens=None, constraint=tools.constraint())
             stream = await self.engine.add_request(engine_rid, ids, params)
         except InvalidParameterError as e:
@@ -90,6 +78,32 @@ class OpenAIServingChat(OpenAIServing):
         if isinstance(result, dict) and headers:
             return JSONResponse(result, headers=headers)
         return result
+
+    def chat_tools(self, body: ChatCompletionRequest) -> ChatTools:
+        """The tool calling of ``body`` under this server's flags (``ChatTools``' errors)."""
+        return ChatTools(body, self.engine, self.enable_auto_tool_choice, self.tool_call_parser)
+
+    async def render(self, body: ChatCompletionRequest, tools: ChatTools) -> list[int]:
+        """The prompt token ids of ``body``'s conversation and ``tools``, rendered with the chat
+        template in a tokenizer thread.
+
+        Raises:
+            InvalidParameterError: a bad message, tool turn, template or template variable.
+            EngineDeadError: the engine has died.
+        """
+        # Checked and reduced to string content by the engine (normalize_chat_messages).
+        messages = [m.model_dump() for m in body.messages]   # extra keys (name, ...) reach the template
+        messages, tools_kw = tools.render(messages)
+        try:
+            return await self.engine.apply_chat_template(messages, body.add_generation_prompt, body.chat_template,
+                                                         body.chat_template_kwargs, tools_kw)
+        except (InvalidParameterError, EngineDeadError):
+            raise
+        except Exception as e:  # the engine's ValueErrors already say what failed
+            raise InvalidParameterError(
+                "chat_template" if body.chat_template is not None
+                else "chat_template_kwargs" if body.chat_template_kwargs else "messages",
+                str(e) if isinstance(e, ValueError) else f"cannot apply the chat template: {e}") from e
 
     async def _full(self, stream, rid: str, created: int, params, tools: ChatTools, raw_state) -> dict:
         out = await self.drain(stream)
