@@ -242,8 +242,9 @@ def client(server):
 
 
 def _forced(server, regex: str, **kw) -> dict:
-    return dict(model=server.engine.model_name, messages=kw.pop("messages", MESSAGES), max_tokens=kw.pop("max_tokens", 64),
-                temperature=0, extra_body={"structured_outputs": {"regex": regex}, **kw.pop("extra_body", {})}, **kw)
+    return dict(model=server.engine.model_name, messages=kw.pop("messages", MESSAGES),
+                max_tokens=kw.pop("max_tokens", 64), temperature=0,
+                extra_body={"structured_outputs": {"regex": regex}, **kw.pop("extra_body", {})}, **kw)
 
 
 def _count_tokens(server, text: str) -> int:
@@ -302,7 +303,8 @@ def test_server_think_block_cut_by_max_tokens(server, client):
 
 
 def test_server_tool_calls_only_after_reasoning(server, client):
-    after = r'<think>I need the weather\.</think>\n<tool_call>\{"name": "get_weather", "arguments": \{"city": "Paris"\}\}</tool_call>'
+    after = (r'<think>I need the weather\.</think>\n'
+             r'<tool_call>\{"name": "get_weather", "arguments": \{"city": "Paris"\}\}</tool_call>')
     r = client.chat.completions.create(**_forced(server, after, tools=TOOLS, max_tokens=80))
     c = r.choices[0]
     assert c.finish_reason == "tool_calls" and c.message.reasoning_content == "I need the weather."
@@ -436,7 +438,8 @@ def test_n_counts_the_prompt_once(server):
     """n = 3 on a fresh prompt: usage counts the prompt once, cached_tokens too (sequence
     0's lookup, 0 here), though sequences 1 and 2 found the prompt that 0 computed."""
     httpx.post(f"{server.url}/reset_prefix_cache", timeout=30)
-    body = {"model": server.engine.model_name, "prompt": "fresh " * 70, "max_tokens": 3, "n": 3, "temperature": 1.0, "seed": 1}
+    body = {"model": server.engine.model_name, "prompt": "fresh " * 70, "max_tokens": 3, "n": 3,
+            "temperature": 1.0, "seed": 1}
     one = httpx.post(f"{server.url}/v1/completions", json={**body, "n": 1}, timeout=60).json()["usage"]
     httpx.post(f"{server.url}/reset_prefix_cache", timeout=30)
     h0 = _settled_hits(server, _hits(server))
