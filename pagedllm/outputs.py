@@ -56,7 +56,8 @@ class RequestMetrics:
 class RequestOutput:
     """A request as the caller sees it: cumulative ``outputs``, plus ``delta_*`` since the
     previous one. With ``n`` > 1, one sequence per output (``delta_index``), all n in the
-    final one; ``prompt_logprobs[0]`` is None."""
+    final one; ``prompt_logprobs[0]`` is None. ``num_cached_tokens``: prompt tokens found in
+    the prefix cache at the first admission (with ``n`` > 1, sequence 0's)."""
 
     request_id: str
     prompt: str | None

@@ -166,11 +166,14 @@ def test_package_modules_form_no_cycle(package):
     assert not cycles, f"import cycles in {package}/:\n" + "\n".join(sorted(set(cycles)))
 
 
-def test_tool_calls_stay_pure():
-    """entrypoints/openai/tool_calls/ is pure functions over JSON values and text: it
-    needs only the error type, never the engine or the server (which use it)."""
-    package = ROOT / "entrypoints" / "openai" / "tool_calls"
-    bad = [f"{path.name}:{line}: {module}" for path in sorted(package.glob("*.py"))
+@pytest.mark.parametrize("package", ["tool_calls", "reasoning"])
+def test_output_parsers_stay_pure(package):
+    """entrypoints/openai/tool_calls/ and reasoning/ are pure functions over JSON values
+    and text: they need only the error type, never the engine or the server (which use
+    them)."""
+    root = ROOT / "entrypoints" / "openai" / package
+    assert (root / "__init__.py").exists(), root
+    bad = [f"{path.name}:{line}: {module}" for path in sorted(root.glob("*.py"))
            for module, line in _imports(path)
-           if module != "pagedllm.errors" and not module.startswith("pagedllm.entrypoints.openai.tool_calls")]
-    assert not bad, "tool_calls imports outside itself:\n" + "\n".join(bad)
+           if module != "pagedllm.errors" and not module.startswith(f"pagedllm.entrypoints.openai.{package}")]
+    assert not bad, f"{package} imports outside itself:\n" + "\n".join(bad)

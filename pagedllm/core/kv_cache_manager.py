@@ -10,7 +10,8 @@ from pagedllm.utils import cdiv
 
 @dataclass
 class PrefixCacheStats:
-    """Prompt tokens looked up in the prefix cache and tokens found (cumulative)."""
+    """Prompt tokens looked up in the prefix cache and tokens found, once per admission (a
+    new request, or one back from preemption); cumulative."""
 
     queries: int = 0
     hits: int = 0
@@ -75,6 +76,7 @@ class KVCacheManager:
     def get_computed_blocks(self, req: Request) -> tuple[list[list[KVCacheBlock]], int]:
         """Longest cached prefix every group can serve (vLLM's ``find_longest_cache_hit``).
         The last token is always left to compute; a ``prompt_logprobs`` request hits nothing.
+        Not counted in ``stats`` until ``record_admission``.
 
         Returns:
             (per group its hit blocks, num_computed_tokens); ([[]] * groups, 0) when
@@ -105,11 +107,16 @@ class KVCacheManager:
         for g in range(self.num_groups):
             first = self._first_useful_block(g, n * self.block_size)
             hit.append([self.null_block] * first + [get(self._key(g, h)) for h in hashes[first:n]])
-        tokens = n * self.block_size
-        self.stats.requests += 1
-        self.stats.queries += req.num_tokens
-        self.stats.hits += tokens
-        return hit, tokens
+        return hit, n * self.block_size
+
+    def record_admission(self, req: Request, num_hit_tokens: int) -> None:
+        """Count an admitted request's lookup (``get_computed_blocks``'s ``num_hit_tokens``)
+        in ``stats``: once per admission, never for a lookup whose allocation failed (it is
+        looked up again). Not counted: caching off, a ``prompt_logprobs`` request."""
+        if self.enable_caching and req.sampling_params.prompt_logprobs is None:
+            self.stats.requests += 1
+            self.stats.queries += req.num_tokens
+            self.stats.hits += num_hit_tokens
 
     def _release_skipped(self, req_id: str, num_computed: int) -> None:
         """Free sliding-window blocks no token from ``num_computed`` on can see."""

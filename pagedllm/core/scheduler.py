@@ -212,6 +212,7 @@ class Scheduler:
         if self.kv.allocate_slots(req, n, hit_blocks, n_hit, lookahead) is None:
             return None
         self.waiting.popleft()
+        self.kv.record_admission(req, n_hit)
         req.num_computed_tokens = n_hit
         if req.num_cached_tokens < 0:
             req.num_cached_tokens = n_hit

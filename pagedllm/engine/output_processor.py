@@ -171,6 +171,8 @@ class OutputProcessor:
             m.first_scheduled_time = co.scheduled_time
             m.num_preemptions = co.num_preemptions
             st.num_cached_tokens = co.num_cached_tokens
+            if st.parent is not None and st.index == 0:
+                st.parent.num_cached_tokens = co.num_cached_tokens
             if new_ids:
                 if m.first_token_time is None:
                     m.first_token_time = co.first_token_time or now
@@ -206,8 +208,9 @@ class OutputProcessor:
             outputs, finished = st.parent.add_completion(st.index, outputs[0], finished)
             if finished:
                 self.parent_requests.pop(st.public_id, None)
+        cached = st.num_cached_tokens if st.parent is None else st.parent.num_cached_tokens
         return RequestOutput(st.public_id, st.prompt, st.prompt_token_ids, outputs, finished,
-                             st.metrics, st.num_cached_tokens, delta, list(delta_ids),
+                             st.metrics, cached, delta, list(delta_ids),
                              prompt_logprobs=None if st.prompt_logprobs is None else list(st.prompt_logprobs),
                              delta_index=st.index)
 

@@ -23,15 +23,18 @@ def child_seed(seed: int | None, index: int) -> int | None:
 
 class ParentRequest:
     """A request with ``n`` > 1: the caller's ``request_id``, ``child_ids`` by index,
-    ``pending`` children not yet sent, ``finished`` completions by index."""
+    ``pending`` children not yet sent, ``finished`` completions by index, and
+    ``num_cached_tokens``: sequence 0's, the request's (its prompt counts once, as in
+    ``usage.prompt_tokens``; the others reuse what sequence 0 computed)."""
 
-    __slots__ = ("request_id", "child_ids", "pending", "finished")
+    __slots__ = ("request_id", "child_ids", "pending", "finished", "num_cached_tokens")
 
     def __init__(self, request_id: str, n: int):
         self.request_id = request_id
         self.child_ids = [f"{i}_{request_id}" for i in range(n)]
         self.pending: list[EngineCoreRequest] = []
         self.finished: dict[int, CompletionOutput] = {}
+        self.num_cached_tokens = 0
 
     @classmethod
     def fan_out(cls, req: EngineCoreRequest,

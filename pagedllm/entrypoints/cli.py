@@ -15,11 +15,13 @@ import sys
 
 from pagedllm import envs
 
-# --tool-call-parser's choices (pagedllm.entrypoints.openai.tool_calls.TOOL_PARSERS, which
-# imports nothing heavy)
+# --tool-call-parser's and --reasoning-parser's choices (their packages are pure: they
+# import nothing heavy)
+from pagedllm.entrypoints.openai.reasoning import REASONING_PARSERS as _REASONING
 from pagedllm.entrypoints.openai.tool_calls import TOOL_PARSERS as _PARSERS
 
 TOOL_PARSER_NAMES = tuple(_PARSERS)
+REASONING_PARSER_NAMES = tuple(_REASONING)
 
 #: Parent command -> (its help, the command modules registered under it).
 #: The parent "" is ``pagedllm`` itself.
@@ -147,6 +149,8 @@ def register(subparsers: "argparse._SubParsersAction") -> None:
                    help='let tool_choice "auto" read tool calls from the output (needs --tool-call-parser)')
     p.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSER_NAMES),
                    help="the format of the model's tool calls, for tool_choice \"auto\"")
+    p.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSER_NAMES),
+                   help="split the model's <think> block from its answer (chat: reasoning_content)")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on every route but /health "
                         "(default: $PAGEDLLM_API_KEY; none: no auth)")

@@ -16,10 +16,11 @@ def req(rid: str, tokens: list[int], salt: str | None = None) -> Request:
 
 
 def admit(kv: KVCacheManager, r: Request) -> int:
-    """Admit a request as the scheduler does (cache lookup, then allocate the whole prompt);
-    returns the number of prompt tokens found in the cache."""
+    """Admit a request as the scheduler does (cache lookup, allocate the whole prompt, count
+    the lookup); returns the number of prompt tokens found in the cache."""
     hit_blocks, n_hit = kv.get_computed_blocks(r)
     assert kv.allocate_slots(r, r.num_tokens - n_hit, hit_blocks, n_hit) is not None
+    kv.record_admission(r, n_hit)
     r.num_computed_tokens = r.num_tokens
     return n_hit
 

@@ -223,6 +223,33 @@ def test_budget_is_filled_by_chunks_then_decodes():
     assert sched.kv.num_free_blocks == sched.kv.num_blocks
 
 
+def test_prefix_cache_stats_count_each_admission_once():
+    """A request that waits (here: what is left of its prompt after the hit does not fit
+    what 20 decodes leave of the budget, without chunked prefill) is looked up at every
+    step but counted in the stats once, when admitted: hits equal the requests' own
+    ``num_cached_tokens``."""
+    sched = make_sched(budget=64, chunked=False)
+    runner = FakeRunner(sched)
+    p = mkreq("p", 16, 1)
+    sched.add_request(p)
+    runner.run()                                      # p's full block is now cached
+    decoders = [mkreq(f"a{i}", 2, 6) for i in range(20)]
+    for a in decoders:
+        sched.add_request(a)
+    runner.step()
+    b = Request("b", p.prompt_token_ids + list(range(600, 648)), SamplingParams(max_tokens=2), {EOS})
+    sched.add_request(b)
+    waited = 0
+    while sched.has_unfinished_requests():
+        runner.step()
+        waited += b.status == RequestStatus.WAITING
+    assert waited >= 3                                # b was looked up (and refused) at each of these
+    assert b.num_cached_tokens == 16
+    st = sched.kv.stats
+    assert (st.requests, st.queries, st.hits) == (22, 16 + 20 * 2 + 64, 16)
+    assert st.hits == sum(r.num_cached_tokens for r in [p, b, *decoders])
+
+
 def test_max_num_seqs_limits_admission():
     sched = make_sched(max_seqs=2)
     reqs = [mkreq(f"r{i}", 5, 4) for i in range(5)]

@@ -33,21 +33,22 @@ logger = logging.getLogger("pagedllm")
 
 def build_app(engine: AsyncLLM, prometheus=None, trust_request_chat_template: bool = False,
               enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
-              api_key: str | None = None, metrics_without_auth: bool = False,
+              reasoning_parser: str | None = None, api_key: str | None = None, metrics_without_auth: bool = False,
               max_waiting_requests: int | None = None) -> FastAPI:
     """The FastAPI app serving ``engine`` (``prometheus``: a PrometheusStatLogger or None).
     The other arguments are the ``serve`` flags of the same names (docs/configuration.md);
     ``max_waiting_requests`` None never refuses.
 
     Raises:
-        ValueError: ``enable_auto_tool_choice`` without a known ``tool_call_parser``;
-            ``max_waiting_requests`` < 1."""
+        ValueError: ``enable_auto_tool_choice`` without a known ``tool_call_parser``; an
+            unknown ``reasoning_parser``; ``max_waiting_requests`` < 1."""
     models = OpenAIServingModels(engine)
     admission = None
     if max_waiting_requests is not None:
         admission = AdmissionControl(max_waiting_requests, engine.engine.config.args.max_num_seqs)
     chat = OpenAIServingChat(engine, models, admission, trust_request_chat_template=trust_request_chat_template,
-                             enable_auto_tool_choice=enable_auto_tool_choice, tool_call_parser=tool_call_parser)
+                             enable_auto_tool_choice=enable_auto_tool_choice, tool_call_parser=tool_call_parser,
+                             reasoning_parser=reasoning_parser)
 
     app = FastAPI(title="pagedllm", version=pagedllm.__version__)
     app.add_middleware(InternalErrorMiddleware)   # innermost: inside the access log and auth
@@ -132,6 +133,7 @@ def run_server(args) -> None:
         api_key = getattr(args, "api_key", None) or envs.api_key()
         app = build_app(engine, prom, trust_request_chat_template=args.trust_request_chat_template,
                         enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
+                        reasoning_parser=getattr(args, "reasoning_parser", None),
                         api_key=api_key, metrics_without_auth=getattr(args, "metrics_without_auth", False),
                         max_waiting_requests=getattr(args, "max_waiting_requests", None))
         logger.info("serving %s on http://%s:%d%s", engine.model_name, args.host, args.port,

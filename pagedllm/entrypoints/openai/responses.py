@@ -9,11 +9,15 @@ import dataclasses
 from pagedllm.outputs import Logprob
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached: int) -> dict:
-    """OpenAI's ``usage`` object (token counts)."""
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached}}
+def usage(prompt_tokens: int, completion_tokens: int, cached: int, reasoning_tokens: int | None = None) -> dict:
+    """OpenAI's ``usage`` object (token counts); ``completion_tokens_details`` only with
+    ``reasoning_tokens``."""
+    out = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+           "total_tokens": prompt_tokens + completion_tokens,
+           "prompt_tokens_details": {"cached_tokens": cached}}
+    if reasoning_tokens is not None:
+        out["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+    return out
 
 
 def _top(entry: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:

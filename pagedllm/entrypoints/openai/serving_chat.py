@@ -10,8 +10,10 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.entrypoints.openai.admission import AdmissionControl
+from pagedllm.entrypoints.openai.chat_reasoning import ChatReasoning
 from pagedllm.entrypoints.openai.chat_tools import ChatTools
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
+from pagedllm.entrypoints.openai.reasoning import get_reasoning_parser
 from pagedllm.entrypoints.openai.responses import chat_logprobs, prompt_logprobs, usage
 from pagedllm.entrypoints.openai.serving_engine import SSE_DONE, OpenAIServing, sse_error, sse_event
 from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
@@ -25,21 +27,25 @@ class OpenAIServingChat(OpenAIServing):
 
     Args:
         engine, models, admission: as ``OpenAIServing``'s.
-        trust_request_chat_template, enable_auto_tool_choice, tool_call_parser: the
-            ``serve`` flags of those names.
+        trust_request_chat_template, enable_auto_tool_choice, tool_call_parser,
+            reasoning_parser: the ``serve`` flags of those names.
 
     Raises:
-        ValueError: ``enable_auto_tool_choice`` without a known ``tool_call_parser``.
+        ValueError: ``enable_auto_tool_choice`` without a known ``tool_call_parser``; an
+            unknown ``reasoning_parser``.
     """
 
     def __init__(self, engine: AsyncLLM, models: OpenAIServingModels, admission: AdmissionControl | None = None,
                  trust_request_chat_template: bool = False, enable_auto_tool_choice: bool = False,
-                 tool_call_parser: str | None = None):
+                 tool_call_parser: str | None = None, reasoning_parser: str | None = None):
         super().__init__(engine, models, admission)
         if enable_auto_tool_choice:
             if tool_call_parser is None:
                 raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
             get_tool_parser(tool_call_parser)
+        if reasoning_parser is not None:
+            get_reasoning_parser(reasoning_parser)
+        self.reasoning_parser = reasoning_parser
         self.trust_request_chat_template = trust_request_chat_template
         self.enable_auto_tool_choice = enable_auto_tool_choice
         self.tool_call_parser = tool_call_parser
@@ -70,11 +76,13 @@ class OpenAIServingChat(OpenAIServing):
             stream = await self.engine.add_request(engine_rid, ids, params)
         except InvalidParameterError as e:
             raise body.to_api_error(e) from e
+        think = ChatReasoning(self.reasoning_parser, body.chat_template_kwargs, params.structured_outputs is not None)
         headers = {"X-PagedLLM-Warning": tools.note} if tools.note else None
         if body.stream:
-            return StreamingResponse(self._stream(stream, rid, created, body, params, tools, raw.state),
+            return StreamingResponse(self._stream(stream, rid, created, body, params, tools, think, raw.state),
                                      media_type="text/event-stream", headers=headers)
-        result = await self.with_disconnect(raw, self._full(stream, rid, created, params, tools, raw.state), [stream])
+        result = await self.with_disconnect(raw, self._full(stream, rid, created, params, tools, think, raw.state),
+                                            [stream])
         if isinstance(result, dict) and headers:
             return JSONResponse(result, headers=headers)
         return result
@@ -105,12 +113,15 @@ class OpenAIServingChat(OpenAIServing):
                 else "chat_template_kwargs" if body.chat_template_kwargs else "messages",
                 str(e) if isinstance(e, ValueError) else f"cannot apply the chat template: {e}") from e
 
-    async def _full(self, stream, rid: str, created: int, params, tools: ChatTools, raw_state) -> dict:
+    async def _full(self, stream, rid: str, created: int, params, tools: ChatTools, think: ChatReasoning,
+                    raw_state) -> dict:
         out = await self.drain(stream)
         self.note_usage(raw_state, [out])
         choices = []
         for c in out.outputs:
-            message, finish = tools.message(c)
+            reasoning, answer = think.split(c)
+            message, finish = tools.message(answer)
+            message = think.message(message, reasoning)
             choices.append({"index": c.index, "message": message,
                             "logprobs": None if c.logprobs is None else chat_logprobs(c.token_ids, c.logprobs,
                                                                                       params.logprobs),
@@ -118,13 +129,13 @@ class OpenAIServingChat(OpenAIServing):
         resp = {"id": rid, "object": "chat.completion", "created": created, "model": self.engine.model_name,
                 "choices": choices,
                 "usage": usage(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs),
-                               out.num_cached_tokens)}
+                               out.num_cached_tokens, await think.reasoning_tokens(self.engine))}
         if out.prompt_logprobs is not None:
             resp["prompt_logprobs"] = prompt_logprobs(out.prompt_logprobs)
         return resp
 
     async def _stream(self, stream, rid: str, created: int, body: ChatCompletionRequest, params,
-                      tools: ChatTools, raw_state):
+                      tools: ChatTools, think: ChatReasoning, raw_state):
         opts = body.stream_options
         include_usage = bool(opts and opts.include_usage)
         continuous = bool(opts and opts.continuous_usage_stats)
@@ -155,7 +166,7 @@ class OpenAIServingChat(OpenAIServing):
                             lp = chat_logprobs(c.token_ids[n0:], c.logprobs[n0:], params.logprobs)
                         sent_lp[c.index] = len(c.token_ids)
                     done = c.finish_reason is not None
-                    deltas = tools.stream(c.index, out.delta_text, done)
+                    deltas = think.stream(c.index, out.delta_text, done, tools.stream)
                     for j, d in enumerate(deltas):
                         yield chunk(c.index, d, lp=lp if j == len(deltas) - 1 else None)
                     if not deltas and lp is not None:
@@ -167,7 +178,7 @@ class OpenAIServingChat(OpenAIServing):
                         yield sse_event({"id": rid, "object": "chat.completion.chunk", "created": created,
                                          "model": model, "choices": [],
                                          "usage": usage(n_prompt, sum(len(x.token_ids) for x in out.outputs),
-                                                        cached)})
+                                                        cached, await think.reasoning_tokens(self.engine))})
             except Exception as e:  # noqa: BLE001
                 yield sse_error(e)
             yield SSE_DONE
