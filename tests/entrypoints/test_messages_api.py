@@ -481,3 +481,69 @@ def test_error_mid_stream_is_an_error_event(server):
         "error", {"type": "error", "error": {"type": "overloaded_error", "message": "drain time is over"}})
     assert "message_stop" not in [n for n, _ in events]
     assert _post(server, "/v1/messages/count_tokens", {"model": _model(server), "messages": ASK}).status_code == 200
+
+
+# --------------------------------------------------------------------------------------
+# Reasoning (--reasoning-parser): thinking blocks, without a model
+# --------------------------------------------------------------------------------------
+def _thinking_parts(text: str, cut: int | None):
+    """(whole blocks, streamed blocks rebuilt from the events) of ``text`` under the qwen3
+    parser, the stream cut into two deltas at ``cut`` (None: one per character)."""
+    from pagedllm.entrypoints.anthropic.serving_messages import message_blocks
+    from pagedllm.entrypoints.openai.chat_reasoning import ChatReasoning
+    from pagedllm.entrypoints.openai.chat_tools import ChatTools
+    from pagedllm.outputs import CompletionOutput
+
+    chat = _request(messages=ASK).to_chat_request()
+    c = CompletionOutput(index=0, text=text, token_ids=[1], cumulative_logprob=None, logprobs=None,
+                         finish_reason="stop")
+    whole, _ = message_blocks(ChatTools(chat, None, False, None), ChatReasoning("qwen3", None, False), c)
+    pieces = [text[:cut], text[cut:]] if cut is not None else list(text)
+    tools, think, b = ChatTools(chat, None, False, None), ChatReasoning("qwen3", None, False), BlockEvents()
+    events = []
+    for i, p in enumerate(pieces):
+        events += b.feed(think.stream(0, p, i == len(pieces) - 1, tools.stream))
+    events += b.close()
+    blocks = []
+    for e in events:
+        data = json.loads(e.split("\n")[1].removeprefix("data: "))
+        if data["type"] == "content_block_start":
+            blocks.append(dict(data["content_block"]))
+        elif data["type"] == "content_block_delta":
+            d = data["delta"]
+            key = "thinking" if d["type"] == "thinking_delta" else "text"
+            blocks[data["index"]][key] += d[key]
+    return whole, blocks
+
+
+@pytest.mark.parametrize("cut", [None, 3, 9, 14, 20])
+def test_thinking_block_first_whole_and_streamed(cut):
+    whole, streamed = _thinking_parts("<think>plan it</think>Paris.", cut)
+    assert whole == [{"type": "thinking", "thinking": "plan it", "signature": ""}, {"type": "text", "text": "Paris."}]
+    assert streamed == whole
+
+
+def test_no_think_block_is_all_text_and_an_unclosed_one_all_thinking():
+    assert _thinking_parts("Paris.", None) == ([{"type": "text", "text": "Paris."}],) * 2
+    whole, streamed = _thinking_parts("<think>still going", 5)
+    assert whole == streamed == [{"type": "thinking", "thinking": "still going", "signature": ""}]
+
+
+def test_thinking_in_history_is_dropped_and_sets_enable_thinking():
+    body = _request(messages=[
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": [{"type": "thinking", "thinking": "greet back", "signature": "s"},
+                                          {"type": "redacted_thinking", "data": "xx"},
+                                          {"type": "text", "text": "Hello!"}]},
+        {"role": "user", "content": "Bye"}], thinking={"type": "enabled", "budget_tokens": 1024})
+    chat = body.to_chat_request()
+    assert [m.model_dump()["content"] for m in chat.messages] == [
+        [{"type": "text", "text": "Hi"}], [{"type": "text", "text": "Hello!"}], [{"type": "text", "text": "Bye"}]]
+    assert chat.chat_template_kwargs == {"enable_thinking": True}
+    assert _request(messages=ASK, thinking={"type": "disabled"}).to_chat_request().chat_template_kwargs == {
+        "enable_thinking": False}
+    assert _request(messages=ASK).to_chat_request().chat_template_kwargs is None
+    with pytest.raises(InvalidParameterError, match="thinking block belongs in an assistant message") as e:
+        _request(messages=[{"role": "user", "content": [{"type": "thinking", "thinking": "x", "signature": ""}]}]
+                 ).to_chat_request()
+    assert e.value.param == "messages"

@@ -17,11 +17,15 @@ from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
 from pagedllm.errors import InvalidParameterError, check_unicode_json
 
 TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
-BLOCK_TYPES = ("text", "tool_use", "tool_result")
+BLOCK_TYPES = ("text", "tool_use", "tool_result", "thinking", "redacted_thinking")
 # Keys a block may carry besides its own: cache_control is accepted without effect (prefix
 # caching is automatic), as are a text block's citations (the model never sees them).
 _BLOCK_KEYS = {"text": ("text", "citations"), "tool_use": ("id", "name", "input"),
-               "tool_result": ("tool_use_id", "content", "is_error")}
+               "tool_result": ("tool_use_id", "content", "is_error"), "thinking": ("thinking", "signature"),
+               "redacted_thinking": ("data",)}
+# An earlier assistant turn's thinking is accepted and left out of the prompt, as Anthropic's
+# API strips it from the context.
+THINKING_BLOCKS = ("thinking", "redacted_thinking")
 
 
 class _Body(BaseModel):
@@ -96,10 +100,12 @@ class CountTokensRequest(_Body):
         """
         tools = chat_tools(self.tools)
         choice, parallel = chat_tool_choice(self.tool_choice, [t["function"]["name"] for t in tools])
+        # thinking given: the template's enable_thinking (Qwen3-style templates) follows it
+        kwargs = None if self.thinking is None else {"enable_thinking": self.thinking_enabled}
         return MessagesChatRequest.model_validate({
             "model": self.model, "messages": chat_messages(self.system, self.messages),
             "tools": tools or None, "tool_choice": choice, "parallel_tool_calls": parallel,
-            **self.sampling_fields()})
+            "chat_template_kwargs": kwargs, **self.sampling_fields()})
 
 
 class MessagesRequest(CountTokensRequest):
@@ -238,6 +244,8 @@ def _assistant(i: int, blocks: list, call_ids: set[str]) -> dict:
         kind = _kind(b, where)
         if kind == "text":
             texts.append(_text(b, where, "messages"))
+        elif kind in THINKING_BLOCKS:
+            continue
         elif kind == "tool_use":
             if not isinstance(b.get("id"), str) or not b["id"]:
                 raise InvalidParameterError("messages", f"{where}.id must be a non-empty string")
@@ -265,8 +273,8 @@ def _user(i: int, blocks: list, call_ids: set[str]) -> list[dict]:
         if kind == "text":
             texts.append(_text(b, where, "messages"))
             continue
-        if kind == "tool_use":
-            raise InvalidParameterError("messages", f"{where}: a tool_use block belongs in an assistant message")
+        if kind == "tool_use" or kind in THINKING_BLOCKS:
+            raise InvalidParameterError("messages", f"{where}: a {kind} block belongs in an assistant message")
         if texts:
             out.append({"role": "user", "content": texts})
             texts = []

@@ -1,14 +1,13 @@
 """``POST /v1/messages`` and ``POST /v1/messages/count_tokens`` over the chat pipeline: the
 request becomes a chat request (``protocol``) that ``OpenAIServingChat`` renders and whose
 ``ChatTools`` constrain and read the tool calls; the answer is content blocks (``text``,
-``tool_use``), a ``stop_reason`` and ``usage``, whole or as Anthropic's server-sent events
+``tool_use``; ``thinking`` with ``--reasoning-parser``), a ``stop_reason`` and ``usage``, whole or as Anthropic's server-sent events
 (``message_start``, ``ping``, ``content_block_start`` / ``_delta`` / ``_stop``,
 ``message_delta``, ``message_stop``; ``error`` when the stream fails). Usage counts as
 Anthropic's does: ``input_tokens`` are the prompt tokens not read from the prefix cache,
 ``cache_read_input_tokens`` those read from it."""
 from __future__ import annotations
 
-import dataclasses
 import json
 
 from fastapi import Request
@@ -18,6 +17,7 @@ from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.entrypoints.anthropic.errors import stream_error_body
 from pagedllm.entrypoints.anthropic.protocol import CountTokensRequest, MessagesChatRequest, MessagesRequest
 from pagedllm.entrypoints.openai.admission import AdmissionControl
+from pagedllm.entrypoints.openai.chat_reasoning import ChatReasoning
 from pagedllm.entrypoints.openai.chat_tools import ChatTools
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_engine import OpenAIServing
@@ -54,20 +54,14 @@ def tool_use_id(call_id: str) -> str:
     return "toolu_" + call_id.removeprefix("call_")
 
 
-# --- reasoning seam ------------------------------------------------------------------------
-def split_thinking(text: str) -> tuple[list[dict], str]:
-    """(``thinking`` blocks, answer text) of a whole generated text; tool calls are read from
-    the answer only. Without a reasoning parser there are no thinking blocks; issue 47's
-    ``--reasoning-parser`` plugs in here, and in ``_stream`` where its comment says."""
-    return [], text
-
-
-def message_blocks(tools: ChatTools, c: CompletionOutput) -> tuple[list[dict], str | None]:
-    """(content blocks, chat finish reason) of a finished completion: thinking, then the
-    answer's text (none when empty), then its tool calls."""
-    thinking, answer = split_thinking(c.text)
-    message, finish = tools.message(dataclasses.replace(c, text=answer))
-    blocks = thinking + ([{"type": "text", "text": message["content"]}] if message["content"] else [])
+def message_blocks(tools: ChatTools, think: ChatReasoning, c: CompletionOutput) -> tuple[list[dict], str | None]:
+    """(content blocks, chat finish reason) of a finished completion: its reasoning as a
+    ``thinking`` block (with ``--reasoning-parser``), then the answer's text (none when empty),
+    then the tool calls read from the answer."""
+    reasoning, answer = think.split(c)
+    message, finish = tools.message(answer)
+    blocks = [{"type": "thinking", "thinking": reasoning, "signature": ""}] if reasoning else []
+    blocks += [{"type": "text", "text": message["content"]}] if message["content"] else []
     blocks += [{"type": "tool_use", "id": tool_use_id(tc["id"]), "name": tc["function"]["name"],
                 "input": json.loads(tc["function"]["arguments"])} for tc in message.get("tool_calls") or ()]
     return blocks, finish
@@ -102,8 +96,13 @@ class BlockEvents:
         return [event("content_block_stop", {"type": "content_block_stop", "index": self.index})]
 
     def feed(self, deltas: list[dict]) -> list[str]:
-        """The events of one list of chat deltas."""
+        """The events of one list of chat deltas (reasoning first: a ``thinking`` block)."""
         out = []
+        thinking = "".join(d.get("reasoning_content") or "" for d in deltas)
+        if thinking:
+            if self.open != "thinking":
+                out += self._start({"type": "thinking", "thinking": "", "signature": ""})
+            out.append(self._delta({"type": "thinking_delta", "thinking": thinking}))
         text = "".join(d.get("content") or "" for d in deltas)
         if text:
             if self.open != "text":
@@ -134,9 +133,9 @@ class AnthropicServingMessages(OpenAIServing):
 
     async def _prepare(self, body: CountTokensRequest) -> tuple[MessagesChatRequest, ChatTools, list[int]]:
         """(the chat request, its tools, the prompt token ids) of ``body``."""
-        if body.thinking_enabled:
+        if body.thinking_enabled and self.chat.reasoning_parser is None:
             raise InvalidParameterError("thinking", f"thinking of type {body.thinking.type!r} needs a reasoning "
-                                                    "parser, and this server runs without one")
+                                                    "parser, and this server runs without --reasoning-parser")
         chat_body = body.to_chat_request()
         if chat_body.tools and chat_body.tool_choice in (None, "auto") and not self.chat.enable_auto_tool_choice:
             raise InvalidParameterError("tool_choice", 'tool_choice "auto" (the default with tools) needs the server '
@@ -181,25 +180,27 @@ class AnthropicServingMessages(OpenAIServing):
             stream = await self.engine.add_request(engine_rid, ids, params)
         except InvalidParameterError as e:
             raise chat_body.to_api_error(e) from e
+        think = ChatReasoning(self.chat.reasoning_parser, chat_body.chat_template_kwargs,
+                              params.structured_outputs is not None)
         headers = {"X-PagedLLM-Warning": tools.note} if tools.note else None
         if body.stream:
-            return StreamingResponse(self._stream(stream, rid, tools, raw.state), media_type="text/event-stream",
-                                     headers=headers)
-        result = await self.with_disconnect(raw, self._full(stream, rid, tools, raw.state), [stream])
+            return StreamingResponse(self._stream(stream, rid, tools, think, raw.state),
+                                     media_type="text/event-stream", headers=headers)
+        result = await self.with_disconnect(raw, self._full(stream, rid, tools, think, raw.state), [stream])
         return JSONResponse(result, headers=headers) if isinstance(result, dict) else result
 
     def _message(self, rid: str, content: list[dict], reason: str | None, sequence: str | None, use: dict) -> dict:
         return {"id": rid, "type": "message", "role": "assistant", "model": self.engine.model_name,
                 "content": content, "stop_reason": reason, "stop_sequence": sequence, "usage": use}
 
-    async def _full(self, stream, rid: str, tools: ChatTools, raw_state) -> dict:
+    async def _full(self, stream, rid: str, tools: ChatTools, think: ChatReasoning, raw_state) -> dict:
         out = await self.drain(stream)
         self.note_usage(raw_state, [out])
         c = out.outputs[0]
-        blocks, finish = message_blocks(tools, c)
+        blocks, finish = message_blocks(tools, think, c)
         return self._message(rid, blocks, *stop_reason(finish, c.stop_reason), usage(out, len(c.token_ids)))
 
-    async def _stream(self, stream, rid: str, tools: ChatTools, raw_state):
+    async def _stream(self, stream, rid: str, tools: ChatTools, think: ChatReasoning, raw_state):
         blocks = BlockEvents()
         started = False
         try:
@@ -212,8 +213,7 @@ class AnthropicServingMessages(OpenAIServing):
                                                       "message": self._message(rid, [], None, None, usage(out, 0))})
                         yield event("ping", {"type": "ping"})
                     done = c.finish_reason is not None
-                    # reasoning seam (streamed): split out.delta_text as split_thinking splits the whole text
-                    for e in blocks.feed(tools.stream(c.index, out.delta_text, done)):
+                    for e in blocks.feed(think.stream(c.index, out.delta_text, done, tools.stream)):
                         yield e
                     self.note_usage(raw_state, [out])
                     if done:
