@@ -8,7 +8,7 @@ import time
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from pagedllm.engine.async_llm import AsyncLLM
+from pagedllm.engine.async_llm import AsyncLLM, RequestStream
 from pagedllm.entrypoints.openai.admission import AdmissionControl
 from pagedllm.entrypoints.openai.chat_tools import ChatTools
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
@@ -17,7 +17,7 @@ from pagedllm.entrypoints.openai.serving_engine import SSE_DONE, OpenAIServing, 
 from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
 from pagedllm.entrypoints.openai.tool_calls import get_tool_parser
 from pagedllm.errors import EngineDeadError, InvalidParameterError
-from pagedllm.sampling_params import MAX_N
+from pagedllm.sampling_params import MAX_N, SamplingParams
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -63,6 +63,26 @@ class OpenAIServingChat(OpenAIServing):
         rid, engine_rid = self.request_ids(raw, "chatcmpl")
         self.log_user(body, rid)
         created = int(time.time())
+        tools, params, stream = await self.start(body, engine_rid)
+        headers = {"X-PagedLLM-Warning": tools.note} if tools.note else None
+        if body.stream:
+            return StreamingResponse(self._stream(stream, rid, created, body, params, tools, raw.state),
+                                     media_type="text/event-stream", headers=headers)
+        result = await self.with_disconnect(raw, self._full(stream, rid, created, params, tools, raw.state), [stream])
+        if isinstance(result, dict) and headers:
+            return JSONResponse(result, headers=headers)
+        return result
+
+    async def start(self, body: ChatCompletionRequest, engine_rid: str
+                    ) -> tuple[ChatTools, SamplingParams, RequestStream]:
+        """Render ``body``'s conversation with the chat template and queue it as ``engine_rid``:
+        (its tools, its sampling parameters, the engine's stream). Also the start of the APIs
+        that speak in chat turns (``serving_responses``).
+
+        Raises:
+            InvalidParameterError: a bad field, named as ``body`` spells it; nothing is queued.
+            EngineDeadError: the engine has died.
+        """
         tools = ChatTools(body, self.engine, self.enable_auto_tool_choice, self.tool_call_parser)
         try:
             # Checked and reduced to string content by the engine (normalize_chat_messages).
@@ -82,14 +102,7 @@ class OpenAIServingChat(OpenAIServing):
             stream = await self.engine.add_request(engine_rid, ids, params)
         except InvalidParameterError as e:
             raise body.to_api_error(e) from e
-        headers = {"X-PagedLLM-Warning": tools.note} if tools.note else None
-        if body.stream:
-            return StreamingResponse(self._stream(stream, rid, created, body, params, tools, raw.state),
-                                     media_type="text/event-stream", headers=headers)
-        result = await self.with_disconnect(raw, self._full(stream, rid, created, params, tools, raw.state), [stream])
-        if isinstance(result, dict) and headers:
-            return JSONResponse(result, headers=headers)
-        return result
+        return tools, params, stream
 
     async def _full(self, stream, rid: str, created: int, params, tools: ChatTools, raw_state) -> dict:
         out = await self.drain(stream)
