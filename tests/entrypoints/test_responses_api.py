@@ -104,6 +104,9 @@ def test_items_become_chat_turns():
     ([{"role": "tool", "content": "x"}], "role must be one of"),
     ([{"type": "function_call", "call_id": "c", "name": "f"}], "needs arguments"),
     ([{"role": "user", "content": "x", "name": "bob"}], "unknown keys: name"),
+    ([{"type": {"a": 1}}], "is not supported"),
+    ([{"type": "reasoning", "content": 5}], "reasoning_text"),
+    ([{"role": "user", "content": "\ud800"}], "lone surrogate"),
 ])
 def test_bad_items_name_input(items, needle):
     with pytest.raises(InvalidParameterError) as e:
@@ -120,6 +123,49 @@ def test_chat_errors_renamed_to_responses_fields():
     assert (e.param, str(e)) == ("text", "text.format x")
     e = InvalidParameterError("temperature", "bad")
     assert chat_error_as_responses(e) is e
+
+
+def _auto_tools():
+    from types import SimpleNamespace
+
+    from pagedllm.entrypoints.openai.chat_tools import ChatTools
+
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    body = SimpleNamespace(tools=tools, tool_choice="auto", parallel_tool_calls=True, functions=None,
+                           function_call=None, chat_template=None, response_format=None, structured_outputs=None)
+    return ChatTools(body, engine=None, enable_auto_tool_choice=True, tool_call_parser="hermes")
+
+
+CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+
+
+@pytest.mark.parametrize("text, finish, types, statuses", [
+    ("Paris is sunny.", "stop", ["message"], ["completed"]),
+    ("Paris is", "length", ["message"], ["incomplete"]),
+    (f"Let me check. {CALL} Done.", "stop", ["message", "function_call"], ["completed", "completed"]),
+    (f"{CALL}\nafter", "stop", ["message", "function_call"], ["completed", "completed"]),
+    (f"{CALL}{CALL}", "stop", ["function_call", "function_call"], ["completed", "completed"]),
+    ("", "stop", [], []),
+])
+def test_streamed_items_equal_whole_items(text, finish, types, statuses):
+    """Text after a call joins the message ahead of the calls, as in the whole completion."""
+    from pagedllm.entrypoints.openai.serving_responses import ResponseOutput
+    from pagedllm.outputs import CompletionOutput
+
+    whole = ResponseOutput(_auto_tools()).items(CompletionOutput(0, text, [], finish))
+    streamed = ResponseOutput(_auto_tools())
+    events = []
+    for i in range(0, len(text), 5):
+        events += streamed.stream(text[i:i + 5], None)
+    events += streamed.stream("", finish)
+
+    def strip(items):
+        return [{k: v for k, v in it.items() if k not in ("id", "call_id")} for it in items]
+    assert strip(streamed.output) == strip(whole)
+    assert [it["type"] for it in whole] == types and [it["status"] for it in whole] == statuses
+    added = [e["output_index"] for e in events if e["type"] == "response.output_item.added"]
+    done = [e["output_index"] for e in events if e["type"] == "response.output_item.done"]
+    assert added == done == list(range(len(types)))   # each item closed before the next opens
 
 
 # --------------------------------------------------------------------------------------
@@ -146,7 +192,8 @@ def model(server):
 
 
 def _post(server, body: dict) -> httpx.Response:
-    return httpx.post(f"{server.url}/v1/responses", json=body, timeout=120)
+    return httpx.post(f"{server.url}/v1/responses", content=json.dumps(body), timeout=120,   # ASCII-escaped
+                      headers={"Content-Type": "application/json"})
 
 
 def _whole(server, body: dict) -> dict:
@@ -300,11 +347,11 @@ def test_tool_loop_through_the_client(server, client, model):
 
 @slow
 def test_json_schema_output_validates(server, client, model):
-    r = client.responses.create(model=model, input="Describe a person as JSON.", max_output_tokens=60,
-                                temperature=0, text={"format": {"type": "json_schema", "name": "person",
-                                                                "schema": PERSON, "strict": True}})
-    assert r.status == "completed" and r.text.format.type == "json_schema"
-    jsonschema.validate(json.loads(r.output_text), PERSON)
+    fmt = {"type": "json_schema", "name": "person", "schema": PERSON, "strict": True}
+    r = _whole(server, {"model": model, "input": "Describe a person as JSON.", "max_output_tokens": 60,
+                        "temperature": 0, "text": {"format": fmt}})
+    assert r["status"] == "completed" and r["text"] == {"format": fmt}
+    jsonschema.validate(json.loads(r["output"][0]["content"][0]["text"]), PERSON)
     obj = client.responses.create(model=model, input="A JSON object with a colour.", max_output_tokens=40,
                                   temperature=0, text={"format": {"type": "json_object"}})
     assert obj.output_text.startswith("{")   # constrained to an object (this one rambles past 40 tokens)
@@ -368,6 +415,7 @@ def test_store_false_is_not_retrievable(server, model):
     ({"max_output_tokens": 0}, "max_output_tokens", "max_output_tokens"),
     ({"input": "x" * 6000}, "input", "max_model_len"),
     ({"conversation": "conv_1"}, "conversation", "unrecognized"),
+    ({"metadata": {"k": "\ud800"}}, "metadata", "lone surrogate"),
 ])
 def test_bad_requests_name_the_field(server, model, extra, param, needle):
     r = _post(server, {"model": model, "input": "Hi", "max_output_tokens": 2, **extra})
@@ -401,3 +449,17 @@ def test_error_mid_stream_is_an_error_event_and_nothing_is_stored(server, model)
     _error(httpx.get(f"{server.url}/v1/responses/{events[0]['response']['id']}", timeout=30), 404, "response_id")
     r = httpx.get(f"{server.url}/v1/responses/{events[0]['response']['id']}?stream=true", timeout=30)
     _error(r, 400, "stream")
+
+
+@slow
+@pytest.mark.parametrize("choice", ["auto", "required"])
+def test_streamed_tool_choices_equal_whole(server, model, choice):
+    body = {"model": model, "input": "What is the weather in Tokyo? Use the tool.", "tools": TOOLS,
+            "tool_choice": choice, "parallel_tool_calls": False, "max_output_tokens": 60, "temperature": 0,
+            "store": False}
+    whole = _whole(server, body)
+    final = _events(server, body)[-1]["response"]
+    assert _without_ids(final) == _without_ids(whole)
+    if choice == "required":
+        assert [item["type"] for item in whole["output"]] == ["function_call"]
+        jsonschema.validate(json.loads(whole["output"][0]["arguments"]), WEATHER)

@@ -14,7 +14,7 @@ from typing import Any, Literal
 from pydantic import Field
 
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, _Strict
-from pagedllm.errors import InvalidParameterError
+from pagedllm.errors import InvalidParameterError, check_unicode_json
 
 INPUT_ROLES = ("user", "assistant", "system", "developer")
 TEXT_PARTS = ("input_text", "output_text")
@@ -116,6 +116,9 @@ class ResponsesRequest(_Strict):
             raise InvalidParameterError("text", "text.verbosity is not supported (only \"medium\", the default)")
         if self.stream_options is not None and not self.stream:
             raise InvalidParameterError("stream_options", "stream_options is only allowed when stream is true")
+        for name in ("instructions", "metadata", "user", "text"):   # echoed in the response
+            value = getattr(self, name)
+            check_unicode_json(name, value.model_dump(by_alias=True) if name == "text" and value else value)
 
     def input_items(self) -> list[dict]:
         """``input`` as checked items (a string is one user message); ``type`` is always set.
@@ -123,6 +126,7 @@ class ResponsesRequest(_Strict):
         Raises:
             InvalidParameterError(param="input"): an item of another type or shape.
         """
+        check_unicode_json("input", self.input)
         if isinstance(self.input, str):
             return [{"type": "message", "role": "user", "content": self.input}]
         if not self.input and self.previous_response_id is None:
@@ -228,7 +232,7 @@ def _check_item(i: int, item) -> dict:
     if not isinstance(item, dict):
         raise InvalidParameterError("input", f"{where} must be an object")
     kind = item.get("type", "message")
-    if kind not in _ITEM_KEYS:
+    if not isinstance(kind, str) or kind not in _ITEM_KEYS:
         raise InvalidParameterError("input", f"{where}.type {kind!r} is not supported (supported: "
                                              f"{', '.join(_ITEM_KEYS)})")
     required, optional = _ITEM_KEYS[kind]
@@ -250,8 +254,14 @@ def _check_item(i: int, item) -> dict:
                 raise InvalidParameterError("input", f"{where}.{k} must be a string")
         if kind == "function_call_output":
             _text(item["output"], f"{where}.output")
-    elif item.get("encrypted_content") is not None:
-        raise InvalidParameterError("input", f"{where}.encrypted_content cannot be read by this server")
+    else:
+        if item.get("encrypted_content") is not None:
+            raise InvalidParameterError("input", f"{where}.encrypted_content cannot be read by this server")
+        parts = item.get("content") or []
+        if not isinstance(parts, list) or not all(isinstance(p, dict) and isinstance(p.get("text"), str)
+                                                  for p in parts):
+            raise InvalidParameterError("input", f"{where}.content must be an array of "
+                                                 '{"type": "reasoning_text", "text": ...} parts')
     return item
 
 
@@ -286,7 +296,7 @@ def conversation_messages(items: list[dict], instructions: str | None, num_previ
     for i, item in enumerate(items):
         kind = item["type"]
         if kind == "reasoning":
-            reasoning += "".join(p.get("text", "") for p in item.get("content") or [] if isinstance(p, dict))
+            reasoning += "".join(p["text"] for p in item.get("content") or [])
             continue
         if kind == "function_call_output":
             if item["call_id"] not in calls:
