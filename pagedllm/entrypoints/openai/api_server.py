@@ -25,6 +25,7 @@ from pagedllm.entrypoints.openai.router import router
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
+from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from pagedllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from pagedllm.errors import InvalidParameterError, ServerShuttingDownError
 
@@ -64,6 +65,7 @@ def build_app(engine: AsyncLLM, prometheus=None, trust_request_chat_template: bo
     state.openai_serving_models = models
     state.openai_serving_completion = OpenAIServingCompletion(engine, models, admission)
     state.openai_serving_chat = chat
+    state.openai_serving_responses = OpenAIServingResponses(engine, models, chat, admission)
     state.openai_serving_tokenization = OpenAIServingTokenization(engine, models)
     state.anthropic_serving_messages = AnthropicServingMessages(engine, models, admission, chat)
     # each on the app itself: app.routes lists them (include_router nests them)

@@ -301,7 +301,7 @@ _UNION_TAG = re.compile(r"^(str|int|float|bool|none|(list|dict|tuple|set)\[.*\]|
 _SHAPES = {"str": "a string", "int": "an integer", "float": "a number", "bool": "a boolean",
            "list[str]": "an array of strings", "list[int]": "an array of integers",
            "list[list[int]]": "an array of arrays of integers",
-           "list[dict[str,any]]": "an array of content parts"}
+           "list[dict[str,any]]": "an array of content parts", "list[any]": "an array"}
 # JSON type of a parsed value: (one, several), as error messages name them.
 _JSON_TYPES = {type(None): ("null", "null"), bool: ("a boolean", "booleans"),
                int: ("an integer", "integers"), float: ("a number", "numbers"),

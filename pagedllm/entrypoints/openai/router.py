@@ -10,9 +10,11 @@ import pagedllm
 from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                                   TokenizeRequest)
+from pagedllm.entrypoints.openai.responses_protocol import ResponsesRequest
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
+from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from pagedllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 
 router = APIRouter()
@@ -32,6 +34,10 @@ def completion(raw: Request) -> OpenAIServingCompletion:
 
 def chat(raw: Request) -> OpenAIServingChat:
     return raw.app.state.openai_serving_chat
+
+
+def responses(raw: Request) -> OpenAIServingResponses:
+    return raw.app.state.openai_serving_responses
 
 
 def tokenization(raw: Request) -> OpenAIServingTokenization:
@@ -101,3 +107,18 @@ async def create_completion(body: CompletionRequest, raw: Request):
 @router.post("/v1/chat/completions")
 async def create_chat_completion(body: ChatCompletionRequest, raw: Request):
     return await chat(raw).create_chat_completion(body, raw)
+
+
+@router.post("/v1/responses")
+async def create_response(body: ResponsesRequest, raw: Request):
+    return await responses(raw).create_response(body, raw)
+
+
+@router.get("/v1/responses/{response_id}")
+async def retrieve_response(response_id: str, raw: Request):
+    return responses(raw).retrieve_response(response_id, raw)
+
+
+@router.delete("/v1/responses/{response_id}")
+async def delete_response(response_id: str, raw: Request):
+    return responses(raw).delete_response(response_id)

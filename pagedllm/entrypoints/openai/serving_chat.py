@@ -8,7 +8,7 @@ import time
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from pagedllm.engine.async_llm import AsyncLLM
+from pagedllm.engine.async_llm import AsyncLLM, RequestStream
 from pagedllm.entrypoints.openai.admission import AdmissionControl
 from pagedllm.entrypoints.openai.chat_reasoning import ChatReasoning
 from pagedllm.entrypoints.openai.chat_tools import ChatTools
@@ -19,7 +19,7 @@ from pagedllm.entrypoints.openai.serving_engine import SSE_DONE, OpenAIServing, 
 from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
 from pagedllm.entrypoints.openai.tool_calls import get_tool_parser
 from pagedllm.errors import EngineDeadError, InvalidParameterError
-from pagedllm.sampling_params import MAX_N
+from pagedllm.sampling_params import MAX_N, SamplingParams
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -69,13 +69,7 @@ class OpenAIServingChat(OpenAIServing):
         rid, engine_rid = self.request_ids(raw, "chatcmpl")
         self.log_user(body, rid)
         created = int(time.time())
-        tools = self.chat_tools(body)
-        try:
-            ids = await self.render(body, tools)
-            params = body.to_sampling_params(default_max_tokens=None, constraint=tools.constraint())
-            stream = await self.engine.add_request(engine_rid, ids, params)
-        except InvalidParameterError as e:
-            raise body.to_api_error(e) from e
+        tools, params, stream = await self.start(body, engine_rid)
         think = ChatReasoning(self.reasoning_parser, body.chat_template_kwargs, params.structured_outputs is not None)
         headers = {"X-PagedLLM-Warning": tools.note} if tools.note else None
         if body.stream:
@@ -86,6 +80,25 @@ class OpenAIServingChat(OpenAIServing):
         if isinstance(result, dict) and headers:
             return JSONResponse(result, headers=headers)
         return result
+
+    async def start(self, body: ChatCompletionRequest, engine_rid: str
+                    ) -> tuple[ChatTools, SamplingParams, RequestStream]:
+        """Render ``body``'s conversation with the chat template and queue it as ``engine_rid``:
+        (its tools, its sampling parameters, the engine's stream). Also the start of the APIs
+        that speak in chat turns (``serving_responses``, ``anthropic/serving_messages``).
+
+        Raises:
+            InvalidParameterError: a bad field, named as ``body`` spells it; nothing is queued.
+            EngineDeadError: the engine has died.
+        """
+        tools = self.chat_tools(body)
+        try:
+            ids = await self.render(body, tools)
+            params = body.to_sampling_params(default_max_tokens=None, constraint=tools.constraint())
+            stream = await self.engine.add_request(engine_rid, ids, params)
+        except InvalidParameterError as e:
+            raise body.to_api_error(e) from e
+        return tools, params, stream
 
     def chat_tools(self, body: ChatCompletionRequest) -> ChatTools:
         """The tool calling of ``body`` under this server's flags (``ChatTools``' errors)."""
