@@ -139,21 +139,32 @@ def _auto_tools():
 CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
 
 
-@pytest.mark.parametrize("text, finish, types, statuses", [
-    ("Paris is sunny.", "stop", ["message"], ["completed"]),
-    ("Paris is", "length", ["message"], ["incomplete"]),
-    (f"Let me check. {CALL} Done.", "stop", ["message", "function_call"], ["completed", "completed"]),
-    (f"{CALL}\nafter", "stop", ["message", "function_call"], ["completed", "completed"]),
-    (f"{CALL}{CALL}", "stop", ["function_call", "function_call"], ["completed", "completed"]),
-    ("", "stop", [], []),
+@pytest.mark.parametrize("text, finish, types, statuses, parser", [
+    ("Paris is sunny.", "stop", ["message"], ["completed"], None),
+    ("Paris is", "length", ["message"], ["incomplete"], None),
+    (f"Let me check. {CALL} Done.", "stop", ["message", "function_call"], ["completed", "completed"], None),
+    (f"{CALL}\nafter", "stop", ["message", "function_call"], ["completed", "completed"], None),
+    (f"{CALL}{CALL}", "stop", ["function_call", "function_call"], ["completed", "completed"], None),
+    ("", "stop", [], [], None),
+    # --reasoning-parser qwen3: the think part is a reasoning item first; calls only from the answer
+    ("<think>plan</think>Paris.", "stop", ["reasoning", "message"], ["completed"] * 2, "qwen3"),
+    (f"<think>maybe {CALL}</think>{CALL}", "stop", ["reasoning", "function_call"], ["completed"] * 2, "qwen3"),
+    ("<think>cut off here", "length", ["reasoning"], ["incomplete"], "qwen3"),
+    ("no tags", "stop", ["message"], ["completed"], "qwen3"),
 ])
-def test_streamed_items_equal_whole_items(text, finish, types, statuses):
-    """Text after a call joins the message ahead of the calls, as in the whole completion."""
+def test_streamed_items_equal_whole_items(text, finish, types, statuses, parser):
+    """Text after a call joins the message ahead of the calls, as in the whole completion;
+    the client's typed models parse every item and event."""
+    from openai.types.responses import ResponseOutputItem, ResponseStreamEvent
+    from pydantic import TypeAdapter
+
+    from pagedllm.entrypoints.openai.chat_reasoning import ChatReasoning
     from pagedllm.entrypoints.openai.serving_responses import ResponseOutput
     from pagedllm.outputs import CompletionOutput
 
-    whole = ResponseOutput(_auto_tools()).items(CompletionOutput(0, text, [], finish))
-    streamed = ResponseOutput(_auto_tools())
+    whole = ResponseOutput(_auto_tools(), ChatReasoning(parser, None, False)).items(
+        CompletionOutput(0, text, [], finish))
+    streamed = ResponseOutput(_auto_tools(), ChatReasoning(parser, None, False))
     events = []
     for i in range(0, len(text), 5):
         events += streamed.stream(text[i:i + 5], None)
@@ -166,6 +177,10 @@ def test_streamed_items_equal_whole_items(text, finish, types, statuses):
     added = [e["output_index"] for e in events if e["type"] == "response.output_item.added"]
     done = [e["output_index"] for e in events if e["type"] == "response.output_item.done"]
     assert added == done == list(range(len(types)))   # each item closed before the next opens
+    for item in whole:
+        TypeAdapter(ResponseOutputItem).validate_python(item)
+    for n, e in enumerate(events):
+        TypeAdapter(ResponseStreamEvent).validate_python({**e, "sequence_number": n})
 
 
 # --------------------------------------------------------------------------------------

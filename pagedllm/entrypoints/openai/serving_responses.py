@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.entrypoints.openai.admission import AdmissionControl
+from pagedllm.entrypoints.openai.chat_reasoning import ChatReasoning
 from pagedllm.entrypoints.openai.chat_tools import ChatTools
 from pagedllm.entrypoints.openai.errors import error_response, stream_error_body
 from pagedllm.entrypoints.openai.responses_protocol import ResponsesRequest, chat_error_as_responses
@@ -35,6 +36,11 @@ def _message_item(item_id: str, text: str, status: str) -> dict:
             "content": [{"type": "output_text", "text": text, "annotations": []}]}
 
 
+def _reasoning_item(item_id: str, text: str, status: str) -> dict:
+    return {"type": "reasoning", "id": item_id, "summary": [],
+            "content": [{"type": "reasoning_text", "text": text}], "status": status}
+
+
 def _call_item(item_id: str, call_id: str, name: str, arguments: str, status: str) -> dict:
     return {"id": item_id, "type": "function_call", "status": status, "call_id": call_id, "name": name,
             "arguments": arguments}
@@ -43,28 +49,32 @@ def _call_item(item_id: str, call_id: str, name: str, arguments: str, status: st
 class ResponseOutput:
     """The output items of one response, made from its generated text: whole (``items``) or
     streamed (``stream``, as the API's events without ``sequence_number``); both give the
-    same items. Text and tool calls are read by ``ChatTools`` (sequence 0).
+    same items. With ``--reasoning-parser`` (``think``) the think part becomes a ``reasoning``
+    item first and only the answer goes on to ``ChatTools`` (sequence 0), so calls are read
+    from the answer alone."""
 
-    Reasoning seam: this is where generated text becomes output items, and the only place.
-    A reasoning parser splits the text here first: a ``reasoning`` item ahead of the answer's
-    items, and only the answer goes on to ``ChatTools`` (so calls are read from it alone).
-    """
-
-    def __init__(self, tools: ChatTools):
-        self.tools = tools
+    def __init__(self, tools: ChatTools, think: ChatReasoning):
+        self.tools, self.think = tools, think
         self.output: list[dict] = []          # streamed: the items so far (closed or open)
+        self._reasoning: dict | None = None   # the open reasoning item
         self._message: dict | None = None     # the open message item
         self._call: dict | None = None        # the open function_call item
 
     def items(self, c: CompletionOutput) -> list[dict]:
-        """The output items of the whole completion ``c``: a message when it has text (status
-        ``incomplete`` when cut by the length limit and no call follows), then its calls."""
-        message, _ = self.tools.message(c)
+        """The output items of the whole completion ``c``: its reasoning (with a parser), a
+        message when it has text (status ``incomplete`` when cut by the length limit and no
+        call follows), then its calls."""
+        reasoning, answer = self.think.split(c)
+        message, _ = self.tools.message(answer)
         calls = message.get("tool_calls") or []
+        cut = c.finish_reason == "length"
         out = []
+        if reasoning:
+            done = not cut or bool(message.get("content") or calls)
+            out.append(_reasoning_item(_new_id("rs"), reasoning, "completed" if done else "incomplete"))
         if message.get("content"):
-            cut = c.finish_reason == "length" and not calls
-            out.append(_message_item(_new_id("msg"), message["content"], "incomplete" if cut else "completed"))
+            out.append(_message_item(_new_id("msg"), message["content"],
+                                     "incomplete" if cut and not calls else "completed"))
         for tc in calls:
             out.append(_call_item(_new_id("fc"), tc["id"], tc["function"]["name"], tc["function"]["arguments"],
                                   "completed"))
@@ -73,11 +83,16 @@ class ResponseOutput:
     def stream(self, delta_text: str, finish_reason: str | None) -> list[dict]:
         """The events of the completion's next text (``finish_reason`` set: its last)."""
         done = finish_reason is not None
-        deltas = self.tools.stream(0, delta_text, done)
+        deltas = self.think.stream(0, delta_text, done, self.tools.stream)
         # Calls come only in a completion's last deltas, with any text after them in that
         # same batch (ChatTools holds text from a call's start to the end): that text goes to
         # the message first, which is where a whole completion's content puts it.
         events = []
+        for d in deltas:
+            if d.get("reasoning_content"):
+                events += self._reasoning_text(d["reasoning_content"])
+        if any(d.get("content") or d.get("tool_calls") for d in deltas):
+            events += self._close_reasoning("completed")
         for d in deltas:
             if d.get("content"):
                 events += self._text(d["content"])
@@ -85,9 +100,40 @@ class ResponseOutput:
             for tc in d.get("tool_calls") or []:
                 events += self._tool_call(tc)
         if done:
+            events += self._close_reasoning("incomplete" if finish_reason == "length" else "completed")
             events += self._close_message("incomplete" if finish_reason == "length" else "completed")
             events += self._close_call()
         return events
+
+    def _reasoning_text(self, text: str) -> list[dict]:
+        events = []
+        r = self._reasoning
+        if r is None:
+            r = self._reasoning = _reasoning_item(_new_id("rs"), "", "in_progress")
+            r["content"] = []
+            events.append({"type": "response.output_item.added", "output_index": len(self.output),
+                           "item": copy.deepcopy(r)})
+            self.output.append(r)
+            r["content"].append({"type": "reasoning_text", "text": ""})
+            events.append({"type": "response.content_part.added", "item_id": r["id"],
+                           "output_index": len(self.output) - 1, "content_index": 0,
+                           "part": copy.deepcopy(r["content"][0])})
+        r["content"][0]["text"] += text
+        events.append({"type": "response.reasoning_text.delta", "item_id": r["id"],
+                       "output_index": self.output.index(r), "content_index": 0, "delta": text})
+        return events
+
+    def _close_reasoning(self, status: str) -> list[dict]:
+        r, self._reasoning = self._reasoning, None
+        if r is None:
+            return []
+        i, part = self.output.index(r), r["content"][0]
+        r["status"] = status
+        return [{"type": "response.reasoning_text.done", "item_id": r["id"], "output_index": i, "content_index": 0,
+                 "text": part["text"]},
+                {"type": "response.content_part.done", "item_id": r["id"], "output_index": i, "content_index": 0,
+                 "part": copy.deepcopy(part)},
+                {"type": "response.output_item.done", "output_index": i, "item": copy.deepcopy(r)}]
 
     def _text(self, text: str) -> list[dict]:
         events = []
@@ -190,16 +236,18 @@ class OpenAIServingResponses(OpenAIServing):
         rid, engine_rid = _new_id("resp"), self.request_ids(raw, "resp")[1]
         self.log_user(body, rid)
         try:
-            tools, _, stream = await self.chat.start(chat_body, engine_rid)
+            tools, params, stream = await self.chat.start(chat_body, engine_rid)
         except InvalidParameterError as e:
             raise chat_error_as_responses(e) from e
         turn = _Turn(body, rid, items, previous, self.engine.model_name)
+        think = ChatReasoning(self.chat.reasoning_parser, chat_body.chat_template_kwargs,
+                              params.structured_outputs is not None)
+        output = ResponseOutput(tools, think)
         headers = {"X-PagedLLM-Warning": tools.note} if tools.note else None
         if body.stream:
-            return StreamingResponse(self._stream(stream, turn, ResponseOutput(tools), raw.state),
+            return StreamingResponse(self._stream(stream, turn, output, raw.state),
                                      media_type="text/event-stream", headers=headers)
-        result = await self.with_disconnect(raw, self._full(stream, turn, ResponseOutput(tools), raw.state),
-                                            [stream])
+        result = await self.with_disconnect(raw, self._full(stream, turn, output, raw.state), [stream])
         if isinstance(result, dict) and headers:
             return JSONResponse(result, headers=headers)
         return result
@@ -207,11 +255,12 @@ class OpenAIServingResponses(OpenAIServing):
     async def _full(self, stream, turn: _Turn, output: ResponseOutput, raw_state) -> dict:
         out = await self.drain(stream)
         self.note_usage(raw_state, [out])
-        return self._finish(turn, out, output.items(out.outputs[0]))
+        items = output.items(out.outputs[0])
+        return self._finish(turn, out, items, await output.think.reasoning_tokens(self.engine))
 
-    def _finish(self, turn: _Turn, out: RequestOutput, items: list[dict]) -> dict:
+    def _finish(self, turn: _Turn, out: RequestOutput, items: list[dict], reasoning_tokens: int | None) -> dict:
         """The finished response object (stored when asked to)."""
-        resp = turn.response(out, items)
+        resp = turn.response(out, items, reasoning_tokens or 0)
         if turn.body.store:
             self.store.put(resp, turn.items + items, turn.previous)
         return resp
@@ -236,7 +285,8 @@ class OpenAIServingResponses(OpenAIServing):
                     for e in output.stream(out.delta_text, c.finish_reason):
                         yield event(e)
                     if out.finished:
-                        resp = self._finish(turn, out, output.output)
+                        resp = self._finish(turn, out, output.output,
+                                            await output.think.reasoning_tokens(self.engine))
                         kind = "response.completed" if resp["status"] == "completed" else "response.incomplete"
                         yield event({"type": kind, "response": resp})
             except Exception as e:  # noqa: BLE001
@@ -274,7 +324,7 @@ class _Turn:
         self.body, self.rid, self.items, self.previous, self.model = body, rid, items, previous, model
         self.created = int(time.time())
 
-    def response(self, out: RequestOutput | None, items: list[dict]) -> dict:
+    def response(self, out: RequestOutput | None, items: list[dict], reasoning_tokens: int = 0) -> dict:
         """The response object: ``in_progress`` without ``out``; else finished with ``items``,
         ``incomplete`` when the length limit cut the output."""
         status, details, usage, completed_at = "in_progress", None, None, None
@@ -287,7 +337,7 @@ class _Turn:
             # cache_write_tokens (a field the client requires): the engine counts reads only
             usage = {"input_tokens": n_in,
                      "input_tokens_details": {"cached_tokens": out.num_cached_tokens, "cache_write_tokens": 0},
-                     "output_tokens": n_out, "output_tokens_details": {"reasoning_tokens": 0},
+                     "output_tokens": n_out, "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
                      "total_tokens": n_in + n_out}
             completed_at = int(time.time()) if not cut else None
         return {"id": self.rid, "object": "response", "created_at": self.created, "status": status,
