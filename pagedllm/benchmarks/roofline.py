@@ -6,7 +6,7 @@ device synchronize; every request of the batch decoding, no prefill in the step,
 first ``--warmup-steps`` dropped). Per batch: step ms, bytes read a step (weights +
 each request's K/V over its context: ``decode_bytes``), roofline ms = bytes /
 bandwidth, efficiency = roofline / step, tokens/s. ``--compare-eager`` runs CUDA graphs
-on and off (``--enforce-eager``) in the same run. Dense Llama-family shapes, unquantized.
+on and off (``--enforce-eager``) in the same run. Dense models. Method: docs/notes/benchmarks.md.
 """
 from __future__ import annotations
 
