@@ -47,7 +47,7 @@ def test_offline_path_needs_only_the_carried_packages(tmp_path):
     assert wheels.stdout.split() == list(drv.CARRIED.values())
 
 
-@pytest.mark.slow   # ~50 s on two busy cores: models, test_cuda's smoke, HF vs pagedllm, roofline
+@pytest.mark.slow   # ~60 s on two busy cores: models, test_cuda, HF vs pagedllm, roofline
 def test_gpu_check_runs_end_to_end_on_the_cpu(tmp_path):
     out = tmp_path / "out" / "gpu_check.json"
     run = subprocess.run([sys.executable, SCRIPT, "--device", "cpu", "--tiny", "--simulate-missing",
@@ -62,7 +62,7 @@ def test_gpu_check_runs_end_to_end_on_the_cpu(tmp_path):
     assert [s for s in r["stages"]] == ["models", "test_cuda", "throughput", "roofline"]
     assert all(s["ok"] for s in r["stages"].values())
     tc = r["stages"]["test_cuda"]
-    assert tc["passed"] >= 2 and tc["failed"] == 0
+    assert tc["passed"] >= 11 and tc["failed"] == 0   # all of test_cuda, on the CPU
     f = r["figures"]
     assert f["hf_output_tokens_per_s"] > 0 and f["pagedllm_output_tokens_per_s"] > 0
     assert f["copy_bandwidth_gb_s"] > 0

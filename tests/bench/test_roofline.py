@@ -29,6 +29,25 @@ def test_weight_bytes_of_llama3_8b_by_hand():
     assert roofline.weight_bytes(LLAMA3_8B, 2, 1) == 15_009_857_536
 
 
+@pytest.mark.parametrize("tied", [False, True])
+def test_weight_bytes_equal_our_models_parameters(tied):
+    """Built on the meta device (no memory): every parameter, less the embedding table but
+    one row when it is not the LM head too."""
+    import dataclasses
+
+    import torch
+
+    from pagedllm.models.registry import get_model_class
+
+    arch = dataclasses.replace(LLAMA3_8B, tie_word_embeddings=tied)
+    model = get_model_class(arch)(arch, torch.bfloat16, torch.device("meta"), 64)
+    n = sum(p.numel() for p in model.parameters())
+    if not tied:
+        assert n == LLAMA3_8B_PARAMS
+        n -= model.model.embed_tokens.weight.numel()
+    assert roofline.weight_bytes(arch, 2, 1) == 2 * (n + 4096)
+
+
 def test_kv_bytes_by_hand():
     per_token = 32 * 2 * 8 * 128 * 2           # layers x (K, V) x kv heads x head_dim x bf16
     assert per_token == 131072
