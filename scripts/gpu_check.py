@@ -97,8 +97,9 @@ def _env(device: str, blocker_dir: str | None) -> dict:
                PAGEDLLM_CPU_KERNELS="0")
     path = [p for p in (blocker_dir, ROOT, os.environ.get("PYTHONPATH")) if p]
     env["PYTHONPATH"] = os.pathsep.join(path)
-    if blocker_dir:   # pytest plugins of packages blocked here (schemathesis...) are not there either
-        env["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
+    # pytest loads no plugin it is not told to (-p): the same ones on every machine, none of
+    # a package blocked here or of whatever else the GPU machine's image has installed
+    env["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
     return env
 
 
@@ -200,9 +201,14 @@ def environment(device: str) -> dict:
     env = {"python": sys.version.split()[0], "torch": torch.__version__, "device": device,
            "cuda_available": torch.cuda.is_available(),
            "importable": {m: importlib.util.find_spec(m) is not None for m in MISSING_ON_DEVICE}}
-    if device.startswith("cuda") and torch.cuda.is_available():
-        env["gpu"] = torch.cuda.get_device_name(0)
+    if device.startswith("cuda"):   # nvidia-smi, not torch: this process keeps no CUDA context
         env["cuda"] = torch.version.cuda
+        try:
+            smi = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version",
+                                  "--format=csv,noheader"], capture_output=True, text=True, timeout=20)
+            env["gpu"], env["gpu_memory"], env["driver"] = [x.strip() for x in smi.stdout.splitlines()[0].split(",")]
+        except (OSError, subprocess.SubprocessError, IndexError, ValueError) as e:
+            env["gpu"] = f"unknown ({e!r})"
     for mod in ("transformers", "tokenizers", "triton", "msgspec", "zmq"):
         try:
             env[mod] = __import__(mod).__version__
@@ -278,6 +284,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="make the packages the GPU machine lacks unimportable here (all but CARRIED's)")
     p.add_argument("--wheel-list", action="store_true", help="print the carried wheels (pip names) and exit")
     args = p.parse_args(argv)
+    unknown = [x for x in args.stages.split(",") if x and x not in STAGE_CAPS]
+    if unknown:
+        p.error(f"--stages: unknown {unknown}; known: {','.join(STAGE_CAPS)}")
     if args.wheel_list:
         print(" ".join(CARRIED.values()))
         return 0
@@ -345,8 +354,11 @@ def main(argv: list[str] | None = None) -> int:
         if os.path.exists(report):
             os.remove(report)
         if stage == "test_cuda":
-            cmd = [py, "-m", "pytest", "-v", "-p", "no:cacheprovider", "-p", "pytest_timeout", "--timeout", "90",
-                   "tests/e2e/test_cuda.py", f"--junitxml={report}"]
+            import importlib.util
+
+            per_test = ["-p", "pytest_timeout", "--timeout", "90"] if importlib.util.find_spec("pytest_timeout") else []
+            cmd = [py, "-m", "pytest", "-v", "-p", "no:cacheprovider", *per_test, "tests/e2e/test_cuda.py",
+                   f"--junitxml={report}"]
         elif stage == "throughput":
             n, i, o = (4, 16, 8) if args.tiny else (32, 128, 64)
             cmd = cli + ["throughput", "--backend", "both", "--model", small, "--dtype", dtype, "--device", args.device,
