@@ -266,7 +266,7 @@ def summary_text(result: dict) -> str:
         for r in f["roofline"]:
             if r.get("step_ms") is not None:
                 lines.append(f"    eager={str(r['enforce_eager']):<5} batch {r['batch']:>3}: step {r['step_ms']:.2f} ms,"
-                             f" roofline {r['roofline_ms']:.2f} ms, efficiency {r['efficiency']:.2f}, "
+                             f" roofline {r['roofline_ms']:.2f} ms, efficiency {r['efficiency']:.3f}, "
                              f"{r['tokens_per_s']:.0f} tok/s")
     lines.append("  checks: " + ", ".join(f"{k} {'ok' if v else 'FAILED'}" for k, v in f["checks"].items()))
     return "\n".join(lines)
