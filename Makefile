@@ -6,7 +6,7 @@ STAMP := $(VENV)/.pagedllm-installed
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: install serve test test-fast bench
+.PHONY: install serve test test-fast bench gpu-wheels
 
 install: $(STAMP)
 
@@ -43,3 +43,13 @@ test-fast: $(STAMP)
 
 bench: $(STAMP)
 	$(VENV)/bin/pagedllm bench throughput --num-prompts 64 --input-len 200 --output-len 128
+
+# The wheels the GPU check (docs/gpu.md) carries to a GPU machine that lacks them and has no
+# network: CPython 3.12, manylinux x86_64; the list is scripts/gpu_check.py's CARRIED.
+GPU_WHEEL_PLATFORMS := $(foreach p,manylinux2014_x86_64 manylinux_2_17_x86_64 manylinux_2_24_x86_64 \
+	manylinux_2_26_x86_64 manylinux_2_27_x86_64 manylinux_2_28_x86_64,--platform $(p))
+gpu-wheels:
+	rm -rf .gpu-wheels
+	python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		$(GPU_WHEEL_PLATFORMS) -d .gpu-wheels $$(python3 scripts/gpu_check.py --wheel-list)
+	du -ch .gpu-wheels/*.whl | tail -1

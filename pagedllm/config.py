@@ -220,6 +220,7 @@ class EngineArgs:
     kv_cache_dtype: str = "auto"
     attention_backend: str = "auto"
     enforce_eager: bool = False
+    load_format: str = "auto"
     quantization: str | None = None
     speculative_config: str | dict | None = None
     seed: int = 0
@@ -275,6 +276,9 @@ class EngineArgs:
                             help="auto (cpu_kernel on the CPU, triton on CUDA), cpu_kernel, triton or torch")
         parser.add_argument("--enforce-eager", action="store_true",
                             help="run every step eagerly: no CUDA graphs (CUDA only; the CPU never captures)")
+        parser.add_argument("--load-format", default=d.load_format, choices=["auto", "dummy"],
+                            help="auto: the checkpoint's weights; dummy: config.json only, every weight "
+                                 "seeded random on the device (benchmarks; unquantized only)")
         parser.add_argument("--quantization", "-q", default=None,
                             help="int8 (W8A8), gguf (keep a GGUF's Q8_0/Q4_0/Q4_1 blocks packed), "
                                  "q8_0, q4_0, q4_1 (quantize float weights at load); default: none")
@@ -403,6 +407,7 @@ class EngineArgs:
                 raise InvalidParameterError(
                     "quantization", f"quantization must be one of {', '.join(QUANTIZATION_METHODS)}, or unset "
                     f"for the model's own weights; got {self.quantization!r}")
+        self._check_load_format()
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             resolve_kv_cache_dtype(self.kv_cache_dtype, torch.float32)   # raises, naming kv_cache_dtype
         SpeculativeConfig.parse(self.speculative_config)   # raises, naming speculative_config
@@ -420,6 +425,18 @@ class EngineArgs:
             raise InvalidParameterError(
                 "distributed_executor_backend", "distributed_executor_backend 'uni' runs one worker; "
                 f"tensor_parallel_size {self.tensor_parallel_size} needs 'mp' or 'ray'")
+
+    def _check_load_format(self) -> None:
+        """Raises InvalidParameterError("load_format"): an unknown format, or dummy weights
+        with a quantization method (random weights are made unquantized)."""
+        from pagedllm.models.loader import LOAD_FORMATS
+
+        if self.load_format not in LOAD_FORMATS:
+            raise InvalidParameterError("load_format", f"load_format must be one of {', '.join(LOAD_FORMATS)}, "
+                                                       f"got {self.load_format!r}")
+        if self.load_format == "dummy" and self.quantization is not None:
+            raise InvalidParameterError("load_format", f"load_format 'dummy' makes unquantized random weights; "
+                                                       f"it cannot be combined with quantization {self.quantization!r}")
 
     def _check_nodes(self) -> None:
         """Raises InvalidParameterError naming the first multi-node setting that does not fit."""

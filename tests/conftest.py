@@ -294,7 +294,10 @@ def _release_module_engines():
             continue
         if t is not None:
             in_use.add(t.data_ptr())
-    main_model = (os.path.abspath(default_model_path()), str(torch.float32))
+    try:
+        main_model = (os.path.abspath(default_model_path()), str(torch.float32))
+    except FileNotFoundError:   # no bundled model on this machine (the GPU check's: docs/gpu.md)
+        main_model = None
     for key, (_, model) in list(_BUILT.items()):
         t = _first_tensor(model)
         if key[:2] != main_model and (t is None or t.data_ptr() not in in_use):

@@ -1,5 +1,5 @@
 """What a benchmark ran on: the CPU's model name (as ``lscpu`` prints it), its ISA flags
-that decide pagedllm's compute paths, core count and torch's thread count."""
+that decide pagedllm's compute paths, core count and torch's thread count; the GPU's name."""
 from __future__ import annotations
 
 import os
@@ -19,3 +19,13 @@ def machine_info() -> dict:
     cpu = cpu_features()
     return {"cpu": cpu.model_name, "isa": [f for f in ISA_FLAGS if getattr(cpu, f)], "cores": os.cpu_count(),
             "torch_threads": torch.get_num_threads(), "torch": torch.__version__}
+
+
+def device_info(device: torch.device) -> dict:
+    """``{"device", "name"}`` of the device a benchmark ran on (a GPU's name, else the CPU's
+    model name), plus ``memory_gib`` and ``multiprocessors`` on CUDA."""
+    if device.type != "cuda":
+        return {"device": str(device), "name": cpu_features().model_name}
+    p = torch.cuda.get_device_properties(device)
+    return {"device": str(device), "name": p.name, "memory_gib": round(p.total_memory / 2**30, 1),
+            "multiprocessors": p.multi_processor_count}

@@ -32,7 +32,8 @@ COMMANDS: dict[str, tuple[str, tuple[str, ...]]] = {
                              "pagedllm.benchmarks.host_overhead", "pagedllm.benchmarks.latency",
                              "pagedllm.benchmarks.accuracy", "pagedllm.benchmarks.attention",
                              "pagedllm.benchmarks.spec", "pagedllm.benchmarks.sampling",
-                             "pagedllm.benchmarks.server", "pagedllm.benchmarks.kv_blocks")),
+                             "pagedllm.benchmarks.server", "pagedllm.benchmarks.kv_blocks",
+                             "pagedllm.benchmarks.roofline")),
     "profile": ("inspect --profile-dir output", ("pagedllm.benchmarks.profile_summary",)),
 }
 

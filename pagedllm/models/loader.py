@@ -56,6 +56,12 @@ _GGUF_GLOBAL_MAP = {
 }
 _BLK_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
 
+# ``--load-format``: the checkpoint's weights, or seeded random ones (``init_dummy_weights``).
+LOAD_FORMATS = ("auto", "dummy")
+# Standard deviation of the dummy weight matrices: HF's usual ``initializer_range``, which
+# keeps a random model's activations and logits (std ~1) in range for a real-looking decode.
+DUMMY_WEIGHT_STD = 0.02
+
 
 def is_gguf(path: str) -> bool:
     return os.path.isfile(path) and path.endswith(".gguf")
@@ -171,20 +177,47 @@ def iter_weights(path: str, cfg: ModelArchConfig,
     return iter_safetensors_weights(path)
 
 
+@torch.no_grad()
+def init_dummy_weights(model: torch.nn.Module, seed: int = 0, std: float = DUMMY_WEIGHT_STD) -> None:
+    """Fill every floating-point parameter in place on its own device (``--load-format
+    dummy``): matrices ~N(0, ``std``), norm weights 1, other vectors (biases) 0; the same
+    values for the same ``seed``, model and device."""
+    gens: dict[torch.device, torch.Generator] = {}
+    for name, p in model.named_parameters():
+        if not p.is_floating_point():
+            continue
+        if p.dim() > 1:
+            g = gens.setdefault(p.device, torch.Generator(device=p.device).manual_seed(seed))
+            p.normal_(0.0, std, generator=g)
+        else:
+            module, _, leaf = name.rpartition(".")
+            p.fill_(1.0 if leaf == "weight" and "norm" in module.rpartition(".")[2] else 0.0)
+
+
 def build_model(path: str, cfg: ModelArchConfig, dtype: torch.dtype, device: torch.device,
-                max_positions: int, quant_config=None, calibrate=None) -> torch.nn.Module:
+                max_positions: int, quant_config=None, calibrate=None, load_format: str = "auto",
+                seed: int = 0) -> torch.nn.Module:
     """Instantiate the registered class, load and prepare weights (calibrated layers after
     ``calibrate(model, layers, path, cfg, dtype, device, max_positions)``), then make linear
-    outputs batch-invariant unless ``PAGEDLLM_BATCH_INVARIANT_PROBE=0``.
+    outputs batch-invariant unless ``PAGEDLLM_BATCH_INVARIANT_PROBE=0``. ``load_format``
+    "dummy": no checkpoint read, ``init_dummy_weights(model, seed)`` instead.
 
     Raises:
         ValueError: missing or mis-shaped weights; InvalidParameterError("quantization"):
-            an unsupported layer, or calibration needed and no ``calibrate``."""
+            an unsupported layer, or calibration needed and no ``calibrate``;
+            InvalidParameterError("load_format"): an unknown format, or "dummy" with a
+            ``quant_config``."""
     from pagedllm import envs
     from pagedllm.layers.batch_invariance import ensure_batch_invariant_linears
 
+    if load_format not in LOAD_FORMATS or (load_format == "dummy" and quant_config is not None):
+        raise InvalidParameterError("load_format", f"load_format {load_format!r} is not one of "
+                                    f"{', '.join(LOAD_FORMATS)}, or is 'dummy' with a quantization method")
     model_class = get_model_class(cfg)
-    if quant_config is None:
+    if load_format == "dummy":
+        model = model_class(cfg, dtype, device, max_positions)
+        init_dummy_weights(model, seed)
+    elif quant_config is None:
         model = model_class(cfg, dtype, device, max_positions)
         model.load_weights(iter_weights(path, cfg))
     else:

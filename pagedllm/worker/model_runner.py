@@ -78,7 +78,8 @@ class ModelRunner:
                                           self.kv_cache_dtype)
         self.model = build_model(config.model_path, arch, self.dtype, self.device,
                                  max_positions=max(config.max_model_len, 1),
-                                 quant_config=config.quant_config, calibrate=calibrate_smoothquant)
+                                 quant_config=config.quant_config, calibrate=calibrate_smoothquant,
+                                 load_format=config.args.load_format, seed=config.args.seed)
         self.sampler = Sampler()
         self.rejection_sampler = RejectionSampler()
         self.spec = config.speculative_config

@@ -1,9 +1,11 @@
 """The engine on a CUDA device: the same code as on the CPU (torch attention backend,
 torch linears), checked against HF transformers on the same weights and for greedy
-invariance, in float32 and bfloat16, with each KV-cache dtype and quantization method.
+invariance, in float32 and bfloat16, with each KV-cache dtype and quantization method, and
+with CUDA graphs on and off (``enforce_eager``; the CPU never captures, so there the two agree
+trivially).
 
 Skipped where torch sees no CUDA device (every CI machine of this project), so these run
-only when a GPU is lent (see docs/benchmarks.md, "On an NVIDIA H200"). Nothing here needs
+only when a GPU is lent (docs/gpu.md: scripts/gpu_check.sh runs them). Nothing here needs
 the bundled model or a hub: the test trains a byte-level BPE tokenizer on a fixed text and
 builds a tiny random-weight Llama (head_dim 64). ``PAGEDLLM_TEST_DEVICE=cpu`` runs the
 same checks on the CPU (to check the tests themselves on a machine without a GPU).
@@ -52,7 +54,9 @@ def _prompts(n: int, seed: int, prefix_len: int = 40) -> list[list[int]]:
 def _llm(path: str, dtype: str, **kw):
     from pagedllm import LLM
 
-    kw = {"kv_cache_memory": "256MiB", "max_model_len": 512, **kw}
+    # a fixed cache (8192 tokens): on CUDA --kv-cache-memory does not apply and each engine
+    # would take 90 % of the GPU in turn, millions of blocks
+    kw = {"kv_cache_memory": "256MiB", "num_gpu_blocks_override": 512, "max_model_len": 512, **kw}
     return LLM(model=path, dtype=dtype, device=DEVICE, seed=0, engine_process=False, **kw)
 
 
@@ -182,3 +186,26 @@ def test_quantization_methods_on_the_device(tiny_dir, method):
         cpu.shutdown()
     for g, w in zip(got, want):
         np.testing.assert_allclose(g, w, atol=2e-3, rtol=0)
+
+
+def test_greedy_same_with_and_without_cuda_graphs(tiny_dir):
+    """bfloat16: the same greedy tokens with CUDA graphs (``enforce_eager=False``) as
+    without, alone and batched; requests stop after 5..16 tokens, so the decode batch
+    shrinks through sizes that are padded to a captured one."""
+    from pagedllm import SamplingParams
+
+    prompts = _prompts(8, seed=4)
+    params = [SamplingParams(temperature=0, max_tokens=16 - 11 * i // 7, ignore_eos=True) for i in range(8)]
+    got = {}
+    for eager in (True, False):
+        llm = _llm(tiny_dir, "bfloat16", enforce_eager=eager, enable_prefix_caching=False)
+        try:
+            alone = [_greedy(llm, [p])[0] for p in prompts]
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+            batched = [list(o.outputs[0].token_ids) for o in outs]
+        finally:
+            llm.shutdown()
+        assert batched == [a[:sp.max_tokens] for a, sp in zip(alone, params)], f"batched, enforce_eager={eager}"
+        got[eager] = alone
+    assert len({tuple(a) for a in got[True]}) > len(prompts) // 2
+    assert got[False] == got[True], "CUDA graphs changed greedy tokens"

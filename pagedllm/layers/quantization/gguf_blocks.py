@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import gguf
 import torch
 from torch import nn
 
@@ -22,11 +21,12 @@ INV127 = torch.tensor(1.0 / 127.0, dtype=torch.float32).item()
 
 @dataclass(frozen=True)
 class BlockFormat:
-    """One GGUF block format: ``name``, ``ggml_type`` (its int is the kernel's ``fmt``),
-    ``block_bytes`` per ``block_size`` (32) weights."""
+    """One GGUF block format: ``name``, ``ggml_type`` (ggml's type id, the value of
+    ``gguf.GGMLQuantizationType``; the kernel's ``fmt``), ``block_bytes`` per ``block_size``
+    (32) weights."""
 
     name: str
-    ggml_type: gguf.GGMLQuantizationType
+    ggml_type: int
     block_bytes: int
     block_size: int = BLOCK_SIZE
 
@@ -36,14 +36,15 @@ class BlockFormat:
         return k // self.block_size * self.block_bytes
 
 
+# ggml.h's type ids, as plain ints: quantizing float weights here needs no ``gguf`` package
 FORMATS: dict[str, BlockFormat] = {
-    "Q4_0": BlockFormat("Q4_0", gguf.GGMLQuantizationType.Q4_0, 18),
-    "Q4_1": BlockFormat("Q4_1", gguf.GGMLQuantizationType.Q4_1, 20),
-    "Q8_0": BlockFormat("Q8_0", gguf.GGMLQuantizationType.Q8_0, 34),
+    "Q4_0": BlockFormat("Q4_0", 2, 18),
+    "Q4_1": BlockFormat("Q4_1", 3, 20),
+    "Q8_0": BlockFormat("Q8_0", 8, 34),
 }
 
 
-def block_format(fmt: "str | int | BlockFormat | gguf.GGMLQuantizationType") -> BlockFormat:
+def block_format(fmt: "str | int | BlockFormat") -> BlockFormat:
     """The ``BlockFormat`` for a name, a ggml type (enum or int) or a format.
     Raises ValueError for anything but Q8_0, Q4_0, Q4_1."""
     if isinstance(fmt, BlockFormat):
