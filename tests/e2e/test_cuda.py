@@ -209,3 +209,44 @@ def test_greedy_same_with_and_without_cuda_graphs(tiny_dir):
         got[eager] = alone
     assert len({tuple(a) for a in got[True]}) > len(prompts) // 2
     assert got[False] == got[True], "CUDA graphs changed greedy tokens"
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the Triton interpreter tests cover this on the CPU "
+                                               "(tests/attention/test_triton_attention.py)")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("split_kv", [False, True])
+@pytest.mark.parametrize("window", [None, 24])
+def test_triton_backend_matches_torch_backend_on_the_device(dtype, split_kv, window):
+    """The Triton kernels against the torch backend on the GPU, in bf16 too (which the
+    interpreter cannot check): a mixed batch of decodes (one long), a prompt chunk over a
+    cached prefix, a spec-verify span and a fresh prompt, GQA 8/2, head_dim 128."""
+    from pagedllm.attention.backend import build_common_metadata
+    from pagedllm.attention.registry import get_attention_backend
+    from pagedllm.attention.torch_backend import TorchAttentionBackend
+
+    dev, bs, nh, nkv, hd = torch.device(DEVICE), 16, 8, 2, 128
+    ctx = np.array([300, 7, 40, 33, 0], dtype=np.int64)
+    qlens = np.array([1, 1, 20, 4, 29], dtype=np.int64)
+    nblk = -(-(ctx + qlens) // bs)
+    rng = np.random.default_rng(0)
+    perm = rng.permutation(int(nblk.sum()) + 2)
+    bt = np.zeros((len(qlens), int(nblk.max())), dtype=np.int32)
+    starts = np.concatenate([[0], np.cumsum(nblk)])
+    for i in range(len(qlens)):
+        bt[i, :nblk[i]] = perm[starts[i]:starts[i + 1]]
+    common, _, _ = build_common_metadata(ctx, qlens, bt, bs, dev)
+    g = torch.Generator(device=dev).manual_seed(0)
+    T = int(qlens.sum())
+    cache = torch.randn(2, len(perm) * bs, nkv, hd, generator=g, device=dev).to(dtype)
+    q, k, v = (torch.randn(T, n, hd, generator=g, device=dev).to(dtype) for n in (nh, nkv, nkv))
+    outs = []
+    for backend in (TorchAttentionBackend(dev, dtype), get_attention_backend("triton", dev, dtype)):
+        md = backend.build_metadata(common, window)
+        if backend.name == "triton":
+            md.split_kv = split_kv
+        c = cache.clone()
+        outs.append((backend.forward(q, k, v, c, md, hd ** -0.5).float(), c))
+    (want, want_cache), (got, got_cache) = outs
+    assert torch.equal(got_cache, want_cache), "K/V written differently"
+    tol = {torch.float32: 1e-4, torch.float16: 3e-3, torch.bfloat16: 2e-2}[dtype]
+    torch.testing.assert_close(got, want, atol=tol, rtol=tol)
