@@ -85,7 +85,7 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype, device
     from pagedllm.attention.registry import attention_backend_class
 
     try:
-        backend = attention_backend_class(attention_backend, device)
+        backend = attention_backend_class(attention_backend, device, model_dtype)
     except ValueError:
         return dtype    # an unknown backend is reported where the backend is made
     if dtype not in backend.kv_cache_dtypes:

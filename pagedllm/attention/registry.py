@@ -30,8 +30,9 @@ def _triton_importable() -> bool:
 
 def choose_attention_backend(name: str = "auto", device: torch.device | str | None = None,
                              dtype: torch.dtype | None = None) -> tuple[str, str]:
-    """(backend name, why) for ``--attention-backend name`` on ``device`` (None: CPU).
-    ``auto``: ``cpu_kernel`` on the CPU; ``triton`` on CUDA where triton imports, else ``torch``.
+    """(backend name, why) for ``--attention-backend name`` on ``device`` (None: CPU) in
+    ``dtype`` (None: any). ``auto``: ``cpu_kernel`` on the CPU in a dtype its C++ kernel runs,
+    else ``torch``; ``triton`` on CUDA where triton imports, else ``torch``.
     Raises ValueError for a name not in ``ATTENTION_BACKENDS`` (the known ones listed)."""
     if name != "auto":
         if name not in ATTENTION_BACKENDS:
@@ -40,6 +41,10 @@ def choose_attention_backend(name: str = "auto", device: torch.device | str | No
         return name, "--attention-backend"
     kind = torch.device(device).type if device is not None else "cpu"
     if kind == "cpu":
+        from pagedllm.kernels.cpu import KERNEL_DTYPES
+
+        if dtype is not None and dtype not in KERNEL_DTYPES:
+            return "torch", f"auto: no C++ attention kernel for {str(dtype).removeprefix('torch.')}"
         return "cpu_kernel", "auto: the CPU"
     if kind == "cuda":
         if _triton_importable():

@@ -21,7 +21,9 @@ def test_every_registered_backend_imports_under_its_name(name):
 
 def test_auto_picks_by_device(monkeypatch):
     assert registry.choose_attention_backend("auto", None) == ("cpu_kernel", "auto: the CPU")
-    assert registry.choose_attention_backend("auto", "cpu")[0] == "cpu_kernel"
+    assert registry.choose_attention_backend("auto", "cpu", torch.bfloat16)[0] == "cpu_kernel"
+    assert registry.choose_attention_backend("auto", "cpu", torch.float16) == (
+        "torch", "auto: no C++ attention kernel for float16")
     assert registry.choose_attention_backend("auto", "cuda:0") == ("triton", "auto: CUDA")
     monkeypatch.setattr(registry, "_triton_importable", lambda: False)
     assert registry.choose_attention_backend("auto", "cuda") == ("torch", "auto: CUDA without triton installed")
