@@ -131,8 +131,8 @@ class AnthropicServingMessages(OpenAIServing):
         super().__init__(engine, models, admission)
         self.chat = chat
 
-    async def _prepare(self, body: CountTokensRequest) -> tuple[MessagesChatRequest, ChatTools, list[int]]:
-        """(the chat request, its tools, the prompt token ids) of ``body``."""
+    def _chat_request(self, body: CountTokensRequest) -> MessagesChatRequest:
+        """The chat request of ``body``, checked against this server's flags."""
         if body.thinking_enabled and self.chat.reasoning_parser is None:
             raise InvalidParameterError("thinking", f"thinking of type {body.thinking.type!r} needs a reasoning "
                                                     "parser, and this server runs without --reasoning-parser")
@@ -142,11 +142,7 @@ class AnthropicServingMessages(OpenAIServing):
                                                        "to run with --enable-auto-tool-choice and --tool-call-parser; "
                                                        'send tool_choice {"type": "any"}, {"type": "tool", "name": '
                                                        '...} or {"type": "none"}')
-        try:
-            tools = self.chat.chat_tools(chat_body)
-            return chat_body, tools, await self.chat.render(chat_body, tools)
-        except InvalidParameterError as e:
-            raise chat_body.to_api_error(e) from e
+        return chat_body
 
     async def count_tokens(self, body: CountTokensRequest):
         """``{"input_tokens": N}``: the length of the prompt ``create_message`` would render
@@ -157,8 +153,11 @@ class AnthropicServingMessages(OpenAIServing):
         """
         if (r := self.models.check_model(body.model)) is not None:
             return r
-        _, _, ids = await self._prepare(body)
-        return {"input_tokens": len(ids)}
+        chat_body = self._chat_request(body)
+        try:
+            return {"input_tokens": len(await self.chat.render(chat_body, self.chat.chat_tools(chat_body)))}
+        except InvalidParameterError as e:
+            raise chat_body.to_api_error(e) from e
 
     async def create_message(self, body: MessagesRequest, raw: Request):
         """The response to ``body``: a JSON message, an SSE stream, or an error response.
@@ -173,13 +172,9 @@ class AnthropicServingMessages(OpenAIServing):
             return r
         _, engine_rid = self.request_ids(raw, "msg")
         rid = f"msg_{raw.state.request_id}"
-        chat_body, tools, ids = await self._prepare(body)
+        chat_body = self._chat_request(body)
         self.log_user(chat_body, rid)
-        try:
-            params = chat_body.to_sampling_params(default_max_tokens=None, constraint=tools.constraint())
-            stream = await self.engine.add_request(engine_rid, ids, params)
-        except InvalidParameterError as e:
-            raise chat_body.to_api_error(e) from e
+        tools, params, stream = await self.chat.start(chat_body, engine_rid)
         think = ChatReasoning(self.chat.reasoning_parser, chat_body.chat_template_kwargs,
                               params.structured_outputs is not None)
         headers = {"X-PagedLLM-Warning": tools.note} if tools.note else None

@@ -91,8 +91,8 @@ class OpenAIServingChat(OpenAIServing):
             InvalidParameterError: a bad field, named as ``body`` spells it; nothing is queued.
             EngineDeadError: the engine has died.
         """
-        tools = self.chat_tools(body)
         try:
+            tools = self.chat_tools(body)
             ids = await self.render(body, tools)
             params = body.to_sampling_params(default_max_tokens=None, constraint=tools.constraint())
             stream = await self.engine.add_request(engine_rid, ids, params)
