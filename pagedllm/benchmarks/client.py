@@ -1,6 +1,7 @@
 """The HTTP side of ``pagedllm bench serve``: an async streaming client (SSE over aiohttp)
-for an OpenAI-compatible server; one :meth:`OpenAIStreamClient.send` fills one
-:class:`~pagedllm.benchmarks.metrics.RequestResult`.
+for the four APIs of :mod:`~pagedllm.benchmarks.endpoints` (completions, chat, responses,
+messages); one :meth:`OpenAIStreamClient.send` fills one
+:class:`~pagedllm.benchmarks.metrics.RequestResult`, its tokens from the API's usage.
 
 Retries (up to ``max_retries``, exponential back-off; TTFT and E2E count from the first
 attempt): a failure before any token with a connection error, a timeout, HTTP 408/429 or
@@ -15,6 +16,7 @@ import time
 from typing import Any
 
 from .datasets import TokenSource
+from .endpoints import endpoint, error_message
 from .extras import import_bench_package
 from .metrics import RequestResult, parse_prometheus_text
 from .serve_options import BenchConfig
@@ -39,22 +41,8 @@ class _Attempt:
         self.non_stream = False  # the server answered with one JSON body
 
 
-def _chunk_text(obj: dict) -> str:
-    parts = []
-    for c in obj.get("choices") or []:
-        if not isinstance(c, dict):
-            continue
-        t = c.get("text")
-        if t is None:
-            delta = c.get("delta") or {}
-            t = (delta.get("content") or "") + (delta.get("reasoning_content") or delta.get("reasoning") or "")
-        if t:
-            parts.append(t)
-    return "".join(parts)
-
-
 class OpenAIStreamClient:
-    """Sends streaming completions/chat requests and times them
+    """Sends streaming requests of any endpoint type and times them
     (``async with OpenAIStreamClient(cfg) as c: await c.send(...)``)."""
 
     def __init__(self, cfg: BenchConfig, tokens: TokenSource | None = None):
@@ -101,28 +89,32 @@ class OpenAIStreamClient:
             return None
 
     def url_for(self, kind: str) -> str:
-        """Full URL for a request of ``kind`` ("completions" or "chat")."""
+        """Full URL for a request of ``kind`` (an endpoint type), or ``--endpoint``'s."""
         if self.cfg.endpoint:
             ep = self.cfg.endpoint
             return ep if ep.startswith("http") else self.cfg.root_url + "/" + ep.lstrip("/")
-        return self.cfg.root_url + ("/v1/chat/completions" if kind == "chat" else "/v1/completions")
+        return self.cfg.root_url + endpoint(kind).path
 
     def body(self, kind: str, payload: Any, max_tokens: int) -> dict:
-        """Request JSON: ``payload`` is the prompt (completions) or message list (chat)."""
-        b: dict = {"model": self.cfg.model, "max_tokens": int(max_tokens), "stream": True,
-                   "temperature": self.cfg.temperature}
-        if kind == "chat":
-            b["messages"] = payload
-        else:
-            b["prompt"] = payload
-        if self.cfg.stream_usage:
-            b["stream_options"] = {"include_usage": True}
-        if self.cfg.ignore_eos:
-            b["ignore_eos"] = True
+        """Request JSON of ``kind``: ``payload`` is the prompt (completions) or the chat
+        message list (chat, responses, messages), ``--extra-body`` merged last. Raises
+        ``ValueError`` for messages the API cannot carry."""
+        b = endpoint(kind).body(self.cfg, payload, max_tokens)
         b.update(self.cfg.extra_body)
         return b
 
-    async def _attempt(self, url: str, body: dict, t_start: float, st: _Attempt) -> tuple[str, str | None, int | None]:
+    async def post_json(self, path: str, timeout_s: float = 30.0) -> Any:
+        """POST an empty body to ``root_url + path``; the JSON answer. Raises on HTTP or
+        network errors."""
+        aiohttp = import_bench_package("aiohttp", "the benchmark client")
+
+        async with self.http.post(self.cfg.root_url + path,
+                                  timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
+            r.raise_for_status()
+            return await r.json(content_type=None)
+
+    async def _attempt(self, kind: str, url: str, body: dict, t_start: float,
+                       st: _Attempt) -> tuple[str, str | None, int | None]:
         """One HTTP attempt; returns (outcome, error, status) with outcome in ok/retry/fail."""
         aiohttp = import_bench_package("aiohttp", "the benchmark client")
 
@@ -132,24 +124,24 @@ class OpenAIStreamClient:
                                       timeout=aiohttp.ClientTimeout(total=self.cfg.timeout_s)) as resp:
                 status = resp.status
                 if resp.status != 200:
-                    detail = (await resp.text())[:200].strip()
+                    detail = error_message(await resp.text())
                     retry = resp.status in _RETRYABLE_STATUS or resp.status >= 500
                     return ("retry" if retry else "fail"), f"HTTP {resp.status}: {detail}", status
                 ctype = resp.headers.get("Content-Type", "")
                 if ctype.startswith("application/json"):
                     # The server ignored stream=true: one JSON answer; TTFT = E2E.
                     obj = await resp.json(content_type=None)
-                    if isinstance(obj, dict) and obj.get("error"):
-                        return "fail", f"server error: {str(obj['error'])[:200]}", status
+                    if not isinstance(obj, dict):
+                        return "fail", f"unexpected answer: {str(obj)[:200]}", status
+                    if obj.get("error") or obj.get("type") == "error":
+                        return "fail", f"server error: {error_message(json.dumps(obj))}", status
                     now = time.perf_counter()
                     st.first_chunk = st.first_token = st.last_token = now
                     st.non_stream = True
-                    for c in (obj.get("choices") or []) if isinstance(obj, dict) else []:
-                        t = c.get("text") or (c.get("message") or {}).get("content") or ""
-                        if t:
-                            st.text_parts.append(t)
-                            st.chunks += 1
-                    st.usage = obj.get("usage") if isinstance(obj, dict) else None
+                    text, st.usage = endpoint(kind).whole(obj)
+                    if text:
+                        st.text_parts.append(text)
+                        st.chunks += 1
                     return "ok", None, status
                 buf = b""
                 done = False
@@ -157,7 +149,7 @@ class OpenAIStreamClient:
                     buf += data
                     while b"\n" in buf:
                         line, buf = buf.split(b"\n", 1)
-                        err = self._handle_line(line, t_start, st)
+                        err = self._handle_line(kind, line, t_start, st)
                         if err == "[DONE]":
                             done = True
                             break
@@ -166,7 +158,7 @@ class OpenAIStreamClient:
                     if done:
                         break
                 if not done and buf.strip():
-                    err = self._handle_line(buf, t_start, st)
+                    err = self._handle_line(kind, buf, t_start, st)
                     if err and err != "[DONE]":
                         return "fail", err, status
                 if st.chunks == 0 and st.usage is None and st.first_chunk is None:
@@ -180,7 +172,10 @@ class OpenAIStreamClient:
             err = f"{type(e).__name__}: {e}"
         return ("retry" if st.first_token is None else "fail"), err, status
 
-    def _handle_line(self, raw: bytes, t_start: float, st: _Attempt) -> str | None:
+    def _handle_line(self, kind: str, raw: bytes, t_start: float, st: _Attempt) -> str | None:
+        """Read one SSE line into ``st``: None, an error message, or "[DONE]" (the stream's
+        end: ``data: [DONE]`` or the API's last event). ``event:`` lines are skipped: every
+        API's data object names its own type."""
         line = raw.decode("utf-8", errors="replace").strip()
         if not line or line.startswith(":") or not line.startswith("data:"):
             return None
@@ -193,24 +188,23 @@ class OpenAIStreamClient:
             return f"bad SSE chunk: {data[:100]!r}"
         if not isinstance(obj, dict):
             return None
-        if obj.get("error"):
-            e = obj["error"]
-            return "server error: " + (e.get("message", str(e)) if isinstance(e, dict) else str(e))[:200]
+        ev = endpoint(kind).event(obj)
+        if ev.error is not None:
+            return "server error: " + ev.error[:200]
         now = time.perf_counter()
-        if obj.get("choices") and st.first_chunk is None:
+        if ev.started and st.first_chunk is None:
             st.first_chunk = now
-        text = _chunk_text(obj)
-        if text:
+        if ev.text:
             if st.first_token is None:
                 st.first_token = now
             else:
                 st.itl.append(now - st.last_token)
             st.last_token = now
             st.chunks += 1
-            st.text_parts.append(text)
-        if obj.get("usage"):
-            st.usage = obj["usage"]
-        return None
+            st.text_parts.append(ev.text)
+        if ev.usage:
+            st.usage = {**(st.usage or {}), **ev.usage}
+        return "[DONE]" if ev.done else None
 
     async def send(self, kind: str, payload: Any, max_tokens: int, result: RequestResult,
                    prompt_len_estimate: int) -> RequestResult:
@@ -222,7 +216,7 @@ class OpenAIStreamClient:
         while True:
             st = _Attempt()
             try:
-                outcome, err, status = await self._attempt(url, body, t_start, st)
+                outcome, err, status = await self._attempt(kind, url, body, t_start, st)
             except Exception as e:  # noqa: BLE001 - a request failure must never end the run
                 outcome, err, status = "fail", f"unexpected {type(e).__name__}: {e}", None
             result.http_status = status
@@ -246,16 +240,14 @@ class OpenAIStreamClient:
         result.ttft = first - t_start
         result.itl = st.itl
         result.generated_text = "".join(st.text_parts)
-        usage = st.usage or {}
-        if isinstance(usage.get("completion_tokens"), int):
-            result.output_tokens, result.output_tokens_source = usage["completion_tokens"], "usage"
+        usage = endpoint(kind).usage(st.usage)
+        result.cached_tokens = usage.cached_tokens
+        if usage.output_tokens is not None:
+            result.output_tokens, result.output_tokens_source = usage.output_tokens, "usage"
         elif self.tokens is not None and self.tokens.exact:
             result.output_tokens = self.tokens.count(result.generated_text)
             result.output_tokens_source = "tokenizer"
         else:
             result.output_tokens, result.output_tokens_source = st.chunks, "chunks"
-        if isinstance(usage.get("prompt_tokens"), int):
-            result.prompt_tokens = usage["prompt_tokens"]
-        else:
-            result.prompt_tokens = prompt_len_estimate
+        result.prompt_tokens = usage.prompt_tokens if usage.prompt_tokens is not None else prompt_len_estimate
         return result

@@ -48,7 +48,8 @@ SLO_METRICS: dict[str, str] = {
 class RequestResult:
     """Outcome of one benchmark request; ``scheduled_time``, ``start_time``,
     ``first_token_time``, ``end_time`` are ``time.perf_counter()`` seconds, ``itl`` gaps in
-    seconds."""
+    seconds; ``cached_tokens`` the prompt tokens the server's usage says it read from its
+    prefix cache (None when not reported)."""
 
     request_id: int
     success: bool = False
@@ -56,6 +57,7 @@ class RequestResult:
     prompt_tokens: int = 0
     output_tokens: int = 0
     output_tokens_source: str = "none"  # "usage", "tokenizer", "chunks"
+    cached_tokens: int | None = None
     scheduled_time: float = 0.0
     start_time: float = 0.0
     first_token_time: float | None = None
@@ -101,6 +103,7 @@ class RequestResult:
             "prompt_tokens": self.prompt_tokens,
             "output_tokens": self.output_tokens,
             "output_tokens_source": self.output_tokens_source,
+            "cached_tokens": self.cached_tokens,
             "scheduled_s": rel(self.scheduled_time),
             "start_s": rel(self.start_time),
             "first_token_s": rel(self.first_token_time),
@@ -220,8 +223,9 @@ def summarize_results(
     percentiles: Iterable[float] = DEFAULT_PERCENTILES,
 ) -> dict:
     """Aggregate the results of a run lasting ``duration_s`` seconds: throughputs per second,
-    token totals of successful requests, ``error_rate`` and ``retry_rate`` per issued request,
-    ``total_retries``, ``goodput`` (req/s; None without SLOs).
+    token totals of successful requests (``total_cached_tokens``: the cached prompt tokens
+    their usage reported, None when none did), ``error_rate`` and ``retry_rate`` per issued
+    request, ``total_retries``, ``goodput`` (req/s; None without SLOs).
     Raises ``ValueError`` if ``duration_s`` is not positive while results exist."""
     percentiles = tuple(percentiles)
     n = len(results)
@@ -231,6 +235,7 @@ def summarize_results(
     dur = duration_s if duration_s > 0 else float("nan")
     in_tok = sum(r.prompt_tokens for r in ok)
     out_tok = sum(r.output_tokens for r in ok)
+    cached = [r.cached_tokens for r in ok if r.cached_tokens is not None]
     ttfts = [r.ttft for r in ok if r.ttft is not None]
     tpots = [t for t in (r.tpot for r in ok) if t is not None]
     itls = [x for r in ok for x in r.itl]
@@ -255,6 +260,7 @@ def summarize_results(
         "retry_rate": (retried / n) if n else None,
         "total_input_tokens": in_tok,
         "total_output_tokens": out_tok,
+        "total_cached_tokens": sum(cached) if cached else None,
         "request_throughput": len(ok) / dur if n else None,
         "input_token_throughput": in_tok / dur if n else None,
         "output_token_throughput": out_tok / dur if n else None,

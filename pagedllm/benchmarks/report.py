@@ -1,11 +1,14 @@
 """The report side of ``pagedllm bench serve`` (the result dict, ``SCHEMA_VERSION``, its
-table) and the output helpers every ``bench`` / ``profile`` command shares.
+table; the side-by-side comparison of several endpoint types) and the output helpers every
+``bench`` / ``profile`` command shares.
 
 Result dict: ``schema_version``, ``tool``, ``label``, ``date``, ``start_unix_s``,
 ``config`` (:class:`BenchConfig` fields, ``endpoint_kind``, ``num_prompts_effective``),
 ``dataset``, ``tokenizer_exact``, ``summary`` (``summarize_results`` plus
 ``peak_in_flight``, ``num_sessions``, ``num_warmups``), ``server_metrics``
-(``server_metrics_delta``), ``requests`` (``RequestResult.to_dict``).
+(``server_metrics_delta``), ``cached_tokens`` (usage against ``/metrics``), ``requests``
+(``RequestResult.to_dict``). A comparison: ``schema_version``, ``tool``,
+``endpoint_types``, ``baseline``, ``comparison`` (:func:`comparison_rows`), ``runs``.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ if TYPE_CHECKING:
     from .runner import LoadRun
 
 __all__ = ["SCHEMA_VERSION", "build_result", "peak_in_flight", "format_report", "fmt_value", "json_safe",
-           "save_json"]
+           "save_json", "cached_tokens_check", "comparison_rows", "build_comparison", "format_comparison"]
 
 SCHEMA_VERSION = 1
 
@@ -118,6 +121,7 @@ def build_result(cfg: BenchConfig, dataset: Dataset, tokens: TokenSource, run: "
     config["percentiles"] = list(cfg.percentiles)
     config["endpoint_kind"] = run.endpoint_kind
     config["num_prompts_effective"] = run.num_prompts
+    server = server_metrics_delta(run.metrics_before, run.metrics_after)
     return {
         "schema_version": SCHEMA_VERSION,
         "tool": "pagedllm bench serve",
@@ -128,9 +132,21 @@ def build_result(cfg: BenchConfig, dataset: Dataset, tokens: TokenSource, run: "
         "dataset": dataset.describe(),
         "tokenizer_exact": tokens.exact,
         "summary": summary,
-        "server_metrics": server_metrics_delta(run.metrics_before, run.metrics_after),
+        "server_metrics": server,
+        "cached_tokens": cached_tokens_check(summary, server),
         "requests": [r.to_dict(run.t0) for r in results],
     }
+
+
+def cached_tokens_check(summary: dict, server: dict) -> dict:
+    """The run's cached prompt tokens two ways: ``in_usage`` (summed over the successful
+    requests' usage), ``prefix_cache_hits`` (the ``/metrics`` counter's growth over the run)
+    and ``difference`` (hits - usage; None unless both are known). On pagedllm the two agree
+    except for hits of requests readmitted after a preemption, of sequences 1..n-1 with
+    ``n`` > 1, and of failed requests (docs/api.md)."""
+    usage, hits = summary.get("total_cached_tokens"), server.get("prefix_cache_hits")
+    diff = None if usage is None or hits is None else hits - usage
+    return {"in_usage": usage, "prefix_cache_hits": hits, "difference": diff}
 
 
 def format_report(res: dict) -> str:
@@ -196,6 +212,10 @@ def format_report(res: dict) -> str:
     row("Decode time share", m["decode_time_share"], ".2%")
     row("Preemptions", m["num_preemptions"], ".0f")
     row("Prefix cache hit rate", m["prefix_cache_hit_rate"], ".2%")
+    cached = res.get("cached_tokens") or {}
+    row("Cached prompt tokens (usage)", cached.get("in_usage"), ".0f")
+    row("Prefix cache hits (tokens)", cached.get("prefix_cache_hits"), ".0f")
+    row("Hits not in usage (hits - usage)", cached.get("difference"), ".0f")
     if m.get("spec_decode_num_drafts"):
         row("Spec decode acceptance rate", m["spec_decode_acceptance_rate"], ".2%")
         row("Spec decode mean accepted length", m["spec_decode_mean_accepted_length"])
@@ -205,4 +225,65 @@ def format_report(res: dict) -> str:
         for e, n in sorted(s["errors"].items(), key=lambda kv: -kv[1])[:5]:
             lines.append(f"{n:>6} x {e[:w + 6]}")
     lines.append("=" * (w + 16))
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------
+# bench serve over several endpoint types
+# ---------------------------------------------------------------------------
+
+
+def comparison_rows(runs: Sequence[dict], baseline: str | None = None) -> list[dict]:
+    """One row per run (a result dict each, same workload): ``endpoint_type``, request and
+    token counts, ``output_token_throughput`` (tok/s) and its ratio to the ``baseline``
+    run's (``vs_baseline``; default baseline: the chat run, else the first), TTFT / TPOT
+    median and p99 (ms), the cached-token check, ``prefix_cache_reset``."""
+    by_kind = {r["config"]["endpoint_kind"]: r for r in runs}
+    base = by_kind.get(baseline or ("chat" if "chat" in by_kind else runs[0]["config"]["endpoint_kind"]))
+    base_tps = base["summary"]["output_token_throughput"] if base else None
+    rows = []
+    for r in runs:
+        s, c = r["summary"], r.get("cached_tokens") or {}
+        tps = s["output_token_throughput"]
+        rows.append({
+            "endpoint_type": r["config"]["endpoint_kind"],
+            "completed": s["completed"], "failed": s["failed"],
+            "total_input_tokens": s["total_input_tokens"], "total_output_tokens": s["total_output_tokens"],
+            "output_token_throughput": tps,
+            "vs_baseline": (tps / base_tps) if tps is not None and base_tps else None,
+            "ttft_median_ms": s["ttft_ms"]["median"], "ttft_p99_ms": s["ttft_ms"]["p99"],
+            "tpot_median_ms": s["tpot_ms"]["median"], "tpot_p99_ms": s["tpot_ms"]["p99"],
+            "cached_tokens_in_usage": c.get("in_usage"), "prefix_cache_hits": c.get("prefix_cache_hits"),
+            "cached_tokens_difference": c.get("difference"),
+            "prefix_cache_reset": r.get("prefix_cache_reset"),
+        })
+    return rows
+
+
+def build_comparison(runs: Sequence[dict]) -> dict:
+    """The comparison document of ``runs`` (module doc)."""
+    kinds = [r["config"]["endpoint_kind"] for r in runs]
+    return {"schema_version": SCHEMA_VERSION, "tool": "pagedllm bench serve", "endpoint_types": kinds,
+            "baseline": "chat" if "chat" in kinds else kinds[0], "comparison": comparison_rows(runs),
+            "runs": list(runs)}
+
+
+def format_comparison(doc: dict) -> str:
+    """The side-by-side table of a :func:`build_comparison` document ("n/a" where missing)."""
+    cols = [("endpoint", "endpoint_type", ""), ("ok", "completed", ""), ("fail", "failed", ""),
+            ("in tok", "total_input_tokens", ""), ("out tok", "total_output_tokens", ""),
+            ("out tok/s", "output_token_throughput", ".2f"), (f"vs {doc['baseline']}", "vs_baseline", ".3f"),
+            ("TTFT p50", "ttft_median_ms", ".1f"), ("TTFT p99", "ttft_p99_ms", ".1f"),
+            ("TPOT p50", "tpot_median_ms", ".1f"), ("cached", "cached_tokens_in_usage", ".0f"),
+            ("hits", "prefix_cache_hits", ".0f")]
+    cells = [[h for h, _, _ in cols]] + [[fmt_value(row.get(key), spec) for _, key, spec in cols]
+                                          for row in doc["comparison"]]
+    width = [max(len(r[i]) for r in cells) for i in range(len(cols))]
+    table = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, width)))
+             for r in cells]
+    lines = [" Endpoint comparison (same workload) ".center(len(table[0]), "="), *table,
+             "latencies in ms; cached: cached prompt tokens in usage; hits: /metrics prefix-cache hits"]
+    if any(r.get("prefix_cache_reset") is False for r in doc["comparison"]):
+        lines.append("note: the prefix cache could not be reset between endpoint types; later runs may have "
+                     "found earlier runs' prompts cached")
     return "\n".join(lines)

@@ -2,12 +2,14 @@
 ``request_rate`` req/s, shape ``burstiness``; 1 = Poisson) or a trace's timestamps;
 ``max_concurrency`` bounds in-flight sessions (a session waiting for it counts as client
 wait); warm-ups run first, unpaced and unreported; a session's turns go one after another.
-:func:`run_load` returns the raw :class:`LoadRun`, :func:`run_benchmark` the result dict.
+:func:`run_load` returns the raw :class:`LoadRun`, :func:`run_benchmark` the result dict,
+:func:`run_comparison` the same workload through several endpoint types in turn.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gc
 import math
 import sys
@@ -19,11 +21,13 @@ import numpy as np
 
 from .client import OpenAIStreamClient
 from .datasets import Dataset, MultiTurnDataset, Session, TokenSource
+from .endpoints import CHAT_KINDS
 from .metrics import RequestResult
-from .report import build_result
+from .report import build_comparison, build_result
 from .serve_options import BenchConfig, BenchError
 
-__all__ = ["arrival_intervals", "iter_arrival_offsets", "sleep_until", "LoadRun", "run_load", "run_benchmark"]
+__all__ = ["arrival_intervals", "iter_arrival_offsets", "sleep_until", "LoadRun", "run_load", "run_benchmark",
+           "reset_prefix_cache", "run_comparison"]
 
 
 def arrival_intervals(n: int, rate: float, burstiness: float, rng: np.random.Generator) -> np.ndarray:
@@ -80,7 +84,7 @@ class _Runner:
             if prev_end is not None:
                 scheduled = prev_end + turn.think_time_s
                 await sleep_until(scheduled)
-            if kind == "chat":
+            if kind in CHAT_KINDS:
                 content = turn.message
                 if content is None:
                     content = turn.prompt if isinstance(turn.prompt, str) else self.tokens.decode(turn.prompt or [])
@@ -90,7 +94,8 @@ class _Runner:
                 prompt_est = est
             else:
                 if len(s.turns) > 1:
-                    raise BenchError("multi-turn sessions need the chat endpoint (--endpoint-type chat)")
+                    raise BenchError("multi-turn sessions need a chat-turn API (--endpoint-type chat, responses "
+                                     "or messages)")
                 payload = turn.prompt if turn.prompt is not None else turn.message
                 if self.cfg.prompt_format == "text" and isinstance(payload, list):
                     payload = self.tokens.decode(payload)
@@ -104,7 +109,7 @@ class _Runner:
             prev_end = r.end_time
             if not r.success:
                 break
-            if kind == "chat":
+            if kind in CHAT_KINDS:
                 messages.append({"role": "assistant", "content": r.generated_text})
                 est = r.prompt_tokens + r.output_tokens
 
@@ -190,11 +195,11 @@ async def run_load(cfg: BenchConfig, dataset: Dataset, tokens: TokenSource | Non
     cfg.validate()
     tokens = tokens or TokenSource(None)
     kind = dataset.kind if cfg.endpoint_type == "auto" else cfg.endpoint_type
-    if isinstance(dataset, MultiTurnDataset) and kind != "chat":
-        raise BenchError("--dataset multi-turn needs --endpoint-type chat (or auto)")
+    if isinstance(dataset, MultiTurnDataset) and kind not in CHAT_KINDS:
+        raise BenchError("--dataset multi-turn needs --endpoint-type chat, responses or messages (or auto)")
     id_prompts = dataset.name in ("random", "shared-prefix", "trace")
-    if id_prompts and not tokens.exact and (kind == "chat" or cfg.prompt_format == "text"):
-        flag = "--endpoint-type chat" if kind == "chat" else "--prompt-format text"
+    if id_prompts and not tokens.exact and (kind in CHAT_KINDS or cfg.prompt_format == "text"):
+        flag = f"--endpoint-type {kind}" if kind in CHAT_KINDS else "--prompt-format text"
         raise BenchError(f"{flag} with --dataset {dataset.name} turns token ids into text and needs a "
                          f"tokenizer (--tokenizer)")
     num_prompts = cfg.num_prompts
@@ -251,3 +256,35 @@ async def run_benchmark(cfg: BenchConfig, dataset: Dataset, tokens: TokenSource 
     finally:
         gc.unfreeze()
     return build_result(cfg, dataset, tokens, run)
+
+
+async def reset_prefix_cache(cfg: BenchConfig) -> bool:
+    """``POST /reset_prefix_cache`` (pagedllm's and vLLM's route): True when the server
+    answered 200, else False with a warning on stderr; never raises for the server's sake."""
+    async with OpenAIStreamClient(cfg) as client:
+        try:
+            await client.post_json("/reset_prefix_cache")
+            return True
+        except Exception as e:  # noqa: BLE001 - any failure means "not reset"
+            print(f"warning: cannot reset the prefix cache at {cfg.root_url}/reset_prefix_cache ({e}); later "
+                  "endpoint types may find earlier ones' prompts cached", file=sys.stderr)
+            return False
+
+
+async def run_comparison(cfg: BenchConfig, dataset: Dataset, kinds: tuple[str, ...],
+                         tokens: TokenSource | None = None) -> dict:
+    """The same workload (dataset, seed, load) through each endpoint type of ``kinds``, in
+    that order, against one server: before each run the prefix cache is reset
+    (:func:`reset_prefix_cache`, recorded as ``prefix_cache_reset`` in its result), so each
+    API starts as cold as the first. Returns :func:`~pagedllm.benchmarks.report.
+    build_comparison`'s document. Raises as :func:`run_load`."""
+    runs = []
+    for kind in kinds:
+        c = dataclasses.replace(cfg, endpoint_type=kind, extra_body=dict(cfg.extra_body))
+        if not cfg.quiet:
+            print(f"--- endpoint type {kind} ---", file=sys.stderr)
+        reset = await reset_prefix_cache(c)
+        res = await run_benchmark(c, dataset, tokens)
+        res["prefix_cache_reset"] = reset
+        runs.append(res)
+    return build_comparison(runs)

@@ -6,6 +6,7 @@ or :class:`~pagedllm.benchmarks.datasets.DatasetError`."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -23,6 +24,7 @@ from .datasets import (
     TokenSource,
     TraceDataset,
 )
+from .endpoints import ENDPOINT_TYPES
 from .metrics import DEFAULT_PERCENTILES, parse_slos
 
 __all__ = [
@@ -32,6 +34,8 @@ __all__ = [
     "positive_int",
     "percentile_list",
     "json_object",
+    "endpoint_types",
+    "endpoint_kinds",
     "add_common_arguments",
     "add_serve_arguments",
     "config_from_args",
@@ -54,7 +58,8 @@ class BenchError(Exception):
 class BenchConfig:
     """Options of one ``bench serve`` run: ``request_rate`` req/s (``inf`` = all at once);
     ``duration_s``, ``timeout_s``, ``retry_backoff_s`` seconds; ``goodput_ms`` SLO metric ->
-    ms; ``num_prompts`` sessions; ``endpoint_type`` "auto", "completions" or "chat"."""
+    ms; ``num_prompts`` sessions; ``endpoint_type`` "auto" or one of
+    :data:`~pagedllm.benchmarks.endpoints.ENDPOINT_TYPES`."""
 
     base_url: str = "http://127.0.0.1:8000"
     model: str | None = None
@@ -104,8 +109,13 @@ class BenchConfig:
             raise BenchError(f"--retry-backoff must be >= 0, got {self.retry_backoff_s}")
         if self.prompt_format not in ("ids", "text"):
             raise BenchError(f"--prompt-format must be ids or text, got {self.prompt_format!r}")
-        if self.endpoint_type not in ("auto", "completions", "chat"):
-            raise BenchError(f"--endpoint-type must be auto, completions or chat, got {self.endpoint_type!r}")
+        if self.endpoint_type not in ("auto",) + ENDPOINT_TYPES:
+            raise BenchError(f"--endpoint-type must be auto, {', '.join(ENDPOINT_TYPES)}; "
+                             f"got {self.endpoint_type!r}")
+        if self.ignore_eos and self.endpoint_type in ("responses", "messages"):
+            raise BenchError(f"--ignore-eos: the {self.endpoint_type} API has no such field (its server answers "
+                             "400 to unknown fields); compare APIs with greedy decoding instead (--temperature 0, "
+                             "the default), which generates the same tokens through each")
         if not self.base_url.startswith(("http://", "https://")):
             raise BenchError(f"--base-url must start with http:// or https://, got {self.base_url!r}")
         if (self.duration_s is not None and math.isinf(self.request_rate)
@@ -160,6 +170,21 @@ def percentile_list(v: str) -> tuple:
     return qs
 
 
+def endpoint_types(v: str) -> tuple[str, ...]:
+    """Argparse type of ``--endpoint-type``: ``auto``, or one or more comma-separated endpoint
+    types (each run in turn by ``bench serve``). Raises ``ArgumentTypeError``."""
+    kinds = tuple(x.strip() for x in v.split(",") if x.strip())
+    bad = [k for k in kinds if k not in ("auto",) + ENDPOINT_TYPES]
+    if not kinds or bad:
+        raise argparse.ArgumentTypeError(f"choose auto or from {', '.join(ENDPOINT_TYPES)} "
+                                         f"(comma-separated), got {v!r}")
+    if len(kinds) > 1 and "auto" in kinds:
+        raise argparse.ArgumentTypeError("auto cannot be combined with other endpoint types")
+    if len(set(kinds)) != len(kinds):
+        raise argparse.ArgumentTypeError(f"an endpoint type is repeated in {v!r}")
+    return kinds
+
+
 def json_object(v: str) -> dict:
     """Argparse type: a JSON object. Raises ``ArgumentTypeError``."""
     try:
@@ -184,8 +209,12 @@ def add_common_arguments(p: Any, single_run: bool = True) -> None:
                    help="server root URL, e.g. http://127.0.0.1:8000 (a trailing /v1 is accepted)")
     g.add_argument("--model", default=None, help="model name to request (default: first of /v1/models)")
     g.add_argument("--endpoint", default=None, help="override the request path, e.g. /v1/completions")
-    g.add_argument("--endpoint-type", choices=("auto", "completions", "chat"), default="auto",
-                   help="auto: completions for random/shared-prefix/trace, chat for multi-turn/sharegpt")
+    g.add_argument("--endpoint-type", type=endpoint_types, default=("auto",),
+                   metavar="{auto,completions,chat,responses,messages}",
+                   help="the API: auto (completions for random/shared-prefix/trace, chat for "
+                        "multi-turn/sharegpt), completions, chat, responses (/v1/responses) or messages "
+                        "(Anthropic's /v1/messages); bench serve takes a comma-separated list, e.g. "
+                        "chat,responses,messages, and runs the same workload through each in turn")
     g.add_argument("--tokenizer", default=None,
                    help="tokenizer for building prompts: HF id/dir or .gguf (default: the bundled model's; "
                         "'none' = no tokenizer)")
@@ -197,12 +226,14 @@ def add_common_arguments(p: Any, single_run: bool = True) -> None:
     g.add_argument("--retry-backoff", type=float, default=0.25, help="first retry back-off in seconds (doubles)")
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--ignore-eos", action="store_true", help="send ignore_eos=true (vLLM extension) so "
-                                                             "outputs reach --output-len")
+                                                             "outputs reach --output-len (completions and "
+                                                             "chat only)")
     g.add_argument("--prompt-format", choices=("ids", "text"), default="ids",
                    help="completions prompts of random/shared-prefix/trace: token ids (exact lengths) or "
                         "decoded text (for servers that take only strings)")
     g.add_argument("--no-stream-usage", action="store_true",
-                   help="do not send stream_options.include_usage (count tokens client-side)")
+                   help="do not send stream_options.include_usage (count tokens client-side); responses "
+                        "and messages always stream their usage")
     g.add_argument("--extra-body", type=json_object, default={},
                    help="JSON object merged into each request body")
 
@@ -266,13 +297,22 @@ def add_serve_arguments(p: Any) -> None:
 # ---------------------------------------------------------------------------
 
 
+def endpoint_kinds(args: Any) -> tuple[str, ...]:
+    """The endpoint types ``--endpoint-type`` names, in order (a string is one)."""
+    v = args.endpoint_type
+    return tuple(v) if isinstance(v, (tuple, list)) else (v,)
+
+
 def config_from_args(args: Any, validate: bool = True) -> BenchConfig:
-    """``BenchConfig`` from parsed args; raises ``BenchError``/``ValueError`` naming the flag."""
+    """``BenchConfig`` from parsed args, its ``endpoint_type`` the first of
+    ``--endpoint-type``'s; raises ``BenchError``/``ValueError`` naming the flag (each endpoint
+    type of the list is validated)."""
+    kinds = endpoint_kinds(args)
     cfg = BenchConfig(
         base_url=args.base_url,
         model=args.model,
         endpoint=args.endpoint,
-        endpoint_type=args.endpoint_type,
+        endpoint_type=kinds[0],
         request_rate=getattr(args, "request_rate", math.inf),
         burstiness=args.burstiness,
         max_concurrency=getattr(args, "max_concurrency", None),
@@ -296,7 +336,8 @@ def config_from_args(args: Any, validate: bool = True) -> BenchConfig:
         prompt_format=args.prompt_format,
     )
     if validate:
-        cfg.validate()
+        for kind in kinds:
+            dataclasses.replace(cfg, endpoint_type=kind).validate()
     return cfg
 
 
@@ -338,10 +379,15 @@ def build_dataset(args: Any, tokens: TokenSource) -> Dataset:
     raise DatasetError(f"--dataset: unknown dataset {name!r}")
 
 
-def prepare(args: Any, tokenizer: Any = "load", validate: bool = True) -> tuple[BenchConfig, Dataset, TokenSource]:
+def prepare(args: Any, tokenizer: Any = "load", validate: bool = True,
+            several_endpoints: bool = False) -> tuple[BenchConfig, Dataset, TokenSource]:
     """Validate args and build (config, dataset, token source); ``tokenizer="load"`` loads
-    ``args.tokenizer``, else the object given is used. Raises ``BenchError`` or
-    ``DatasetError`` naming the flag."""
+    ``args.tokenizer``, else the object given is used; ``several_endpoints``: a list of
+    endpoint types is allowed (``bench serve``). Raises ``BenchError`` or ``DatasetError``
+    naming the flag."""
+    if not several_endpoints and len(endpoint_kinds(args)) > 1:
+        raise BenchError("--endpoint-type: this command runs one endpoint type; a list (e.g. "
+                         "chat,responses,messages) is for bench serve")
     cfg = config_from_args(args, validate)
     if args.dataset in ("sharegpt", "trace"):
         if not args.dataset_path:
@@ -353,7 +399,7 @@ def prepare(args: Any, tokenizer: Any = "load", validate: bool = True) -> tuple[
     tok = load_tokenizer(args.tokenizer) if tokenizer == "load" else tokenizer
     tokens = TokenSource(tok, id_limit=DEFAULT_TOKENIZER_ID_LIMIT if args.tokenizer is None else None)
     dataset = build_dataset(args, tokens)
-    if dataset.kind == "chat" and args.endpoint_type == "completions" and args.dataset == "multi-turn":
+    if args.dataset == "multi-turn" and "completions" in endpoint_kinds(args):
         raise BenchError("--dataset multi-turn cannot use --endpoint-type completions")
     if dataset.timed and getattr(args, "request_rate", math.inf) != math.inf and not cfg.quiet:
         print("note: --dataset trace replays its own timestamps; --request-rate is ignored", file=sys.stderr)

@@ -9,9 +9,13 @@ prefill time while ``c <= capacity`` and grows by about ``S`` once requests
 queue: a known knee at ``c = capacity`` (rate knee at ``capacity / S`` req/s).
 
 It serves /v1/models, /health, /v1/completions, /v1/chat/completions (SSE
-chunks like OpenAI's, a final usage chunk with ``stream_options``), and
-/metrics with vLLM metric names (histogram sums/counts, counters, gauges).
-Prefix-cache counters are token based on 4-token blocks, as vLLM counts them.
+chunks like OpenAI's, a final usage chunk with ``stream_options``), /v1/responses and
+/v1/messages (each API's own events, usage and error shapes; bodies checked as strictly as
+pagedllm's: an unknown field or a missing required one is a 400 in the API's error shape),
+/reset_prefix_cache, and /metrics with vLLM metric names (histogram sums/counts, counters,
+gauges). Prefix-cache counters are token based on 4-token blocks, as vLLM counts them; a
+chat-turn prompt is "rendered" as a role word per message plus its content's words, and its
+cached words come back in usage (``cached_tokens`` / ``cache_read_input_tokens``).
 ``fail_first_n`` answers that many POSTs with HTTP 503 first.
 """
 
@@ -45,6 +49,7 @@ class LatencyModel:
     block_size: int = 4
     no_stream: bool = False  # answer with one JSON body, ignoring stream=true
     error_after_tokens: int | None = None  # send an SSE error event after this many tokens
+    reset_route: bool = True  # serve POST /reset_prefix_cache
 
 
 @dataclass
@@ -62,6 +67,7 @@ class Stats:
     prefix_queries: int = 0
     prefix_hits: int = 0
     success: int = 0
+    resets: int = 0
 
 
 class FakeServer:
@@ -108,20 +114,87 @@ class FakeServer:
         h[0] += v
         h[1] += 1
 
+    async def reset_prefix_cache(self, request: web.Request) -> web.Response:
+        n = len(self._blocks)
+        self._blocks.clear()
+        self.stats.resets += 1
+        return web.json_response({"status": "ok", "num_blocks_dropped": n})
+
+    @staticmethod
+    def _api(path: str) -> str:
+        for api in ("chat", "responses", "messages"):
+            if path.endswith({"chat": "/chat/completions", "responses": "/responses", "messages": "/messages"}[api]):
+                return api
+        return "completions"
+
+    @staticmethod
+    def _error_response(api: str, status: int, message: str, kind: str = "invalid_request_error") -> web.Response:
+        if api == "messages":
+            return web.json_response({"type": "error", "error": {"type": kind, "message": message}}, status=status)
+        return web.json_response({"error": {"message": message, "type": kind, "param": None, "code": None}},
+                                 status=status)
+
+    @staticmethod
+    def _chat_messages(api: str, body: dict) -> tuple[list[dict] | None, int | None, str | None]:
+        """(chat messages, max tokens, error) of a chat-turn body, checked like pagedllm's."""
+        allowed = {"chat": None,
+                   "responses": {"model", "input", "instructions", "max_output_tokens", "stream", "store",
+                                 "temperature", "top_p"},
+                   "messages": {"model", "max_tokens", "system", "messages", "stream", "temperature", "top_p",
+                                "top_k", "stop_sequences"}}[api]
+        if allowed is not None and set(body) - allowed:
+            return None, None, f"unknown fields: {', '.join(sorted(set(body) - allowed))}"
+        if api == "chat":
+            return body["messages"], int(body.get("max_tokens", 16)), None
+        if api == "responses":
+            items = body.get("input")
+            if not isinstance(items, list) or not all(i.get("type") == "message" for i in items):
+                return None, None, "input: message items expected"
+            sys_ = [{"role": "system", "content": body["instructions"]}] if body.get("instructions") else []
+            return sys_ + [{"role": i["role"], "content": i["content"]} for i in items], \
+                int(body.get("max_output_tokens") or 16), None
+        if "max_tokens" not in body:
+            return None, None, "max_tokens: Field required"
+        msgs = body.get("messages") or []
+        if not msgs or msgs[-1]["role"] != "user" or any(m["role"] not in ("user", "assistant") for m in msgs):
+            return None, None, "messages: user and assistant turns ending with the user's expected"
+        sys_ = [{"role": "system", "content": body["system"]}] if body.get("system") else []
+        return sys_ + msgs, int(body["max_tokens"]), None
+
+    def _count_prefix(self, ids: list) -> int:
+        """Prefix-cache lookup of ``ids`` on whole blocks: the hit tokens (counters updated)."""
+        bs = self.model.block_size
+        hits = 0
+        self.stats.prefix_queries += len(ids)
+        for b in range(len(ids) // bs):
+            key = tuple(ids[: (b + 1) * bs])
+            if key in self._blocks:
+                hits += bs
+            else:
+                self._blocks.add(key)
+        self.stats.prefix_hits += hits
+        return hits
+
     async def generate(self, request: web.Request) -> web.StreamResponse:
         arrival = time.perf_counter()
         body = await request.json()
         m, s = self.model, self.stats
+        api = self._api(request.path)
         s.posts += 1
         if s.posts <= m.fail_first_n:
             s.failed_posts += 1
-            return web.json_response({"error": {"message": "overloaded"}}, status=503)
-        chat = request.path.endswith("/chat/completions")
+            return self._error_response(api, 503, "overloaded", "overloaded_error")
+        chat = api != "completions"
+        msgs = None
         if chat:
-            msgs = body["messages"]
-            prompt_len = max(1, sum(len(str(x.get("content", "")).split()) for x in msgs))
-            ids = None
+            msgs, max_tokens, err = self._chat_messages(api, body)
+            if err:
+                return self._error_response(api, 400, err)
+            # "rendered": a role word per message, then the content's words
+            ids = [w for x in msgs for w in [f"<{x['role']}>", *str(x.get("content", "")).split()]]
+            prompt_len = len(ids)
         else:
+            max_tokens = int(body.get("max_tokens", 16))
             p = body["prompt"]
             if isinstance(p, list):
                 ids = [int(t) for t in p]
@@ -129,26 +202,14 @@ class FakeServer:
             else:
                 ids = None
                 prompt_len = max(1, len(p.split()))
-        if ids is not None:
-            bs = m.block_size
-            full = len(ids) // bs
-            s.prefix_queries += len(ids)
-            for b in range(full):
-                key = tuple(ids[: (b + 1) * bs])
-                if key in self._blocks:
-                    s.prefix_hits += bs
-                else:
-                    self._blocks.add(key)
-        max_tokens = int(body.get("max_tokens", 16))
-        rec = {"arrival": arrival, "prompt_len": prompt_len, "body": body, "chat": chat}
+        cached = self._count_prefix(ids) if ids is not None else 0
+        rec = {"arrival": arrival, "prompt_len": prompt_len, "body": body, "chat": chat, "api": api,
+               "messages": msgs, "cached": cached}
         s.requests.append(rec)
+        text = "".join(f" tok{i}" for i in range(max_tokens))
         if m.no_stream:
             await asyncio.sleep(m.prefill_s + m.itl_s * (max_tokens - 1))
-            text = "".join(f" tok{i}" for i in range(max_tokens))
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}} if chat else \
-                {"index": 0, "text": text}
-            return web.json_response({"id": "x", "choices": [choice], "usage": {
-                "prompt_tokens": prompt_len, "completion_tokens": max_tokens}})
+            return web.json_response(self._whole(api, text, prompt_len, max_tokens, cached))
         sem = self._sem
         if sem is not None:
             await sem.acquire()
@@ -158,34 +219,25 @@ class FakeServer:
             s.max_in_flight = max(s.max_in_flight, s.in_flight)
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await resp.prepare(request)
+            ev = _Events(api, f"cmpl-{len(s.requests)}")
+            for b in ev.head(prompt_len, cached):
+                await resp.write(b)
             await asyncio.sleep(m.prefill_s + m.prefill_per_token_s * prompt_len)
             first = time.perf_counter()
-            rid = f"cmpl-{len(s.requests)}"
-            if chat:
-                await resp.write(self._sse({"id": rid, "object": "chat.completion.chunk", "choices": [
-                    {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}))
+            for b in ev.first(prompt_len, cached):
+                await resp.write(b)
             for i in range(max_tokens):
                 if i:
                     await asyncio.sleep(m.itl_s)
                 if m.error_after_tokens is not None and i == m.error_after_tokens:
-                    await resp.write(self._sse({"error": {"message": "engine died", "code": 500}}))
+                    await resp.write(ev.error("engine died"))
                     await resp.write_eof()
                     return resp
-                tok = f" tok{i}"
-                last = i == max_tokens - 1
-                if chat:
-                    ch = {"index": 0, "delta": {"content": tok}, "finish_reason": "length" if last else None}
-                    obj = {"id": rid, "object": "chat.completion.chunk", "choices": [ch]}
-                else:
-                    ch = {"index": 0, "text": tok, "finish_reason": "length" if last else None}
-                    obj = {"id": rid, "object": "text_completion", "choices": [ch]}
-                await resp.write(self._sse(obj))
+                await resp.write(ev.token(f" tok{i}", i == max_tokens - 1))
             end = time.perf_counter()
-            if (body.get("stream_options") or {}).get("include_usage"):
-                await resp.write(self._sse({"id": rid, "choices": [], "usage": {
-                    "prompt_tokens": prompt_len, "completion_tokens": max_tokens,
-                    "total_tokens": prompt_len + max_tokens}}))
-            await resp.write(b"data: [DONE]\n\n")
+            usage = (body.get("stream_options") or {}).get("include_usage")
+            for b in ev.tail(prompt_len, max_tokens, cached, usage):
+                await resp.write(b)
             rec.update(start=start, first=first, end=end)
             self._observe("request_queue_time_seconds", start - arrival)
             self._observe("request_prefill_time_seconds", first - start)
@@ -203,6 +255,25 @@ class FakeServer:
             s.in_flight -= 1
             if sem is not None:
                 sem.release()
+
+    @staticmethod
+    def _whole(api: str, text: str, prompt_len: int, n: int, cached: int) -> dict:
+        """A whole (non-streamed) answer in ``api``'s shape."""
+        if api == "responses":
+            return {"id": "resp_x", "object": "response", "status": "incomplete", "error": None,
+                    "output": [{"type": "message", "role": "assistant", "content": [
+                        {"type": "output_text", "text": text, "annotations": []}]}],
+                    "usage": {"input_tokens": prompt_len, "input_tokens_details": {"cached_tokens": cached},
+                              "output_tokens": n, "total_tokens": prompt_len + n}}
+        if api == "messages":
+            return {"id": "msg_x", "type": "message", "role": "assistant", "content": [{"type": "text", "text": text}],
+                    "stop_reason": "max_tokens", "usage": {"input_tokens": prompt_len - cached, "output_tokens": n,
+                                                           "cache_read_input_tokens": cached,
+                                                           "cache_creation_input_tokens": 0}}
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}} if api == "chat" else \
+            {"index": 0, "text": text}
+        return {"id": "x", "choices": [choice], "usage": {"prompt_tokens": prompt_len, "completion_tokens": n,
+                                                          "prompt_tokens_details": {"cached_tokens": cached}}}
 
     @staticmethod
     def _sse(obj: dict) -> bytes:
@@ -224,6 +295,10 @@ class FakeServer:
                 app.router.add_get("/metrics", self.metrics)
                 app.router.add_post("/v1/completions", self.generate)
                 app.router.add_post("/v1/chat/completions", self.generate)
+                app.router.add_post("/v1/responses", self.generate)
+                app.router.add_post("/v1/messages", self.generate)
+                if self.model.reset_route:
+                    app.router.add_post("/reset_prefix_cache", self.reset_prefix_cache)
                 self._runner = web.AppRunner(app, access_log=None)
                 self.loop.run_until_complete(self._runner.setup())
                 site = web.TCPSite(self._runner, "127.0.0.1", self.port)
@@ -247,3 +322,83 @@ class FakeServer:
     def __exit__(self, *exc) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(10)
+
+
+class _Events:
+    """The SSE bytes of one streamed answer in ``api``'s shape: ``head`` (before the first
+    token), ``first`` (with it), ``token`` each, ``tail`` (usage, end), or ``error``."""
+
+    def __init__(self, api: str, rid: str):
+        self.api, self.rid, self.seq = api, rid, 0
+
+    def _sse(self, obj: dict) -> bytes:
+        if self.api == "responses":
+            obj = {"type": obj["type"], "sequence_number": self.seq, **obj}
+            self.seq += 1
+        if self.api in ("responses", "messages"):
+            return f"event: {obj['type']}\ndata: {json.dumps(obj)}\n\n".encode()
+        return f"data: {json.dumps(obj)}\n\n".encode()
+
+    def head(self, prompt_len: int, cached: int) -> list[bytes]:
+        if self.api == "responses":   # sent at once, before any token, as pagedllm's server does
+            r = {"id": self.rid, "object": "response", "status": "in_progress", "output": [], "usage": None}
+            return [self._sse({"type": "response.created", "response": r}),
+                    self._sse({"type": "response.in_progress", "response": r})]
+        return []
+
+    def first(self, prompt_len: int, cached: int) -> list[bytes]:
+        if self.api == "messages":   # with the first token: the prompt's cache lookup is known
+            msg = {"id": "msg_" + self.rid, "type": "message", "role": "assistant", "content": [],
+                   "stop_reason": None, "usage": {"input_tokens": prompt_len - cached, "output_tokens": 1,
+                                                  "cache_read_input_tokens": cached,
+                                                  "cache_creation_input_tokens": 0}}
+            return [self._sse({"type": "message_start", "message": msg}), self._sse({"type": "ping"}),
+                    self._sse({"type": "content_block_start", "index": 0,
+                               "content_block": {"type": "text", "text": ""}})]
+        if self.api == "chat":
+            return [self._sse({"id": self.rid, "object": "chat.completion.chunk", "choices": [
+                {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]})]
+        if self.api == "responses":
+            return [self._sse({"type": "response.output_item.added", "output_index": 0, "item": {
+                        "type": "message", "role": "assistant", "content": []}}),
+                    self._sse({"type": "response.content_part.added", "output_index": 0, "content_index": 0,
+                               "part": {"type": "output_text", "text": ""}})]
+        return []
+
+    def token(self, tok: str, last: bool) -> bytes:
+        if self.api == "chat":
+            ch = {"index": 0, "delta": {"content": tok}, "finish_reason": "length" if last else None}
+            return self._sse({"id": self.rid, "object": "chat.completion.chunk", "choices": [ch]})
+        if self.api == "responses":
+            return self._sse({"type": "response.output_text.delta", "output_index": 0, "content_index": 0,
+                              "delta": tok, "logprobs": []})
+        if self.api == "messages":
+            return self._sse({"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": tok}})
+        ch = {"index": 0, "text": tok, "finish_reason": "length" if last else None}
+        return self._sse({"id": self.rid, "object": "text_completion", "choices": [ch]})
+
+    def tail(self, prompt_len: int, n: int, cached: int, include_usage: bool) -> list[bytes]:
+        if self.api == "responses":
+            return [self._sse({"type": "response.output_text.done", "output_index": 0, "content_index": 0}),
+                    self._sse({"type": "response.incomplete", "response": {
+                        "id": self.rid, "status": "incomplete", "incomplete_details": {"reason": "max_output_tokens"},
+                        "usage": {"input_tokens": prompt_len, "input_tokens_details": {"cached_tokens": cached},
+                                  "output_tokens": n, "total_tokens": prompt_len + n}}})]
+        if self.api == "messages":
+            return [self._sse({"type": "content_block_stop", "index": 0}),
+                    self._sse({"type": "message_delta", "delta": {"stop_reason": "max_tokens"},
+                               "usage": {"output_tokens": n}}),
+                    self._sse({"type": "message_stop"})]
+        out = []
+        if include_usage:
+            out.append(self._sse({"id": self.rid, "choices": [], "usage": {
+                "prompt_tokens": prompt_len, "completion_tokens": n, "total_tokens": prompt_len + n,
+                "prompt_tokens_details": {"cached_tokens": cached}}}))
+        return out + [b"data: [DONE]\n\n"]
+
+    def error(self, message: str) -> bytes:
+        if self.api == "responses":
+            return self._sse({"type": "error", "code": "api_error", "message": message, "param": None})
+        if self.api == "messages":
+            return self._sse({"type": "error", "error": {"type": "api_error", "message": message}})
+        return self._sse({"error": {"message": message, "code": 500}})

@@ -120,6 +120,32 @@ def test_multi_turn_chat_run(server, tmp_path):
         assert reqs[1]["prompt_tokens"] > reqs[0]["prompt_tokens"] + reqs[0]["output_tokens"]
 
 
+def test_multi_turn_through_three_apis(server, tmp_path):
+    """One multi-turn workload through chat, responses and messages: all succeed, the same
+    prompt tokens through each, and each run's cached tokens in usage equal /metrics'
+    prefix-cache hits (no preemption in so small a run)."""
+    out = tmp_path / "cmp.json"
+    rc = run_cli(["bench", "serve", "--base-url", server, "--dataset", "multi-turn", "--num-prompts", "2",
+                  "--multi-turn-turns", "2", "--multi-turn-system-len", "40", "--input-len", "16",
+                  "--multi-turn-tool-len", "8", "--output-len", "4", "--multi-turn-think-time", "0",
+                  "--endpoint-type", "chat,responses,messages", "--timeout", "120", "--quiet",
+                  "--save-result", str(out)], tokenizer=_bundled_tokenizer())
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    assert [r["config"]["endpoint_kind"] for r in doc["runs"]] == ["chat", "responses", "messages"]
+    prompts = {}
+    for res in doc["runs"]:
+        s, m, c = res["summary"], res["server_metrics"], res["cached_tokens"]
+        kind = res["config"]["endpoint_kind"]
+        assert s["num_requests"] == 4 and s["completed"] == 4, (kind, s["errors"])
+        assert res["prefix_cache_reset"] is True and m["num_preemptions"] == 0
+        assert all(r["output_tokens_source"] == "usage" and r["cached_tokens"] is not None for r in res["requests"])
+        assert c["in_usage"] == c["prefix_cache_hits"] > 0 and c["difference"] == 0, (kind, c)
+        prompts[kind] = sorted((r["session_id"], r["turn"], r["prompt_tokens"]) for r in res["requests"])
+    # the same conversation renders to the same prompt through each API (greedy: the same replies)
+    assert prompts["responses"] == prompts["chat"] == prompts["messages"]
+
+
 def _bundled_tokenizer():
     from pagedllm.benchmarks.serve_options import load_tokenizer
 

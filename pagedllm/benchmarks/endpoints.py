@@ -1,0 +1,250 @@
+"""The four APIs ``bench serve`` speaks, one class each: ``completions`` and ``chat``
+(OpenAI), ``responses`` (OpenAI's Responses API) and ``messages`` (Anthropic's Messages
+API). Each owns its path, its request body built from the dataset's payload (a prompt for
+completions, a chat message list for the other three), and its reading of a stream event or
+a whole JSON answer: generated text, usage, the error it carries, the end of the stream.
+
+Usage is read into one shape, :class:`Usage` (prompt, output and cached prompt tokens), so
+runs through different APIs compare token for token; Messages' ``input_tokens`` exclude the
+cached tokens, so its prompt is ``input_tokens + cache_read_input_tokens +
+cache_creation_input_tokens``. Chat messages map to Responses' ``instructions`` + ``input``
+message items and to Messages' ``system`` + ``messages``, text unchanged, so a server that
+renders all three through one chat template sees the same prompt tokens.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .serve_options import BenchConfig
+
+__all__ = ["ENDPOINT_TYPES", "CHAT_KINDS", "Usage", "Event", "Endpoint", "endpoint", "error_message"]
+
+#: Every ``--endpoint-type`` besides ``auto``.
+ENDPOINT_TYPES = ("completions", "chat", "responses", "messages")
+#: The endpoint types whose payload is a chat message list.
+CHAT_KINDS = ("chat", "responses", "messages")
+
+
+@dataclass
+class Usage:
+    """Token counts of one answer, None where the server did not report them."""
+
+    prompt_tokens: int | None = None
+    output_tokens: int | None = None
+    cached_tokens: int | None = None
+
+
+@dataclass
+class Event:
+    """What one stream event carries: ``text`` generated (answer or reasoning), ``usage``
+    (the API's raw usage fields, merged over the stream's events), ``error`` (the server's
+    message), ``started`` (the event belongs to the answer), ``done`` (the stream's last)."""
+
+    text: str = ""
+    usage: dict | None = None
+    error: str | None = None
+    started: bool = False
+    done: bool = False
+
+
+def _int(v: Any) -> int | None:
+    return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+
+def _message_of(err: Any) -> str:
+    """The message of an error object (``{"message": ...}``) or the object as text."""
+    if isinstance(err, dict) and err.get("message") is not None:
+        return str(err["message"])
+    return str(err)
+
+
+def error_message(text: str) -> str:
+    """The message of an HTTP error body: ``error.message`` of OpenAI's shape
+    (``{"error": {"message"}}``) and of Anthropic's (``{"type": "error", "error": {"type",
+    "message"}}``), else the body's text; at most 200 characters."""
+    try:
+        obj = json.loads(text)
+    except ValueError:
+        return text.strip()[:200]
+    if isinstance(obj, dict) and isinstance(obj.get("error"), dict):
+        return _message_of(obj["error"])[:200]
+    return text.strip()[:200]
+
+
+class Endpoint:
+    """The OpenAI shape shared by completions and chat (``choices``, ``usage`` with
+    ``prompt_tokens``, ``completion_tokens``, ``prompt_tokens_details.cached_tokens``)."""
+
+    kind = "completions"
+    path = "/v1/completions"
+
+    def body(self, cfg: "BenchConfig", payload: Any, max_tokens: int) -> dict:
+        """The streamed request JSON for ``payload`` under ``cfg`` (model, temperature; chat
+        and completions also ``stream_options`` and ``ignore_eos``); ``--extra-body`` is
+        merged by the caller. Raises ``ValueError`` for messages this API cannot carry."""
+        b: dict = {"model": cfg.model, "max_tokens": int(max_tokens), "stream": True, "temperature": cfg.temperature}
+        if self.kind == "chat":
+            b["messages"] = payload
+        else:
+            b["prompt"] = payload
+        if cfg.stream_usage:
+            b["stream_options"] = {"include_usage": True}
+        if cfg.ignore_eos:
+            b["ignore_eos"] = True
+        return b
+
+    def event(self, obj: dict) -> Event:
+        """One ``data:`` object of the stream."""
+        if obj.get("error"):
+            return Event(error=_message_of(obj["error"]))
+        parts = []
+        for c in obj.get("choices") or []:
+            if not isinstance(c, dict):
+                continue
+            t = c.get("text")
+            if t is None:
+                delta = c.get("delta") or {}
+                t = (delta.get("content") or "") + (delta.get("reasoning_content") or delta.get("reasoning") or "")
+            if t:
+                parts.append(t)
+        usage = obj.get("usage") if isinstance(obj.get("usage"), dict) else None
+        return Event(text="".join(parts), usage=usage, started=bool(obj.get("choices")))
+
+    def whole(self, obj: dict) -> tuple[str, dict | None]:
+        """(text, raw usage) of a whole JSON answer (a server that ignored ``stream``)."""
+        text = "".join(c.get("text") or (c.get("message") or {}).get("content") or ""
+                       for c in obj.get("choices") or [] if isinstance(c, dict))
+        return text, obj.get("usage") if isinstance(obj.get("usage"), dict) else None
+
+    def usage(self, raw: dict | None) -> Usage:
+        """The counts of a raw usage object."""
+        raw = raw or {}
+        details = raw.get("prompt_tokens_details") or {}
+        return Usage(_int(raw.get("prompt_tokens")), _int(raw.get("completion_tokens")),
+                     _int(details.get("cached_tokens")) if isinstance(details, dict) else None)
+
+
+class ChatEndpoint(Endpoint):
+    kind = "chat"
+    path = "/v1/chat/completions"
+
+
+def _split_system(messages: list[dict], kind: str) -> tuple[str | None, list[dict]]:
+    """(the leading system message's text, the other messages); a system message elsewhere
+    or a role other than system, user and assistant raises ``ValueError`` naming ``kind``."""
+    system = None
+    rest = []
+    for i, m in enumerate(messages):
+        role = m.get("role")
+        if role == "system" and i == 0:
+            system = m.get("content")
+        elif role in ("user", "assistant"):
+            rest.append({"role": role, "content": m.get("content")})
+        else:
+            raise ValueError(f"--endpoint-type {kind}: message {i} has role {role!r}; only a leading system "
+                             "message, then user and assistant messages, map to this API")
+    return system, rest
+
+
+class ResponsesEndpoint(Endpoint):
+    """``/v1/responses``: the system message as ``instructions``, the others as ``message``
+    input items; ``max_output_tokens``; ``store: false`` (nothing kept on the server).
+    Text from ``response.output_text.delta`` (and ``response.reasoning_text.delta``); usage
+    from ``response.completed`` / ``response.incomplete``; errors from an ``error`` event or
+    ``response.failed``."""
+
+    kind = "responses"
+    path = "/v1/responses"
+    _TEXT = ("response.output_text.delta", "response.reasoning_text.delta")
+    _END = ("response.completed", "response.incomplete")
+
+    def body(self, cfg: "BenchConfig", payload: Any, max_tokens: int) -> dict:
+        system, rest = _split_system(payload, self.kind)
+        b: dict = {"model": cfg.model, "input": [{"type": "message", **m} for m in rest],
+                   "max_output_tokens": int(max_tokens), "stream": True, "store": False,
+                   "temperature": cfg.temperature}
+        if system is not None:
+            b["instructions"] = system
+        return b
+
+    def event(self, obj: dict) -> Event:
+        t = obj.get("type")
+        if t == "error":
+            return Event(error=_message_of(obj.get("error") or obj))
+        if t == "response.failed":
+            return Event(error=_message_of((obj.get("response") or {}).get("error") or "response.failed"))
+        if t in self._TEXT:
+            return Event(text=str(obj.get("delta") or ""), started=True)
+        if t in self._END:
+            usage = (obj.get("response") or {}).get("usage")
+            return Event(usage=usage if isinstance(usage, dict) else None, started=True, done=True)
+        return Event(started=isinstance(t, str))
+
+    def whole(self, obj: dict) -> tuple[str, dict | None]:
+        text = "".join(p.get("text") or "" for item in obj.get("output") or [] if isinstance(item, dict)
+                       and item.get("type") == "message" for p in item.get("content") or [] if isinstance(p, dict))
+        return text, obj.get("usage") if isinstance(obj.get("usage"), dict) else None
+
+    def usage(self, raw: dict | None) -> Usage:
+        raw = raw or {}
+        details = raw.get("input_tokens_details") or {}
+        return Usage(_int(raw.get("input_tokens")), _int(raw.get("output_tokens")),
+                     _int(details.get("cached_tokens")) if isinstance(details, dict) else None)
+
+
+class MessagesEndpoint(Endpoint):
+    """``/v1/messages`` (Anthropic): the system message as ``system``, the others as
+    ``messages`` with string content; ``max_tokens``. Text from ``content_block_delta``
+    (``text_delta``, ``thinking_delta``); usage from ``message_start`` (input and cache
+    fields; its ``output_tokens`` is a placeholder and dropped) updated by ``message_delta``;
+    ``message_stop`` ends the stream; errors from an ``error`` event."""
+
+    kind = "messages"
+    path = "/v1/messages"
+
+    def body(self, cfg: "BenchConfig", payload: Any, max_tokens: int) -> dict:
+        system, rest = _split_system(payload, self.kind)
+        b: dict = {"model": cfg.model, "max_tokens": int(max_tokens), "stream": True,
+                   "temperature": cfg.temperature, "messages": rest}
+        if system is not None:
+            b["system"] = system
+        return b
+
+    def event(self, obj: dict) -> Event:
+        t = obj.get("type")
+        if t == "error" or obj.get("error"):
+            return Event(error=_message_of(obj.get("error") or obj))
+        if t == "message_start":
+            usage = dict((obj.get("message") or {}).get("usage") or {})
+            usage.pop("output_tokens", None)
+            return Event(usage=usage, started=True)
+        if t == "content_block_delta":
+            d = obj.get("delta") or {}
+            return Event(text=str(d.get("text") or d.get("thinking") or ""), started=True)
+        if t == "message_delta":
+            usage = obj.get("usage")
+            return Event(usage=usage if isinstance(usage, dict) else None, started=True)
+        return Event(started=isinstance(t, str), done=t == "message_stop")
+
+    def whole(self, obj: dict) -> tuple[str, dict | None]:
+        text = "".join(b.get("text") or "" for b in obj.get("content") or []
+                       if isinstance(b, dict) and b.get("type") == "text")
+        return text, obj.get("usage") if isinstance(obj.get("usage"), dict) else None
+
+    def usage(self, raw: dict | None) -> Usage:
+        raw = raw or {}
+        parts = [_int(raw.get(k)) for k in ("input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")]
+        prompt = None if parts[0] is None else sum(p or 0 for p in parts)
+        return Usage(prompt, _int(raw.get("output_tokens")), parts[1])
+
+
+_ENDPOINTS = {e.kind: e for e in (Endpoint(), ChatEndpoint(), ResponsesEndpoint(), MessagesEndpoint())}
+
+
+def endpoint(kind: str) -> Endpoint:
+    """The API of endpoint type ``kind`` (one of ``ENDPOINT_TYPES``); ``KeyError`` otherwise."""
+    return _ENDPOINTS[kind]
