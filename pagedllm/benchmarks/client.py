@@ -258,4 +258,7 @@ class OpenAIStreamClient:
             result.prompt_tokens = usage["prompt_tokens"]
         else:
             result.prompt_tokens = prompt_len_estimate
+        details = usage.get("prompt_tokens_details")
+        if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+            result.cached_tokens = details["cached_tokens"]
         return result
