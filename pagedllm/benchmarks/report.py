@@ -5,7 +5,8 @@ Result dict: ``schema_version``, ``tool``, ``label``, ``date``, ``start_unix_s``
 ``config`` (:class:`BenchConfig` fields, ``endpoint_kind``, ``num_prompts_effective``),
 ``dataset``, ``tokenizer_exact``, ``summary`` (``summarize_results`` plus
 ``peak_in_flight``, ``num_sessions``, ``num_warmups``), ``server_metrics``
-(``server_metrics_delta``), ``requests`` (``RequestResult.to_dict``).
+(``server_metrics_delta``), ``requests`` (``RequestResult.to_dict``), ``cost``
+(:func:`~pagedllm.benchmarks.cost.analyze`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import time
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any, Sequence
 
+from .cost import analyze, format_cost
 from .datasets import Dataset, TokenSource
 from .metrics import RequestResult, server_metrics_delta, summarize_results
 from .serve_options import BenchConfig
@@ -118,7 +120,7 @@ def build_result(cfg: BenchConfig, dataset: Dataset, tokens: TokenSource, run: "
     config["percentiles"] = list(cfg.percentiles)
     config["endpoint_kind"] = run.endpoint_kind
     config["num_prompts_effective"] = run.num_prompts
-    return {
+    res = {
         "schema_version": SCHEMA_VERSION,
         "tool": "pagedllm bench serve",
         "label": cfg.label,
@@ -131,6 +133,8 @@ def build_result(cfg: BenchConfig, dataset: Dataset, tokens: TokenSource, run: "
         "server_metrics": server_metrics_delta(run.metrics_before, run.metrics_after),
         "requests": [r.to_dict(run.t0) for r in results],
     }
+    res["cost"] = analyze(res, cfg.cost_per_hour, cfg.api_price, cfg.what_if_system_len)
+    return res
 
 
 def format_report(res: dict) -> str:
@@ -204,5 +208,7 @@ def format_report(res: dict) -> str:
         title("Errors")
         for e, n in sorted(s["errors"].items(), key=lambda kv: -kv[1])[:5]:
             lines.append(f"{n:>6} x {e[:w + 6]}")
+    if res.get("cost"):
+        lines.append(format_cost(res["cost"]))
     lines.append("=" * (w + 16))
     return "\n".join(lines)
