@@ -11,7 +11,8 @@ queue: a known knee at ``c = capacity`` (rate knee at ``capacity / S`` req/s).
 It serves /v1/models, /health, /v1/completions, /v1/chat/completions (SSE
 chunks like OpenAI's, a final usage chunk with ``stream_options``), and
 /metrics with vLLM metric names (histogram sums/counts, counters, gauges).
-Prefix-cache counters are token based on 4-token blocks, as vLLM counts them.
+Prefix-cache counters are token based on 4-token blocks, as vLLM counts them; a request's
+hits are its usage's ``prompt_tokens_details.cached_tokens`` (0 for chat and text prompts).
 ``fail_first_n`` answers that many POSTs with HTTP 503 first.
 """
 
@@ -129,6 +130,7 @@ class FakeServer:
             else:
                 ids = None
                 prompt_len = max(1, len(p.split()))
+        cached = 0
         if ids is not None:
             bs = m.block_size
             full = len(ids) // bs
@@ -136,9 +138,10 @@ class FakeServer:
             for b in range(full):
                 key = tuple(ids[: (b + 1) * bs])
                 if key in self._blocks:
-                    s.prefix_hits += bs
+                    cached += bs
                 else:
                     self._blocks.add(key)
+            s.prefix_hits += cached
         max_tokens = int(body.get("max_tokens", 16))
         rec = {"arrival": arrival, "prompt_len": prompt_len, "body": body, "chat": chat}
         s.requests.append(rec)
@@ -148,7 +151,8 @@ class FakeServer:
             choice = {"index": 0, "message": {"role": "assistant", "content": text}} if chat else \
                 {"index": 0, "text": text}
             return web.json_response({"id": "x", "choices": [choice], "usage": {
-                "prompt_tokens": prompt_len, "completion_tokens": max_tokens}})
+                "prompt_tokens": prompt_len, "completion_tokens": max_tokens,
+                "prompt_tokens_details": {"cached_tokens": cached}}})
         sem = self._sem
         if sem is not None:
             await sem.acquire()
@@ -184,7 +188,7 @@ class FakeServer:
             if (body.get("stream_options") or {}).get("include_usage"):
                 await resp.write(self._sse({"id": rid, "choices": [], "usage": {
                     "prompt_tokens": prompt_len, "completion_tokens": max_tokens,
-                    "total_tokens": prompt_len + max_tokens}}))
+                    "total_tokens": prompt_len + max_tokens, "prompt_tokens_details": {"cached_tokens": cached}}}))
             await resp.write(b"data: [DONE]\n\n")
             rec.update(start=start, first=first, end=end)
             self._observe("request_queue_time_seconds", start - arrival)
