@@ -362,8 +362,8 @@ def analyze(res: dict, cost_per_hour: float | None = None, api_price: ApiPrice |
     if api_price is not None:
         cap = capacity_tok_s if capacity_tok_s is not None else s.get("output_token_throughput")
         api = _api(api_price, cost_per_hour, p_comp, C, O_d + O_a + O_f + O_r, O_d, run_usd, cap,
-                   capacity_source or "this run's own output throughput (a lower bound unless the run saturated "
-                                       "the server)")
+                   capacity_source or "this run's own output throughput, a lower bound unless the run saturated "
+                                       "the server")
     fr = m.get("finished_reasons") or {}
     return {
         "engine_time_model": model, "engine_time_model_note": _MODEL_NOTES[model],
@@ -627,7 +627,8 @@ def format_cost(c: dict, title: str = "Cost attribution") -> str:
                  f"per 1M output tokens ({_f(a['input_per_output_token'], '.2f')} input tokens per output token)")
         L.append(f"  self-hosted: ${_f(a['self_host_usd_per_1m_output_tokens'], '.4f')} per 1M output tokens in "
                  f"this run; ${_f(a['self_host_usd_per_1m_output_tokens_at_capacity'], '.4f')} when busy at "
-                 f"{_f(a['capacity_output_tok_s'], '.1f')} output tok/s ({a['capacity_source']})")
+                 f"{_f(a['capacity_output_tok_s'], '.1f')} output tok/s")
+        L.append(f"    (capacity: {a['capacity_source']})")
         u = a["break_even_utilisation"]
         if u is None:
             L.append("  break-even utilisation: n/a (needs --cost-per-hour and delivered output tokens)")
