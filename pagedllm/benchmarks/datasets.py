@@ -53,13 +53,16 @@ class Turn:
 @dataclass
 class Session:
     """A unit of arrival: ``turns`` sent in order; ``kind`` "completions" or "chat";
-    ``arrival_s`` (seconds from the run start) for timed datasets, else None."""
+    ``arrival_s`` (seconds from the run start) for timed datasets, else None;
+    ``system_tokens`` the system prompt's length where the dataset knows it (else the
+    runner counts ``system_prompt``; None: no system prompt)."""
 
     session_id: str
     turns: list[Turn]
     kind: str = "completions"
     system_prompt: str | None = None
     arrival_s: float | None = None
+    system_tokens: int | None = None
 
 
 _FALLBACK_VOCAB = (1000, 20000)

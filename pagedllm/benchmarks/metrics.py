@@ -48,8 +48,16 @@ SLO_METRICS: dict[str, str] = {
 class RequestResult:
     """Outcome of one benchmark request; ``scheduled_time``, ``start_time``,
     ``first_token_time``, ``end_time`` are ``time.perf_counter()`` seconds, ``itl`` gaps in
-    seconds; ``cached_tokens`` the prompt tokens the server's usage says it read from its
-    prefix cache (None when not reported)."""
+    seconds.
+
+    Read by :mod:`~pagedllm.benchmarks.cost` (who fills each): ``cached_tokens`` prompt
+    tokens the server's usage says came from its prefix cache (client; None: not reported);
+    ``aborted`` the client closed the stream on purpose and ``aborted_output_tokens`` the
+    tokens read before that (load model; False / 0); ``retried_prompt_tokens`` /
+    ``retried_output_tokens`` summed over the attempts that were retried, not the last one
+    (client's retry code; 0); ``think_time_s`` the pause after the session's previous reply
+    (tool / retrieval round-trip) and ``system_tokens`` the session's system-prompt tokens
+    (runner; 0.0, None where the dataset has no system prompt)."""
 
     request_id: int
     success: bool = False
@@ -70,6 +78,12 @@ class RequestResult:
     turn: int = 0
     generated_text: str = ""
     http_status: int | None = None
+    aborted: bool = False
+    aborted_output_tokens: int = 0
+    retried_prompt_tokens: int = 0
+    retried_output_tokens: int = 0
+    think_time_s: float = 0.0
+    system_tokens: int | None = None
 
     @property
     def tpot(self) -> float | None:
@@ -104,6 +118,12 @@ class RequestResult:
             "output_tokens": self.output_tokens,
             "output_tokens_source": self.output_tokens_source,
             "cached_tokens": self.cached_tokens,
+            "aborted": self.aborted,
+            "aborted_output_tokens": self.aborted_output_tokens,
+            "retried_prompt_tokens": self.retried_prompt_tokens,
+            "retried_output_tokens": self.retried_output_tokens,
+            "think_time_s": self.think_time_s,
+            "system_tokens": self.system_tokens,
             "scheduled_s": rel(self.scheduled_time),
             "start_s": rel(self.start_time),
             "first_token_s": rel(self.first_token_time),

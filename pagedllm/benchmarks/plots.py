@@ -10,7 +10,7 @@ import numpy as np
 
 from .extras import import_bench_package
 
-__all__ = ["plot_latency_cdfs", "plot_timeline", "plot_serve_result", "plot_sweep"]
+__all__ = ["plot_latency_cdfs", "plot_timeline", "plot_serve_result", "plot_sweep", "plot_cost"]
 
 _COLORS = {
     "wait": "#b0b0b0",
@@ -122,11 +122,90 @@ def plot_timeline(res: dict, path: str, max_requests: int = 400) -> str:
 
 
 def plot_serve_result(res: dict, out_dir: str, prefix: str = "") -> list[str]:
-    """Write ``latency_cdf.png`` and ``timeline.png`` into ``out_dir``; returns their paths."""
-    return [
+    """Write ``latency_cdf.png``, ``timeline.png`` and (with a ``cost`` analysis) ``cost.png``
+    into ``out_dir``; returns their paths."""
+    out = [
         plot_latency_cdfs(res, os.path.join(out_dir, f"{prefix}latency_cdf.png")),
         plot_timeline(res, os.path.join(out_dir, f"{prefix}timeline.png")),
     ]
+    if res.get("cost"):
+        out.append(plot_cost(res["cost"], os.path.join(out_dir, f"{prefix}cost.png"), res.get("label") or ""))
+    return out
+
+
+_COST_COLORS = {"prompt_computed": "#4c78a8", "prompt_cached": "#9ecae9", "output_delivered": "#54a24b",
+                "retried": "#e45756", "aborted": "#f58518", "never_received": "#b279a2",
+                "idle_tool_wait": "#eeca3b", "idle": "#d0d0d0", "unattributed": "#777777",
+                "tool_wait": "#eeca3b", "client_wait": "#b0b0b0", "server_queue": "#f2a93b", "prefill": "#4c78a8",
+                "decode": "#54a24b", "failed": "#e45756"}
+
+
+def plot_cost(cost: dict, path: str, title: str = "") -> str:
+    """Four panels of a :func:`~pagedllm.benchmarks.cost.analyze` result: machine time and
+    tokens by row (stacked shares), the sessions' time by phase, cost share by prompt
+    length, and (with an API price) $ per 1M output tokens against utilisation with the
+    break-even; returns ``path``."""
+    fig = _figure(13, 8)
+    (a1, a2), (a3, a4) = fig.subplots(2, 2)
+    fig.suptitle(f"What the run cost, and why {title}".strip())
+
+    def stacked(ax, bars: list[tuple[str, list[tuple[str, str, float]]]], xlabel: str) -> None:
+        seen = set()
+        for y, (name, parts) in enumerate(bars):
+            left = 0.0
+            for key, label, v in parts:
+                if not v or v <= 0:
+                    continue
+                ax.barh(y, v, left=left, color=_COST_COLORS.get(key, "#999999"),
+                        label=None if key in seen else label)
+                seen.add(key)
+                if v >= 0.06:
+                    ax.text(left + v / 2, y, f"{v:.0%}", ha="center", va="center", fontsize=7)
+                left += v
+        ax.set_yticks(range(len(bars)))
+        ax.set_yticklabels([b[0] for b in bars])
+        ax.set_xlim(0, 1)
+        ax.set_xlabel(xlabel)
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=3, frameon=False)
+
+    rows = cost["rows"]
+    stacked(a1, [("machine time", [(r["key"], r["label"], r["time_share"]) for r in rows]),
+                 ("tokens", [(r["key"], r["label"], r["token_share"]) for r in rows if r["tokens"] is not None])],
+            "share of the run")
+    a1.set_title("Machine time and tokens")
+    st = cost["session_time"]["rows"]
+    stacked(a2, [("sessions", [(r["key"], r["label"], r["share"]) for r in st])], "share of the sessions' time")
+    a2.set_title("Where the sessions' time went")
+    pl = cost["drivers"]["prompt_length"]
+    a3.bar([g["bucket"] for g in pl], [100 * (g["share"] or 0) for g in pl], color="#4c78a8")
+    for i, g in enumerate(pl):
+        if g["usd_per_1m_output_tokens"] is not None:
+            a3.text(i, 100 * (g["share"] or 0), f"${g['usd_per_1m_output_tokens']:.3g}/1M out", ha="center",
+                    va="bottom", fontsize=7)
+    a3.set_ylabel("% of the run's cost")
+    a3.set_xlabel("prompt tokens")
+    a3.set_title("Cost by prompt length")
+    api = cost.get("api") or {}
+    self_cap = api.get("self_host_usd_per_1m_output_tokens_at_capacity")
+    if self_cap is not None and api.get("api_usd_per_1m_output_tokens") is not None:
+        u = np.linspace(0.02, 1.0, 200)
+        a4.plot(100 * u, self_cap / u, color="#4c78a8", label="self-hosted")
+        a4.axhline(api["api_usd_per_1m_output_tokens"], color="#e45756", ls="--", label="managed API")
+        be = api.get("break_even_utilisation")
+        if be is not None and be <= 1:
+            a4.axvline(100 * be, color="#555555", ls=":", label=f"break-even {be:.0%}")
+        a4.set_yscale("log")
+        a4.set_xlabel(f"utilisation, % of {api['capacity_output_tok_s']:.1f} output tok/s")
+        a4.set_ylabel("$ per 1M output tokens")
+        a4.legend(fontsize=8)
+    else:
+        a4.text(0.5, 0.5, "no break-even: needs --api-price and --cost-per-hour", ha="center", va="center",
+                transform=a4.transAxes, fontsize=9)
+    a4.set_title("Self-host or managed API")
+    for ax in (a3, a4):
+        ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    return _save(fig, path)
 
 
 def plot_sweep(sweeps: Sequence[dict], out_dir: str) -> list[str]:
@@ -188,4 +267,10 @@ def plot_sweep(sweeps: Sequence[dict], out_dir: str) -> list[str]:
         ax.legend(fontsize=8)
     fig.tight_layout()
     p2 = _save(fig, os.path.join(out_dir, "sweep_latency.png"))
-    return [p1, p2]
+    out = [p1, p2]
+    for i, sw in enumerate(sweeps):
+        bp = sw.get("best_point") or {}
+        if bp.get("cost"):
+            name = "sweep_cost.png" if i == 0 else f"sweep_cost_{i + 1}.png"
+            out.append(plot_cost(bp["cost"], os.path.join(out_dir, name), sw.get("label") or sw["base_url"]))
+    return out

@@ -7,8 +7,9 @@ Result dict: ``schema_version``, ``tool``, ``label``, ``date``, ``start_unix_s``
 ``dataset``, ``tokenizer_exact``, ``summary`` (``summarize_results`` plus
 ``peak_in_flight``, ``num_sessions``, ``num_warmups``), ``server_metrics``
 (``server_metrics_delta``), ``cached_tokens`` (usage against ``/metrics``), ``requests``
-(``RequestResult.to_dict``). A comparison: ``schema_version``, ``tool``,
-``endpoint_types``, ``baseline``, ``comparison`` (:func:`comparison_rows`), ``runs``.
+(``RequestResult.to_dict``), ``cost`` (:func:`~pagedllm.benchmarks.cost.analyze`). A
+comparison: ``schema_version``, ``tool``, ``endpoint_types``, ``baseline``, ``comparison``
+(:func:`comparison_rows`), ``runs``.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import time
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any, Sequence
 
+from .cost import analyze, format_cost
 from .datasets import Dataset, TokenSource
 from .metrics import RequestResult, server_metrics_delta, summarize_results
 from .serve_options import BenchConfig
@@ -122,7 +124,7 @@ def build_result(cfg: BenchConfig, dataset: Dataset, tokens: TokenSource, run: "
     config["endpoint_kind"] = run.endpoint_kind
     config["num_prompts_effective"] = run.num_prompts
     server = server_metrics_delta(run.metrics_before, run.metrics_after)
-    return {
+    res = {
         "schema_version": SCHEMA_VERSION,
         "tool": "pagedllm bench serve",
         "label": cfg.label,
@@ -136,6 +138,8 @@ def build_result(cfg: BenchConfig, dataset: Dataset, tokens: TokenSource, run: "
         "cached_tokens": cached_tokens_check(summary, server),
         "requests": [r.to_dict(run.t0) for r in results],
     }
+    res["cost"] = analyze(res, cfg.cost_per_hour, cfg.api_price, cfg.what_if_system_len)
+    return res
 
 
 def cached_tokens_check(summary: dict, server: dict) -> dict:
@@ -224,6 +228,8 @@ def format_report(res: dict) -> str:
         title("Errors")
         for e, n in sorted(s["errors"].items(), key=lambda kv: -kv[1])[:5]:
             lines.append(f"{n:>6} x {e[:w + 6]}")
+    if res.get("cost"):
+        lines.append(format_cost(res["cost"]))
     lines.append("=" * (w + 16))
     return "\n".join(lines)
 

@@ -76,9 +76,11 @@ class _Runner:
         kind = self._kind(s)
         messages: list[dict] = []
         est = 0
+        system_tokens = s.system_tokens
         if s.system_prompt:
             messages.append({"role": "system", "content": s.system_prompt})
             est += self.tokens.count(s.system_prompt)
+            system_tokens = est if system_tokens is None else system_tokens
         prev_end = None
         for k, turn in enumerate(s.turns):
             if prev_end is not None:
@@ -100,7 +102,9 @@ class _Runner:
                 if self.cfg.prompt_format == "text" and isinstance(payload, list):
                     payload = self.tokens.decode(payload)
                 prompt_est = turn.prompt_len
-            r = RequestResult(request_id=self._next_id, scheduled_time=scheduled, session_id=s.session_id, turn=k)
+            r = RequestResult(request_id=self._next_id, scheduled_time=scheduled, session_id=s.session_id, turn=k,
+                              think_time_s=turn.think_time_s if prev_end is not None else 0.0,
+                              system_tokens=system_tokens)
             self._next_id += 1
             sink.append(r)
             await self.client.send(kind, payload, turn.output_len, r, prompt_est)

@@ -25,6 +25,7 @@ from .datasets import (
     TraceDataset,
 )
 from .endpoints import ENDPOINT_TYPES
+from .cost import ApiPrice, add_cost_arguments
 from .metrics import DEFAULT_PERCENTILES, parse_slos
 
 __all__ = [
@@ -59,7 +60,8 @@ class BenchConfig:
     """Options of one ``bench serve`` run: ``request_rate`` req/s (``inf`` = all at once);
     ``duration_s``, ``timeout_s``, ``retry_backoff_s`` seconds; ``goodput_ms`` SLO metric ->
     ms; ``num_prompts`` sessions; ``endpoint_type`` "auto" or one of
-    :data:`~pagedllm.benchmarks.endpoints.ENDPOINT_TYPES`."""
+    :data:`~pagedllm.benchmarks.endpoints.ENDPOINT_TYPES`; ``cost_per_hour`` USD, ``api_price``,
+    ``what_if_system_len`` for :mod:`~pagedllm.benchmarks.cost`."""
 
     base_url: str = "http://127.0.0.1:8000"
     model: str | None = None
@@ -86,6 +88,9 @@ class BenchConfig:
     label: str | None = None
     quiet: bool = False
     prompt_format: str = "ids"
+    cost_per_hour: float | None = None
+    api_price: ApiPrice | None = None
+    what_if_system_len: int | None = None
 
     def validate(self) -> None:
         """Raise ``BenchError`` naming the flag of the first invalid option."""
@@ -124,6 +129,8 @@ class BenchConfig:
         for q in self.percentiles:
             if not 0 <= q <= 100:
                 raise BenchError(f"--percentiles values must be in [0, 100], got {q}")
+        if self.cost_per_hour is not None and not (self.cost_per_hour > 0 and math.isfinite(self.cost_per_hour)):
+            raise BenchError(f"--cost-per-hour must be > 0, got {self.cost_per_hour}")
 
     @property
     def root_url(self) -> str:
@@ -290,6 +297,7 @@ def add_serve_arguments(p: Any) -> None:
     o.add_argument("--plot", default=None, metavar="DIR", help="write latency CDF and timeline PNGs to DIR")
     o.add_argument("--label", default=None, help="free-form label stored in the result")
     o.add_argument("--quiet", action="store_true", help="print only the final table")
+    add_cost_arguments(p.add_argument_group("cost"), cost_per_hour=True)
 
 
 # ---------------------------------------------------------------------------
@@ -334,6 +342,9 @@ def config_from_args(args: Any, validate: bool = True) -> BenchConfig:
         label=getattr(args, "label", None),
         quiet=getattr(args, "quiet", False),
         prompt_format=args.prompt_format,
+        cost_per_hour=getattr(args, "cost_per_hour", None),
+        api_price=getattr(args, "api_price", None),
+        what_if_system_len=getattr(args, "what_if_system_len", None),
     )
     if validate:
         for kind in kinds:

@@ -7,7 +7,9 @@ is within its limit, the error rate is at most ``--max-error-rate`` and a reques
 completed. ``best_load``: the highest load such that it and every lower one pass
 (``--refine N`` bisects N more times). Cost at it, from measured throughput:
 ``cost_per_hour / (3600 * output_tok_per_s) * 1e6`` per 1M output tokens and
-``cost_per_hour / (3600 * req_per_s) * 1e3`` per 1k requests.
+``cost_per_hour / (3600 * req_per_s) * 1e3`` per 1k requests. Each point carries its
+:mod:`~pagedllm.benchmarks.cost` analysis; the best point's prices the break-even against
+``--api-price`` at its throughput (the capacity within the SLO).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import sys
 from pagedllm.entrypoints.cli import HelpFormatter
 from typing import Any, Sequence
 
+from .cost import add_cost_arguments, format_cost
 from .datasets import Dataset, TokenSource
 from .extras import require_bench_packages
 from .metrics import parse_slos, pct_key
@@ -122,6 +125,7 @@ def _point_record(load: float, mode: str, res: dict, slos_ms: dict, percentile: 
         "server_queue_time_share": sm.get("queue_time_share"),
         "server_prefix_cache_hit_rate": sm.get("prefix_cache_hit_rate"),
         "server_preemptions": sm.get("num_preemptions"),
+        "cost": res.get("cost"),
         "summary": s,
     }
 
@@ -187,6 +191,9 @@ async def run_sweep(cfg: BenchConfig, dataset: Dataset, tokens: TokenSource | No
     points.sort(key=lambda p: p["load"])
     best = best_load(points)
     best_pt = next((p for p in points if p["load"] == best), None)
+    if best_pt is not None and (best_pt.get("cost") or {}).get("api"):
+        unit = "req/s" if mode == "rate" else "concurrent sessions"
+        best_pt["cost"]["api"]["capacity_source"] = f"the sweep's highest load within the SLO, {best:g} {unit}"
     out = {
         "tool": "pagedllm bench sweep",
         "label": cfg.label,
@@ -251,6 +258,8 @@ def format_sweep(sweeps: Sequence[dict]) -> str:
         if sw.get("cost_per_hour_usd") is not None:
             lines.append(f"    at ${sw['cost_per_hour_usd']:g}/h: ${fv(sw['cost_per_1m_output_tokens_usd'], '.4f')} "
                          f"per 1M output tokens, ${fv(sw['cost_per_1k_requests_usd'], '.4f')} per 1k requests")
+        if bp.get("cost"):
+            lines.append(format_cost(bp["cost"], f"{tag}: cost at the highest load within the SLO"))
     return "\n".join(lines)
 
 
@@ -282,6 +291,7 @@ def add_sweep_arguments(p: Any) -> None:
     s.add_argument("--no-early-stop", action="store_true", help="run every load even after one fails")
     s.add_argument("--cost-per-hour", type=float, default=None, metavar="USD",
                    help="machine price; reports cost per 1M output tokens and per 1k requests")
+    add_cost_arguments(s, cost_per_hour=False)
     s.add_argument("--compare", default=None, metavar="URL", help="run the same sweep against a second server")
     s.add_argument("--compare-model", default=None, help="model name on the --compare server")
     s.add_argument("--labels", default=None, metavar="A,B", help="names of the two servers in --compare output")

@@ -118,6 +118,13 @@ def test_multi_turn_chat_run(server, tmp_path):
     for reqs in by_session.values():
         # the second turn resends the first turn, its reply and a tool result
         assert reqs[1]["prompt_tokens"] > reqs[0]["prompt_tokens"] + reqs[0]["output_tokens"]
+    # cost attribution: the cached tokens of each request's usage add up to the server's hit counter,
+    # the engine split comes from its prefill / decode times, and the rows add up to the run
+    c, m = res["cost"], res["server_metrics"]
+    assert c["prefix_cache"]["source"] == "usage" and c["engine_time_model"] == "server"
+    assert c["prefix_cache"]["cached_tokens"] == m["prefix_cache_hits"] > 0
+    assert sum(r["seconds"] for r in c["rows"]) == pytest.approx(s["duration_s"])
+    assert c["rows"][-1]["key"] == "idle" and {r["system_tokens"] for r in res["requests"]} == {24}
 
 
 def test_multi_turn_through_three_apis(server, tmp_path):
