@@ -192,7 +192,7 @@ async def run_load(cfg: BenchConfig, dataset: Dataset, tokens: TokenSource | Non
     kind = dataset.kind if cfg.endpoint_type == "auto" else cfg.endpoint_type
     if isinstance(dataset, MultiTurnDataset) and kind != "chat":
         raise BenchError("--dataset multi-turn needs --endpoint-type chat (or auto)")
-    id_prompts = dataset.name in ("random", "shared-prefix", "trace")
+    id_prompts = dataset.name in ("random", "shared-prefix") or (dataset.name == "trace" and dataset.kind != "chat")
     if id_prompts and not tokens.exact and (kind == "chat" or cfg.prompt_format == "text"):
         flag = "--endpoint-type chat" if kind == "chat" else "--prompt-format text"
         raise BenchError(f"{flag} with --dataset {dataset.name} turns token ids into text and needs a "
