@@ -32,6 +32,7 @@ __all__ = [
     "TraceTurn",
     "TraceRecord",
     "WordPool",
+    "word_pool",
     "TraceText",
     "detect_format",
     "read_trace",
@@ -125,6 +126,18 @@ class WordPool:
             raise DatasetError("the tokenizer merges words across spaces, so trace prompt lengths would not "
                                "be exact; pass another --tokenizer")
         self.words, self.ids = np.asarray(words), np.asarray(ids, dtype=np.int64)
+
+
+_POOLS: dict[tuple[int, int], tuple[Any, WordPool]] = {}
+
+
+def word_pool(tokens: TokenSource) -> WordPool:
+    """The :class:`WordPool` of ``tokens``, built once per tokenizer and id range."""
+    key = (id(tokens.tokenizer), int(tokens.allowed_ids.size))
+    hit = _POOLS.get(key)
+    if hit is None or hit[0] is not tokens.tokenizer:
+        hit = _POOLS[key] = (tokens.tokenizer, WordPool(tokens))
+    return hit[1]
 
 
 def _key_seed(key: str) -> int:
@@ -336,12 +349,12 @@ def _read_csv(path: str, fmt: str, columns: dict[str, Sequence[str]], limit: int
         if header is None:
             raise DatasetError(f"--dataset-path {path}: empty {fmt} CSV")
         pos = {_norm(h): i for i, h in enumerate(header)}
-        col: dict[str, int | None] = {}
-        for what, names in columns.items():
-            col[what] = next((pos[_norm(n)] for n in names if _norm(n) in pos), None)
-            if col[what] is None and what != "session":
-                raise DatasetError(f"--dataset-path {path}, line 1: {fmt} CSV needs a '{names[0]}' column "
-                                   f"(header: {', '.join(header)})")
+        col = {what: next((pos[_norm(n)] for n in names if _norm(n) in pos), None) for what, names in columns.items()}
+        missing = [names[0] for what, names in columns.items() if col[what] is None and what != "session"]
+        if missing:
+            raise DatasetError(f"--dataset-path {path}, line 1: a {fmt} CSV needs the columns "
+                               f"{', '.join(names[0] for w, names in columns.items() if w != 'session')}; "
+                               f"missing {', '.join(missing)} (header: {', '.join(header)})")
         for row in reader:
             line = reader.line_num
             if not row or all(not c.strip() for c in row):
@@ -481,16 +494,13 @@ class TraceDataset(Dataset):
         for g in self.groups:
             g[0].arrival_s = ((g[0].arrival_s or 0.0) - t0) / speedup
         self.rows = [r for g in self.groups for r in g]
-        self._pool: WordPool | None = None
 
     @property
     def kind(self) -> str:  # type: ignore[override]
         return "chat" if self.chat else "completions"
 
     def sessions(self, seed: int) -> Iterator[Session]:
-        if self._pool is None:
-            self._pool = WordPool(self.tokens)
-        text = TraceText(self._pool, seed)
+        text = TraceText(word_pool(self.tokens), seed)
         for i, g in enumerate(self.groups):
             yield self._chat_session(text, g) if self.chat else self._single(text, i, g[0])
 
