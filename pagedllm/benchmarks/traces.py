@@ -18,6 +18,7 @@ import hashlib
 import json
 import os
 import re
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from typing import Any, Iterator, Sequence
@@ -43,8 +44,9 @@ TRACE_FORMATS = ("auto", "pagedllm", "mooncake", "azure", "burstgpt")
 #: The synthetic agent trace shipped with the package (generator: ``agent_trace.py``).
 AGENT_TRACE_PATH = os.path.join(os.path.dirname(__file__), "data", "agent_trace.jsonl")
 
-_CHUNK = 512          # words per generated chunk of a content stream
-_MIN_POOL = 64        # fewest one-token words a tokenizer must have
+_CHUNK = 512            # words per generated chunk of a content stream
+_CACHED_CHUNKS = 8192   # chunks kept (1 KiB each)
+_MIN_POOL = 64          # fewest one-token words a tokenizer must have
 _MAX_CANDIDATES = 4000
 _REQUIRED = object()
 
@@ -147,26 +149,30 @@ def _key_seed(key: str) -> int:
 class TraceText:
     """Prompt content for a trace: stream ``key`` is an endless sequence of pool words fixed
     by ``(seed, key)``; its first ``n`` words are the same for every ``n`` (a shorter prompt
-    of a stream is a prefix of a longer one). ``cache`` keeps a stream's words for keys
-    used again (blocks, sessions, system prompts)."""
+    of a stream is a prefix of a longer one). ``cache`` keeps the most recently used chunks
+    of keys used again (blocks, sessions, system prompts); others are drawn again."""
 
     def __init__(self, pool: WordPool, seed: int):
         self.pool, self.seed = pool, seed
-        self._chunks: dict[tuple[str, int], np.ndarray] = {}
+        self._chunks: OrderedDict[tuple[str, int], np.ndarray] = OrderedDict()
 
     def _chunk(self, key: str, c: int, cache: bool) -> np.ndarray:
         got = self._chunks.get((key, c))
-        if got is None:
-            rng = np.random.default_rng([self.seed, 11, _key_seed(key), c])
-            got = rng.integers(len(self.pool.words), size=_CHUNK)
-            if cache:
-                self._chunks[(key, c)] = got
+        if got is not None:
+            self._chunks.move_to_end((key, c))
+            return got
+        rng = np.random.default_rng([self.seed, 11, _key_seed(key), c])
+        got = rng.integers(len(self.pool.words), size=_CHUNK, dtype=np.int16)
+        if cache:
+            self._chunks[(key, c)] = got
+            if len(self._chunks) > _CACHED_CHUNKS:
+                self._chunks.popitem(last=False)
         return got
 
     def indices(self, key: str, n: int, cache: bool = True) -> np.ndarray:
         """Pool indices of the first ``n`` words of stream ``key``."""
         if n <= 0:
-            return np.zeros(0, dtype=np.int64)
+            return np.zeros(0, dtype=np.int16)
         parts = [self._chunk(key, c, cache) for c in range(-(-n // _CHUNK))]
         return np.concatenate(parts)[:n]
 
@@ -393,13 +399,15 @@ def detect_format(path: str) -> str:
     """``path``'s trace format: a ``.csv`` (or a first line not starting with "{") by its
     header, Azure's or BurstGPT's; JSONL whose first row has ``input_length`` and
     ``hash_ids`` and none of our fields is Mooncake's, any other JSONL ours. Raises
-    ``DatasetError`` for a CSV header of neither."""
+    ``DatasetError`` for an empty file or a CSV header of neither."""
     first = ""
     with open(path, encoding="utf-8") as f:
         for line in f:
             if line.strip() and not line.lstrip().startswith("#"):
                 first = line.strip()
                 break
+    if not first:
+        raise DatasetError(f"--dataset-path: trace {path} has no rows")
     if path.lower().endswith(".csv") or not first.startswith("{"):
         names = {_norm(h) for h in next(csv.reader([first]), [])}
         for fmt, cols in (("azure", _AZURE_COLUMNS), ("burstgpt", _BURSTGPT_COLUMNS)):
@@ -424,8 +432,8 @@ def read_trace(path: str, trace_format: str = "auto", timestamp_unit: str = "s",
     seconds. ``limit`` stops after that many single requests. Raises ``DatasetError``."""
     if trace_format not in TRACE_FORMATS:
         raise DatasetError(f"--trace-format must be one of {', '.join(TRACE_FORMATS)}, got {trace_format!r}")
-    fmt = detect_format(path) if trace_format == "auto" else trace_format
     try:
+        fmt = detect_format(path) if trace_format == "auto" else trace_format
         if fmt == "pagedllm":
             return fmt, read_pagedllm(path, timestamp_unit, limit), 0
         if fmt == "mooncake":
