@@ -3,7 +3,7 @@
 ``hash_ids`` name ``--trace-block-size``-token blocks: equal ids, identical prompt blocks,
 so prefix reuse is replayed), ``azure`` (CSV: ``TIMESTAMP``, ``ContextTokens``,
 ``GeneratedTokens``), ``burstgpt`` (CSV: ``Timestamp``, ``Request tokens``, ``Response
-tokens``); ``auto`` picks by extension and header. Rows with 0 prompt or output tokens
+tokens``); ``auto`` picks by extension and header. CSV rows with 0 prompt or output tokens
 (BurstGPT's failed requests) are skipped and counted. Arrivals are relative to the first
 request, divided by ``--trace-speedup``; think times are not. Prompt text is drawn from a
 :class:`WordPool` of one-token words, so each prompt has exactly its recorded token count.
