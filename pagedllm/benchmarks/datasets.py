@@ -4,15 +4,15 @@
 ``random`` (token-id prompts, lengths uniform on ``[L*(1-r), L*(1+r)]``),
 ``shared-prefix`` (one of ``num_prefixes`` fixed prefixes + a random suffix),
 ``multi-turn`` (agent-like chat sessions resending the growing conversation),
-``sharegpt`` (first exchange of each conversation of a ShareGPT JSON file), ``trace``
-(JSONL rows replayed at their own timing divided by a speed-up).
+``sharegpt`` (first exchange of each conversation of a ShareGPT JSON file); ``trace`` (a
+replayed trace file) is :mod:`~pagedllm.benchmarks.traces`.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
 import numpy as np
@@ -26,7 +26,6 @@ __all__ = [
     "SharedPrefixDataset",
     "MultiTurnDataset",
     "ShareGPTDataset",
-    "TraceDataset",
     "DatasetError",
     "sample_lengths",
 ]
@@ -366,139 +365,3 @@ class ShareGPTDataset(Dataset):
         return {"name": self.name, "path": self.path, "num_conversations": len(self.raw),
                 "output_len": self.output_len, "max_prompt_len": self.max_prompt_len,
                 "max_total_len": self.max_total_len}
-
-
-@dataclass
-class TraceRow:
-    """One parsed trace line: arrival (seconds, relative), prompt or length, output length."""
-
-    arrival_s: float
-    output_len: int
-    prompt: str | None = None
-    prompt_len: int | None = None
-    session_id: str | None = None
-    hash_ids: list[int] = field(default_factory=list)
-
-
-def _first(d: dict, names: Sequence[str]) -> Any:
-    for n in names:
-        if n in d and d[n] is not None:
-            return d[n]
-    return None
-
-
-class TraceDataset(Dataset):
-    """Replay of a JSONL trace. Each line: ``timestamp`` (or ``arrival_time``, ``ts``; unit
-    ``timestamp_unit`` "s"/"ms", relative to the first row, divided by ``speedup``);
-    ``prompt`` (text) or ``prompt_len`` (or ``input_len``, ``input_length``); ``output_len``
-    (or ``output_length``, ``max_tokens``); optional ``session_id`` (its rows' random prompts
-    extend one token stream) and Mooncake-style ``hash_ids`` (one per ``block_size`` tokens;
-    equal ids, equal blocks).
-    Raises ``DatasetError`` naming the line for malformed rows.
-    """
-
-    name = "trace"
-    timed = True
-
-    def __init__(self, tokens: TokenSource, path: str, speedup: float = 1.0,
-                 timestamp_unit: str = "s", block_size: int = 512):
-        if not path:
-            raise DatasetError("--dataset trace needs --dataset-path FILE.jsonl")
-        if not os.path.isfile(path):
-            raise DatasetError(f"--dataset-path: no such file: {path}")
-        if not speedup > 0:
-            raise DatasetError(f"--trace-speedup must be > 0, got {speedup}")
-        if timestamp_unit not in ("s", "ms"):
-            raise DatasetError(f"--trace-timestamp-unit must be 's' or 'ms', got {timestamp_unit!r}")
-        if block_size < 1:
-            raise DatasetError(f"--trace-block-size must be >= 1, got {block_size}")
-        self.tokens, self.path, self.speedup = tokens, path, speedup
-        self.timestamp_unit, self.block_size = timestamp_unit, block_size
-        self.rows = self._load(path)
-        if not self.rows:
-            raise DatasetError(f"--dataset-path: trace {path} has no rows")
-
-    def _load(self, path: str) -> list[TraceRow]:
-        scale = 1e-3 if self.timestamp_unit == "ms" else 1.0
-        rows: list[TraceRow] = []
-        with open(path, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                line = line.strip()
-                if not line or line.startswith("#"):
-                    continue
-                where = f"--dataset-path {path}, line {lineno}"
-                try:
-                    d = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise DatasetError(f"{where}: invalid JSON: {e}") from None
-                if not isinstance(d, dict):
-                    raise DatasetError(f"{where}: expected a JSON object")
-                ts = _first(d, ("timestamp", "arrival_time", "ts"))
-                out = _first(d, ("output_len", "output_length", "max_tokens"))
-                prompt = d.get("prompt")
-                plen = _first(d, ("prompt_len", "input_len", "input_length"))
-                hash_ids = d.get("hash_ids") or []
-                try:
-                    ts = float(ts) * scale
-                    out = int(out)
-                    plen = None if plen is None else int(plen)
-                    hash_ids = [int(h) for h in hash_ids]
-                except (TypeError, ValueError):
-                    raise DatasetError(
-                        f"{where}: needs numeric 'timestamp' and 'output_len' (and integer 'prompt_len')"
-                    ) from None
-                if out < 1:
-                    raise DatasetError(f"{where}: output_len must be >= 1")
-                if prompt is None and plen is None and not hash_ids:
-                    raise DatasetError(f"{where}: needs 'prompt' (text) or 'prompt_len'")
-                if prompt is not None and not isinstance(prompt, str):
-                    raise DatasetError(f"{where}: 'prompt' must be a string")
-                if plen is not None and plen < 1:
-                    raise DatasetError(f"{where}: prompt_len must be >= 1")
-                sid = d.get("session_id")
-                rows.append(TraceRow(ts, out, prompt, plen, None if sid is None else str(sid), hash_ids))
-        if rows:
-            rows.sort(key=lambda r: r.arrival_s)
-            t0 = rows[0].arrival_s
-            for r in rows:
-                r.arrival_s = (r.arrival_s - t0) / self.speedup
-        return rows
-
-    @property
-    def kind(self) -> str:  # type: ignore[override]
-        return "completions"
-
-    def sessions(self, seed: int) -> Iterator[Session]:
-        rng = np.random.default_rng([seed, 6])
-        streams: dict[str, list[int]] = {}
-        blocks: dict[int, list[int]] = {}
-        for i, r in enumerate(self.rows):
-            if r.prompt is not None:
-                prompt: str | list[int] = r.prompt
-                plen = self.tokens.count(r.prompt)
-            else:
-                n = r.prompt_len if r.prompt_len is not None else len(r.hash_ids) * self.block_size
-                if r.hash_ids:
-                    ids: list[int] = []
-                    for h in r.hash_ids:
-                        if h not in blocks:
-                            blocks[h] = self.tokens.random_ids(self.block_size, rng)
-                        ids.extend(blocks[h])
-                    if len(ids) < n:
-                        ids.extend(self.tokens.random_ids(n - len(ids), rng))
-                    ids = ids[:n]
-                elif r.session_id is not None:
-                    s = streams.setdefault(r.session_id, [])
-                    if len(s) < n:
-                        s.extend(self.tokens.random_ids(n - len(s), rng))
-                    ids = s[:n]
-                else:
-                    ids = self.tokens.random_ids(n, rng)
-                prompt, plen = ids, len(ids)
-            sid = r.session_id if r.session_id is not None else f"t{i}"
-            yield Session(sid, [Turn(output_len=r.output_len, prompt=prompt, message=r.prompt, prompt_len=plen)],
-                          arrival_s=r.arrival_s)
-
-    def describe(self) -> dict:
-        return {"name": self.name, "path": self.path, "speedup": self.speedup, "num_rows": len(self.rows),
-                "timestamp_unit": self.timestamp_unit, "span_s": self.rows[-1].arrival_s}

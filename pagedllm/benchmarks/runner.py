@@ -166,8 +166,8 @@ def _progress_bar(cfg: BenchConfig, dataset: Dataset, num_prompts: int | None) -
         return None
     total = None
     if dataset.timed:
-        n = len(getattr(dataset, "rows", []))
-        total = min(n, num_prompts) if num_prompts else n
+        groups = getattr(dataset, "groups", None) or [[r] for r in getattr(dataset, "rows", [])]
+        total = sum(len(g) for g in groups[:num_prompts])  # a chat trace's session has several turns
     elif num_prompts is not None and cfg.duration_s is None:
         total = num_prompts * getattr(dataset, "num_turns", 1)
     return tqdm(total=total, unit="req", desc="requests", file=sys.stderr, leave=False)
@@ -201,7 +201,7 @@ async def run_load(cfg: BenchConfig, dataset: Dataset, tokens: TokenSource | Non
     kind = dataset.kind if cfg.endpoint_type == "auto" else cfg.endpoint_type
     if isinstance(dataset, MultiTurnDataset) and kind not in CHAT_KINDS:
         raise BenchError("--dataset multi-turn needs --endpoint-type chat, responses or messages (or auto)")
-    id_prompts = dataset.name in ("random", "shared-prefix", "trace")
+    id_prompts = dataset.name in ("random", "shared-prefix") or (dataset.name == "trace" and dataset.kind != "chat")
     if id_prompts and not tokens.exact and (kind in CHAT_KINDS or cfg.prompt_format == "text"):
         flag = f"--endpoint-type {kind}" if kind in CHAT_KINDS else "--prompt-format text"
         raise BenchError(f"{flag} with --dataset {dataset.name} turns token ids into text and needs a "

@@ -22,11 +22,11 @@ from .datasets import (
     ShareGPTDataset,
     SharedPrefixDataset,
     TokenSource,
-    TraceDataset,
 )
 from .endpoints import ENDPOINT_TYPES
 from .cost import ApiPrice, add_cost_arguments
 from .metrics import DEFAULT_PERCENTILES, parse_slos
+from .traces import TRACE_FORMATS, TraceDataset
 
 __all__ = [
     "BenchConfig",
@@ -247,7 +247,8 @@ def add_common_arguments(p: Any, single_run: bool = True) -> None:
     d = p.add_argument_group("dataset")
     d.add_argument("--dataset", choices=("random", "shared-prefix", "multi-turn", "sharegpt", "trace"),
                    default="random")
-    d.add_argument("--dataset-path", default=None, help="ShareGPT JSON or trace JSONL file")
+    d.add_argument("--dataset-path", default=None,
+                   help="ShareGPT JSON or trace file (trace default: the shipped synthetic agent trace)")
     d.add_argument("--input-len", type=int, default=256, help="prompt tokens (random; multi-turn first message)")
     d.add_argument("--output-len", type=int, default=128, help="max output tokens per request")
     d.add_argument("--random-range-ratio", type=float, default=0.0,
@@ -265,9 +266,12 @@ def add_common_arguments(p: Any, single_run: bool = True) -> None:
                    help="sharegpt: fixed output length (default: the reply's length)")
     d.add_argument("--sharegpt-max-prompt-len", type=int, default=1024)
     d.add_argument("--sharegpt-max-total-len", type=int, default=2048)
+    d.add_argument("--trace-format", choices=TRACE_FORMATS, default="auto",
+                   help="trace: file format (auto: by extension and header; docs/traces.md)")
     d.add_argument("--trace-speedup", type=float, default=1.0,
                    help="trace: divide arrival times by this factor (2 = twice as fast)")
-    d.add_argument("--trace-timestamp-unit", choices=("s", "ms"), default="s")
+    d.add_argument("--trace-timestamp-unit", choices=("s", "ms"), default="s",
+                   help="trace: unit of our JSONL's timestamps (Mooncake's are ms, CSVs' fixed)")
     d.add_argument("--trace-block-size", type=int, default=512, help="trace: tokens per hash_ids block")
     d.add_argument("--seed", type=int, default=0)
 
@@ -386,7 +390,7 @@ def build_dataset(args: Any, tokens: TokenSource) -> Dataset:
                                args.sharegpt_max_prompt_len, args.sharegpt_max_total_len)
     if name == "trace":
         return TraceDataset(tokens, args.dataset_path, args.trace_speedup, args.trace_timestamp_unit,
-                            args.trace_block_size)
+                            args.trace_block_size, args.trace_format, args.num_prompts)
     raise DatasetError(f"--dataset: unknown dataset {name!r}")
 
 
@@ -401,9 +405,9 @@ def prepare(args: Any, tokenizer: Any = "load", validate: bool = True,
                          "chat,responses,messages) is for bench serve")
     cfg = config_from_args(args, validate)
     if args.dataset in ("sharegpt", "trace"):
-        if not args.dataset_path:
+        if not args.dataset_path and args.dataset == "sharegpt":
             raise DatasetError(f"--dataset {args.dataset} needs --dataset-path")
-        if not os.path.isfile(args.dataset_path):
+        if args.dataset_path and not os.path.isfile(args.dataset_path):
             raise DatasetError(f"--dataset-path: no such file: {args.dataset_path}")
     else:
         build_dataset(args, TokenSource(None))  # check the flags before a slow tokenizer load

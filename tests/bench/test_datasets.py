@@ -11,9 +11,9 @@ from pagedllm.benchmarks.datasets import (
     ShareGPTDataset,
     SharedPrefixDataset,
     TokenSource,
-    TraceDataset,
     sample_lengths,
 )
+from pagedllm.benchmarks.traces import TraceDataset
 
 
 def take(ds, n, seed=0):

@@ -19,7 +19,8 @@ import math
 import numpy as np
 import pytest
 
-from pagedllm.benchmarks.datasets import RandomDataset, TokenSource, TraceDataset
+from pagedllm.benchmarks.datasets import RandomDataset, TokenSource
+from pagedllm.benchmarks.traces import TraceDataset
 from pagedllm.benchmarks.runner import arrival_intervals, iter_arrival_offsets, run_benchmark
 from pagedllm.benchmarks.serve_options import BenchConfig
 
