@@ -19,7 +19,7 @@ class TritonAttentionMetadata:
     ``slot_mapping`` int64 [T], ``block_table`` int32 [B, max_blocks], ``query_start_loc``
     int32 [B+1], ``seq_lens`` int32 [B]; host ints ``block_size``, ``sliding_window`` (0 =
     all), ``max_query_len``, ``max_seq_len`` (tiles and path), ``num_decodes``;
-    ``split_kv``: None = the kernels' heuristic, True/False forces it (CUDA-graph capture)."""
+    ``split_kv``: None = the kernels' rule (``use_split_kv``), True/False forces the decodes' path."""
 
     slot_mapping: torch.Tensor
     block_table: torch.Tensor
@@ -105,5 +105,5 @@ class TritonAttentionBackend(AttentionBackend):
         self.ops.unified_attention(
             q, key_cache, value_cache, out, md.query_start_loc, md.seq_lens, md.block_table,
             md.block_size, scale, k_scale, v_scale, md.sliding_window, md.max_query_len,
-            md.max_seq_len, split_kv=md.split_kv)
+            md.max_seq_len, split_kv=md.split_kv, num_decodes=md.num_decodes)
         return out.view(T, nh * hd)

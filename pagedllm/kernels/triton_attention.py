@@ -21,10 +21,9 @@ FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 # (mantissa bits, exponent bias, largest finite value, NaN code) of each fp8 cache dtype
 _FP8_FORMAT = {torch.float8_e4m3fn: (3, 7, 448.0, 0x7F), torch.float8_e5m2: (2, 15, 57344.0, 0x7F)}
 
-# Split-K heuristic (``use_split_kv``): decodes only, fewer (request, KV head) programs
-# than this (an H100 has 132 SMs: below it the 2D grid leaves most idle) ...
-SPLIT_KV_MAX_PROGRAMS = 128
-# ... and a longest sequence of at least this many tokens (each segment a tile or more).
+# Split-K (``use_split_kv``): the decodes' launch splits when its longest sequence has at
+# least this many tokens, and inside it only requests that long split (each segment a tile
+# or more): a request's arithmetic depends on its own length, never on its batch.
 SPLIT_KV_MIN_SEQ_LEN = 256
 NUM_SEGMENTS = 16       # KV segments per (query, KV head) on the split-K path
 
@@ -137,8 +136,13 @@ def _attention_kernel(
         stride_kcs, stride_kch, stride_kcd, stride_vcs, stride_vch, stride_vcd, stride_bt,
         NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
-        NUM_SEGMENTS: tl.constexpr, FP8: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    q_block = tl.program_id(0)
+        NUM_SEGMENTS: tl.constexpr, SPLIT_MIN_SEQ: tl.constexpr, FP8: tl.constexpr,
+        DOT_PRECISION: tl.constexpr):
+    # block numbers start at the first request's (qsl[0] > 0 when the decodes ran apart)
+    if BLOCK_Q > 1:
+        q_block = tl.program_id(0) + tl.load(qsl_ptr) // BLOCK_Q
+    else:
+        q_block = tl.program_id(0) + tl.load(qsl_ptr)
     kv_head = tl.program_id(1)
     segment = tl.program_id(2)
     req = _request_of(qsl_ptr, num_reqs, q_block, BLOCK_Q)
@@ -171,7 +175,10 @@ def _attention_kernel(
     lo = tl.where(sliding_window > 0, tl.maximum(context + first_q - sliding_window + 1, 0), 0)
     tile_lo = lo // TILE_N
     tile_hi = tl.cdiv(hi, TILE_N)
-    per_segment = tl.cdiv(tile_hi - tile_lo, NUM_SEGMENTS)
+    # a request shorter than SPLIT_MIN_SEQ keeps every tile in segment 0 (the others are empty
+    # and the reduce returns acc / l exactly as one pass does): its result never depends on
+    # whether its batch took the split path
+    per_segment = tl.where(seq_len < SPLIT_MIN_SEQ, tile_hi - tile_lo, tl.cdiv(tile_hi - tile_lo, NUM_SEGMENTS))
     t_begin = tile_lo + segment * per_segment
     t_end = tl.minimum(t_begin + per_segment, tile_hi)
 
@@ -236,12 +243,10 @@ def _reduce_segments_kernel(
              mask=d < HEAD_DIM)
 
 
-def use_split_kv(num_reqs: int, num_kv_heads: int, max_query_len: int, max_seq_len: int | None) -> bool:
-    """The split-K heuristic: decodes only (max_query_len 1), fewer than
-    ``SPLIT_KV_MAX_PROGRAMS`` (request, KV head) pairs, and a longest sequence of at least
-    ``SPLIT_KV_MIN_SEQ_LEN`` tokens (None: unknown, no split)."""
-    return (max_query_len == 1 and num_reqs * num_kv_heads < SPLIT_KV_MAX_PROGRAMS
-            and max_seq_len is not None and max_seq_len >= SPLIT_KV_MIN_SEQ_LEN)
+def use_split_kv(max_query_len: int, max_seq_len: int | None) -> bool:
+    """Whether a launch of decodes (``max_query_len`` 1) takes the split path: its longest
+    sequence has ``SPLIT_KV_MIN_SEQ_LEN`` tokens or more (None: unknown, no split)."""
+    return max_query_len <= 1 and max_seq_len is not None and max_seq_len >= SPLIT_KV_MIN_SEQ_LEN
 
 
 def split_kv_scratch(num_tokens: int, num_heads: int, head_dim: int, device: torch.device,
@@ -259,17 +264,21 @@ def unified_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
                       block_size: int, scale: float, k_scale: float = 1.0, v_scale: float = 1.0,
                       sliding_window: int = 0, max_query_len: int = 1, max_seq_len: int | None = None,
                       split_kv: bool | None = None, num_segments: int = NUM_SEGMENTS,
-                      scratch: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
+                      scratch: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                      num_decodes: int | None = None) -> None:
     """Causal paged attention of a flattened batch into ``out``, reading no device value on
     the host. q, out [T, num_heads, head_dim] (float32/float16/bfloat16; q may be strided);
     caches [num_slots, num_kv_heads, head_dim] (q's dtype, or fp8 read as element * scale);
     request i owns queries ``query_start_loc[i]:[i+1]`` (int32 [B+1]), the LAST of its
     ``seq_lens[i]`` (int32 [B]) tokens, keys through ``block_table[i]`` (int32 [B, max_blocks]);
     tokens past ``query_start_loc[B]`` are padding (rows of ``out`` left undefined).
-    ``sliding_window`` 0 = none, else query p sees keys p - w + 1 .. p. ``max_query_len`` and
-    ``max_seq_len`` (host ints) pick tiles and the path only: ``split_kv`` None = the
-    heuristic (``use_split_kv``), True/False forces it; ``scratch``: preallocated
-    ``split_kv_scratch`` (for CUDA graphs). Raises ValueError on inconsistent shapes."""
+    ``sliding_window`` 0 = none, else query p sees keys p - w + 1 .. p. The first
+    ``num_decodes`` requests have one query each (None: all when ``max_query_len`` <= 1, else
+    none); they run in their own launch (16-key tiles, split-K when ``split_kv`` is True, or
+    None and ``use_split_kv``), the rest in another (32-key tiles, never split), so a
+    request's result does not depend on its batch. ``max_query_len``, ``max_seq_len``: host
+    ints; ``scratch``: preallocated ``split_kv_scratch`` for the decodes. Raises ValueError
+    on inconsistent shapes."""
     T, nh, hd = q.shape
     nkv = key_cache.shape[1]
     B = query_start_loc.shape[0] - 1
@@ -279,31 +288,41 @@ def unified_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
     if block_table.shape[0] < B or seq_lens.shape[0] < B:
         raise ValueError(f"unified_attention: {B} requests but block_table {tuple(block_table.shape)}, "
                          f"seq_lens {tuple(seq_lens.shape)}")
+    nd = (B if max_query_len <= 1 else 0) if num_decodes is None else num_decodes
+    if not 0 <= nd <= min(B, T):
+        raise ValueError(f"unified_attention: num_decodes {nd} outside 0..{min(B, T)}")
     if T == 0 or B == 0:
         return
     group = nh // nkv
     block_m = max(16, triton.next_power_of_2(group))
-    block_q = 1 if max_query_len <= 1 else block_m // group
-    num_q_blocks = T if block_q == 1 else T // block_q + B
     block_d = max(16, triton.next_power_of_2(hd))
-    if split_kv is None:
-        split_kv = use_split_kv(B, nkv, max_query_len, max_seq_len)
-    nseg = num_segments if split_kv else 1
-    if split_kv:
-        acc, mx, sm = scratch if scratch is not None else split_kv_scratch(T, nh, hd, q.device, nseg)
-        if acc.shape[0] < T or acc.shape[1:] != (nh, nseg, block_d) or mx.shape[1:] != (nh, nseg):
-            raise ValueError(f"unified_attention: scratch {tuple(acc.shape)} does not fit "
-                             f"[{T}, {nh}, {nseg}, {block_d}]")
-    else:
-        acc = mx = sm = out                         # not read
-    _attention_kernel[(num_q_blocks, nkv, nseg)](
-        q, key_cache, value_cache, out, acc, mx, sm, query_start_loc, seq_lens, block_table, B,
-        float(scale) * 1.4426950408889634, float(k_scale), float(v_scale), int(sliding_window or 0),
-        *q.stride(), *out.stride(), *key_cache.stride(), *value_cache.stride(), block_table.stride(0),
-        NUM_HEADS=nh, GROUP=group, HEAD_DIM=hd, BLOCK_D=block_d, BLOCK_SIZE=block_size,
-        BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=16 if max_query_len <= 1 else 32, NUM_SEGMENTS=nseg,
-        FP8=key_cache.dtype in FP8_DTYPES, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
-    if split_kv:
-        _reduce_segments_kernel[(T, nh)](
-            out, acc, mx, sm, query_start_loc, B, *out.stride(),
-            NUM_HEADS=nh, HEAD_DIM=hd, BLOCK_D=block_d, NUM_SEGMENTS=nseg)
+    scales = (float(scale) * 1.4426950408889634, float(k_scale), float(v_scale), int(sliding_window or 0))
+    consts = dict(NUM_HEADS=nh, GROUP=group, HEAD_DIM=hd, BLOCK_D=block_d, BLOCK_SIZE=block_size,
+                  BLOCK_M=block_m, SPLIT_MIN_SEQ=SPLIT_KV_MIN_SEQ_LEN, FP8=key_cache.dtype in FP8_DTYPES,
+                  DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
+    strides = (*q.stride(), *out.stride(), *key_cache.stride(), *value_cache.stride(), block_table.stride(0))
+    if nd:
+        split = use_split_kv(1, max_seq_len) if split_kv is None else split_kv
+        nseg = num_segments if split else 1
+        acc = mx = sm = out                         # not read without a split
+        if split:
+            acc, mx, sm = scratch if scratch is not None else split_kv_scratch(nd, nh, hd, q.device, nseg)
+            if acc.shape[0] < nd or acc.shape[1:] != (nh, nseg, block_d) or mx.shape[1:] != (nh, nseg):
+                raise ValueError(f"unified_attention: scratch {tuple(acc.shape)} does not fit "
+                                 f"[{nd}, {nh}, {nseg}, {block_d}]")
+        qsl = query_start_loc[:nd + 1]
+        _attention_kernel[(nd, nkv, nseg)](
+            q, key_cache, value_cache, out, acc, mx, sm, qsl, seq_lens, block_table, nd, *scales, *strides,
+            BLOCK_Q=1, TILE_N=16, NUM_SEGMENTS=nseg, **consts)
+        if split:
+            _reduce_segments_kernel[(nd, nh)](
+                out, acc, mx, sm, qsl, nd, *out.stride(),
+                NUM_HEADS=nh, HEAD_DIM=hd, BLOCK_D=block_d, NUM_SEGMENTS=nseg)
+    if nd < B:
+        # the rest: request nd's queries start at token nd (one token per decode before it)
+        block_q = block_m // group if max_query_len > 1 else 1
+        rest_t, rest_b = T - nd, B - nd
+        grid = rest_t if block_q == 1 else rest_t // block_q + rest_b + 1
+        _attention_kernel[(grid, nkv, 1)](
+            q, key_cache, value_cache, out, out, out, out, query_start_loc[nd:], seq_lens[nd:], block_table[nd:],
+            rest_b, *scales, *strides, BLOCK_Q=block_q, TILE_N=32, NUM_SEGMENTS=1, **consts)

@@ -161,7 +161,7 @@ def test_large_head_dims(hd, dtype):
 @pytest.mark.slow
 def test_long_decode_takes_split_k_by_the_heuristic(ops):
     common, *rest = _batch(ctx=[300], qlens=[1], nh=8, nkv=1)
-    assert ops.use_split_kv(1, 1, 1, int(common.seq_lens_np.max()))
+    assert ops.use_split_kv(1, int(common.seq_lens_np.max()))
     _check(common, *rest)
 
 
@@ -318,13 +318,52 @@ def test_preallocated_scratch_gives_the_same_result(ops):
 
 
 def test_split_k_heuristic(ops):
-    """Split-K for decode-only batches with few (request, KV head) programs and a long
-    sequence; never with a multi-token query or an unknown length."""
-    assert ops.use_split_kv(4, 8, 1, 4096)
-    assert not ops.use_split_kv(4, 8, 2, 4096)                 # a prefill or spec tokens
-    assert not ops.use_split_kv(16, 8, 1, 4096)                # 128 programs fill the GPU
-    assert not ops.use_split_kv(4, 8, 1, ops.SPLIT_KV_MIN_SEQ_LEN - 1)
-    assert not ops.use_split_kv(4, 8, 1, None)
+    """The decodes' launch splits when its longest sequence is long; never with a
+    multi-token query or an unknown length; the batch size does not enter."""
+    assert ops.use_split_kv(1, 4096) and ops.use_split_kv(1, ops.SPLIT_KV_MIN_SEQ_LEN)
+    assert not ops.use_split_kv(2, 4096)                 # a prefill or spec tokens
+    assert not ops.use_split_kv(1, ops.SPLIT_KV_MIN_SEQ_LEN - 1)
+    assert not ops.use_split_kv(1, None)
+
+
+def _alone_and_batched(ops, dtype, ctx, qlens, pick, split_kv=None, graph=False):
+    """(request ``pick``'s output computed alone, the same in the batch ``ctx``/``qlens``):
+    the same cache, keys and queries; ``graph``: the batch's metadata as a captured decode
+    step builds it (``build_graph_metadata``)."""
+    common, cache, q, k, v = _batch(ctx, qlens, nh=8, nkv=2, dtype=dtype)
+    backend = get_attention_backend("triton", CPU, dtype)
+    qsl = common.query_start_loc_np
+    s, e = int(qsl[pick]), int(qsl[pick + 1])
+    bt = common.block_table_np[pick:pick + 1]
+    alone_common, _, _ = build_common_metadata(common.context_lens_np[pick:pick + 1].astype(np.int64),
+                                               np.array([e - s]), bt, common.block_size, CPU)
+    outs = []
+    for c, rows, build in ((alone_common, slice(s, e), backend.build_metadata),
+                           (common, slice(None), backend.build_graph_metadata if graph else backend.build_metadata)):
+        md = build(c, None)
+        if split_kv is not None:
+            md.split_kv = split_kv
+        cc = cache.clone()
+        out = backend.forward(q[rows], k[rows], v[rows], cc, md, 0.125).view(-1, 8, 64)
+        outs.append(out if rows == slice(s, e) else out[s:e])
+    return outs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_a_request_does_not_depend_on_its_batch(ops, dtype):
+    """Bitwise: a short decode alone and beside a long one (which makes the decodes' launch
+    split); a decode beside a prompt chunk; a prompt chunk beside decodes; a short decode in a
+    captured step's metadata against eager."""
+    alone, batched = _alone_and_batched(ops, dtype, [30, 400], [1, 1], 0)
+    assert torch.equal(alone, batched), "short decode beside a long one"
+    alone, batched = _alone_and_batched(ops, dtype, [400, 30], [1, 1], 0)
+    assert torch.equal(alone, batched), "long decode beside a short one"
+    alone, batched = _alone_and_batched(ops, dtype, [30, 20], [1, 24], 0)
+    assert torch.equal(alone, batched), "decode beside a prompt chunk"
+    alone, batched = _alone_and_batched(ops, dtype, [30, 20], [1, 24], 1)
+    assert torch.equal(alone, batched), "prompt chunk beside a decode"
+    alone, batched = _alone_and_batched(ops, dtype, [30, 12], [1, 1], 0, graph=True)
+    assert torch.equal(alone, batched), "eager against a captured step's metadata"
 
 
 def test_backend_contract(monkeypatch):

@@ -92,6 +92,25 @@ def test_replayed_decode_steps_equal_eager(tiny_dir):
     assert "CUDA graphs for decode batches of 3 sizes up to 4" in line
 
 
+def test_logprobs_alone_equal_batched_float16(tiny_dir):
+    """Bitwise, in float16: each request's decode logprobs alone and in one batch (a request's
+    attention never depends on its neighbours: the decodes run in a launch of their own, and
+    split-K is decided per request)."""
+    llm = LLM(model=tiny_dir, dtype="float16", device="cpu", engine_process=False, attention_backend="triton",
+              max_model_len=512, kv_cache_memory="8MiB", max_num_seqs=4, enable_prefix_caching=False)
+    try:
+        prompts = _prompts()
+        prompts[2]["prompt_token_ids"] = prompts[2]["prompt_token_ids"] * 7     # > 256 tokens: split
+        sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=1)
+
+        def lps(batch):
+            return [[sorted((t, lp.logprob) for t, lp in d.items()) for d in o.outputs[0].logprobs]
+                    for o in llm.generate(batch, sp, use_tqdm=False)]
+        assert [lps([p])[0] for p in prompts] == lps(prompts)
+    finally:
+        llm.shutdown()
+
+
 def test_in_a_fresh_process(request):
     """Where triton was imported without the interpreter, this file in a new process."""
     if IN_PROCESS:
