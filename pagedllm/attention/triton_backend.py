@@ -51,10 +51,13 @@ class TritonAttentionBackend(AttentionBackend):
         if self.interpreted and not envs.triton_interpret():
             raise ValueError("attention_backend 'triton' runs on CUDA (on the CPU only in the Triton "
                              "interpreter, TRITON_INTERPRET=1, for tests); use 'cpu_kernel' or 'torch' here")
+        if self.interpreted and dtype == torch.bfloat16:
+            raise ValueError("attention_backend 'triton' in the Triton interpreter cannot run bfloat16 (its bf16 "
+                             "tl.dot is wrong: triton issue 11584); use --dtype float32 or float16")
         if (not self.interpreted and self.kv_cache_dtype == torch.float8_e4m3fn
                 and torch.cuda.get_device_capability(device) < (8, 9)):
             raise ValueError("kv_cache_dtype fp8_e4m3 with attention_backend 'triton' needs compute capability "
-                             "8.9 or newer (Triton's fp8e4nv); use fp8_e5m2")
+                             "8.9 or newer (Triton's fp8e4nv); use fp8_e5m2, or --attention-backend torch")
         try:
             # imported here: Triton picks its interpreter when a kernel is defined
             from pagedllm.kernels import triton_attention

@@ -202,6 +202,9 @@ def roofline_main(args) -> int:
 
     if args.warmup_steps < 0:
         raise ValueError(f"--warmup-steps must be >= 0, got {args.warmup_steps}")
+    if getattr(args, "quantization", None):
+        raise ValueError("--quantization: bench roofline counts weights at the model dtype's width; "
+                         "quantized weights are not counted (run it unquantized)")
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
     device = resolve_device(args.device)

@@ -83,6 +83,8 @@ class CudaGraphStep(CompiledStep):
             reason = f"the {runner.attn.name} attention backend cannot be captured"
         elif any(g != 0 for g, _ in runner.attn_groups):
             reason = "several KV-cache groups"
+        elif runner.config.arch.num_experts:
+            reason = "mixture-of-experts routing reads the device on the host"
         elif runner.proposer is not None and runner.proposer.is_model:
             reason = "a draft model"
         elif args.tensor_parallel_size > 1:

@@ -32,6 +32,7 @@ class InputBuffers:
         size = {"tokens": (max_num_tokens,), "reqs": (max_num_reqs,), "reqs+1": (max_num_reqs + 1,)}
         self.buffers: dict[str, torch.Tensor] = {}
         self._host: dict[str, torch.Tensor] = {}
+        self._copied: dict[str, torch.cuda.Event] = {}   # each pinned twin's last copy
         pin = device.type == "cuda"
         for name, (dtype, key) in _BUFFERS.items():
             shape = size[key] + ((max_blocks,) if name == "block_table" else ())
@@ -57,9 +58,16 @@ class InputBuffers:
             raise ValueError(f"{name}: {array.shape} does not fit the persistent buffer {tuple(dst.shape)}")
         src = torch.from_numpy(np.ascontiguousarray(array)).to(dst.dtype)
         if self._host:
+            # the previous step's copy from this pinned twin may still be queued behind its
+            # forward (a step that samples nothing never synchronises): wait before overwriting
+            event = self._copied.get(name)
+            if event is not None:
+                event.synchronize()
             host = self._host[name][index]
             host.copy_(src)
             dst[index].copy_(host, non_blocking=True)
+            event = self._copied.setdefault(name, torch.cuda.Event())
+            event.record()
         else:
             dst[index].copy_(src)
         return dst[index]

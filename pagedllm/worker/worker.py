@@ -23,6 +23,8 @@ class Worker:
         args = config.args
         if config.device.type == "cpu" and args.num_threads:
             torch.set_num_threads(args.num_threads)
+        if config.device.type == "cuda":
+            torch.cuda.set_device(config.device)   # Triton launches and CUDA graphs use the current device
         torch.manual_seed(args.seed)
         t0 = time.time()
         self.config = config

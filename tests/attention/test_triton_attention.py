@@ -426,3 +426,9 @@ def test_kernels_compile_for_sm90():
     if "ptxas" in r.stderr and "not found" in r.stderr.lower():
         pytest.skip("no ptxas with this Triton")
     assert r.returncode == 0, r.stderr[-4000:]
+
+
+def test_interpreter_refuses_bfloat16():
+    """The interpreter's bf16 tl.dot is wrong (triton issue 11584): refused, not garbage."""
+    with pytest.raises(ValueError, match="bfloat16"):
+        get_attention_backend("triton", CPU, torch.bfloat16)

@@ -18,6 +18,8 @@ import numpy as np
 import pytest
 import torch
 
+from engine_helpers import engine_core, model_runner  # noqa: E402
+
 DEVICE = os.environ.get("PAGEDLLM_TEST_DEVICE", "cuda")
 pytestmark = [pytest.mark.skipif(DEVICE == "cuda" and not torch.cuda.is_available(), reason="no CUDA device"),
               pytest.mark.slow]   # HF-reference and invariance suites
@@ -200,6 +202,9 @@ def test_greedy_same_with_and_without_cuda_graphs(tiny_dir):
     for eager in (True, False):
         llm = _llm(tiny_dir, "bfloat16", enforce_eager=eager, enable_prefix_caching=False)
         try:
+            if DEVICE == "cuda":    # the graphs are really there (and really absent when eager)
+                decoder = model_runner(llm.llm_engine).describe_decoder()
+                assert ("eager (--enforce-eager)" if eager else "CUDA graphs for decode batches") in decoder
             alone = [_greedy(llm, [p])[0] for p in prompts]
             outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
             batched = [list(o.outputs[0].token_ids) for o in outs]
@@ -209,6 +214,30 @@ def test_greedy_same_with_and_without_cuda_graphs(tiny_dir):
         got[eager] = alone
     assert len({tuple(a) for a in got[True]}) > len(prompts) // 2
     assert got[False] == got[True], "CUDA graphs changed greedy tokens"
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="--gpu-memory-utilization applies on CUDA only")
+def test_kv_cache_sized_from_gpu_memory_utilization(tiny_dir, caplog):
+    """No block override: the profiling step runs, the log gives each figure, and the cache
+    gets blocks from what --gpu-memory-utilization leaves; a smaller share, fewer blocks."""
+    import logging
+
+    from pagedllm import LLM
+
+    blocks = []
+    for util in (0.3, 0.15):
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="pagedllm"):
+            llm = LLM(model=tiny_dir, dtype="bfloat16", device=DEVICE, engine_process=False, max_model_len=512,
+                      gpu_memory_utilization=util)
+        try:
+            assert any("GPU memory:" in r.getMessage() and "activation peak" in r.getMessage()
+                       for r in caplog.records)
+            blocks.append(engine_core(llm.llm_engine).kv.num_blocks)
+            assert _greedy(llm, _prompts(2, seed=5), 4)
+        finally:
+            llm.shutdown()
+    assert blocks[0] > blocks[1] > 0
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the Triton interpreter tests cover this on the CPU "

@@ -131,7 +131,8 @@ def test_a_batch_larger_than_every_size_runs_eagerly():
 
 def _runner(**args):
     attn = SimpleNamespace(cudagraph_support=True, name="triton")
-    return SimpleNamespace(config=SimpleNamespace(args=EngineArgs(**args)), attn=attn, attn_groups=[(0, None)],
+    return SimpleNamespace(config=SimpleNamespace(args=EngineArgs(**args), arch=SimpleNamespace(num_experts=0)),
+                           attn=attn, attn_groups=[(0, None)],
                            proposer=None, model=None, input_buffers=InputBuffers(8, 4, 2, torch.device("cpu")),
                            metadata_for_graph=lambda c: c, block_size=BS)
 
@@ -142,6 +143,7 @@ def _runner(**args):
     (lambda r: setattr(r.attn, "cudagraph_support", False), "attention backend cannot be captured"),
     (lambda r: setattr(r, "attn_groups", [(0, None), (1, 512)]), "several KV-cache groups"),
     (lambda r: setattr(r, "proposer", SimpleNamespace(is_model=True)), "a draft model"),
+    (lambda r: setattr(r.config.arch, "num_experts", 8), "mixture-of-experts"),
 ])
 def test_why_a_runner_runs_eagerly(monkeypatch, change, reason):
     import pagedllm.worker.cuda_graph as cg
