@@ -547,3 +547,13 @@ def test_thinking_in_history_is_dropped_and_sets_enable_thinking():
         _request(messages=[{"role": "user", "content": [{"type": "thinking", "thinking": "x", "signature": ""}]}]
                  ).to_chat_request()
     assert e.value.param == "messages"
+
+
+def test_fields_anthropic_clients_send_are_accepted_and_system_named():
+    body = _request(messages=ASK, tools=[{**TOOLS[0], "strict": True}], stream=None,
+                    thinking={"type": "enabled", "budget_tokens": 2048, "display": "summarized"})
+    chat = body.to_chat_request()
+    assert chat.stream is False and chat.tools[0]["function"]["name"] == "get_weather"
+    with pytest.raises(InvalidParameterError) as e:
+        _request(messages=ASK, system="\udc00").to_chat_request()
+    assert e.value.param == "system"

@@ -478,3 +478,27 @@ def test_streamed_tool_choices_equal_whole(server, model, choice):
     if choice == "required":
         assert [item["type"] for item in whole["output"]] == ["function_call"]
         jsonschema.validate(json.loads(whole["output"][0]["arguments"]), WEATHER)
+
+
+def test_reasoning_item_belongs_to_the_assistant_turn_right_after_it():
+    """An all-reasoning turn (cut by max_output_tokens) followed by the user's next message:
+    its reasoning does not attach to a later, unrelated assistant turn."""
+    from pagedllm.entrypoints.openai.responses_protocol import conversation_messages
+
+    r = lambda t: {"type": "reasoning", "content": [{"type": "reasoning_text", "text": t}]}  # noqa: E731
+    msgs = conversation_messages([{"type": "message", "role": "user", "content": "q1"}, r("R1"),
+                                  {"type": "message", "role": "user", "content": "q2"}, r("R2"),
+                                  {"type": "message", "role": "assistant", "content": "A2"},
+                                  {"type": "message", "role": "user", "content": "q3"}], None)
+    assistant = [m for m in msgs if m["role"] == "assistant"]
+    assert len(assistant) == 1 and assistant[0].get("reasoning_content") == "R2"
+
+
+@pytest.mark.parametrize("field,value", [("metadata", {f"k{i}": "v" for i in range(17)}),
+                                         ("metadata", {"k": "v" * 513}), ("user", "u" * 513),
+                                         ("prompt_cache_key", "p" * 513)])
+def test_echoed_and_stored_fields_are_bounded(field, value):
+    body = ResponsesRequest.model_validate({"model": "m", "input": "hi", field: value})
+    with pytest.raises(InvalidParameterError) as e:
+        body.check_supported()
+    assert e.value.param == field

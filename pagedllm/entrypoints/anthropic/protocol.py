@@ -45,6 +45,7 @@ class ToolParam(_Body):
     description: str | None = None
     input_schema: dict[str, Any]
     cache_control: dict[str, Any] | None = None
+    strict: bool | None = None   # accepted: forced calls follow input_schema by grammar; auto calls are parsed
 
 
 class ToolChoiceParam(_Body):
@@ -54,8 +55,11 @@ class ToolChoiceParam(_Body):
 
 
 class ThinkingParam(_Body):
+    """``budget_tokens`` and ``display`` are accepted; the parser splits what the model thinks."""
+
     type: Literal["enabled", "disabled", "adaptive"]
     budget_tokens: int | None = None
+    display: str | None = None
 
 
 class MetadataParam(_Body):
@@ -117,14 +121,14 @@ class MessagesRequest(CountTokensRequest):
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
-    stream: bool = False
+    stream: bool | None = False
     metadata: MetadataParam | None = None
     service_tier: Literal["auto", "standard_only"] | None = None
     cache_control: dict[str, Any] | None = None
 
     def sampling_fields(self) -> dict:
         return {"max_tokens": self.max_tokens, "temperature": self.temperature, "top_p": self.top_p,
-                "top_k": self.top_k, "stop": self.stop_sequences, "stream": self.stream,
+                "top_k": self.top_k, "stop": self.stop_sequences, "stream": bool(self.stream),
                 "user": self.metadata.user_id if self.metadata else None}
 
 
@@ -189,6 +193,7 @@ def chat_messages(system: str | list[dict] | None, messages: list[MessageParam])
     """
     out: list[dict] = []
     if isinstance(system, str) and system:
+        check_unicode_json("system", system, "system")
         out.append({"role": "system", "content": [{"type": "text", "text": system}]})
     elif isinstance(system, list) and system:
         out.append({"role": "system", "content": [_text(b, f"system[{j}]", "system") for j, b in enumerate(system)]})

@@ -131,13 +131,14 @@ class AnthropicServingMessages(OpenAIServing):
         super().__init__(engine, models, admission)
         self.chat = chat
 
-    def _chat_request(self, body: CountTokensRequest) -> MessagesChatRequest:
+    def _chat_request(self, body: CountTokensRequest, generating: bool = True) -> MessagesChatRequest:
         """The chat request of ``body``, checked against this server's flags."""
         if body.thinking_enabled and self.chat.reasoning_parser is None:
             raise InvalidParameterError("thinking", f"thinking of type {body.thinking.type!r} needs a reasoning "
                                                     "parser, and this server runs without --reasoning-parser")
         chat_body = body.to_chat_request()
-        if chat_body.tools and chat_body.tool_choice in (None, "auto") and not self.chat.enable_auto_tool_choice:
+        if (generating and chat_body.tools and chat_body.tool_choice in (None, "auto")
+                and not self.chat.enable_auto_tool_choice):
             raise InvalidParameterError("tool_choice", 'tool_choice "auto" (the default with tools) needs the server '
                                                        "to run with --enable-auto-tool-choice and --tool-call-parser; "
                                                        'send tool_choice {"type": "any"}, {"type": "tool", "name": '
@@ -153,7 +154,10 @@ class AnthropicServingMessages(OpenAIServing):
         """
         if (r := self.models.check_model(body.model)) is not None:
             return r
-        chat_body = self._chat_request(body)
+        chat_body = self._chat_request(body, generating=False)
+        if chat_body.tools and chat_body.tool_choice in (None, "auto") and not self.chat.enable_auto_tool_choice:
+            # the prompt is the same under any tool_choice; counting does not need a call parser
+            chat_body = chat_body.model_copy(update={"tool_choice": "none"})
         try:
             return {"input_tokens": len(await self.chat.render(chat_body, self.chat.chat_tools(chat_body)))}
         except InvalidParameterError as e:

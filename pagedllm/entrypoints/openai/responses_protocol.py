@@ -116,6 +116,18 @@ class ResponsesRequest(_Strict):
             raise InvalidParameterError("text", "text.verbosity is not supported (only \"medium\", the default)")
         if self.stream_options is not None and not self.stream:
             raise InvalidParameterError("stream_options", "stream_options is only allowed when stream is true")
+        # OpenAI's limits: echoed and kept in the store, so bounded like the prompt is
+        if self.metadata is not None:
+            if len(self.metadata) > 16:
+                raise InvalidParameterError("metadata", f"metadata has {len(self.metadata)} pairs; at most 16")
+            for k, v in self.metadata.items():
+                if len(k) > 64 or len(v) > 512:
+                    raise InvalidParameterError("metadata", f"metadata key {k[:64]!r}: keys are at most 64 "
+                                                            "characters and values at most 512")
+        for name in ("user", "safety_identifier", "prompt_cache_key"):
+            value = getattr(self, name)
+            if value is not None and len(value) > 512:
+                raise InvalidParameterError(name, f"{name} is {len(value)} characters; at most 512")
         for name in ("instructions", "metadata", "user", "text"):   # echoed in the response
             value = getattr(self, name)
             check_unicode_json(name, value.model_dump(by_alias=True) if name == "text" and value else value)
@@ -298,6 +310,8 @@ def conversation_messages(items: list[dict], instructions: str | None, num_previ
         if kind == "reasoning":
             reasoning += "".join(p["text"] for p in item.get("content") or [])
             continue
+        if kind == "function_call_output" or (kind == "message" and item["role"] != "assistant"):
+            reasoning = ""   # a reasoning item belongs to the assistant turn right after it
         if kind == "function_call_output":
             if item["call_id"] not in calls:
                 raise InvalidParameterError(
