@@ -3,8 +3,11 @@ for an OpenAI-compatible server; one :meth:`OpenAIStreamClient.send` fills one
 :class:`~pagedllm.benchmarks.metrics.RequestResult`.
 
 Retries (up to ``max_retries``, exponential back-off; TTFT and E2E count from the first
-attempt): a failure before any token with a connection error, a timeout, HTTP 408/429 or
-5xx. Other failures fail the request; network errors never raise.
+attempt, TTFT to the last attempt's first token): HTTP 408/429/5xx, and at any point of
+the stream a connection error, a timeout or an error event (unless its ``code`` is another
+4xx); what a retried attempt cost lands in ``retried_*_tokens``. Other failures fail the
+request; network errors never raise. ``abort_after`` tokens: the client closes the stream
+there (an abandoned stream, ``aborted``; :mod:`~pagedllm.benchmarks.load_model`).
 """
 
 from __future__ import annotations
@@ -37,6 +40,8 @@ class _Attempt:
         self.usage: dict | None = None
         self.chunks = 0
         self.non_stream = False  # the server answered with one JSON body
+        self.finished = False  # a choice carried a finish_reason
+        self.error_code: int | None = None  # ``code`` of an SSE error event
 
 
 def _chunk_text(obj: dict) -> str:
@@ -122,8 +127,10 @@ class OpenAIStreamClient:
         b.update(self.cfg.extra_body)
         return b
 
-    async def _attempt(self, url: str, body: dict, t_start: float, st: _Attempt) -> tuple[str, str | None, int | None]:
-        """One HTTP attempt; returns (outcome, error, status) with outcome in ok/retry/fail."""
+    async def _attempt(self, url: str, body: dict, t_start: float, st: _Attempt,
+                       abort_after: int | None = None) -> tuple[str, str | None, int | None]:
+        """One HTTP attempt; returns (outcome, error, status) with outcome in
+        ok/retry/fail/aborted ("aborted": closed after ``abort_after`` text chunks)."""
         aiohttp = import_bench_package("aiohttp", "the benchmark client")
 
         status = None
@@ -162,13 +169,16 @@ class OpenAIStreamClient:
                             done = True
                             break
                         if err:
-                            return "fail", err, status
+                            return self._error_outcome(st), err, status
+                        if abort_after is not None and st.chunks >= abort_after and not st.finished:
+                            resp.close()  # the user stops reading: drop the connection
+                            return "aborted", None, status
                     if done:
                         break
                 if not done and buf.strip():
                     err = self._handle_line(buf, t_start, st)
                     if err and err != "[DONE]":
-                        return "fail", err, status
+                        return self._error_outcome(st), err, status
                 if st.chunks == 0 and st.usage is None and st.first_chunk is None:
                     return ("retry" if st.first_token is None else "fail"), "empty response stream", status
                 return "ok", None, status
@@ -178,7 +188,16 @@ class OpenAIStreamClient:
             err = f"{type(e).__name__}: {e}"
         except OSError as e:
             err = f"{type(e).__name__}: {e}"
-        return ("retry" if st.first_token is None else "fail"), err, status
+        return "retry", err, status
+
+    @staticmethod
+    def _error_outcome(st: _Attempt) -> str:
+        """retry for an SSE error event without a code or with 408/429/5xx; else fail
+        (a bad chunk has no code recorded and fails)."""
+        c = st.error_code
+        if c is None:
+            return "fail"
+        return "retry" if (c in _RETRYABLE_STATUS or c >= 500 or c == -1) else "fail"
 
     def _handle_line(self, raw: bytes, t_start: float, st: _Attempt) -> str | None:
         line = raw.decode("utf-8", errors="replace").strip()
@@ -195,10 +214,17 @@ class OpenAIStreamClient:
             return None
         if obj.get("error"):
             e = obj["error"]
+            code = e.get("code") if isinstance(e, dict) else None
+            try:
+                st.error_code = int(code) if code is not None else -1
+            except (TypeError, ValueError):
+                st.error_code = -1  # a named code ("server_error"): the server's fault
             return "server error: " + (e.get("message", str(e)) if isinstance(e, dict) else str(e))[:200]
         now = time.perf_counter()
         if obj.get("choices") and st.first_chunk is None:
             st.first_chunk = now
+        if any(isinstance(c, dict) and c.get("finish_reason") for c in obj.get("choices") or []):
+            st.finished = True
         text = _chunk_text(obj)
         if text:
             if st.first_token is None:
@@ -213,27 +239,46 @@ class OpenAIStreamClient:
         return None
 
     async def send(self, kind: str, payload: Any, max_tokens: int, result: RequestResult,
-                   prompt_len_estimate: int) -> RequestResult:
-        """Send one request with retries, filling ``result`` (times, tokens, error)."""
+                   prompt_len_estimate: int, abort_after: int | None = None) -> RequestResult:
+        """Send one request with retries, filling ``result`` (times, tokens, error; the
+        load-model fields of :class:`RequestResult`); ``abort_after``: close the stream after
+        that many text chunks (None: read to the end)."""
         url = self.url_for(kind)
         body = self.body(kind, payload, max_tokens)
         result.start_time = t_start = time.perf_counter()
+        result.abort_after_tokens = abort_after
         attempt = 0
         while True:
             st = _Attempt()
             try:
-                outcome, err, status = await self._attempt(url, body, t_start, st)
+                outcome, err, status = await self._attempt(url, body, t_start, st, abort_after)
             except Exception as e:  # noqa: BLE001 - a request failure must never end the run
                 outcome, err, status = "fail", f"unexpected {type(e).__name__}: {e}", None
             result.http_status = status
             if outcome == "ok":
                 break
+            if outcome == "aborted":
+                end = time.perf_counter()
+                result.aborted = True
+                result.end_time, result.e2e = end, end - t_start
+                result.first_token_time, result.ttft = st.first_token, st.first_token - t_start
+                result.itl = st.itl
+                result.generated_text = "".join(st.text_parts)
+                result.output_tokens = result.aborted_output_tokens = st.chunks
+                result.output_tokens_source = "chunks"
+                result.prompt_tokens = prompt_len_estimate
+                return result
             if outcome == "fail" or attempt >= self.cfg.max_retries:
                 result.success = False
                 result.error = err
                 result.end_time = time.perf_counter()
                 result.prompt_tokens = prompt_len_estimate
+                if st.chunks:
+                    result.output_tokens, result.output_tokens_source = st.chunks, "chunks"
                 return result
+            if status == 200:  # the server took the prompt; what it streamed is wasted
+                result.retried_prompt_tokens += prompt_len_estimate
+                result.retried_output_tokens += st.chunks
             attempt += 1
             result.retries += 1
             await asyncio.sleep(min(self.cfg.retry_backoff_s * (2 ** (attempt - 1)), 5.0))

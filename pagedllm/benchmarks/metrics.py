@@ -6,7 +6,8 @@ Client-side latencies, in seconds internally and ms in reports: TTFT from the fi
 for a multi-token chunk, as vLLM's ``benchmark_serving``); TPOT ``(E2E - TTFT) /
 (output_tokens - 1)``; E2E first send to stream end. Goodput: completed requests/s meeting
 every SLO (DistServe, Zhong et al. OSDI'24; vLLM's ``--goodput``). Percentiles: numpy's
-linear interpolation.
+linear interpolation. Abandoned streams (``aborted``) are neither completed nor failed:
+their TTFT counts when a token came (what the user waited for), not their TPOT, ITL, E2E.
 """
 
 from __future__ import annotations
@@ -48,7 +49,16 @@ SLO_METRICS: dict[str, str] = {
 class RequestResult:
     """Outcome of one benchmark request; ``scheduled_time``, ``start_time``,
     ``first_token_time``, ``end_time`` are ``time.perf_counter()`` seconds, ``itl`` gaps in
-    seconds."""
+    seconds. ``output_tokens``: of the last attempt (a failed or abandoned one: its
+    streamed text chunks).
+
+    Load model (:mod:`~pagedllm.benchmarks.load_model`): ``aborted`` the client closed the
+    stream on purpose (``success`` False, ``error`` None: neither completed nor failed);
+    ``aborted_output_tokens`` the tokens read before closing (= ``output_tokens``; 0 when
+    not aborted); ``abort_after_tokens`` the planned cut-off (None: read to the end).
+    ``retried_prompt_tokens`` / ``retried_output_tokens``: summed over the attempts that
+    were retried (not the last one), prompt tokens of each the server accepted (HTTP 200)
+    and the tokens it streamed before failing."""
 
     request_id: int
     success: bool = False
@@ -68,6 +78,11 @@ class RequestResult:
     turn: int = 0
     generated_text: str = ""
     http_status: int | None = None
+    aborted: bool = False
+    aborted_output_tokens: int = 0
+    abort_after_tokens: int | None = None
+    retried_prompt_tokens: int = 0
+    retried_output_tokens: int = 0
 
     @property
     def tpot(self) -> float | None:
@@ -98,6 +113,11 @@ class RequestResult:
             "error": self.error,
             "http_status": self.http_status,
             "retries": self.retries,
+            "retried_prompt_tokens": self.retried_prompt_tokens,
+            "retried_output_tokens": self.retried_output_tokens,
+            "aborted": self.aborted,
+            "abort_after_tokens": self.abort_after_tokens,
+            "aborted_output_tokens": self.aborted_output_tokens,
             "prompt_tokens": self.prompt_tokens,
             "output_tokens": self.output_tokens,
             "output_tokens_source": self.output_tokens_source,
@@ -221,7 +241,9 @@ def summarize_results(
 ) -> dict:
     """Aggregate the results of a run lasting ``duration_s`` seconds: throughputs per second,
     token totals of successful requests, ``error_rate`` and ``retry_rate`` per issued request,
-    ``total_retries``, ``goodput`` (req/s; None without SLOs).
+    ``total_retries``, ``goodput`` (req/s; None without SLOs); ``aborted``, ``abort_rate``
+    (per issued request) and ``total_aborted_output_tokens`` of abandoned streams;
+    ``total_retried_prompt_tokens`` / ``total_retried_output_tokens`` of retried attempts.
     Raises ``ValueError`` if ``duration_s`` is not positive while results exist."""
     percentiles = tuple(percentiles)
     n = len(results)
@@ -231,16 +253,18 @@ def summarize_results(
     dur = duration_s if duration_s > 0 else float("nan")
     in_tok = sum(r.prompt_tokens for r in ok)
     out_tok = sum(r.output_tokens for r in ok)
+    aborted = [r for r in results if r.aborted]
     ttfts = [r.ttft for r in ok if r.ttft is not None]
+    ttfts_seen = ttfts + [r.ttft for r in aborted if r.ttft is not None]
     tpots = [t for t in (r.tpot for r in ok) if t is not None]
     itls = [x for r in ok for x in r.itl]
     e2es = [r.e2e for r in ok if r.e2e is not None]
     waits = [r.client_wait for r in results]
-    failed = n - len(ok)
+    failed = n - len(ok) - len(aborted)
     retried = sum(1 for r in results if r.retries > 0)
     errors: dict[str, int] = {}
     for r in results:
-        if not r.success:
+        if not r.success and not r.aborted:
             key = (r.error or "unknown error")[:200]
             errors[key] = errors.get(key, 0) + 1
     sum_e2e = sum(e2es)
@@ -253,6 +277,11 @@ def summarize_results(
         "total_retries": sum(r.retries for r in results),
         "requests_retried": retried,
         "retry_rate": (retried / n) if n else None,
+        "total_retried_prompt_tokens": sum(r.retried_prompt_tokens for r in results),
+        "total_retried_output_tokens": sum(r.retried_output_tokens for r in results),
+        "aborted": len(aborted),
+        "abort_rate": (len(aborted) / n) if n else None,
+        "total_aborted_output_tokens": sum(r.aborted_output_tokens for r in aborted),
         "total_input_tokens": in_tok,
         "total_output_tokens": out_tok,
         "request_throughput": len(ok) / dur if n else None,
@@ -267,7 +296,7 @@ def summarize_results(
         # prefill on the server, plus network) vs streaming the rest (decode).
         "client_prefill_share": (sum(ttfts) / sum_e2e) if sum_e2e > 0 else None,
         "client_decode_share": (1.0 - sum(ttfts) / sum_e2e) if sum_e2e > 0 else None,
-        "ttft_ms": latency_stats(ttfts, percentiles),
+        "ttft_ms": latency_stats(ttfts_seen, percentiles),
         "tpot_ms": latency_stats(tpots, percentiles),
         "itl_ms": latency_stats(itls, percentiles),
         "e2e_ms": latency_stats(e2es, percentiles),

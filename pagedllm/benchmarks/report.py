@@ -159,6 +159,13 @@ def format_report(res: dict) -> str:
     row("Error rate", s["error_rate"], ".2%")
     row("Retries (total)", s["total_retries"])
     row("Retry rate (requests retried)", s["retry_rate"], ".2%")
+    if s.get("total_retries"):
+        row("Retried attempts: prompt tokens", s.get("total_retried_prompt_tokens"))
+        row("Retried attempts: output tokens", s.get("total_retried_output_tokens"))
+    row("Abandoned streams", s.get("aborted"))
+    row("Abandoned-stream rate", s.get("abort_rate"), ".2%")
+    if s.get("aborted"):
+        row("Output tokens read before abandoning", s.get("total_aborted_output_tokens"))
     row("Benchmark duration (s)", s["duration_s"])
     row("Total input tokens", s["total_input_tokens"])
     row("Total output tokens", s["total_output_tokens"])

@@ -1,7 +1,9 @@
 """The load side of ``pagedllm bench serve``: arrivals from a gamma process (rate
 ``request_rate`` req/s, shape ``burstiness``; 1 = Poisson) or a trace's timestamps;
 ``max_concurrency`` bounds in-flight sessions (a session waiting for it counts as client
-wait); warm-ups run first, unpaced and unreported; a session's turns go one after another.
+wait); warm-ups run first, unpaced and unreported; a session's turns go one after another
+(after an abandoned stream the session goes on with the partial reply; after a failure it
+stops). Progress: :mod:`~pagedllm.benchmarks.progress`.
 :func:`run_load` returns the raw :class:`LoadRun`, :func:`run_benchmark` the result dict.
 """
 
@@ -19,7 +21,9 @@ import numpy as np
 
 from .client import OpenAIStreamClient
 from .datasets import Dataset, MultiTurnDataset, Session, TokenSource
+from .load_model import AbortPlan
 from .metrics import RequestResult
+from .progress import make_progress
 from .report import build_result
 from .serve_options import BenchConfig, BenchError
 
@@ -63,7 +67,8 @@ class _Runner:
         self.cfg, self.client, self.tokens, self.kind_override = cfg, client, tokens, kind_override
         self.results: list[RequestResult] = []
         self._next_id = 0
-        self.progress: Any = None  # a tqdm bar while the measured run is going
+        self.progress: Any = None  # a RunProgress while the measured run is going
+        self.aborts = AbortPlan(cfg.abort_fraction, cfg.abort_after, cfg.seed)
 
     def _kind(self, s: Session) -> str:
         return s.kind if self.kind_override == "auto" else self.kind_override
@@ -98,11 +103,12 @@ class _Runner:
             r = RequestResult(request_id=self._next_id, scheduled_time=scheduled, session_id=s.session_id, turn=k)
             self._next_id += 1
             sink.append(r)
-            await self.client.send(kind, payload, turn.output_len, r, prompt_est)
+            abort = self.aborts.abort_after(s.session_id, k, turn.output_len, turn.abort_after_tokens)
+            await self.client.send(kind, payload, turn.output_len, r, prompt_est, abort)
             if self.progress is not None:
-                self.progress.update(1)
+                self.progress.update(r)
             prev_end = r.end_time
-            if not r.success:
+            if not r.success and not r.aborted:
                 break
             if kind == "chat":
                 messages.append({"role": "assistant", "content": r.generated_text})
@@ -147,21 +153,15 @@ class _Runner:
             await asyncio.gather(*tasks)
 
 
-def _progress_bar(cfg: BenchConfig, dataset: Dataset, num_prompts: int | None) -> Any:
-    """A tqdm bar over requests on stderr (None when quiet or tqdm is missing)."""
-    if cfg.quiet:
-        return None
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return None
+def _progress(cfg: BenchConfig, dataset: Dataset, num_prompts: int | None) -> Any:
+    """Progress over the measured requests (None when ``cfg.progress`` is off)."""
     total = None
     if dataset.timed:
         n = len(getattr(dataset, "rows", []))
         total = min(n, num_prompts) if num_prompts else n
     elif num_prompts is not None and cfg.duration_s is None:
         total = num_prompts * getattr(dataset, "num_turns", 1)
-    return tqdm(total=total, unit="req", desc="requests", file=sys.stderr, leave=False)
+    return make_progress(cfg.progress, cfg.progress_desc or "requests", total, cfg.duration_s)
 
 
 @dataclass
@@ -224,7 +224,7 @@ async def run_load(cfg: BenchConfig, dataset: Dataset, tokens: TokenSource | Non
             what = f"{num_prompts} session(s)" if num_prompts else "sessions"
             dur = f" for {cfg.duration_s:g} s" if cfg.duration_s else ""
             print(f"benchmark: {what}{dur} against {cfg.root_url} (model {cfg.model})", file=sys.stderr)
-        runner.progress = _progress_bar(cfg, dataset, num_prompts)
+        runner.progress = _progress(cfg, dataset, num_prompts)
         wall0 = time.time()
         t0 = time.perf_counter()
         try:

@@ -23,6 +23,7 @@ from .datasets import (
     TokenSource,
     TraceDataset,
 )
+from .load_model import AbortPlan, add_load_model_arguments
 from .metrics import DEFAULT_PERCENTILES, parse_slos
 
 __all__ = [
@@ -54,7 +55,9 @@ class BenchError(Exception):
 class BenchConfig:
     """Options of one ``bench serve`` run: ``request_rate`` req/s (``inf`` = all at once);
     ``duration_s``, ``timeout_s``, ``retry_backoff_s`` seconds; ``goodput_ms`` SLO metric ->
-    ms; ``num_prompts`` sessions; ``endpoint_type`` "auto", "completions" or "chat"."""
+    ms; ``num_prompts`` sessions; ``endpoint_type`` "auto", "completions" or "chat";
+    ``abort_fraction`` / ``abort_after`` the abandoned-stream model (``load_model``);
+    ``progress`` live progress on stderr, titled ``progress_desc`` (None: "requests")."""
 
     base_url: str = "http://127.0.0.1:8000"
     model: str | None = None
@@ -81,6 +84,10 @@ class BenchConfig:
     label: str | None = None
     quiet: bool = False
     prompt_format: str = "ids"
+    abort_fraction: float = 0.0
+    abort_after: str | None = None
+    progress: bool = True
+    progress_desc: str | None = None
 
     def validate(self) -> None:
         """Raise ``BenchError`` naming the flag of the first invalid option."""
@@ -114,6 +121,12 @@ class BenchConfig:
         for q in self.percentiles:
             if not 0 <= q <= 100:
                 raise BenchError(f"--percentiles values must be in [0, 100], got {q}")
+        try:
+            AbortPlan(self.abort_fraction, self.abort_after, self.seed)
+        except ValueError as e:
+            raise BenchError(str(e)) from None
+        if self.abort_after is not None and self.abort_fraction == 0:
+            raise BenchError("--abort-after needs --abort-fraction > 0 (the share of requests abandoned)")
 
     @property
     def root_url(self) -> str:
@@ -247,6 +260,9 @@ def add_common_arguments(p: Any, single_run: bool = True) -> None:
     ld.add_argument("--num-warmups", type=int, default=0, help="warm-up requests, excluded from results")
     ld.add_argument("--percentiles", type=percentile_list, default=DEFAULT_PERCENTILES,
                     help="comma-separated percentiles to report (p90, p99 always included)")
+    add_load_model_arguments(ld)
+    ld.add_argument("--no-progress", action="store_true",
+                    help="no live progress on stderr (a bar on a terminal, else a line every ~10 %%)")
 
 
 def add_serve_arguments(p: Any) -> None:
@@ -294,6 +310,9 @@ def config_from_args(args: Any, validate: bool = True) -> BenchConfig:
         label=getattr(args, "label", None),
         quiet=getattr(args, "quiet", False),
         prompt_format=args.prompt_format,
+        abort_fraction=args.abort_fraction,
+        abort_after=args.abort_after,
+        progress=not (args.no_progress or getattr(args, "quiet", False)),
     )
     if validate:
         cfg.validate()

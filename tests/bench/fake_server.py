@@ -12,7 +12,10 @@ It serves /v1/models, /health, /v1/completions, /v1/chat/completions (SSE
 chunks like OpenAI's, a final usage chunk with ``stream_options``), and
 /metrics with vLLM metric names (histogram sums/counts, counters, gauges).
 Prefix-cache counters are token based on 4-token blocks, as vLLM counts them.
-``fail_first_n`` answers that many POSTs with HTTP 503 first.
+``fail_first_n`` answers that many POSTs with HTTP 503 first. ``drop_first_attempt``
+{ordinal: k}: the first attempt of the ordinal-th distinct request (by prompt, in order of
+arrival) drops its connection after streaming k tokens. Each request records ``streamed``
+(tokens written) and ``disconnected`` (the client went away mid-stream: an abandoned one).
 """
 
 from __future__ import annotations
@@ -45,6 +48,8 @@ class LatencyModel:
     block_size: int = 4
     no_stream: bool = False  # answer with one JSON body, ignoring stream=true
     error_after_tokens: int | None = None  # send an SSE error event after this many tokens
+    error_code: int = 500  # the ``code`` of that event
+    drop_first_attempt: dict = field(default_factory=dict)  # distinct-request ordinal -> tokens
 
 
 @dataclass
@@ -62,6 +67,8 @@ class Stats:
     prefix_queries: int = 0
     prefix_hits: int = 0
     success: int = 0
+    dropped: list = field(default_factory=list)  # tokens streamed by each dropped attempt
+    disconnects: list = field(default_factory=list)  # tokens streamed before each client disconnect
 
 
 class FakeServer:
@@ -73,6 +80,7 @@ class FakeServer:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self._blocks: set = set()
+        self._seen: dict = {}  # prompt key -> ordinal of first arrival
         self._lock = threading.Lock()
 
     # -- handlers ---------------------------------------------------------
@@ -140,8 +148,14 @@ class FakeServer:
                 else:
                     self._blocks.add(key)
         max_tokens = int(body.get("max_tokens", 16))
-        rec = {"arrival": arrival, "prompt_len": prompt_len, "body": body, "chat": chat}
+        rec = {"arrival": arrival, "prompt_len": prompt_len, "body": body, "chat": chat, "streamed": 0,
+               "disconnected": False}
         s.requests.append(rec)
+        key = json.dumps(body.get("messages") if chat else body.get("prompt"), sort_keys=True)
+        drop_after = None
+        if key not in self._seen:
+            self._seen[key] = len(self._seen)
+            drop_after = m.drop_first_attempt.get(self._seen[key])
         if m.no_stream:
             await asyncio.sleep(m.prefill_s + m.itl_s * (max_tokens - 1))
             text = "".join(f" tok{i}" for i in range(max_tokens))
@@ -167,8 +181,12 @@ class FakeServer:
             for i in range(max_tokens):
                 if i:
                     await asyncio.sleep(m.itl_s)
+                if drop_after is not None and i == drop_after:
+                    s.dropped.append(i)
+                    request.transport.close()  # flushes what was written, then closes
+                    return resp
                 if m.error_after_tokens is not None and i == m.error_after_tokens:
-                    await resp.write(self._sse({"error": {"message": "engine died", "code": 500}}))
+                    await resp.write(self._sse({"error": {"message": "engine died", "code": m.error_code}}))
                     await resp.write_eof()
                     return resp
                 tok = f" tok{i}"
@@ -179,7 +197,13 @@ class FakeServer:
                 else:
                     ch = {"index": 0, "text": tok, "finish_reason": "length" if last else None}
                     obj = {"id": rid, "object": "text_completion", "choices": [ch]}
-                await resp.write(self._sse(obj))
+                try:
+                    await resp.write(self._sse(obj))
+                except (ConnectionError, RuntimeError):  # the client closed the stream
+                    rec["disconnected"] = True
+                    s.disconnects.append(rec["streamed"])
+                    return resp
+                rec["streamed"] += 1
             end = time.perf_counter()
             if (body.get("stream_options") or {}).get("include_usage"):
                 await resp.write(self._sse({"id": rid, "choices": [], "usage": {
@@ -207,6 +231,13 @@ class FakeServer:
     @staticmethod
     def _sse(obj: dict) -> bytes:
         return f"data: {json.dumps(obj)}\n\n".encode()
+
+    def wait_idle(self, timeout_s: float = 5.0) -> None:
+        """Wait until no request is in flight: a stream the client closed is noticed at the
+        server's next write, after the client's run may have ended."""
+        deadline = time.perf_counter() + timeout_s
+        while self.stats.in_flight and time.perf_counter() < deadline:
+            time.sleep(0.005)
 
     # -- lifecycle ---------------------------------------------------------
     def __enter__(self) -> "FakeServer":
