@@ -108,7 +108,7 @@ def peak_in_flight(results: Sequence[RequestResult]) -> int:
 def build_result(cfg: BenchConfig, dataset: Dataset, tokens: TokenSource, run: "LoadRun") -> dict:
     """The result dict of one run (module doc); throughputs per measured second, latencies ms."""
     results = run.results
-    duration = max(run.t_end - run.t0, 1e-9)
+    duration = max(run.measured_s if run.measured_s is not None else run.t_end - run.t0, 1e-9)
     summary = summarize_results(results, duration, cfg.goodput_ms or None, cfg.percentiles)
     summary["peak_in_flight"] = peak_in_flight(results) if results else 0
     summary["num_sessions"] = len({r.session_id for r in results})

@@ -170,7 +170,7 @@ class LoadRun:
     ``num_warmups``, ``t0`` / ``t_end`` (``perf_counter`` s around the measured part),
     ``wall0`` (unix time at ``t0``), ``metrics_before`` / ``metrics_after`` (None when
     unavailable), ``endpoint_kind``, ``num_prompts`` (None: until ``duration_s`` or the trace
-    ends)."""
+    ends), ``measured_s`` (seconds measured when not ``t_end - t0``: pooled rounds)."""
 
     results: list[RequestResult]
     num_warmups: int
@@ -181,6 +181,7 @@ class LoadRun:
     metrics_after: dict | None
     endpoint_kind: str
     num_prompts: int | None
+    measured_s: float | None = None
 
 
 async def run_load(cfg: BenchConfig, dataset: Dataset, tokens: TokenSource | None = None) -> LoadRun:

@@ -1,7 +1,8 @@
 """``pagedllm bench serve``: an asyncio load generator for any OpenAI-compatible
 streaming server (pagedllm, vLLM, llama.cpp's server, ...); TTFT, ITL, TPOT and E2E as
 defined in :mod:`~pagedllm.benchmarks.metrics`. Pieces: ``serve_options`` (flags,
-config), ``client`` (one request), ``runner`` (arrivals, concurrency), ``report``."""
+config), ``client`` (one request), ``runner`` (arrivals, concurrency), ``report``;
+``compare`` (two servers, one table)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import sys
 from pagedllm.entrypoints.cli import HelpFormatter
 from typing import Any
 
+from .compare import add_compare_arguments, compare_main
 from .extras import require_bench_packages
 from .report import format_report, save_json
 from .runner import run_benchmark
@@ -25,6 +27,7 @@ def register(subparsers: "argparse._SubParsersAction") -> None:
         description="Benchmark an OpenAI-compatible streaming server with a chosen dataset and load shape.",
         formatter_class=HelpFormatter)
     add_serve_arguments(p)
+    add_compare_arguments(p)
     p.set_defaults(func=serve_main)
 
 
@@ -37,6 +40,9 @@ def serve_main(args: Any, tokenizer: Any = "load") -> int:
     except (BenchError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if any(getattr(args, k, None) not in (None, 1) for k in ("compare", "compare_args", "compare_model", "labels",
+                                                              "compare_rounds")):
+        return compare_main(args, cfg, dataset, tokens)
     try:
         res = asyncio.run(run_benchmark(cfg, dataset, tokens))
     except BenchError as e:

@@ -7,7 +7,7 @@ import json
 
 import numpy as np
 import pytest
-from bench_helpers import run_cli
+from bench_helpers import check_png, run_cli
 
 from pagedllm.benchmarks.load_model import AbortAfter, AbortPlan, parse_abort_after
 from pagedllm.benchmarks.metrics import RequestResult
@@ -225,3 +225,109 @@ def test_sweep_prints_each_point_and_its_progress(fake_server, capsys):
         assert f"[sweep x] point {k} (of up to 3): concurrency {c}" in err
         assert sum(ln.startswith(f"[sweep x] concurrency {c}: ") and "/10 requests (" in ln for ln in err) == 10
         assert any(ln.startswith(f"[sweep x] concurrency {c}: ") and "meets SLO" in ln for ln in err)
+
+
+# -- --compare ---------------------------------------------------------------------------------
+
+def test_compare_two_servers_orders_the_table(fake_server, tmp_path, capsys):
+    fast = fake_server(prefill_s=0.005, itl_s=0.002)
+    slow = fake_server(prefill_s=0.06, itl_s=0.012)
+    out = tmp_path / "c.json"
+    rc = run_cli(["bench", "serve", "--base-url", fast.url, "--compare", slow.url, "--labels", "fast,slow",
+                  "--compare-rounds", "2", "--num-prompts", "6", "--input-len", "4", "--output-len", "5",
+                  "--max-concurrency", "2", "--abort-fraction", "0.5", "--abort-after", "tokens:2", "--quiet",
+                  "--save-result", str(out), "--plot", str(tmp_path / "plots")])
+    assert rc == 0
+    table = capsys.readouterr().out
+    assert table.splitlines()[0] == "A = fast; B = slow; 2 rounds, A and B in turns"
+    cells = {ln[:40].strip(): ln[40:].split() for ln in table.splitlines()[3:]}
+    for name in ("TTFT p50 (ms)", "TTFT p99 (ms)", "TPOT p50 (ms)", "E2E p50 (ms)"):
+        a, b, ratio, better = cells[name]
+        assert float(a) < float(b) and float(ratio[:-1]) > 1 and better == "A", name
+    assert cells["Output token throughput (tok/s)"][-1] == "A"
+    res = json.loads(out.read_text())
+    rows = {r["name"]: r for r in res["rows"]}
+    assert rows["TTFT p50 (ms)"]["winner"] == "A" and rows["TTFT p50 (ms)"]["better"] == "lower"
+    assert rows["TTFT p50 (ms)"]["ratio"] > 3  # prefill 60 ms against 5 ms, both plus overhead
+    # each side pooled its two rounds; the rounds took turns: A, B, then B, A
+    a, b = res["results"]
+    assert a["summary"]["num_requests"] == b["summary"]["num_requests"] == 12
+    assert [r["request_id"] for r in a["requests"]] == list(range(12))
+    assert len(fast.stats.requests) == len(slow.stats.requests) == 12
+    arr = lambda srv: [r["arrival"] for r in srv.stats.requests]  # noqa: E731
+    assert max(arr(fast)[:6]) < min(arr(slow)) and max(arr(slow)) < max(arr(fast))
+    assert min(arr(fast)[6:]) > max(arr(slow))
+    # the same requests abandoned on both sides
+    assert [r["abort_after_tokens"] for r in a["requests"]] == [r["abort_after_tokens"] for r in b["requests"]]
+    assert rows["Abandoned-stream rate"]["a"] == rows["Abandoned-stream rate"]["b"] > 0
+    check_png(tmp_path / "plots" / "compare.png")
+
+
+def test_compare_cost_rows_hook(monkeypatch):
+    import sys
+    import types
+
+    from pagedllm.benchmarks.compare import CompareRow, compare_rows, format_compare
+
+    def summary(ttft, tok_s):
+        st = {"median": ttft, "p99": ttft * 2}
+        return {"summary": {"completed": 3, "request_throughput": 1.0, "output_token_throughput": tok_s,
+                            "ttft_ms": st, "tpot_ms": st, "e2e_ms": st, "error_rate": 0.0, "retry_rate": 0.0,
+                            "abort_rate": 0.0, "goodput": None},
+                "server_metrics": {"prefix_cache_hit_rate": None}}
+
+    a, b = summary(10.0, 100.0), summary(20.0, 50.0)
+    assert [r.name for r in compare_rows(a, b)][-1] == "Prefix cache hit rate (server)"  # no cost module rows
+    cost = types.ModuleType("pagedllm.benchmarks.cost")
+    cost.compare_cost_rows = lambda x, y: [("$ per 1M output tokens", 2.0, 4.0, ".4f", "lower")]
+    monkeypatch.setitem(sys.modules, "pagedllm.benchmarks.cost", cost)
+    rows = compare_rows(a, b)
+    assert rows[-1] == CompareRow("$ per 1M output tokens", 2.0, 4.0, ".4f", "lower")
+    assert rows[-1].ratio() == 2.0 and rows[-1].winner() == "A"
+    line = format_compare(rows, ["x", "y"]).splitlines()[-1]
+    assert line.split() == ["$", "per", "1M", "output", "tokens", "2.0000", "4.0000", "2.00x", "A"]
+
+
+def test_compare_flag_errors(capsys):
+    base = ["bench", "serve", "--model", "m", "--num-prompts", "1"]
+    for extra, needle in ((["--compare", "localhost:9"], "--compare must be a URL"),
+                          (["--compare-model", "x"], "--compare-model goes with --compare"),
+                          (["--compare", "http://127.0.0.1:9", "--labels", "a"], "--labels"),
+                          (["--compare-rounds", "2"], "go with --compare or --compare-args"),
+                          (["--compare-args=--port 9", "--compare-args="], "--port is set by the bench"),
+                          (["--compare-args=--no-such-flag", "--compare-args="], "--compare-args '--no-such-flag'"),
+                          (["--compare-args=--max-num-seqs x", "--compare-args="], "invalid int value"),
+                          (["--compare-args='unclosed", "--compare-args="], "No closing quotation"),
+                          (["--compare-args=--max-num-seqs 4"], "give it twice")):
+        assert run_cli(base + extra) == 2, extra
+        assert needle in capsys.readouterr().err, extra
+
+
+def test_compare_args_starts_and_stops_two_servers(fake_server, monkeypatch, tmp_path, capsys):
+    from pagedllm.benchmarks import server
+
+    servers = [fake_server(prefill_s=0.001, itl_s=0.001), fake_server(prefill_s=0.03, itl_s=0.001)]
+    started, stopped = [], []
+
+    class Proc:
+        def poll(self):
+            return None
+
+        def terminate(self):
+            stopped.append(self)
+
+        def wait(self, timeout=None):
+            return 0
+
+    def start(words, engine_process=None):
+        started.append(words)
+        return Proc(), servers[len(started) - 1].url
+
+    monkeypatch.setattr(server, "start_server", start)
+    assert run_cli(["bench", "serve", "--compare-args=", "--compare-args=--no-enable-prefix-caching --max-num-seqs 4",
+                    "--num-prompts", "3", "--input-len", "4", "--output-len", "2", "--quiet"]) == 0
+    assert started == [[], ["--no-enable-prefix-caching", "--max-num-seqs", "4"]] and len(stopped) == 2
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "A = pagedllm serve; B = pagedllm serve --no-enable-prefix-caching --max-num-seqs 4"
+    assert next(ln for ln in lines if ln.startswith("TTFT p50")).split()[-1] == "A"
+    assert len(servers[0].stats.requests) == len(servers[1].stats.requests) == 3
