@@ -157,8 +157,8 @@ def _progress(cfg: BenchConfig, dataset: Dataset, num_prompts: int | None) -> An
     """Progress over the measured requests (None when ``cfg.progress`` is off)."""
     total = None
     if dataset.timed:
-        n = len(getattr(dataset, "rows", []))
-        total = min(n, num_prompts) if num_prompts else n
+        groups = getattr(dataset, "groups", None) or [[r] for r in getattr(dataset, "rows", [])]
+        total = sum(len(g) for g in groups[:num_prompts])  # a chat trace's session has several turns
     elif num_prompts is not None and cfg.duration_s is None:
         total = num_prompts * getattr(dataset, "num_turns", 1)
     return make_progress(cfg.progress, cfg.progress_desc or "requests", total, cfg.duration_s)

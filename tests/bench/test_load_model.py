@@ -331,3 +331,20 @@ def test_compare_args_starts_and_stops_two_servers(fake_server, monkeypatch, tmp
     assert lines[0] == "A = pagedllm serve; B = pagedllm serve --no-enable-prefix-caching --max-num-seqs 4"
     assert next(ln for ln in lines if ln.startswith("TTFT p50")).split()[-1] == "A"
     assert len(servers[0].stats.requests) == len(servers[1].stats.requests) == 3
+
+
+def test_new_flags_are_documented():
+    import os
+    import re
+
+    from pagedllm.entrypoints.cli import build_parser
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    with open(os.path.join(root, "docs", "notes", "benchmarks.md"), encoding="utf-8") as f:
+        named = set(re.findall(r"`(--[a-z][a-z0-9-]*)", f.read()))
+    flags = {"--abort-fraction", "--abort-after", "--no-progress", "--compare", "--compare-args", "--compare-model",
+             "--compare-rounds", "--labels"}
+    bench = next(a for a in build_parser()._actions if hasattr(a, "choices") and a.choices and "bench" in a.choices)
+    sub = next(a for a in bench.choices["bench"]._actions if hasattr(a, "choices") and a.choices)
+    have = {o for a in sub.choices["serve"]._actions for o in a.option_strings}
+    assert flags <= have and not flags - named, sorted(flags - named)
