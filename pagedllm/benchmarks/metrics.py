@@ -241,7 +241,8 @@ def summarize_results(
 ) -> dict:
     """Aggregate the results of a run lasting ``duration_s`` seconds: throughputs per second,
     token totals of successful requests, ``error_rate`` and ``retry_rate`` per issued request,
-    ``total_retries``, ``goodput`` (req/s; None without SLOs); ``aborted``, ``abort_rate``
+    ``total_retries``, ``goodput`` (req/s; None without SLOs; ``goodput_fraction`` of the
+    requests not abandoned); ``aborted``, ``abort_rate``
     (per issued request) and ``total_aborted_output_tokens`` of abandoned streams;
     ``total_retried_prompt_tokens`` / ``total_retried_output_tokens`` of retried attempts.
     Raises ``ValueError`` if ``duration_s`` is not positive while results exist."""
@@ -307,7 +308,8 @@ def summarize_results(
         good = sum(1 for r in ok if meets_slos(r, slos_ms))
         summary["good_requests"] = good
         summary["goodput"] = good / dur if n else None
-        summary["goodput_fraction"] = (good / n) if n else None
+        meant = n - len(aborted)  # an abandoned stream was never going to meet an E2E SLO
+        summary["goodput_fraction"] = (good / meant) if meant else None
     return summary
 
 

@@ -348,3 +348,26 @@ def test_new_flags_are_documented():
     sub = next(a for a in bench.choices["bench"]._actions if hasattr(a, "choices") and a.choices)
     have = {o for a in sub.choices["serve"]._actions for o in a.option_strings}
     assert flags <= have and not flags - named, sorted(flags - named)
+
+
+def test_progress_bar_on_a_terminal():
+    buf = io.StringIO()
+    p = RunProgress("[sweep x] rate 2", 5, stream=buf, tty=True)
+    assert p.bar is not None
+    for _ in range(5):
+        p.update(done(7))
+    assert p.bar.n == 5 and p.bar.total == 5 and "out tok/s" in p.bar.postfix
+    p.close()
+    out = buf.getvalue()
+    assert "[sweep x] rate 2" in out and "\r" in out  # a bar redrawn in place, not log lines
+    assert "requests (" not in out
+
+
+def test_goodput_fraction_leaves_abandoned_streams_out():
+    from pagedllm.benchmarks.metrics import summarize_results
+
+    ok = RequestResult(0, success=True, output_tokens=4, ttft=0.1, e2e=0.4, start_time=0, end_time=0.4)
+    ab = RequestResult(1, aborted=True, output_tokens=2, aborted_output_tokens=2, ttft=0.2, e2e=0.3)
+    s = summarize_results([ok, ab], 1.0, {"ttft": 1000.0})
+    assert s["good_requests"] == 1 and s["goodput_fraction"] == 1.0 and s["goodput"] == 1.0
+    assert s["ttft_ms"]["count"] == 2 and s["e2e_ms"]["count"] == 1 and s["abort_rate"] == 0.5
