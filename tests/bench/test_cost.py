@@ -206,14 +206,16 @@ def test_cost_flags_checked(capsys):
 
 
 def _abandon(monkeypatch, ids, keep):
-    """The load model's records for abandoned streams: the client reads ``keep`` tokens of
-    requests ``ids`` and stops; this fake server generates every token regardless."""
+    """Records of abandoned streams as the load model makes them, for requests ``ids``
+    exactly (``--abort-fraction`` draws by seed): the client reads ``keep`` tokens and
+    stops, while this server generates every token regardless (as a server that never
+    notices the disconnect would: "generated, never received")."""
     from pagedllm.benchmarks import client as client_mod
 
     real = client_mod.OpenAIStreamClient.send
 
-    async def send(self, kind, payload, max_tokens, result, est):
-        await real(self, kind, payload, max_tokens, result, est)
+    async def send(self, kind, payload, max_tokens, result, est, abort_after=None):
+        await real(self, kind, payload, max_tokens, result, est, abort_after)
         if result.request_id in ids:
             result.success, result.aborted = False, True
             result.output_tokens = result.aborted_output_tokens = keep
@@ -298,3 +300,4 @@ def test_sweep_prices_break_even_at_the_best_point(fake_server, tmp_path, capsys
     assert all(p["cost"]["rows"] for p in sw["points"])
     assert "cost at the highest load within the SLO" in capsys.readouterr().out
     check_png(tmp_path / "p" / "sweep_cost.png")
+
