@@ -179,19 +179,31 @@ def format_compare(rows: Sequence[CompareRow], labels: Sequence[str], rounds: in
 
 
 def pool_runs(runs: Sequence[LoadRun]) -> LoadRun:
-    """One side's rounds as one run: requests renumbered in order, times relative to the
-    first round's start, ``measured_s`` the sum of the rounds' own durations, server
-    metrics from before the first to after the last. Raises ``ValueError`` on no runs."""
+    """One side's rounds as one run: requests renumbered in order; each later round's times
+    moved back by the gap since the previous round's end (the other side's turn), so that
+    the rounds sit end to end from the first round's start and ``t_end - t0`` equals
+    ``measured_s``, the sum of the rounds' own durations (what the cost attribution and the
+    timeline read); server metrics from before the first to after the last. Raises
+    ``ValueError`` on no runs."""
     if not runs:
         raise ValueError("no runs to pool")
     results = []
+    end = runs[0].t0
     for run in runs:
         off = len(results)
+        gap = run.t0 - end
         for r in run.results:
             r.request_id += off
+            if gap:
+                r.scheduled_time -= gap
+                r.start_time -= gap
+                r.end_time -= gap
+                if r.first_token_time is not None:
+                    r.first_token_time -= gap
         results += run.results
+        end = run.t_end - gap
     first, last = runs[0], runs[-1]
-    return LoadRun(results, first.num_warmups, first.t0, last.t_end, first.wall0, first.metrics_before,
+    return LoadRun(results, first.num_warmups, first.t0, end, first.wall0, first.metrics_before,
                    last.metrics_after, first.endpoint_kind, first.num_prompts,
                    measured_s=sum(r.t_end - r.t0 for r in runs))
 

@@ -374,3 +374,22 @@ def test_goodput_fraction_leaves_abandoned_streams_out():
     assert s["good_requests"] == 1 and s["goodput_fraction"] == 1.0 and s["goodput"] == 1.0
     assert s["ttft_ms"]["count"] == 2 and s["e2e_ms"]["count"] == 1 and s["abort_rate"] == 0.5
 
+
+def test_pool_runs_lays_rounds_end_to_end():
+    """A side's rounds pooled: the other side's turn between them is cut out, so the pooled
+    run lasts the sum of its rounds (what the cost attribution clips busy time to)."""
+    from pagedllm.benchmarks.compare import pool_runs
+    from pagedllm.benchmarks.runner import LoadRun
+
+    def run(t0, t_end, n):
+        rs = [RequestResult(request_id=i, scheduled_time=t0 + i, start_time=t0 + i, first_token_time=t0 + i + 0.5,
+                            end_time=t0 + i + 1) for i in range(n)]
+        return LoadRun(rs, 0, t0, t_end, 0.0, None, None, "chat", n)
+
+    pooled = pool_runs([run(100.0, 102.0, 2), run(110.0, 113.0, 3)])  # B ran in [102, 110]
+    assert pooled.measured_s == 5.0 and pooled.t_end - pooled.t0 == 5.0
+    assert [r.request_id for r in pooled.results] == [0, 1, 2, 3, 4]
+    assert [r.start_time for r in pooled.results] == [100.0, 101.0, 102.0, 103.0, 104.0]
+    assert pooled.results[-1].end_time == 105.0 and pooled.results[2].first_token_time == 102.5
+    d = pooled.results[3].to_dict(pooled.t0)
+    assert d["start_s"] == 3.0 and d["end_s"] == 4.0
