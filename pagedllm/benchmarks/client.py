@@ -4,8 +4,14 @@ messages); one :meth:`OpenAIStreamClient.send` fills one
 :class:`~pagedllm.benchmarks.metrics.RequestResult`, its tokens from the API's usage.
 
 Retries (up to ``max_retries``, exponential back-off; TTFT and E2E count from the first
-attempt): a failure before any token with a connection error, a timeout, HTTP 408/429 or
-5xx. Other failures fail the request; network errors never raise.
+attempt, TTFT to the last attempt's first token): HTTP 408/429/5xx, and at any point of
+the stream a connection error, a timeout or an error event whose status
+(:attr:`~pagedllm.benchmarks.endpoints.Event.error_code`: a numeric ``code``, or one
+mapped from a named code or Anthropic's ``error.type``) is 408/429/5xx or absent; another
+4xx fails at once. What a retried attempt cost lands in ``retried_*_tokens``. Other
+failures fail the request; network errors never raise. ``abort_after`` tokens: the client
+closes the stream there (an abandoned stream, ``aborted``;
+:mod:`~pagedllm.benchmarks.load_model`), unless the answer finished first.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ from .serve_options import BenchConfig
 
 __all__ = ["OpenAIStreamClient"]
 
-#: Statuses retried (besides 5xx) when no token has arrived yet.
+#: Statuses retried besides 5xx (an HTTP status, or the status of a stream's error event).
 _RETRYABLE_STATUS = {408, 429}
 
 
@@ -39,6 +45,8 @@ class _Attempt:
         self.usage: dict | None = None
         self.chunks = 0
         self.non_stream = False  # the server answered with one JSON body
+        self.finished = False  # the answer is complete (Event.finished)
+        self.error_code: int | None = None  # status of a stream error event; -1: it named none
 
 
 class OpenAIStreamClient:
@@ -113,9 +121,10 @@ class OpenAIStreamClient:
             r.raise_for_status()
             return await r.json(content_type=None)
 
-    async def _attempt(self, kind: str, url: str, body: dict, t_start: float,
-                       st: _Attempt) -> tuple[str, str | None, int | None]:
-        """One HTTP attempt; returns (outcome, error, status) with outcome in ok/retry/fail."""
+    async def _attempt(self, kind: str, url: str, body: dict, t_start: float, st: _Attempt,
+                       abort_after: int | None = None) -> tuple[str, str | None, int | None]:
+        """One HTTP attempt; returns (outcome, error, status) with outcome in
+        ok/retry/fail/aborted ("aborted": closed after ``abort_after`` text chunks)."""
         aiohttp = import_bench_package("aiohttp", "the benchmark client")
 
         status = None
@@ -154,13 +163,16 @@ class OpenAIStreamClient:
                             done = True
                             break
                         if err:
-                            return "fail", err, status
+                            return self._error_outcome(st), err, status
+                        if abort_after is not None and st.chunks >= abort_after and not st.finished:
+                            resp.close()  # the user stops reading: drop the connection
+                            return "aborted", None, status
                     if done:
                         break
                 if not done and buf.strip():
                     err = self._handle_line(kind, buf, t_start, st)
                     if err and err != "[DONE]":
-                        return "fail", err, status
+                        return self._error_outcome(st), err, status
                 if st.chunks == 0 and st.usage is None and st.first_chunk is None:
                     return ("retry" if st.first_token is None else "fail"), "empty response stream", status
                 return "ok", None, status
@@ -170,7 +182,16 @@ class OpenAIStreamClient:
             err = f"{type(e).__name__}: {e}"
         except OSError as e:
             err = f"{type(e).__name__}: {e}"
-        return ("retry" if st.first_token is None else "fail"), err, status
+        return "retry", err, status
+
+    @staticmethod
+    def _error_outcome(st: _Attempt) -> str:
+        """retry for a stream error event with status 408/429/5xx or none (-1); else fail
+        (another 4xx; a bad chunk records no status and fails)."""
+        c = st.error_code
+        if c is None:
+            return "fail"
+        return "retry" if (c in _RETRYABLE_STATUS or c >= 500 or c == -1) else "fail"
 
     def _handle_line(self, kind: str, raw: bytes, t_start: float, st: _Attempt) -> str | None:
         """Read one SSE line into ``st``: None, an error message, or "[DONE]" (the stream's
@@ -190,6 +211,7 @@ class OpenAIStreamClient:
             return None
         ev = endpoint(kind).event(obj)
         if ev.error is not None:
+            st.error_code = ev.error_code if ev.error_code is not None else -1
             return "server error: " + ev.error[:200]
         now = time.perf_counter()
         if ev.started and st.first_chunk is None:
@@ -204,30 +226,53 @@ class OpenAIStreamClient:
             st.text_parts.append(ev.text)
         if ev.usage:
             st.usage = {**(st.usage or {}), **ev.usage}
+        if ev.finished:
+            st.finished = True
         return "[DONE]" if ev.done else None
 
     async def send(self, kind: str, payload: Any, max_tokens: int, result: RequestResult,
-                   prompt_len_estimate: int) -> RequestResult:
-        """Send one request with retries, filling ``result`` (times, tokens, error)."""
+                   prompt_len_estimate: int, abort_after: int | None = None) -> RequestResult:
+        """Send one request with retries, filling ``result`` (times, tokens, error; the
+        load-model fields of :class:`RequestResult`); ``abort_after``: close the stream after
+        that many text chunks (None: read to the end)."""
         url = self.url_for(kind)
         body = self.body(kind, payload, max_tokens)
         result.start_time = t_start = time.perf_counter()
+        result.abort_after_tokens = abort_after
         attempt = 0
         while True:
             st = _Attempt()
             try:
-                outcome, err, status = await self._attempt(kind, url, body, t_start, st)
+                outcome, err, status = await self._attempt(kind, url, body, t_start, st, abort_after)
             except Exception as e:  # noqa: BLE001 - a request failure must never end the run
                 outcome, err, status = "fail", f"unexpected {type(e).__name__}: {e}", None
             result.http_status = status
             if outcome == "ok":
                 break
+            if outcome == "aborted":
+                end = time.perf_counter()
+                result.aborted = True
+                result.end_time, result.e2e = end, end - t_start
+                result.first_token_time, result.ttft = st.first_token, st.first_token - t_start
+                result.itl = st.itl
+                result.generated_text = "".join(st.text_parts)
+                result.output_tokens = result.aborted_output_tokens = st.chunks
+                result.output_tokens_source = "chunks"
+                usage = endpoint(kind).usage(st.usage)  # Messages reports the prompt's in message_start
+                result.cached_tokens = usage.cached_tokens
+                result.prompt_tokens = usage.prompt_tokens if usage.prompt_tokens is not None else prompt_len_estimate
+                return result
             if outcome == "fail" or attempt >= self.cfg.max_retries:
                 result.success = False
                 result.error = err
                 result.end_time = time.perf_counter()
                 result.prompt_tokens = prompt_len_estimate
+                if st.chunks:
+                    result.output_tokens, result.output_tokens_source = st.chunks, "chunks"
                 return result
+            if status == 200:  # the server took the prompt; what it streamed is wasted
+                result.retried_prompt_tokens += prompt_len_estimate
+                result.retried_output_tokens += st.chunks
             attempt += 1
             result.retries += 1
             await asyncio.sleep(min(self.cfg.retry_backoff_s * (2 ** (attempt - 1)), 5.0))

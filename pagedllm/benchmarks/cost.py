@@ -9,7 +9,8 @@ flight); the same rows in tokens, with the prefix cache's tokens and the compute
 saved. Also: the sessions' wall time by phase (queueing, prefill, decode, tool waits),
 money per 1M output tokens, per request and per session, cost by prompt length, session
 and system-prompt length, what-if savings, and a managed API's price for the same tokens
-with the utilisation at which self-hosting breaks even. :func:`format_cost` prints it.
+with the utilisation at which self-hosting breaks even. :func:`format_cost` prints it;
+:func:`compare_cost_rows` gives ``bench serve --compare`` its cost rows for two runs.
 Formulas and assumptions: docs/notes/benchmarks.md ("cost.py").
 """
 
@@ -23,7 +24,8 @@ from typing import Any, Callable, Iterable, Sequence
 import numpy as np
 
 __all__ = ["ApiPrice", "parse_api_price", "api_price_arg", "add_cost_arguments", "union_length", "api_cost_usd",
-           "break_even_utilisation", "analyze", "format_cost", "PROMPT_BUCKETS", "RETRY_CUT"]
+           "break_even_utilisation", "analyze", "format_cost", "compare_cost_rows", "PROMPT_BUCKETS",
+           "RETRY_CUT"]
 
 #: Prompt-length bucket edges (tokens): <1k, 1k-4k, 4k-16k, >=16k.
 PROMPT_BUCKETS = (1024, 4096, 16384)
@@ -647,3 +649,46 @@ def _group_lines(rows: list[dict]) -> list[str]:
                    f"{_f(_share(g['cached_tokens'], g['prompt_tokens']), '.1%'):>9}{g['output_tokens']:>11,.0f}"
                    f"{_f(g['share'], '.1%'):>8}{_f(g['usd_per_1m_output_tokens'], '.4f'):>12}")
     return out
+
+
+# ---------------------------------------------------------------------------
+# Two runs side by side (bench serve --compare)
+# ---------------------------------------------------------------------------
+
+
+def compare_cost_rows(a: dict, b: dict) -> list[tuple]:
+    """The cost rows of ``bench serve --compare`` for two result dicts A and B, each a tuple
+    ``(name, value_a, value_b, spec, better)`` as :class:`~pagedllm.benchmarks.compare.
+    CompareRow` takes it: USD per 1M delivered output tokens; the share of prompt compute
+    the prefix cache saved; the cost of abandoned streams and of retried attempts, in USD
+    when both runs have ``--cost-per-hour``, else as their share of the run's machine time;
+    the break-even utilisation against ``--api-price``. [] unless both carry a ``cost``
+    section (:func:`analyze`); a row whose values are both missing is left out."""
+    ca, cb = a.get("cost"), b.get("cost")
+    if not ca or not cb:
+        return []
+
+    def money(c: dict) -> dict:
+        return c.get("money") or {}
+
+    def row(c: dict, key: str) -> dict:
+        return next((r for r in c.get("rows") or [] if r.get("key") == key), {})
+
+    in_usd = money(ca).get("run_usd") is not None and money(cb).get("run_usd") is not None
+
+    def waste(c: dict, key: str) -> float | None:
+        r = row(c, key)
+        return r.get("usd") if in_usd else r.get("time_share")
+
+    unit, spec = ("($)", ".4f") if in_usd else ("(share of run)", ".2%")
+    rows = [
+        ("$ per 1M output tokens", money(ca).get("usd_per_1m_output_tokens"),
+         money(cb).get("usd_per_1m_output_tokens"), ".4f", "lower"),
+        ("Prompt compute saved by prefix cache", (ca.get("prefix_cache") or {}).get("share_of_prompt_compute_saved"),
+         (cb.get("prefix_cache") or {}).get("share_of_prompt_compute_saved"), ".2%", "higher"),
+        (f"Cost of abandoned streams {unit}", waste(ca, "aborted"), waste(cb, "aborted"), spec, "lower"),
+        (f"Cost of retries {unit}", waste(ca, "retried"), waste(cb, "retried"), spec, "lower"),
+        ("Break-even utilisation vs API", (ca.get("api") or {}).get("break_even_utilisation"),
+         (cb.get("api") or {}).get("break_even_utilisation"), ".1%", "lower"),
+    ]
+    return [r for r in rows if r[1] is not None or r[2] is not None]

@@ -40,13 +40,16 @@ class Turn:
     """One request of a session: ``prompt`` (completions: text or token ids), ``message``
     (chat content appended before this turn), ``prompt_len`` (estimated prompt tokens; exact
     for token ids), ``output_len`` (``max_tokens``), ``think_time_s`` (pause after the
-    previous reply, seconds)."""
+    previous reply, seconds), ``abort_after_tokens`` (the client closes the stream after
+    that many tokens, overriding ``--abort-fraction``; >= ``output_len`` = read to the end;
+    None = the flags decide: :mod:`~pagedllm.benchmarks.load_model`)."""
 
     output_len: int
     prompt: str | list[int] | None = None
     message: str | None = None
     prompt_len: int = 0
     think_time_s: float = 0.0
+    abort_after_tokens: int | None = None
 
 
 @dataclass

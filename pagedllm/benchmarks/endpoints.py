@@ -2,7 +2,9 @@
 (OpenAI), ``responses`` (OpenAI's Responses API) and ``messages`` (Anthropic's Messages
 API). Each owns its path, its request body built from the dataset's payload (a prompt for
 completions, a chat message list for the other three), and its reading of a stream event or
-a whole JSON answer: generated text, usage, the error it carries, the end of the stream.
+a whole JSON answer: generated text, usage, the error it carries (and its status-like
+code, which decides whether the client retries), the answer's end (``finished``) and the
+stream's.
 
 Usage is read into one shape, :class:`Usage` (prompt, output and cached prompt tokens), so
 runs through different APIs compare token for token; Messages' ``input_tokens`` exclude the
@@ -21,7 +23,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .serve_options import BenchConfig
 
-__all__ = ["ENDPOINT_TYPES", "CHAT_KINDS", "Usage", "Event", "Endpoint", "endpoint", "error_message"]
+__all__ = ["ENDPOINT_TYPES", "CHAT_KINDS", "Usage", "Event", "Endpoint", "endpoint", "error_message",
+           "error_status"]
 
 #: Every ``--endpoint-type`` besides ``auto``.
 ENDPOINT_TYPES = ("completions", "chat", "responses", "messages")
@@ -42,12 +45,18 @@ class Usage:
 class Event:
     """What one stream event carries: ``text`` generated (answer or reasoning), ``usage``
     (the API's raw usage fields, merged over the stream's events), ``error`` (the server's
-    message), ``started`` (the event belongs to the answer), ``done`` (the stream's last)."""
+    message), ``error_code`` (with an error: its HTTP-like status, :func:`error_status`;
+    None: the error names none, taken as the server's fault), ``started`` (the event belongs
+    to the answer), ``finished`` (the answer is complete: a ``finish_reason``, Responses'
+    ``response.completed`` / ``response.incomplete``, Messages' ``stop_reason`` or
+    ``message_stop``), ``done`` (the stream's last)."""
 
     text: str = ""
     usage: dict | None = None
     error: str | None = None
+    error_code: int | None = None
     started: bool = False
+    finished: bool = False
     done: bool = False
 
 
@@ -60,6 +69,36 @@ def _message_of(err: Any) -> str:
     if isinstance(err, dict) and err.get("message") is not None:
         return str(err["message"])
     return str(err)
+
+
+#: HTTP-like statuses of named error codes and types: OpenAI's (``code`` / ``type``), the
+#: Responses API's event codes, Anthropic's ``error.type`` and pagedllm's own stream errors.
+_NAMED_STATUS = {
+    "invalid_request_error": 400, "invalid_prompt": 400, "context_length_exceeded": 400, "bad_request": 400,
+    "authentication_error": 401, "invalid_api_key": 401, "permission_error": 403, "not_found_error": 404,
+    "model_not_found": 404, "request_too_large": 413, "rate_limit_error": 429, "rate_limit_exceeded": 429,
+    "api_error": 500, "server_error": 500, "internal_error": 500, "service_unavailable": 503,
+    "overloaded_error": 529,
+}
+
+
+def error_status(err: Any) -> int | None:
+    """The HTTP-like status of an error object: its ``code`` when that is a number (or a
+    numeric string), else its named ``code`` or ``type`` looked up (Anthropic's
+    ``overloaded_error`` 529 and ``api_error`` 500, ``rate_limit_error`` 429,
+    ``invalid_request_error`` 400, OpenAI's ``server_error`` 500, ...); None when it names
+    no status this table knows (the client then takes it as the server's fault)."""
+    if not isinstance(err, dict):
+        return None
+    code = err.get("code")
+    if isinstance(code, int) and not isinstance(code, bool):
+        return code
+    if isinstance(code, str) and code.strip().isdigit():
+        return int(code)
+    for name in (code, err.get("type")):
+        if isinstance(name, str) and name in _NAMED_STATUS:
+            return _NAMED_STATUS[name]
+    return None
 
 
 def error_message(text: str) -> str:
@@ -100,11 +139,13 @@ class Endpoint:
     def event(self, obj: dict) -> Event:
         """One ``data:`` object of the stream."""
         if obj.get("error"):
-            return Event(error=_message_of(obj["error"]))
+            return Event(error=_message_of(obj["error"]), error_code=error_status(obj["error"]))
         parts = []
+        finished = False
         for c in obj.get("choices") or []:
             if not isinstance(c, dict):
                 continue
+            finished = finished or bool(c.get("finish_reason"))
             t = c.get("text")
             if t is None:
                 delta = c.get("delta") or {}
@@ -112,7 +153,7 @@ class Endpoint:
             if t:
                 parts.append(t)
         usage = obj.get("usage") if isinstance(obj.get("usage"), dict) else None
-        return Event(text="".join(parts), usage=usage, started=bool(obj.get("choices")))
+        return Event(text="".join(parts), usage=usage, started=bool(obj.get("choices")), finished=finished)
 
     def whole(self, obj: dict) -> tuple[str, dict | None]:
         """(text, raw usage) of a whole JSON answer (a server that ignored ``stream``)."""
@@ -154,8 +195,9 @@ class ResponsesEndpoint(Endpoint):
     """``/v1/responses``: the system message as ``instructions``, the others as ``message``
     input items; ``max_output_tokens``; ``store: false`` (nothing kept on the server).
     Text from ``response.output_text.delta`` (and ``response.reasoning_text.delta``); usage
-    from ``response.completed`` / ``response.incomplete``; errors from an ``error`` event or
-    ``response.failed``."""
+    from ``response.completed`` / ``response.incomplete``, which also finish the answer and
+    end the stream; errors from an ``error`` event (its ``code``) or ``response.failed`` (its
+    ``response.error.code``)."""
 
     kind = "responses"
     path = "/v1/responses"
@@ -174,14 +216,16 @@ class ResponsesEndpoint(Endpoint):
     def event(self, obj: dict) -> Event:
         t = obj.get("type")
         if t == "error":
-            return Event(error=_message_of(obj.get("error") or obj))
+            err = obj.get("error") if isinstance(obj.get("error"), dict) else obj
+            return Event(error=_message_of(err), error_code=error_status(err))
         if t == "response.failed":
-            return Event(error=_message_of((obj.get("response") or {}).get("error") or "response.failed"))
+            err = (obj.get("response") or {}).get("error")
+            return Event(error=_message_of(err or "response.failed"), error_code=error_status(err))
         if t in self._TEXT:
             return Event(text=str(obj.get("delta") or ""), started=True)
         if t in self._END:
             usage = (obj.get("response") or {}).get("usage")
-            return Event(usage=usage if isinstance(usage, dict) else None, started=True, done=True)
+            return Event(usage=usage if isinstance(usage, dict) else None, started=True, finished=True, done=True)
         return Event(started=isinstance(t, str))
 
     def whole(self, obj: dict) -> tuple[str, dict | None]:
@@ -201,7 +245,10 @@ class MessagesEndpoint(Endpoint):
     ``messages`` with string content; ``max_tokens``. Text from ``content_block_delta``
     (``text_delta``, ``thinking_delta``); usage from ``message_start`` (input and cache
     fields; its ``output_tokens`` is a placeholder and dropped) updated by ``message_delta``;
-    ``message_stop`` ends the stream; errors from an ``error`` event."""
+    a ``message_delta`` with a ``stop_reason`` finishes the answer and ``message_stop`` ends
+    the stream; errors from an ``error`` event, whose ``error.type`` gives the status
+    (``overloaded_error`` and ``api_error`` the server's, retried; ``invalid_request_error`` the
+    request's)."""
 
     kind = "messages"
     path = "/v1/messages"
@@ -217,7 +264,8 @@ class MessagesEndpoint(Endpoint):
     def event(self, obj: dict) -> Event:
         t = obj.get("type")
         if t == "error" or obj.get("error"):
-            return Event(error=_message_of(obj.get("error") or obj))
+            err = obj.get("error") or obj
+            return Event(error=_message_of(err), error_code=error_status(err))
         if t == "message_start":
             usage = dict((obj.get("message") or {}).get("usage") or {})
             usage.pop("output_tokens", None)
@@ -227,8 +275,9 @@ class MessagesEndpoint(Endpoint):
             return Event(text=str(d.get("text") or d.get("thinking") or ""), started=True)
         if t == "message_delta":
             usage = obj.get("usage")
-            return Event(usage=usage if isinstance(usage, dict) else None, started=True)
-        return Event(started=isinstance(t, str), done=t == "message_stop")
+            stop = (obj.get("delta") or {}).get("stop_reason") if isinstance(obj.get("delta"), dict) else None
+            return Event(usage=usage if isinstance(usage, dict) else None, started=True, finished=bool(stop))
+        return Event(started=isinstance(t, str), finished=t == "message_stop", done=t == "message_stop")
 
     def whole(self, obj: dict) -> tuple[str, dict | None]:
         text = "".join(b.get("text") or "" for b in obj.get("content") or []

@@ -6,7 +6,8 @@ Client-side latencies, in seconds internally and ms in reports: TTFT from the fi
 for a multi-token chunk, as vLLM's ``benchmark_serving``); TPOT ``(E2E - TTFT) /
 (output_tokens - 1)``; E2E first send to stream end. Goodput: completed requests/s meeting
 every SLO (DistServe, Zhong et al. OSDI'24; vLLM's ``--goodput``). Percentiles: numpy's
-linear interpolation.
+linear interpolation. Abandoned streams (``aborted``) are neither completed nor failed:
+their TTFT counts when a token came (what the user waited for), not their TPOT, ITL, E2E.
 """
 
 from __future__ import annotations
@@ -48,16 +49,22 @@ SLO_METRICS: dict[str, str] = {
 class RequestResult:
     """Outcome of one benchmark request; ``scheduled_time``, ``start_time``,
     ``first_token_time``, ``end_time`` are ``time.perf_counter()`` seconds, ``itl`` gaps in
-    seconds.
+    seconds. ``output_tokens``: of the last attempt (a failed or abandoned one: its
+    streamed text chunks).
 
-    Read by :mod:`~pagedllm.benchmarks.cost` (who fills each): ``cached_tokens`` prompt
+    Load model (:mod:`~pagedllm.benchmarks.load_model`): ``aborted`` the client closed the
+    stream on purpose (``success`` False, ``error`` None: neither completed nor failed);
+    ``aborted_output_tokens`` the tokens read before closing (= ``output_tokens``; 0 when
+    not aborted); ``abort_after_tokens`` the planned cut-off (None: read to the end).
+    ``retried_prompt_tokens`` / ``retried_output_tokens``: summed over the attempts that
+    were retried (not the last one), prompt tokens of each the server accepted (HTTP 200)
+    and the tokens it streamed before failing (client's retry code; 0).
+
+    Read by :mod:`~pagedllm.benchmarks.cost` besides those: ``cached_tokens`` prompt
     tokens the server's usage says came from its prefix cache (client; None: not reported);
-    ``aborted`` the client closed the stream on purpose and ``aborted_output_tokens`` the
-    tokens read before that (load model; False / 0); ``retried_prompt_tokens`` /
-    ``retried_output_tokens`` summed over the attempts that were retried, not the last one
-    (client's retry code; 0); ``think_time_s`` the pause after the session's previous reply
-    (tool / retrieval round-trip) and ``system_tokens`` the session's system-prompt tokens
-    (runner; 0.0, None where the dataset has no system prompt)."""
+    ``think_time_s`` the pause after the session's previous reply (tool / retrieval
+    round-trip) and ``system_tokens`` the session's system-prompt tokens (runner; 0.0, None
+    where the dataset has no system prompt)."""
 
     request_id: int
     success: bool = False
@@ -80,6 +87,7 @@ class RequestResult:
     http_status: int | None = None
     aborted: bool = False
     aborted_output_tokens: int = 0
+    abort_after_tokens: int | None = None
     retried_prompt_tokens: int = 0
     retried_output_tokens: int = 0
     think_time_s: float = 0.0
@@ -114,14 +122,15 @@ class RequestResult:
             "error": self.error,
             "http_status": self.http_status,
             "retries": self.retries,
+            "retried_prompt_tokens": self.retried_prompt_tokens,
+            "retried_output_tokens": self.retried_output_tokens,
+            "aborted": self.aborted,
+            "abort_after_tokens": self.abort_after_tokens,
+            "aborted_output_tokens": self.aborted_output_tokens,
             "prompt_tokens": self.prompt_tokens,
             "output_tokens": self.output_tokens,
             "output_tokens_source": self.output_tokens_source,
             "cached_tokens": self.cached_tokens,
-            "aborted": self.aborted,
-            "aborted_output_tokens": self.aborted_output_tokens,
-            "retried_prompt_tokens": self.retried_prompt_tokens,
-            "retried_output_tokens": self.retried_output_tokens,
             "think_time_s": self.think_time_s,
             "system_tokens": self.system_tokens,
             "scheduled_s": rel(self.scheduled_time),
@@ -245,7 +254,10 @@ def summarize_results(
     """Aggregate the results of a run lasting ``duration_s`` seconds: throughputs per second,
     token totals of successful requests (``total_cached_tokens``: the cached prompt tokens
     their usage reported, None when none did), ``error_rate`` and ``retry_rate`` per issued
-    request, ``total_retries``, ``goodput`` (req/s; None without SLOs).
+    request, ``total_retries``, ``goodput`` (req/s; None without SLOs; ``goodput_fraction``
+    of the requests not abandoned); ``aborted``, ``abort_rate`` (per issued request) and
+    ``total_aborted_output_tokens`` of abandoned streams; ``total_retried_prompt_tokens`` /
+    ``total_retried_output_tokens`` of retried attempts.
     Raises ``ValueError`` if ``duration_s`` is not positive while results exist."""
     percentiles = tuple(percentiles)
     n = len(results)
@@ -256,16 +268,18 @@ def summarize_results(
     in_tok = sum(r.prompt_tokens for r in ok)
     out_tok = sum(r.output_tokens for r in ok)
     cached = [r.cached_tokens for r in ok if r.cached_tokens is not None]
+    aborted = [r for r in results if r.aborted]
     ttfts = [r.ttft for r in ok if r.ttft is not None]
+    ttfts_seen = ttfts + [r.ttft for r in aborted if r.ttft is not None]
     tpots = [t for t in (r.tpot for r in ok) if t is not None]
     itls = [x for r in ok for x in r.itl]
     e2es = [r.e2e for r in ok if r.e2e is not None]
     waits = [r.client_wait for r in results]
-    failed = n - len(ok)
+    failed = n - len(ok) - len(aborted)
     retried = sum(1 for r in results if r.retries > 0)
     errors: dict[str, int] = {}
     for r in results:
-        if not r.success:
+        if not r.success and not r.aborted:
             key = (r.error or "unknown error")[:200]
             errors[key] = errors.get(key, 0) + 1
     sum_e2e = sum(e2es)
@@ -278,6 +292,11 @@ def summarize_results(
         "total_retries": sum(r.retries for r in results),
         "requests_retried": retried,
         "retry_rate": (retried / n) if n else None,
+        "total_retried_prompt_tokens": sum(r.retried_prompt_tokens for r in results),
+        "total_retried_output_tokens": sum(r.retried_output_tokens for r in results),
+        "aborted": len(aborted),
+        "abort_rate": (len(aborted) / n) if n else None,
+        "total_aborted_output_tokens": sum(r.aborted_output_tokens for r in aborted),
         "total_input_tokens": in_tok,
         "total_output_tokens": out_tok,
         "total_cached_tokens": sum(cached) if cached else None,
@@ -293,7 +312,7 @@ def summarize_results(
         # prefill on the server, plus network) vs streaming the rest (decode).
         "client_prefill_share": (sum(ttfts) / sum_e2e) if sum_e2e > 0 else None,
         "client_decode_share": (1.0 - sum(ttfts) / sum_e2e) if sum_e2e > 0 else None,
-        "ttft_ms": latency_stats(ttfts, percentiles),
+        "ttft_ms": latency_stats(ttfts_seen, percentiles),
         "tpot_ms": latency_stats(tpots, percentiles),
         "itl_ms": latency_stats(itls, percentiles),
         "e2e_ms": latency_stats(e2es, percentiles),
@@ -304,7 +323,8 @@ def summarize_results(
         good = sum(1 for r in ok if meets_slos(r, slos_ms))
         summary["good_requests"] = good
         summary["goodput"] = good / dur if n else None
-        summary["goodput_fraction"] = (good / n) if n else None
+        meant = n - len(aborted)  # an abandoned stream was never going to meet an E2E SLO
+        summary["goodput_fraction"] = (good / meant) if meant else None
     return summary
 
 

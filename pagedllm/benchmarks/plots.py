@@ -10,7 +10,7 @@ import numpy as np
 
 from .extras import import_bench_package
 
-__all__ = ["plot_latency_cdfs", "plot_timeline", "plot_serve_result", "plot_sweep", "plot_cost"]
+__all__ = ["plot_latency_cdfs", "plot_timeline", "plot_serve_result", "plot_sweep", "plot_cost", "plot_compare"]
 
 _COLORS = {
     "wait": "#b0b0b0",
@@ -274,3 +274,25 @@ def plot_sweep(sweeps: Sequence[dict], out_dir: str) -> list[str]:
             name = "sweep_cost.png" if i == 0 else f"sweep_cost_{i + 1}.png"
             out.append(plot_cost(bp["cost"], os.path.join(out_dir, name), sw.get("label") or sw["base_url"]))
     return out
+
+
+def plot_compare(rows: Sequence, labels: Sequence[str], out_dir: str) -> str:
+    """``compare.png``: A against B as bars, one panel per row of ``bench serve --compare``
+    that has a merit (``better`` set) and two values, not both 0; returns its path."""
+    rows = [r for r in rows if r.better is not None and r.a is not None and r.b is not None and (r.a or r.b)]
+    n = max(1, len(rows))
+    cols = min(4, n)
+    fig = _figure(3.2 * cols, 3.0 * ((n + cols - 1) // cols))
+    axes = np.atleast_1d(fig.subplots((n + cols - 1) // cols, cols)).ravel()
+    for ax, r in zip(axes, rows):
+        pct = r.spec.endswith("%")
+        vals = [v * 100 if pct else v for v in (r.a, r.b)]
+        ax.bar([0, 1], vals, color=["C0", "C1"])
+        ax.set_xticks([0, 1], ["A", "B"])
+        ax.set_title(f"{r.name}{' (%)' if pct else ''}\n({r.better} is better)", fontsize=9)
+        ax.grid(True, axis="y", alpha=0.3)
+    for ax in axes[len(rows):]:
+        ax.set_visible(False)
+    fig.suptitle(f"A = {labels[0]}   B = {labels[1]}", fontsize=9)
+    fig.tight_layout()
+    return _save(fig, os.path.join(out_dir, "compare.png"))

@@ -113,7 +113,7 @@ def peak_in_flight(results: Sequence[RequestResult]) -> int:
 def build_result(cfg: BenchConfig, dataset: Dataset, tokens: TokenSource, run: "LoadRun") -> dict:
     """The result dict of one run (module doc); throughputs per measured second, latencies ms."""
     results = run.results
-    duration = max(run.t_end - run.t0, 1e-9)
+    duration = max(run.measured_s if run.measured_s is not None else run.t_end - run.t0, 1e-9)
     summary = summarize_results(results, duration, cfg.goodput_ms or None, cfg.percentiles)
     summary["peak_in_flight"] = peak_in_flight(results) if results else 0
     summary["num_sessions"] = len({r.session_id for r in results})
@@ -179,6 +179,13 @@ def format_report(res: dict) -> str:
     row("Error rate", s["error_rate"], ".2%")
     row("Retries (total)", s["total_retries"])
     row("Retry rate (requests retried)", s["retry_rate"], ".2%")
+    if s.get("total_retries"):
+        row("Retried attempts: prompt tokens", s.get("total_retried_prompt_tokens"))
+        row("Retried attempts: output tokens", s.get("total_retried_output_tokens"))
+    row("Abandoned streams", s.get("aborted"))
+    row("Abandoned-stream rate", s.get("abort_rate"), ".2%")
+    if s.get("aborted"):
+        row("Output tokens read before abandoning", s.get("total_aborted_output_tokens"))
     row("Benchmark duration (s)", s["duration_s"])
     row("Total input tokens", s["total_input_tokens"])
     row("Total output tokens", s["total_output_tokens"])

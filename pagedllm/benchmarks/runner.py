@@ -1,7 +1,9 @@
 """The load side of ``pagedllm bench serve``: arrivals from a gamma process (rate
 ``request_rate`` req/s, shape ``burstiness``; 1 = Poisson) or a trace's timestamps;
 ``max_concurrency`` bounds in-flight sessions (a session waiting for it counts as client
-wait); warm-ups run first, unpaced and unreported; a session's turns go one after another.
+wait); warm-ups run first, unpaced and unreported; a session's turns go one after another
+(after an abandoned stream the session goes on with the partial reply; after a failure it
+stops). Progress: :mod:`~pagedllm.benchmarks.progress`.
 :func:`run_load` returns the raw :class:`LoadRun`, :func:`run_benchmark` the result dict,
 :func:`run_comparison` the same workload through several endpoint types in turn.
 """
@@ -22,7 +24,9 @@ import numpy as np
 from .client import OpenAIStreamClient
 from .datasets import Dataset, MultiTurnDataset, Session, TokenSource
 from .endpoints import CHAT_KINDS
+from .load_model import AbortPlan
 from .metrics import RequestResult
+from .progress import make_progress
 from .report import build_comparison, build_result
 from .serve_options import BenchConfig, BenchError
 
@@ -67,7 +71,8 @@ class _Runner:
         self.cfg, self.client, self.tokens, self.kind_override = cfg, client, tokens, kind_override
         self.results: list[RequestResult] = []
         self._next_id = 0
-        self.progress: Any = None  # a tqdm bar while the measured run is going
+        self.progress: Any = None  # a RunProgress while the measured run is going
+        self.aborts = AbortPlan(cfg.abort_fraction, cfg.abort_after, cfg.seed)
 
     def _kind(self, s: Session) -> str:
         return s.kind if self.kind_override == "auto" else self.kind_override
@@ -107,11 +112,12 @@ class _Runner:
                               system_tokens=system_tokens)
             self._next_id += 1
             sink.append(r)
-            await self.client.send(kind, payload, turn.output_len, r, prompt_est)
+            abort = self.aborts.abort_after(s.session_id, k, turn.output_len, turn.abort_after_tokens)
+            await self.client.send(kind, payload, turn.output_len, r, prompt_est, abort)
             if self.progress is not None:
-                self.progress.update(1)
+                self.progress.update(r)
             prev_end = r.end_time
-            if not r.success:
+            if not r.success and not r.aborted:
                 break
             if kind in CHAT_KINDS:
                 messages.append({"role": "assistant", "content": r.generated_text})
@@ -156,21 +162,15 @@ class _Runner:
             await asyncio.gather(*tasks)
 
 
-def _progress_bar(cfg: BenchConfig, dataset: Dataset, num_prompts: int | None) -> Any:
-    """A tqdm bar over requests on stderr (None when quiet or tqdm is missing)."""
-    if cfg.quiet:
-        return None
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return None
+def _progress(cfg: BenchConfig, dataset: Dataset, num_prompts: int | None) -> Any:
+    """Progress over the measured requests (None when ``cfg.progress`` is off)."""
     total = None
     if dataset.timed:
         groups = getattr(dataset, "groups", None) or [[r] for r in getattr(dataset, "rows", [])]
         total = sum(len(g) for g in groups[:num_prompts])  # a chat trace's session has several turns
     elif num_prompts is not None and cfg.duration_s is None:
         total = num_prompts * getattr(dataset, "num_turns", 1)
-    return tqdm(total=total, unit="req", desc="requests", file=sys.stderr, leave=False)
+    return make_progress(cfg.progress, cfg.progress_desc or "requests", total, cfg.duration_s)
 
 
 @dataclass
@@ -179,7 +179,7 @@ class LoadRun:
     ``num_warmups``, ``t0`` / ``t_end`` (``perf_counter`` s around the measured part),
     ``wall0`` (unix time at ``t0``), ``metrics_before`` / ``metrics_after`` (None when
     unavailable), ``endpoint_kind``, ``num_prompts`` (None: until ``duration_s`` or the trace
-    ends)."""
+    ends), ``measured_s`` (seconds measured when not ``t_end - t0``: pooled rounds)."""
 
     results: list[RequestResult]
     num_warmups: int
@@ -190,6 +190,7 @@ class LoadRun:
     metrics_after: dict | None
     endpoint_kind: str
     num_prompts: int | None
+    measured_s: float | None = None
 
 
 async def run_load(cfg: BenchConfig, dataset: Dataset, tokens: TokenSource | None = None) -> LoadRun:
@@ -233,7 +234,7 @@ async def run_load(cfg: BenchConfig, dataset: Dataset, tokens: TokenSource | Non
             what = f"{num_prompts} session(s)" if num_prompts else "sessions"
             dur = f" for {cfg.duration_s:g} s" if cfg.duration_s else ""
             print(f"benchmark: {what}{dur} against {cfg.root_url} (model {cfg.model})", file=sys.stderr)
-        runner.progress = _progress_bar(cfg, dataset, num_prompts)
+        runner.progress = _progress(cfg, dataset, num_prompts)
         wall0 = time.time()
         t0 = time.perf_counter()
         try:
@@ -284,7 +285,8 @@ async def run_comparison(cfg: BenchConfig, dataset: Dataset, kinds: tuple[str, .
     build_comparison`'s document. Raises as :func:`run_load`."""
     runs = []
     for kind in kinds:
-        c = dataclasses.replace(cfg, endpoint_type=kind, extra_body=dict(cfg.extra_body))
+        c = dataclasses.replace(cfg, endpoint_type=kind, extra_body=dict(cfg.extra_body),
+                                progress_desc=cfg.progress_desc or f"[{kind}]")
         if not cfg.quiet:
             print(f"--- endpoint type {kind} ---", file=sys.stderr)
         reset = await reset_prefix_cache(c)

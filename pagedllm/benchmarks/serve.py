@@ -3,7 +3,8 @@ streaming server (pagedllm, vLLM, llama.cpp's server, ...), or one speaking the 
 Anthropic's Messages API; TTFT, ITL, TPOT and E2E as defined in
 :mod:`~pagedllm.benchmarks.metrics`. Pieces: ``serve_options`` (flags, config),
 ``endpoints`` (each API's bodies and events), ``client`` (one request), ``runner``
-(arrivals, concurrency), ``report``. Several ``--endpoint-type`` s run in turn, compared."""
+(arrivals, concurrency), ``report``. Several ``--endpoint-type`` s run in turn, compared;
+``compare`` (``--compare``: two servers, one table; one endpoint type)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import sys
 from pagedllm.entrypoints.cli import HelpFormatter
 from typing import Any
 
+from .compare import add_compare_arguments, compare_main
 from .extras import require_bench_packages
 from .report import format_comparison, format_report, save_json
 from .runner import run_benchmark, run_comparison
@@ -28,6 +30,7 @@ def register(subparsers: "argparse._SubParsersAction") -> None:
         description="Benchmark an OpenAI-compatible streaming server with a chosen dataset and load shape.",
         formatter_class=HelpFormatter)
     add_serve_arguments(p)
+    add_compare_arguments(p)
     p.set_defaults(func=serve_main)
 
 
@@ -43,6 +46,14 @@ def serve_main(args: Any, tokenizer: Any = "load") -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     kinds = endpoint_kinds(args)
+    if any(getattr(args, k, None) not in (None, 1) for k in ("compare", "compare_args", "compare_model", "labels",
+                                                              "compare_rounds")):
+        if len(kinds) > 1:
+            print(f"error: --compare / --compare-args compare two servers on one endpoint type; --endpoint-type "
+                  f"lists {len(kinds)} ({','.join(kinds)}): run the comparison once per endpoint type",
+                  file=sys.stderr)
+            return 2
+        return compare_main(args, cfg, dataset, tokens)
     try:
         if len(kinds) > 1:
             doc = asyncio.run(run_comparison(cfg, dataset, kinds, tokens))

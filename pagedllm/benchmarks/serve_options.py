@@ -23,8 +23,9 @@ from .datasets import (
     SharedPrefixDataset,
     TokenSource,
 )
-from .endpoints import ENDPOINT_TYPES
 from .cost import ApiPrice, add_cost_arguments
+from .endpoints import ENDPOINT_TYPES
+from .load_model import AbortPlan, add_load_model_arguments
 from .metrics import DEFAULT_PERCENTILES, parse_slos
 from .traces import TRACE_FORMATS, TraceDataset
 
@@ -61,7 +62,9 @@ class BenchConfig:
     ``duration_s``, ``timeout_s``, ``retry_backoff_s`` seconds; ``goodput_ms`` SLO metric ->
     ms; ``num_prompts`` sessions; ``endpoint_type`` "auto" or one of
     :data:`~pagedllm.benchmarks.endpoints.ENDPOINT_TYPES`; ``cost_per_hour`` USD, ``api_price``,
-    ``what_if_system_len`` for :mod:`~pagedllm.benchmarks.cost`."""
+    ``what_if_system_len`` for :mod:`~pagedllm.benchmarks.cost`; ``abort_fraction`` /
+    ``abort_after`` the abandoned-stream model (``load_model``); ``progress`` live progress
+    on stderr, titled ``progress_desc`` (None: "requests")."""
 
     base_url: str = "http://127.0.0.1:8000"
     model: str | None = None
@@ -91,6 +94,10 @@ class BenchConfig:
     cost_per_hour: float | None = None
     api_price: ApiPrice | None = None
     what_if_system_len: int | None = None
+    abort_fraction: float = 0.0
+    abort_after: str | None = None
+    progress: bool = True
+    progress_desc: str | None = None
 
     def validate(self) -> None:
         """Raise ``BenchError`` naming the flag of the first invalid option."""
@@ -131,6 +138,12 @@ class BenchConfig:
                 raise BenchError(f"--percentiles values must be in [0, 100], got {q}")
         if self.cost_per_hour is not None and not (self.cost_per_hour > 0 and math.isfinite(self.cost_per_hour)):
             raise BenchError(f"--cost-per-hour must be > 0, got {self.cost_per_hour}")
+        try:
+            AbortPlan(self.abort_fraction, self.abort_after, self.seed)
+        except ValueError as e:
+            raise BenchError(str(e)) from None
+        if self.abort_after is not None and self.abort_fraction == 0:
+            raise BenchError("--abort-after needs --abort-fraction > 0 (the share of requests abandoned)")
 
     @property
     def root_url(self) -> str:
@@ -289,6 +302,9 @@ def add_common_arguments(p: Any, single_run: bool = True) -> None:
     ld.add_argument("--num-warmups", type=int, default=0, help="warm-up requests, excluded from results")
     ld.add_argument("--percentiles", type=percentile_list, default=DEFAULT_PERCENTILES,
                     help="comma-separated percentiles to report (p90, p99 always included)")
+    add_load_model_arguments(ld)
+    ld.add_argument("--no-progress", action="store_true",
+                    help="no live progress on stderr (a bar on a terminal, else a line every ~10 %%)")
 
 
 def add_serve_arguments(p: Any) -> None:
@@ -349,6 +365,9 @@ def config_from_args(args: Any, validate: bool = True) -> BenchConfig:
         cost_per_hour=getattr(args, "cost_per_hour", None),
         api_price=getattr(args, "api_price", None),
         what_if_system_len=getattr(args, "what_if_system_len", None),
+        abort_fraction=args.abort_fraction,
+        abort_after=args.abort_after,
+        progress=not (args.no_progress or getattr(args, "quiet", False)),
     )
     if validate:
         for kind in kinds:

@@ -68,12 +68,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start_server(engine_flags: list[str], engine_process: bool) -> tuple[subprocess.Popen, str]:
+def start_server(engine_flags: list[str], engine_process: bool | None = None) -> tuple[subprocess.Popen, str]:
+    """Start ``pagedllm serve`` with ``engine_flags`` on a free local port and wait (up to
+    600 s) until /health answers; returns (process, root URL). ``engine_process`` None
+    leaves ``--[no-]engine-process`` to the flags. The caller stops it (``stop_process``).
+
+    Raises:
+        RuntimeError: the server exited while starting, or did not start in time.
+    """
     import httpx
 
     port = _free_port()
+    mode = [] if engine_process is None else ["--engine-process" if engine_process else "--no-engine-process"]
     cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "--log-level", "WARNING", "serve", "--port",
-           str(port), *engine_flags, "--engine-process" if engine_process else "--no-engine-process"]
+           str(port), *engine_flags, *mode]
     proc = subprocess.Popen(cmd)
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 600
@@ -170,7 +178,7 @@ def server_main(args) -> int:
     result = {"machine": machine_info(), "engine_flags": flags, "runs": {}, "offline": None}
     print(f"machine: {result['machine']['cpu']}; engine flags: {' '.join(flags) or '(defaults)'}", flush=True)
     for mode in args.modes:
-        proc, url = _start_server(flags, engine_process=(mode == "process"))
+        proc, url = start_server(flags, engine_process=(mode == "process"))
         try:
             rows = []
             for c in args.concurrency:

@@ -114,6 +114,7 @@ def _point_record(load: float, mode: str, res: dict, slos_ms: dict, percentile: 
         "completed": s["completed"],
         "error_rate": s["error_rate"],
         "retry_rate": s["retry_rate"],
+        "abort_rate": s["abort_rate"],
         "duration_s": s["duration_s"],
         "request_throughput": s["request_throughput"],
         "output_token_throughput": s["output_token_throughput"],
@@ -147,15 +148,22 @@ async def run_sweep(cfg: BenchConfig, dataset: Dataset, tokens: TokenSource | No
                         max_concurrency=cfg.max_concurrency or int(loads[0])).validate()
     points: list[dict] = []
     first = True
+    tag = f"[sweep {cfg.label or cfg.base_url}]"
+    planned = len(loads) + max(0, refine)
 
     async def run_at(load: float) -> dict:
         nonlocal first
+        if not cfg.quiet:
+            of = f"of up to {planned}" if refine or early_stop else f"of {planned}"
+            print(f"{tag} point {len(points) + 1} ({of}): {mode} {load:g}", file=sys.stderr, flush=True)
         if mode == "rate":
             c = dataclasses.replace(cfg, request_rate=float(load), num_warmups=cfg.num_warmups if first else 0)
         else:
             c = dataclasses.replace(cfg, request_rate=math.inf, max_concurrency=int(load),
                                     num_warmups=cfg.num_warmups if first else 0)
         c.goodput_ms = dict(slos_ms)
+        c.progress = cfg.progress and not cfg.quiet
+        c.progress_desc = f"{tag} {mode} {load:g}"
         c.quiet = True
         first = False
         res = await run_benchmark(c, dataset, tokens)
@@ -164,8 +172,8 @@ async def run_sweep(cfg: BenchConfig, dataset: Dataset, tokens: TokenSource | No
         pt = _point_record(load, mode, res, slos_ms, slo_percentile, max_error_rate)
         if not cfg.quiet:
             verdict = "meets SLO" if pt["meets_slo"] else "FAILS: " + "; ".join(pt["violations"])
-            print(f"[sweep {cfg.label or cfg.base_url}] {mode} {load:g}: {pt['request_throughput'] or 0:.2f} req/s, "
-                  f"{pt['output_token_throughput'] or 0:.1f} tok/s -> {verdict}", file=sys.stderr)
+            print(f"{tag} {mode} {load:g}: {pt['request_throughput'] or 0:.2f} req/s, "
+                  f"{pt['output_token_throughput'] or 0:.1f} tok/s -> {verdict}", file=sys.stderr, flush=True)
         points.append(pt)
         return pt
 

@@ -54,12 +54,12 @@ _REQUIRED = object()
 @dataclass
 class TraceTurn(Turn):
     """A :class:`Turn` of a replayed trace, plus ``role`` ("user"; "tool": the message is a
-    tool result, sent as a user message, and ``think_time_s`` is the tool's round trip) and
-    ``abort_after_tokens`` (the client stops reading after that many output tokens; None:
-    read to the end)."""
+    tool result, sent as a user message, and ``think_time_s`` is the tool's round trip).
+    The record's ``abort_after_tokens`` is :class:`Turn`'s: the client stops reading after
+    that many output tokens; None: ``--abort-fraction`` / ``--abort-after`` decide (read to
+    the end at the default fraction 0)."""
 
     role: str = "user"
-    abort_after_tokens: int | None = None
 
 
 @dataclass

@@ -16,7 +16,14 @@ pagedllm's: an unknown field or a missing required one is a 400 in the API's err
 gauges). Prefix-cache counters are token based on 4-token blocks, as vLLM counts them; a
 chat-turn prompt is "rendered" as a role word per message plus its content's words, and its
 cached words come back in usage (``cached_tokens`` / ``cache_read_input_tokens``).
-``fail_first_n`` answers that many POSTs with HTTP 503 first.
+``fail_first_n`` answers that many POSTs with HTTP 503 first. ``error_after_tokens``: a
+stream error event after that many tokens, in the API's shape, with status ``error_code``
+(chat/completions: ``code``; responses: a named ``code``; messages: ``error.type``).
+``drop_first_attempt`` {ordinal: k}: the first attempt of the ordinal-th distinct request
+(by prompt or conversation, in order of arrival) drops its connection after streaming k
+tokens. Each request records ``streamed`` (tokens written) and ``disconnected`` (the client
+went away mid-stream: an abandoned one); ``Stats.dropped`` and ``Stats.disconnects`` list
+the tokens streamed by each dropped attempt and before each client disconnect. Every API.
 """
 
 from __future__ import annotations
@@ -49,6 +56,8 @@ class LatencyModel:
     block_size: int = 4
     no_stream: bool = False  # answer with one JSON body, ignoring stream=true
     error_after_tokens: int | None = None  # send an SSE error event after this many tokens
+    error_code: int = 500  # the status of that event
+    drop_first_attempt: dict = field(default_factory=dict)  # distinct-request ordinal -> tokens
     reset_route: bool = True  # serve POST /reset_prefix_cache
 
 
@@ -68,6 +77,8 @@ class Stats:
     prefix_hits: int = 0
     success: int = 0
     resets: int = 0
+    dropped: list = field(default_factory=list)  # tokens streamed by each dropped attempt
+    disconnects: list = field(default_factory=list)  # tokens streamed before each client disconnect
 
 
 class FakeServer:
@@ -79,6 +90,7 @@ class FakeServer:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self._blocks: set = set()
+        self._seen: dict = {}  # prompt key -> ordinal of first arrival
         self._lock = threading.Lock()
 
     # -- handlers ---------------------------------------------------------
@@ -204,8 +216,13 @@ class FakeServer:
                 prompt_len = max(1, len(p.split()))
         cached = self._count_prefix(ids) if ids is not None else 0
         rec = {"arrival": arrival, "prompt_len": prompt_len, "body": body, "chat": chat, "api": api,
-               "messages": msgs, "cached": cached}
+               "messages": msgs, "cached": cached, "streamed": 0, "disconnected": False}
         s.requests.append(rec)
+        key = json.dumps(msgs if chat else body.get("prompt"), sort_keys=True)
+        drop_after = None
+        if key not in self._seen:
+            self._seen[key] = len(self._seen)
+            drop_after = m.drop_first_attempt.get(self._seen[key])
         text = "".join(f" tok{i}" for i in range(max_tokens))
         if m.no_stream:
             await asyncio.sleep(m.prefill_s + m.itl_s * (max_tokens - 1))
@@ -226,18 +243,28 @@ class FakeServer:
             first = time.perf_counter()
             for b in ev.first(prompt_len, cached):
                 await resp.write(b)
-            for i in range(max_tokens):
-                if i:
-                    await asyncio.sleep(m.itl_s)
-                if m.error_after_tokens is not None and i == m.error_after_tokens:
-                    await resp.write(ev.error("engine died"))
-                    await resp.write_eof()
-                    return resp
-                await resp.write(ev.token(f" tok{i}", i == max_tokens - 1))
-            end = time.perf_counter()
-            usage = (body.get("stream_options") or {}).get("include_usage")
-            for b in ev.tail(prompt_len, max_tokens, cached, usage):
-                await resp.write(b)
+            try:
+                for i in range(max_tokens):
+                    if i:
+                        await asyncio.sleep(m.itl_s)
+                    if drop_after is not None and i == drop_after:
+                        s.dropped.append(i)
+                        request.transport.close()  # flushes what was written, then closes
+                        return resp
+                    if m.error_after_tokens is not None and i == m.error_after_tokens:
+                        await resp.write(ev.error("engine died", m.error_code))
+                        await resp.write_eof()
+                        return resp
+                    await resp.write(ev.token(f" tok{i}", i == max_tokens - 1))
+                    rec["streamed"] += 1
+                end = time.perf_counter()
+                usage = (body.get("stream_options") or {}).get("include_usage")
+                for b in ev.tail(prompt_len, max_tokens, cached, usage):
+                    await resp.write(b)
+            except (ConnectionError, RuntimeError):  # the client closed the stream
+                rec["disconnected"] = True
+                s.disconnects.append(rec["streamed"])
+                return resp
             rec.update(start=start, first=first, end=end)
             self._observe("request_queue_time_seconds", start - arrival)
             self._observe("request_prefill_time_seconds", first - start)
@@ -278,6 +305,13 @@ class FakeServer:
     @staticmethod
     def _sse(obj: dict) -> bytes:
         return f"data: {json.dumps(obj)}\n\n".encode()
+
+    def wait_idle(self, timeout_s: float = 5.0) -> None:
+        """Wait until no request is in flight: a stream the client closed is noticed at the
+        server's next write, after the client's run may have ended."""
+        deadline = time.perf_counter() + timeout_s
+        while self.stats.in_flight and time.perf_counter() < deadline:
+            time.sleep(0.005)
 
     # -- lifecycle ---------------------------------------------------------
     def __enter__(self) -> "FakeServer":
@@ -396,9 +430,15 @@ class _Events:
                 "prompt_tokens_details": {"cached_tokens": cached}}}))
         return out + [b"data: [DONE]\n\n"]
 
-    def error(self, message: str) -> bytes:
+    def error(self, message: str, code: int = 500) -> bytes:
+        """An error event with status ``code``: OpenAI's numeric ``code``; a Responses
+        ``code`` and an Anthropic ``error.type`` named after it."""
         if self.api == "responses":
-            return self._sse({"type": "error", "code": "api_error", "message": message, "param": None})
+            name = {400: "invalid_request_error", 429: "rate_limit_exceeded", 503: "service_unavailable"}.get(
+                code, "api_error" if code >= 500 else "invalid_request_error")
+            return self._sse({"type": "error", "code": name, "message": message, "param": None})
         if self.api == "messages":
-            return self._sse({"type": "error", "error": {"type": "api_error", "message": message}})
-        return self._sse({"error": {"message": message, "code": 500}})
+            name = {429: "rate_limit_error", 503: "overloaded_error", 529: "overloaded_error"}.get(
+                code, "api_error" if code >= 500 else "invalid_request_error")
+            return self._sse({"type": "error", "error": {"type": name, "message": message}})
+        return self._sse({"error": {"message": message, "code": code}})

@@ -157,3 +157,31 @@ def _bundled_tokenizer():
     from pagedllm.benchmarks.serve_options import load_tokenizer
 
     return load_tokenizer(None)
+
+
+def test_abandoned_streams_are_aborted_by_the_server(server, tmp_path):
+    from pagedllm.benchmarks.metrics import parse_prometheus_text
+
+    def scrape():
+        return parse_prometheus_text(httpx.get(server + "/metrics", timeout=10).text)
+
+    abort = "vllm:request_success_total{finished_reason=abort}"
+    before = scrape()
+    out = tmp_path / "ab.json"
+    rc = run_cli(["bench", "serve", "--base-url", server, "--dataset", "random", "--num-prompts", "6",
+                  "--input-len", "16", "--output-len", "48", "--max-concurrency", "3", "--ignore-eos",
+                  "--abort-fraction", "1", "--abort-after", "tokens:4", "--timeout", "120", "--quiet",
+                  "--save-result", str(out)])
+    assert rc == 0
+    s = json.loads(out.read_text())["summary"]
+    assert s["aborted"] == 6 and s["failed"] == 0 and s["total_aborted_output_tokens"] == 24
+    # the server noticed each disconnect, aborted the request and freed its blocks
+    deadline = time.monotonic() + 30
+    while True:
+        m = scrape()
+        settled = m["vllm:num_requests_running"] == 0 and m["vllm:kv_cache_usage_perc"] == 0
+        if (m[abort] - before.get(abort, 0) >= 6 and settled) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert m[abort] - before.get(abort, 0) == 6
+    assert m["vllm:num_requests_running"] == 0 and m["vllm:kv_cache_usage_perc"] == 0

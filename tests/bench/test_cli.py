@@ -187,7 +187,7 @@ def test_bench_server_without_aiohttp_stops_before_starting_a_server(monkeypatch
     from pagedllm.entrypoints import cli
 
     _without(monkeypatch, "aiohttp")
-    monkeypatch.setattr(server, "_start_server", lambda *a: pytest.fail("a server was started"))
+    monkeypatch.setattr(server, "start_server", lambda *a, **k: pytest.fail("a server was started"))
     assert cli.main(["bench", "server", "--no-offline"]) == 2
     assert ("error: bench server needs aiohttp, which is not installed: pip install 'pagedllm[bench]'"
             in capsys.readouterr().err)

@@ -6,8 +6,8 @@ import json
 import pytest
 from bench_helpers import check_png, run_cli
 
-from pagedllm.benchmarks.cost import (ApiPrice, analyze, api_cost_usd, break_even_utilisation, format_cost,
-                                      parse_api_price, union_length)
+from pagedllm.benchmarks.cost import (ApiPrice, analyze, api_cost_usd, break_even_utilisation, compare_cost_rows,
+                                      format_cost, parse_api_price, union_length)
 
 
 def rec(rid, sid, *, ok=True, aborted=False, prompt=0, cached=None, out=0, aborted_out=0, r_prompt=0, r_out=0,
@@ -206,14 +206,16 @@ def test_cost_flags_checked(capsys):
 
 
 def _abandon(monkeypatch, ids, keep):
-    """The load model's records for abandoned streams: the client reads ``keep`` tokens of
-    requests ``ids`` and stops; this fake server generates every token regardless."""
+    """Records of abandoned streams as the load model makes them, for requests ``ids``
+    exactly (``--abort-fraction`` draws by seed): the client reads ``keep`` tokens and
+    stops, while this server generates every token regardless (as a server that never
+    notices the disconnect would: "generated, never received")."""
     from pagedllm.benchmarks import client as client_mod
 
     real = client_mod.OpenAIStreamClient.send
 
-    async def send(self, kind, payload, max_tokens, result, est):
-        await real(self, kind, payload, max_tokens, result, est)
+    async def send(self, kind, payload, max_tokens, result, est, abort_after=None):
+        await real(self, kind, payload, max_tokens, result, est, abort_after)
         if result.request_id in ids:
             result.success, result.aborted = False, True
             result.output_tokens = result.aborted_output_tokens = keep
@@ -298,3 +300,49 @@ def test_sweep_prices_break_even_at_the_best_point(fake_server, tmp_path, capsys
     assert all(p["cost"]["rows"] for p in sw["points"])
     assert "cost at the highest load within the SLO" in capsys.readouterr().out
     check_png(tmp_path / "p" / "sweep_cost.png")
+
+
+def test_compare_cost_rows_for_bench_serve_compare():
+    """``bench serve --compare``'s cost rows: tuples in CompareRow's order, from each side's
+    ``cost`` section; USD with --cost-per-hour, else shares of the run; none without cost."""
+    from pagedllm.benchmarks.compare import CompareRow, cost_rows, format_compare
+
+    a = known_run()
+    b = known_run()
+    b["summary"]["duration_s"] = 200.0  # B: the same tokens in twice the time
+    for r in b["requests"]:
+        for k in ("scheduled_s", "start_s", "first_token_s", "end_s"):
+            r[k] = None if r[k] is None else 2 * r[k]
+    price = ApiPrice(1.0, 2.0)
+    a["cost"] = ca = analyze(a, cost_per_hour=36.0, api_price=price)
+    b["cost"] = cb = analyze(b, cost_per_hour=36.0, api_price=price)
+    rows = {r[0]: r for r in compare_cost_rows(a, b)}
+    assert list(rows) == ["$ per 1M output tokens", "Prompt compute saved by prefix cache",
+                          "Cost of abandoned streams ($)", "Cost of retries ($)", "Break-even utilisation vs API"]
+    assert all(len(r) == 5 for r in rows.values())
+    usd = rows["$ per 1M output tokens"]
+    assert usd[1:] == (pytest.approx(1e6 / 450), pytest.approx(2e6 / 450), ".4f", "lower")
+    aborted = {r["key"]: r for r in ca["rows"]}["aborted"]
+    assert rows["Cost of abandoned streams ($)"][1] == pytest.approx(aborted["usd"])
+    assert rows["Cost of retries ($)"][1] == pytest.approx({r["key"]: r for r in ca["rows"]}["retried"]["usd"])
+    assert rows["Prompt compute saved by prefix cache"][1] == \
+        pytest.approx(ca["prefix_cache"]["share_of_prompt_compute_saved"])
+    assert rows["Prompt compute saved by prefix cache"][4] == "higher"
+    assert rows["Break-even utilisation vs API"][1:3] == (ca["api"]["break_even_utilisation"],
+                                                          cb["api"]["break_even_utilisation"])
+    # through compare.py's hook: B costs twice as much per token, so A is better
+    crow = next(r for r in cost_rows(a, b) if r.name == "$ per 1M output tokens")
+    assert isinstance(crow, CompareRow) and crow.ratio() == pytest.approx(2.0) and crow.winner() == "A"
+    assert "Cost of retries ($)" in format_compare(cost_rows(a, b), ["a", "b"])
+
+    # no --cost-per-hour: no $ rows; abandoned streams and retries as shares of the run
+    a["cost"], b["cost"] = analyze(a), analyze(b)
+    rows = {r[0]: r for r in compare_cost_rows(a, b)}
+    assert list(rows) == ["Prompt compute saved by prefix cache", "Cost of abandoned streams (share of run)",
+                          "Cost of retries (share of run)"]
+    share = rows["Cost of abandoned streams (share of run)"]
+    assert share[1] == pytest.approx({r["key"]: r for r in a["cost"]["rows"]}["aborted"]["time_share"])
+    assert share[3] == ".2%"
+    # a side without a cost section: no rows
+    del b["cost"]
+    assert compare_cost_rows(a, b) == [] and cost_rows(a, b) == []

@@ -86,6 +86,40 @@ def test_stream_events_of_each_api():
     assert error_message("plain text") == "plain text"
 
 
+def test_error_status_and_finished_of_each_api():
+    """What the client's retry and abandon logic reads: an error's status (retried when
+    5xx, 408, 429 or none) and whether the answer is finished."""
+    c = endpoint("chat")
+    assert c.event({"error": {"message": "x", "code": 503}}).error_code == 503
+    assert c.event({"error": {"message": "x", "code": "429"}}).error_code == 429
+    assert c.event({"error": {"message": "x", "type": "invalid_request_error", "code": None}}).error_code == 400
+    assert c.event({"error": {"message": "x"}}).error_code is None
+    assert c.event({"error": "plain"}).error_code is None
+    assert not c.event({"choices": [{"delta": {"content": "a"}, "finish_reason": None}]}).finished
+    assert c.event({"choices": [{"delta": {"content": "a"}, "finish_reason": "stop"}]}).finished
+    assert endpoint("completions").event({"choices": [{"text": "a", "finish_reason": "length"}]}).finished
+    r = endpoint("responses")
+    assert r.event({"type": "error", "code": "api_error", "message": "boom"}).error_code == 500
+    assert r.event({"type": "error", "code": "rate_limit_exceeded", "message": "slow"}).error_code == 429
+    assert r.event({"type": "error", "code": "invalid_prompt", "message": "no"}).error_code == 400
+    assert r.event({"type": "error", "code": "service_unavailable", "message": "dying"}).error_code == 503
+    assert r.event({"type": "response.failed", "response": {"error": {"code": "server_error", "message": "m"}}}
+                   ).error_code == 500
+    assert r.event({"type": "response.failed", "response": {}}).error_code is None
+    assert not r.event({"type": "response.output_text.delta", "delta": "hi"}).finished
+    for t in ("response.completed", "response.incomplete"):
+        assert r.event({"type": t, "response": {}}).finished
+    m = endpoint("messages")
+    for kind, status in (("overloaded_error", 529), ("api_error", 500), ("rate_limit_error", 429),
+                         ("invalid_request_error", 400)):
+        ev = m.event({"type": "error", "error": {"type": kind, "message": "m"}})
+        assert ev.error == "m" and ev.error_code == status
+    assert not m.event({"type": "message_delta", "delta": {"stop_reason": None}, "usage": {}}).finished
+    assert m.event({"type": "message_delta", "delta": {"stop_reason": "end_turn"}, "usage": {}}).finished
+    assert m.event({"type": "message_stop"}).finished
+    assert not m.event({"type": "content_block_delta", "delta": {"type": "text_delta", "text": "x"}}).finished
+
+
 MT = ["--dataset", "multi-turn", "--num-prompts", "2", "--multi-turn-turns", "2", "--multi-turn-system-len", "10",
       "--input-len", "5", "--multi-turn-tool-len", "3", "--output-len", "4", "--multi-turn-think-time", "0"]
 
@@ -158,12 +192,24 @@ def test_three_apis_in_one_command(fake_server, tmp_path, word_tokenizer, capsys
 def test_errors_of_each_api_are_failures_with_their_message(fake_server, tmp_path, word_tokenizer, kind):
     out = tmp_path / "r.json"
     srv = fake_server(error_after_tokens=2, prefill_s=0.001, itl_s=0.001)
-    assert run_cli(_serve(srv, "--endpoint-type", kind, "--max-retries", "2", "--save-result", str(out)),
-                   tokenizer=word_tokenizer) == 0
+    assert run_cli(_serve(srv, "--endpoint-type", kind, "--max-retries", "2", "--retry-backoff", "0",
+                          "--save-result", str(out)), tokenizer=word_tokenizer) == 0
     res = json.loads(out.read_text())
-    # an error event after tokens fails the request (and its session), not retried
-    assert res["summary"]["failed"] == 2 and res["summary"]["total_retries"] == 0
-    assert all(r["error"] == "server error: engine died" for r in res["requests"])
+    # a server error event after tokens (chat: code 500; responses: code api_error; messages:
+    # error.type api_error) is retried mid-stream; each attempt fails alike, then the request
+    # (and its session) fails, the retried attempts' tokens counted
+    s = res["summary"]
+    assert s["failed"] == 2 and s["total_retries"] == 4 and len(srv.stats.requests) == 6
+    assert s["total_retried_output_tokens"] == 2 * 2 * 2
+    assert all(r["error"] == "server error: engine died" and r["output_tokens"] == 2 for r in res["requests"])
+
+    for code, retried in ((400, False), (429, True), (503, True)):
+        srv = fake_server(error_after_tokens=1, error_code=code, prefill_s=0.001, itl_s=0.001)
+        assert run_cli(_serve(srv, "--endpoint-type", kind, "--max-retries", "1", "--retry-backoff", "0",
+                              "--save-result", str(out)), tokenizer=word_tokenizer) == 0
+        s = json.loads(out.read_text())["summary"]
+        # a request error (4xx) fails at once; a rate limit or an overloaded server is retried
+        assert s["failed"] == 2 and s["total_retries"] == (2 if retried else 0), code
 
     srv = fake_server(fail_first_n=1, prefill_s=0.001, itl_s=0.001)
     assert run_cli(_serve(srv, "--endpoint-type", kind, "--max-concurrency", "1", "--save-result", str(out)),
@@ -213,3 +259,32 @@ def test_sweep_takes_one_endpoint_type(fake_server, capsys):
     rc = run_cli(["bench", "sweep", "--base-url", srv.url, "--concurrencies", "1", "--num-prompts", "1",
                   "--endpoint-type", "chat,messages", "--slo", "ttft:1000"])
     assert rc == 2 and "--endpoint-type" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kind", ["chat", "responses", "messages"])
+def test_abandoned_streams_and_mid_stream_retries_through_each_api(fake_server, tmp_path, word_tokenizer, kind):
+    """The load model through every chat-turn API: the client closes each stream after 2
+    text events, and retries an attempt whose connection broke mid-stream."""
+    srv = fake_server(prefill_s=0.001, itl_s=0.02)
+    out = tmp_path / "r.json"
+    assert run_cli(_serve(srv, "--endpoint-type", kind, "--abort-fraction", "1", "--abort-after", "tokens:2",
+                          "--save-result", str(out)), tokenizer=word_tokenizer) == 0
+    res = json.loads(out.read_text())
+    s = res["summary"]
+    srv.wait_idle()
+    assert s["aborted"] == 4 and s["failed"] == 0 and s["completed"] == 0 and s["total_aborted_output_tokens"] == 8
+    assert srv.stats.disconnects == [2, 2, 2, 2] and srv.stats.success == 0
+    assert all(r["aborted"] and r["error"] is None and r["abort_after_tokens"] == 2 for r in res["requests"])
+    # Messages reports the prompt's usage in message_start, before any text: kept when abandoned
+    assert all((r["cached_tokens"] is not None) == (kind == "messages") for r in res["requests"])
+
+    srv = fake_server(prefill_s=0.001, itl_s=0.005, drop_first_attempt={0: 3})
+    assert run_cli(_serve(srv, "--endpoint-type", kind, "--max-retries", "2", "--retry-backoff", "0",
+                          "--save-result", str(out)), tokenizer=word_tokenizer) == 0
+    res = json.loads(out.read_text())
+    s = res["summary"]
+    assert srv.stats.dropped == [3] and len(srv.stats.requests) == 5
+    assert s["completed"] == 4 and s["failed"] == 0 and s["total_retries"] == 1
+    assert s["total_retried_output_tokens"] == 3 and s["total_retried_prompt_tokens"] > 0
+    retried = [r for r in res["requests"] if r["retries"]]
+    assert len(retried) == 1 and retried[0]["output_tokens"] == 4 and retried[0]["success"]

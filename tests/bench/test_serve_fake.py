@@ -193,12 +193,20 @@ def test_non_streaming_answer_and_stream_error(fake_server, tmp_path):
 
     srv = fake_server(error_after_tokens=2, prefill_s=0.001, itl_s=0.001)
     assert run_cli(base(srv, "--num-prompts", "2", "--input-len", "4", "--output-len", "5", "--max-retries", "3",
-                        "--save-result", str(out))) == 0
+                        "--retry-backoff", "0", "--save-result", str(out))) == 0
     res = json.loads(out.read_text())
     s = res["summary"]
-    # an error after tokens arrived fails the request and is not retried
+    # a server error (code 500) after tokens arrived is retried; every attempt fails the same way
+    assert s["failed"] == 2 and s["total_retries"] == 6 and len(srv.stats.requests) == 8
+    assert s["total_retried_output_tokens"] == 2 * 3 * 2 and s["total_retried_prompt_tokens"] == 2 * 3 * 4
+    assert all("engine died" in r["error"] and r["output_tokens"] == 2 for r in res["requests"])
+
+    srv = fake_server(error_after_tokens=2, error_code=400, prefill_s=0.001, itl_s=0.001)
+    assert run_cli(base(srv, "--num-prompts", "2", "--input-len", "4", "--output-len", "5", "--max-retries", "3",
+                        "--save-result", str(out))) == 0
+    s = json.loads(out.read_text())["summary"]
+    # a client error (4xx code) is not retried
     assert s["failed"] == 2 and s["total_retries"] == 0 and len(srv.stats.requests) == 2
-    assert all("engine died" in r["error"] for r in res["requests"])
 
 
 def test_text_prompts_and_chat_from_ids(fake_server, tmp_path, word_tokenizer):
