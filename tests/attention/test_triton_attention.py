@@ -36,6 +36,8 @@ from pagedllm.attention.triton_backend import TritonAttentionBackend  # noqa: E4
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 CPU = torch.device("cpu")
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=2e-3, rtol=2e-3)}
+# float16 repeats of the float32 cases run in the full suite only (the interpreter is slow)
+DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.float16, id="fp16", marks=pytest.mark.slow)]
 
 
 # whether Triton runs interpreted in this process (False: triton was imported before)
@@ -143,7 +145,7 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", list(CASES))
 def test_matches_torch_backend(case, dtype):
     batch, kw = CASES[case]
@@ -165,7 +167,7 @@ def test_long_decode_takes_split_k_by_the_heuristic(ops):
     _check(common, *rest)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("kv_dtype", [E4M3, E5M2], ids=["e4m3", "e5m2"])
 def test_fp8_cache_with_scales(kv_dtype, dtype):
     """Bytes equal to quantize_kv's (checked in _check), outputs close to the torch
@@ -349,7 +351,7 @@ def _alone_and_batched(ops, dtype, ctx, qlens, pick, split_kv=None, graph=False)
     return outs
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_a_request_does_not_depend_on_its_batch(ops, dtype):
     """Bitwise: a short decode alone and beside a long one (which makes the decodes' launch
     split); a decode beside a prompt chunk; a prompt chunk beside decodes; a short decode in a

@@ -275,6 +275,7 @@ def _collect(chunks) -> tuple[str, str, list, list, dict | None, list[str]]:
     return reasoning, content, names, finishes, use, kinds
 
 
+@pytest.mark.slow   # a live server
 def test_server_splits_reasoning_whole_and_streamed(server, client):
     r = client.chat.completions.create(**_forced(server, r"<think>abc def</think>\n\nThe answer\."))
     m = r.choices[0].message
@@ -291,6 +292,7 @@ def test_server_splits_reasoning_whole_and_streamed(server, client):
     assert server.idle_and_free()
 
 
+@pytest.mark.slow   # a live server
 def test_server_think_block_cut_by_max_tokens(server, client):
     kw = _forced(server, r"<think>[a-z]{40}</think>done", max_tokens=12)
     r = client.chat.completions.create(**kw)
@@ -302,6 +304,7 @@ def test_server_think_block_cut_by_max_tokens(server, client):
     assert server.idle_and_free()
 
 
+@pytest.mark.slow   # a live server
 def test_server_tool_calls_only_after_reasoning(server, client):
     after = (r'<think>I need the weather\.</think>\n'
              r'<tool_call>\{"name": "get_weather", "arguments": \{"city": "Paris"\}\}</tool_call>')
@@ -321,6 +324,7 @@ def test_server_tool_calls_only_after_reasoning(server, client):
     assert server.idle_and_free()
 
 
+@pytest.mark.slow   # a live server
 def test_server_enable_thinking_false(server, client):
     """The flag reaches the template (the prompt grows by its empty think block) and the
     parser (the same forced output is all answer)."""
@@ -336,6 +340,7 @@ def test_server_enable_thinking_false(server, client):
     assert server.idle_and_free()
 
 
+@pytest.mark.slow   # a live server
 def test_server_deepseek_r1_under_a_grammar(server, client, monkeypatch):
     """deepseek_r1 (the server's parser swapped): a grammar from the first token leaves no
     implicit reasoning, so JSON output is the answer; an explicit block is reasoning."""
@@ -430,10 +435,12 @@ def _check_cached_tokens_equal_metric(server, max_tokens: int = 4, temperature: 
     assert _settled_hits(server, h0 + cached + siblings) == h0 + cached + siblings
 
 
+@pytest.mark.slow   # a live server
 def test_cached_tokens_equal_the_metric(server):
     _check_cached_tokens_equal_metric(server)
 
 
+@pytest.mark.slow   # a live server
 def test_n_counts_the_prompt_once(server):
     """n = 3 on a fresh prompt: usage counts the prompt once, cached_tokens too (sequence
     0's lookup, 0 here), though sequences 1 and 2 found the prompt that 0 computed."""
@@ -450,6 +457,7 @@ def test_n_counts_the_prompt_once(server):
     assert _settled_hits(server, h0 + 2 * full) == h0 + 2 * full
 
 
+@pytest.mark.slow   # a live server
 def test_cached_tokens_equal_the_metric_with_ngram_speculation(qwen3_dir):
     from server_helpers import _Server
 
