@@ -11,6 +11,7 @@ import torch
 
 from pagedllm import envs
 from pagedllm.attention.backend import FP8_DTYPES, AttentionBackend, CommonAttentionMetadata
+from pagedllm.attention.torch_backend import TorchAttentionBackend
 
 
 @dataclass
@@ -74,13 +75,9 @@ class TritonAttentionBackend(AttentionBackend):
             parts.append("Triton interpreter")
         return f"{self.name} ({', '.join(parts)})"
 
-    @staticmethod
-    def kv_cache_shape(num_layers, num_blocks, block_size, num_kv_heads, head_dim):
-        return (num_layers, 2, num_blocks * block_size, num_kv_heads, head_dim)
-
-    @staticmethod
-    def layer_cache(kv_cache, layer):
-        return kv_cache[layer]
+    # the torch backend's layout, from its one definition (the two read one cache interchangeably)
+    kv_cache_shape = staticmethod(TorchAttentionBackend.kv_cache_shape)
+    layer_cache = staticmethod(TorchAttentionBackend.layer_cache)
 
     def build_metadata(self, c: CommonAttentionMetadata, sliding_window: int | None = None) -> TritonAttentionMetadata:
         # host ints from the host copies; the device tensors pass through (.to is a no-op
