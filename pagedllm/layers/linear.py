@@ -230,6 +230,14 @@ class _TiledBF16LinearMethod(LinearMethod):
                                                  bias, out_float32)
         return y.view(*lead, y.shape[-1])
 
+    def stack_linear(self, layer, kernels):
+        """``kernels.StackLinear.bf16_tiled`` over the packed weight, or None where the layer
+        runs the dense fallback."""
+        if layer.tiled_weight is None:
+            return None
+        bias = None if layer.bias is None else layer.bias.data
+        return kernels.StackLinear.bf16_tiled(layer.tiled_weight, self._kernel == "amx_bf16_linear", bias)
+
     def apply(self, layer, x, bias=None):
         if layer.tiled_weight is None:
             return self._fallback.apply(layer, x, bias)

@@ -174,6 +174,99 @@ def test_tiny_qwen2_int8_fused_equals_per_layer(monkeypatch, tiny_model_dir, int
     assert fused == layers
 
 
+def _bf16_kernel(monkeypatch, kernel: str) -> None:
+    """bf16 linears on the project's ``kernel`` ("avx512": VDPBF16PS, "amx": AMX tiles) whatever
+    the CPU would pick (an AMX CPU also has AVX512-BF16: PAGEDLLM_AMX=0 selects it), or the
+    test skipped where that kernel does not run."""
+    from pagedllm.layers.linear import amx_bf16_available, avx512_bf16_available
+
+    if kernel == "amx":
+        if not amx_bf16_available("cpu", torch.bfloat16):
+            pytest.skip("no AMX-BF16 on this CPU")
+        return
+    monkeypatch.setenv("PAGEDLLM_AMX", "0")
+    if not avx512_bf16_available("cpu", torch.bfloat16):
+        pytest.skip("no AVX512-BF16 on this CPU")
+
+
+# (kernel, what the start-up line names)
+BF16_KERNELS = [("avx512", "AVX512-BF16 (C++)"), ("amx", "AMX bf16 (C++)")]
+
+
+@pytest.mark.parametrize("kernel,name", BF16_KERNELS)
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])   # qwen2: a q|k|v bias
+def test_tiny_bf16_fused_equals_per_layer(monkeypatch, tiny_model_dir, kernel, name, arch):
+    """bfloat16 linears on the tiled C++ kernels run inside the stack with the per-layer
+    path's bits (tokens and logprobs), prefix hits and chunked prefills included."""
+    _bf16_kernel(monkeypatch, kernel)
+    path = tiny_arch_dir(tiny_model_dir, arch)
+    path_fused, fused = _run(monkeypatch, True, model=path, dtype="bfloat16", vocab=2000)
+    path_layers, layers = _run(monkeypatch, False, model=path, dtype="bfloat16", vocab=2000)
+    assert FUSED in path_fused and name in path_fused
+    assert "decoder per-layer (PAGEDLLM_FUSED_DECODER=0)" in path_layers
+    assert fused == layers
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kernel,name", BF16_KERNELS)
+def test_bundled_bf16_default_fused_equals_per_layer(monkeypatch, kernel, name):
+    """The default configuration on a bf16 CPU (SmolLM2, bfloat16, no quantization): the stack."""
+    _bf16_kernel(monkeypatch, kernel)
+    path_fused, fused = _run(monkeypatch, True, dtype="bfloat16")
+    _, layers = _run(monkeypatch, False, dtype="bfloat16")
+    assert FUSED in path_fused and name in path_fused
+    assert fused == layers
+    assert len(fused) == 6 and all(len(ids) == 10 for ids, _ in fused)
+
+
+@pytest.mark.parametrize("kernel", ["avx512", "amx"])
+@pytest.mark.parametrize("n,k,bias", [(64, 64, False), (48, 96, True), (960, 576, True)])
+def test_stack_linear_bf16_tiled_equals_apply(monkeypatch, kernel, n, k, bias):
+    """The bf16 StackLinear gives the method's ``apply`` bits for 1, 5 and 70 rows; shapes the
+    tiles do not fit (the dense fallback) have no stack form."""
+    from pagedllm.layers.linear import ReplicatedLinear, get_linear_method
+
+    _bf16_kernel(monkeypatch, kernel)
+    method = get_linear_method("cpu", torch.bfloat16)
+    g = torch.Generator().manual_seed(n + k)
+    layer = ReplicatedLinear(k, n, bias, torch.bfloat16, torch.device("cpu"), linear_method=method)
+    layer.weight.data.copy_(torch.randn(n, k, generator=g) * 0.1)
+    if bias:
+        layer.bias.data.copy_(torch.randn(n, generator=g))
+    method.process_weights_after_loading(layer)
+    lin = method.stack_linear(layer, load_cpu_kernels())
+    assert lin.kind == f"bf16_{kernel}" and lin.out_features == n
+    for rows in (1, 5, 70):
+        x = (torch.randn(rows, k, generator=g) * 3).to(torch.bfloat16)
+        want = method.apply(layer, x, layer.bias)
+        got = lin(x)
+        assert got.dtype == torch.bfloat16 and torch.equal(got, want), rows
+    odd = ReplicatedLinear(40, 24, False, torch.bfloat16, torch.device("cpu"), linear_method=method)
+    method.process_weights_after_loading(odd)
+    assert method.stack_linear(odd, load_cpu_kernels()) is None
+
+
+def test_stack_linear_bf16_tiled_argument_errors():
+    k = load_cpu_kernels()
+    with pytest.raises(ValueError, match="w_packed"):
+        k.StackLinear.bf16_tiled(torch.zeros(2, 1, 16, 32), False)
+    with pytest.raises(ValueError, match="w_packed"):
+        k.StackLinear.bf16_tiled(torch.zeros(2, 1, 16, 16, dtype=torch.bfloat16), False)
+    w = torch.zeros(2, 2, 16, 32, dtype=torch.bfloat16)       # N = 32, K = 64
+    for amx, have in ((False, k.avx512_bf16_available()), (True, k.amx_bf16_available())):
+        if not have:
+            with pytest.raises(ValueError, match="not available"):
+                k.StackLinear.bf16_tiled(w, amx)
+            continue
+        with pytest.raises(ValueError, match="bias"):
+            k.StackLinear.bf16_tiled(w, amx, torch.zeros(31))
+        lin = k.StackLinear.bf16_tiled(w, amx, torch.arange(32.0))
+        with pytest.raises(ValueError, match=r"x must be \[T, 64\]"):
+            lin(torch.zeros(2, 60, dtype=torch.bfloat16))
+        assert torch.equal(lin(torch.ones(3, 64, dtype=torch.bfloat16)),
+                           torch.arange(32.0).to(torch.bfloat16).expand(3, 32))
+
+
 def _int8_layer(n: int, k: int, dtype: torch.dtype, bias: bool, smooth: bool, backend: str = "avx2"):
     """A processed int8 linear layer [n, k] with random weights (and a random SmoothQuant
     calibration when ``smooth``), and its method."""

@@ -130,6 +130,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                   "w_packed (int8 [N/16, K/64, 16, 64]), compensation, weight_scales, bias (float32 [N] or None)",
                   py::arg("w_packed"), py::arg("compensation"), py::arg("weight_scales"), py::arg("smooth"),
                   py::arg("qmax"), py::arg("zero_point"), py::arg("bias") = py::none())
+      .def_static("bf16_tiled", &StackLinear::bf16_tiled,
+                  "bf16 weight in AMX B-tile order [N/16, K/32, 16, 32]: avx512_bf16_linear, or amx_bf16_linear "
+                  "when amx, bf16 out; bias [N] or None",
+                  py::arg("w_packed"), py::arg("amx"), py::arg("bias") = py::none())
       .def("__call__", &StackLinear::operator(), "x [T, K] -> [T, N] in x's dtype", py::arg("x"),
            py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("kind", &StackLinear::kind)

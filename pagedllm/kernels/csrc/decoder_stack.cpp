@@ -14,6 +14,8 @@
 //   int8_avx2  int8 W8A8 on AVX2: quantize_per_token (times SmoothQuant's 1/s) then
 //              avx2_int8_linear, the epilogue fused (quantization/int8.py);
 //   int8_amx   int8 W8A8 on AMX-INT8: the same quantizer, then amx_int8_linear.
+//   bf16_avx512 / bf16_amx  bf16 weights in AMX B-tile order: avx512_bf16_linear (VDPBF16PS)
+//              or amx_bf16_linear, bf16 out (layers/linear.py's _TiledBF16LinearMethod).
 //
 // Per layer l (x [T, hidden]; residual [T, hidden] in x's dtype or float32; layer 0's first
 // RMSNorm is done by the caller):
@@ -122,11 +124,32 @@ StackLinear StackLinear::int8_amx(at::Tensor w_packed, at::Tensor compensation, 
   return l;
 }
 
+StackLinear StackLinear::bf16_tiled(at::Tensor w_packed, bool amx, std::optional<at::Tensor> bias) {
+  TORCH_CHECK_VALUE(w_packed.device().is_cpu() && w_packed.dim() == 4 && w_packed.scalar_type() == at::kBFloat16 &&
+                        w_packed.is_contiguous() && w_packed.size(2) == 16 && w_packed.size(3) == 32,
+                    "StackLinear.bf16_tiled: w_packed must be a contiguous bfloat16 [N/16, K/32, 16, 32] tensor");
+  TORCH_CHECK_VALUE(amx ? amx_bf16_available() : avx512_bf16_available(), "StackLinear.bf16_tiled: ",
+                    amx ? "AMX-BF16" : "AVX512-BF16", " kernels are not available on this CPU or build");
+  StackLinear l;
+  l.kind_ = amx ? Kind::kBf16Amx : Kind::kBf16Avx512;
+  l.n_ = w_packed.size(0) * 16;
+  l.k_ = w_packed.size(1) * 32;
+  l.w_ = std::move(w_packed);
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK_VALUE(bias->device().is_cpu() && bias->dim() == 1 && bias->size(0) == l.n_,
+                      "StackLinear.bf16_tiled: bias must be a CPU tensor [N]");
+    l.bias_ = std::move(bias);
+  }
+  return l;
+}
+
 std::string StackLinear::kind() const {
   switch (kind_) {
     case Kind::kBlock: return "block";
     case Kind::kInt8Avx2: return "int8_avx2";
     case Kind::kInt8Amx: return "int8_amx";
+    case Kind::kBf16Avx512: return "bf16_avx512";
+    case Kind::kBf16Amx: return "bf16_amx";
   }
   return "unknown";
 }
@@ -137,6 +160,14 @@ at::Tensor StackLinear::operator()(const at::Tensor& x) const {
     return block_quant_linear(std::nullopt, x, w_, fmt_, bias_, false, false);
   }
   TORCH_CHECK_VALUE(x.dim() == 2 && x.size(1) == k_, "StackLinear: x must be [T, ", k_, "]");
+  if (kind_ == Kind::kBf16Avx512) {
+    PAGEDLLM_RANGE("pagedllm::avx512_bf16_linear");
+    return avx512_bf16_linear(x, w_, bias_, false);
+  }
+  if (kind_ == Kind::kBf16Amx) {
+    PAGEDLLM_RANGE("pagedllm::amx_bf16_linear");
+    return amx_bf16_linear(x, w_, bias_, false);
+  }
   const Int8Operands& q = int8_;
   at::Tensor xq = at::empty(x.sizes(), x.options().dtype(at::kByte));
   at::Tensor row_scales = at::empty({x.size(0)}, x.options().dtype(at::kFloat));

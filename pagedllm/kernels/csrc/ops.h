@@ -83,6 +83,9 @@ class StackLinear {
   static StackLinear int8_amx(at::Tensor w_packed, at::Tensor compensation, at::Tensor weight_scales,
                               std::optional<at::Tensor> smooth, int64_t qmax, int64_t zero_point,
                               std::optional<at::Tensor> bias);
+  // bf16 in AMX B-tile order [N/16, K/32, 16, 32]: avx512_bf16_linear (amx false) or
+  // amx_bf16_linear (amx true), bf16 out; bias [N] (any float dtype) or None.
+  static StackLinear bf16_tiled(at::Tensor w_packed, bool amx, std::optional<at::Tensor> bias);
   at::Tensor operator()(const at::Tensor& x) const;   // x [T, K] contiguous -> [T, N] in x's dtype
   int64_t out_features() const { return n_; }
   std::string kind() const;
@@ -96,12 +99,12 @@ class StackLinear {
   };
 
  private:
-  enum class Kind { kBlock, kInt8Avx2, kInt8Amx };
+  enum class Kind { kBlock, kInt8Avx2, kInt8Amx, kBf16Avx512, kBf16Amx };
   Kind kind_ = Kind::kBlock;
   int64_t n_ = 0, k_ = 0;
   at::Tensor w_;
   int64_t fmt_ = 0;
-  std::optional<at::Tensor> bias_;   // block kind's bias
+  std::optional<at::Tensor> bias_;   // block and bf16 kinds' bias
   at::Tensor colsum_;                // int8_avx2: each weight row's sum
   bool seven_bit_ = false;           // int8_avx2: |Wq| <= 63
   Int8Operands int8_;                // both int8 kinds
