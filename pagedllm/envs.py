@@ -124,6 +124,12 @@ def allow_cpu_oversubscription() -> bool:
     return _flag("PAGEDLLM_ALLOW_CPU_OVERSUBSCRIPTION", False)
 
 
+def cpu_thread_governor() -> bool:
+    """``PAGEDLLM_CPU_THREAD_GOVERNOR=0``: keep every CPU thread even while other processes
+    take the worker's cores (``worker/cpu_threads.py``)."""
+    return _flag("PAGEDLLM_CPU_THREAD_GOVERNOR", True)
+
+
 def dp_prefix_affinity() -> bool:
     """``PAGEDLLM_DP_PREFIX_AFFINITY=0``: data-parallel routing by load alone (no prompt-prefix
     affinity; for comparing the two)."""

@@ -21,8 +21,9 @@ class Worker:
 
     def __init__(self, config: EngineConfig):
         args = config.args
-        if config.device.type == "cpu" and args.num_threads:
-            torch.set_num_threads(args.num_threads)
+        self.thread_governor = None
+        if config.device.type == "cpu":
+            self._set_up_cpu_threads(args.num_threads)
         if config.device.type == "cuda":
             torch.cuda.set_device(config.device)   # Triton launches and CUDA graphs use the current device
         torch.manual_seed(args.seed)
@@ -32,6 +33,20 @@ class Worker:
         logger.info("loaded %s (%s, %s) on %s in %.1f s; %s", config.served_model_name,
                     config.arch.architecture, str(config.dtype).replace("torch.", ""),
                     config.device, time.time() - t0, self.model_runner.describe_compute_path())
+
+    def _set_up_cpu_threads(self, num_threads: int | None) -> None:
+        """``--num-threads`` (warned about when above the usable cores), else torch's count
+        capped to them; then the governor that lends cores back while others take them."""
+        from pagedllm.worker.cpu_threads import default_num_threads, make_thread_governor, thread_count_warning
+
+        if num_threads:
+            warning = thread_count_warning(num_threads)
+            if warning:
+                logger.warning("%s", warning)
+        else:
+            num_threads = default_num_threads()
+        torch.set_num_threads(num_threads)
+        self.thread_governor = make_thread_governor(num_threads)
 
     def kv_bytes_per_block(self) -> int:
         return self.model_runner.kv_bytes_per_block()
@@ -58,7 +73,10 @@ class Worker:
             logger.info("decoder layers: %s", decoder)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self.model_runner.execute_model(scheduler_output)
+        out = self.model_runner.execute_model(scheduler_output)
+        if self.thread_governor is not None:
+            self.thread_governor.after_step()
+        return out
 
     def describe_compute_path(self) -> str:
         return self.model_runner.describe_compute_path()

@@ -117,6 +117,18 @@ class DrainingServer(uvicorn.Server):
             logger.warning("shutdown: ended %d request(s) still running after the drain time", n)
 
 
+def _keep_off_the_engine_cores() -> None:
+    """The API server's own process runs no model step when the engine core has a process of
+    its own: no thread pools sized to the cores (torch's intra-op pool, the tokenizers'
+    rayon pool) whose spinning would take a core from the engine's step."""
+    import os
+
+    import torch
+
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    torch.set_num_threads(1)
+
+
 def run_server(args) -> None:
     """Load the engine from parsed CLI args, then serve until SIGTERM or Ctrl-C; returns after
     the drain (``--shutdown-timeout``, see ``DrainingServer``) and the engine's shutdown."""
@@ -126,6 +138,8 @@ def run_server(args) -> None:
 
     engine_args = EngineArgs.from_cli_args(args)
     _check_can_listen(args.host, args.port)  # before the model load, not after it
+    if engine_args.engine_process:
+        _keep_off_the_engine_cores()
     engine = AsyncLLM(engine_args)
     try:
         # The Prometheus logger is labelled with the served model name, known only once the
