@@ -32,9 +32,46 @@ def register(subparsers: "argparse._SubParsersAction") -> None:
     p.add_argument("--rounds", type=positive_int, default=1,
                    help="rounds taking the backends in turn, all loaded at once (a machine whose speed "
                         "drifts then treats them alike; the ratio of each round is printed)")
+    p.add_argument("--busy-neighbours", type=positive_int, default=None, metavar="N",
+                   help="also time each backend beside N busy-loop processes (a busy neighbour on shared "
+                        "cores): median decode tok/s quiet and beside them, and their ratio")
     p.add_argument("--output-json", default=None, type=output_file)
     EngineArgs.add_cli_args(p)
     p.set_defaults(func=latency_main)
+
+
+def start_busy_neighbours(n: int, seconds: float = 900.0) -> list:
+    """``n`` Python processes that spin for ``seconds`` (a bound should the caller die)."""
+    import subprocess
+    import sys
+
+    code = f"import time\nend = time.monotonic() + {seconds}\nwhile time.monotonic() < end: pass"
+    return [subprocess.Popen([sys.executable, "-c", code]) for _ in range(n)]
+
+
+def neighbour_runs(runner, n: int, num_iters: int) -> dict:
+    """Median decode tok/s of ``num_iters`` runs of the generator ``runner`` quiet, then
+    beside ``n`` busy processes; closes the generator and stops the processes."""
+    import statistics
+
+    try:
+        quiet = [next(runner) for _ in range(num_iters)]
+        procs = start_busy_neighbours(n)
+        try:
+            time.sleep(0.5)
+            busy = [next(runner) for _ in range(num_iters)]
+        finally:
+            for p in procs:
+                p.kill()
+                p.wait()
+    finally:
+        runner.close()
+    q = statistics.median(r["decode_tokens_per_s"] for r in quiet)
+    b = statistics.median(r["decode_tokens_per_s"] for r in busy)
+    return {"backend": quiet[0]["backend"], "busy_neighbours": n, "quiet_decode_tokens_per_s": q,
+            "busy_decode_tokens_per_s": b, "busy_over_quiet": round(b / q, 3),
+            "quiet_runs": [r["decode_tokens_per_s"] for r in quiet],
+            "busy_runs": [r["decode_tokens_per_s"] for r in busy]}
 
 
 def matmul_seconds_per_step(arch, dtype: torch.dtype, device: torch.device, rows: int,
@@ -210,6 +247,8 @@ def latency_main(args) -> int:
     backends = [x for b in args.backend for x in (["hf", "pagedllm"] if b == "both" else [b])]
     check_flags_reach_an_engine(args, backends)
     runners = {"hf": run_hf, "llama.cpp": run_llama_cpp, "pagedllm": run_pagedllm}
+    if args.busy_neighbours:
+        return _neighbours_main(args, prompts, backends, runners)
     if args.rounds == 1:              # one backend loaded at a time
         results = [best_runs([runners[b](args, prompts)], 1, args.num_iters)[0][0] for b in backends]
         per_round = [[r["decode_tokens_per_s"] for r in results]]
@@ -254,4 +293,25 @@ def latency_main(args) -> int:
         print(line)
     if args.output_json:
         save_json(report, args.output_json)
+    return 0
+
+
+def _neighbours_main(args, prompts, backends, runners) -> int:
+    """``--busy-neighbours``: each backend quiet and beside the busy processes."""
+    from pagedllm.benchmarks.machine import machine_info
+
+    machine = machine_info()
+    print(f"\n{machine['cpu']} ({' '.join(machine['isa'])}); torch threads {torch.get_num_threads()}; "
+          f"batch {args.batch_size} x ({args.input_len} in, {args.output_len} out); "
+          f"{args.busy_neighbours} busy process(es) beside it")
+    results = []
+    for b in backends:
+        r = neighbour_runs(runners[b](args, prompts), args.busy_neighbours, args.num_iters)
+        results.append(r)
+        print(f"[{b:>8}] decode {r['quiet_decode_tokens_per_s']:.1f} tok/s quiet, "
+              f"{r['busy_decode_tokens_per_s']:.1f} beside {args.busy_neighbours} busy: "
+              f"{r['busy_over_quiet']:.2f}x (medians of {args.num_iters})")
+    if args.output_json:
+        save_json({"machine": machine, "batch_size": args.batch_size, "input_len": args.input_len,
+                   "output_len": args.output_len, "results": results}, args.output_json)
     return 0

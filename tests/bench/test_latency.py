@@ -140,3 +140,31 @@ def test_latency_rounds_report(tmp_path, capsys):
     for i, r in enumerate(rep["results"]):
         assert r["decode_tokens_per_s"] == max(row[i] for row in rep["decode_tokens_per_s_by_round"])
     assert "(by round: " in capsys.readouterr().out
+
+
+def test_busy_neighbours_are_timed_beside_and_stopped(monkeypatch):
+    """``--busy-neighbours``: medians of the quiet runs and of the runs beside the busy
+    processes, which are running during the second set and stopped afterwards."""
+    from pagedllm.benchmarks import latency
+
+    started, real_start = [], latency.start_busy_neighbours
+
+    def start(n, seconds=900.0):
+        started.extend(real_start(n, 30.0))    # a short bound should the test die
+        return started
+
+    monkeypatch.setattr(latency, "start_busy_neighbours", start)
+    rates = iter([100.0, 90.0, 110.0, 40.0, 60.0, 50.0])
+    seen_running = []
+
+    def runner():
+        while True:
+            if started:
+                seen_running.append(all(p.poll() is None for p in started))
+            yield {"backend": "pagedllm", "decode_tokens_per_s": next(rates)}
+
+    r = latency.neighbour_runs(runner(), 2, 3)
+    assert r["quiet_decode_tokens_per_s"] == 100.0 and r["busy_decode_tokens_per_s"] == 50.0
+    assert r["busy_over_quiet"] == 0.5 and r["busy_runs"] == [40.0, 60.0, 50.0]
+    assert len(started) == 2 and seen_running == [True, True, True]
+    assert all(p.poll() is not None for p in started)
