@@ -18,7 +18,7 @@ from pagedllm.layers.linear import (MergedColumnParallelLinear, QKVParallelLinea
                                     RowChunkedLinearMethod, pack_amx_tiles)
 from pagedllm.layers.quantization import int8
 from pagedllm.layers.quantization.int8 import (ACT_RANGES, INT8_KERNEL_LABELS, Int8W8A8LinearMethod, amx_int8_available,
-                                               avx2_int8_available, pack_int8_avx2,
+                                               avx2_int8_available, avx2_int8_vnni, pack_int8_avx2,
                                                epilogue_ref, int8_matmul_ref, onednn_exact, onednn_exact_bits,
                                                onednn_int8_available, quantize_per_token,
                                                quantize_per_token_ref, quantize_weight_per_channel,
@@ -642,13 +642,15 @@ def test_avx2_backend_gives_the_torch_backends_bits(dtype, m, weight_bits):
     k, n = 576, 203
     avx2 = _layer(k, n, bias=True, dtype=dtype, seed=m, backend="avx2", weight_bits=weight_bits)
     bits = avx2.linear_method.weight_bits
-    assert bits == (weight_bits or 7) and avx2.linear_method.act_bits == 8
+    vnni = avx2_int8_vnni("cpu")          # VPDPBUSD: 8-bit weights by default
+    assert bits == (weight_bits or (8 if vnni else 7)) and avx2.linear_method.act_bits == 8
     ref = _layer(k, n, bias=True, dtype=dtype, seed=m, backend="torch", weight_bits=bits)
     for layer in (avx2, ref):
         layer.linear_method.process_weights_after_loading(layer)
     assert avx2.int8_backend == "avx2"
-    assert avx2.linear_method.name == ("int8 W8A8 (AVX2 u8s8)" if bits == 8 else
-                                       "int8 W8A8 (AVX2 u8s8, 7-bit weights)")
+    label = "AVX2 u8s8 with AVX512-VNNI" if vnni else "AVX2 u8s8"
+    assert avx2.linear_method.name == (f"int8 W8A8 ({label})" if bits == 8 else
+                                       f"int8 W8A8 ({label}, 7-bit weights)")
     x = _acts(m, k, dtype, seed=m)
     assert torch.equal(avx2(x), ref(x))
     before = torch.get_num_threads()
@@ -665,12 +667,14 @@ def test_avx2_backend_is_the_default_without_vnni_and_falls_back_for_odd_inputs(
     method = Int8W8A8LinearMethod("cpu")
     if f.amx_int8:
         assert method.backend == "amx"
+    elif avx2_int8_vnni("cpu"):
+        assert method.backend == "avx2" and method.name == "int8 W8A8 (AVX2 u8s8 with AVX512-VNNI)"
     elif not (f.avx512_vnni or f.avx_vnni):
         assert method.backend == "avx2" and method.name == "int8 W8A8 (AVX2 u8s8, 7-bit weights)"
     layer = _layer(30, 20, bias=True, seed=1, backend="avx2")     # K % 4 != 0
     layer.linear_method.process_weights_after_loading(layer)
     assert layer.int8_backend == layer.linear_method.fallback_backend != "avx2"
-    want = _layer(30, 20, bias=True, seed=1, backend="torch", weight_bits=7)
+    want = _layer(30, 20, bias=True, seed=1, backend="torch", weight_bits=layer.linear_method.weight_bits)
     want.linear_method.process_weights_after_loading(want)
     x = _acts(5, 30, torch.float32, seed=2)
     assert torch.equal(layer(x), want(x))

@@ -90,6 +90,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("row_scales"), py::arg("bias") = py::none(), py::arg("out_bfloat16") = false,
         py::call_guard<py::gil_scoped_release>());
   m.def("avx2_int8_available", &avx2_int8_available, "Whether avx2_int8_linear runs here: built with AVX2 and FMA");
+  m.def("avx2_int8_vnni", &avx2_int8_vnni, "Whether avx2_int8_linear sums with AVX512-VNNI (VPDPBUSD)");
   m.def("avx2_int8_linear", &avx2_int8_linear,
         "The int8 W8A8 linear on AVX2: exact int32 sums acc = x @ w.T of uint8 x [M, K] (q + zero_point) and "
         "int8 w packed [ceil(N/16), K/4, 16, 4] (K % 4 == 0; colsum int32 [N] = each weight row's sum), then "

@@ -25,6 +25,12 @@
 // output dtype as vec.h's store8_avx rounds: the bits of quant_act.cpp's int8_epilogue
 // over the same sums (int8.py's epilogue_ref over int8_matmul_ref), on every AVX2 CPU.
 //
+// With AVX512-VNNI (Zen 4/5, Intel Cascade Lake on), VPDPBUSD multiplies u (unsigned) by w
+// (signed) and adds each lane's 4 products into int32 exactly (the non-saturating form), so
+// acc = sum_k u w comes from one instruction a 16-column group of 4 k, for 7- and 8-bit
+// weights alike, without q or the zero point's column sums: the same integers, so the
+// same output bits as the AVX2 paths (the 8-bit range check is kept, so errors agree).
+//
 // Integer sums do not depend on their order, so every output row is bitwise independent
 // of the batch, the blocking and the thread count (batch invariance by construction).
 //
@@ -47,6 +53,10 @@
 #include <vector>
 
 using pagedllm::bf16;
+
+#if defined(PAGEDLLM_AVX2) && defined(PAGEDLLM_AVX512) && defined(__AVX512VNNI__)
+#define PAGEDLLM_VNNI 1
+#endif
 
 #ifdef PAGEDLLM_AVX2
 namespace {
@@ -96,6 +106,33 @@ inline void tile_dot(const int8_t* a, int64_t K, const int8_t* wt, __m256i (&acc
   }
 }
 
+#ifdef PAGEDLLM_VNNI
+// tile_dot's sums of u w (u uint8) with VPDPBUSD over 64-byte groups (16 columns x 4 k), for
+// NT (1 or 2) adjacent tiles at once: R x NT accumulators, each row's 4 bytes broadcast once.
+template <int R, int NT>
+inline void tile_dot_vnni(const uint8_t* u, int64_t K, const int8_t* wt, __m256i (&acc)[NT][kRows][2]) {
+  __m512i c[NT][R];
+  for (int t = 0; t < NT; ++t)
+    for (int r = 0; r < R; ++r) c[t][r] = _mm512_setzero_si512();
+  const int64_t tile_bytes = K * kCols;
+  for (int64_t k = 0; k < K; k += 4) {
+    __m512i w[NT];
+    for (int t = 0; t < NT; ++t) w[t] = _mm512_loadu_si512(wt + t * tile_bytes + 16 * k);
+    for (int r = 0; r < R; ++r) {
+      int32_t v;
+      std::memcpy(&v, u + r * K + k, 4);
+      const __m512i x = _mm512_set1_epi32(v);
+      for (int t = 0; t < NT; ++t) c[t][r] = _mm512_dpbusd_epi32(c[t][r], x, w[t]);
+    }
+  }
+  for (int t = 0; t < NT; ++t)
+    for (int r = 0; r < R; ++r) {
+      acc[t][r][0] = _mm512_castsi512_si256(c[t][r]);
+      acc[t][r][1] = _mm512_extracti64x4_epi64(c[t][r], 1);
+    }
+}
+#endif
+
 template <typename OutT>
 struct Epilogue {
   OutT* out;
@@ -142,25 +179,49 @@ inline void rows(const int8_t* a, int64_t K, const int8_t* wt, const Epilogue<Ou
   ep.template store<R>(acc, m, n0);
 }
 
-// ep.zp: the zero point the sums must add back (kSigned), 0 otherwise
-template <bool kSigned, typename OutT>
+#ifdef PAGEDLLM_VNNI
+// rows m .. m+R-1 against NT adjacent tiles from column n0 (a holds u; ep.zp is 0)
+template <int R, int NT, typename OutT>
+inline void rows_vnni(const int8_t* a, int64_t K, const int8_t* wt, const Epilogue<OutT>& ep, int64_t m,
+                      int64_t n0) {
+  __m256i acc[NT][kRows][2];
+  tile_dot_vnni<R, NT>(reinterpret_cast<const uint8_t*>(a) + m * K, K, wt, acc);
+  for (int t = 0; t < NT; ++t) ep.template store<R>(acc[t], m, n0 + t * kCols);
+}
+
+template <int NT, typename OutT>
+inline void tiles_vnni(const int8_t* a, int64_t K, const int8_t* wt, const Epilogue<OutT>& ep, int64_t m0,
+                       int64_t m1, int64_t n0) {
+  int64_t m = m0;
+  for (; m + kRows <= m1; m += kRows) rows_vnni<kRows, NT>(a, K, wt, ep, m, n0);
+  switch (m1 - m) {
+    case 3: rows_vnni<3, NT>(a, K, wt, ep, m, n0); break;
+    case 2: rows_vnni<2, NT>(a, K, wt, ep, m, n0); break;
+    case 1: rows_vnni<1, NT>(a, K, wt, ep, m, n0); break;
+    default: break;
+  }
+}
+#endif
+
+// ep.zp: the zero point the sums must add back (kSigned without kVnni), 0 otherwise
+template <bool kSigned, bool kVnni, typename OutT>
 void run(const uint8_t* u, int64_t M, int64_t K, const int8_t* w, int64_t tiles, int32_t zp,
          const Epilogue<OutT>& ep) {
   std::vector<int8_t> q;
   const int8_t* a = reinterpret_cast<const int8_t*>(u);
   if (kSigned) {   // q = u - zp, once for all tiles, each checked to lie in [-127, 127]
-    q.resize(M * K);
+    if (!kVnni) q.resize(M * K);
     int32_t lo = 0, hi = 0;
     for (int64_t i = 0; i < M * K; ++i) {
       const int32_t d = static_cast<int32_t>(u[i]) - zp;
       lo = std::min(lo, d);
       hi = std::max(hi, d);
-      q[i] = static_cast<int8_t>(d);
+      if (!kVnni) q[i] = static_cast<int8_t>(d);
     }
     // the sign trick cannot negate -128, and values past 127 do not fit int8
     TORCH_CHECK_VALUE(lo >= -127 && hi <= 127, "avx2_int8_linear: with 8-bit weights every x - zero_point must lie in "
                       "[-127, 127] (as quantize_per_token gives), found ", lo, " .. ", hi);
-    a = q.data();
+    if (!kVnni) a = q.data();
   }
   const int64_t mchunk = std::max<int64_t>(kRows, (128 * 1024 / std::max<int64_t>(K, 1)) / kRows * kRows);
   // about 256 K multiply-adds per task; decode's M = 1 still splits the tiles
@@ -168,6 +229,15 @@ void run(const uint8_t* u, int64_t M, int64_t K, const int8_t* w, int64_t tiles,
   at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
     for (int64_t m0 = 0; m0 < M; m0 += mchunk) {
       const int64_t m1 = std::min(M, m0 + mchunk);
+#ifdef PAGEDLLM_VNNI
+      if constexpr (kVnni) {   // two tiles at a time, the last alone when t1 - t0 is odd
+        for (int64_t t = t0; t < t1; t += 2) {
+          if (t + 1 < t1) tiles_vnni<2>(a, K, w + t * K * kCols, ep, m0, m1, t * kCols);
+          else tiles_vnni<1>(a, K, w + t * K * kCols, ep, m0, m1, t * kCols);
+        }
+        continue;
+      }
+#endif
       for (int64_t t = t0; t < t1; ++t) {
         const int8_t* wt = w + t * K * kCols;
         int64_t m = m0;
@@ -188,6 +258,14 @@ void run(const uint8_t* u, int64_t M, int64_t K, const int8_t* w, int64_t tiles,
 
 bool avx2_int8_available() {
 #ifdef PAGEDLLM_AVX2
+  return true;
+#else
+  return false;
+#endif
+}
+
+bool avx2_int8_vnni() {
+#ifdef PAGEDLLM_VNNI
   return true;
 #else
   return false;
@@ -229,13 +307,18 @@ at::Tensor avx2_int8_linear(at::Tensor x, at::Tensor w_packed, at::Tensor colsum
   const uint8_t* up = x.data_ptr<uint8_t>();
   const int8_t* wp = w_packed.data_ptr<int8_t>();
   const float* b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
-  const int32_t zp = static_cast<int32_t>(zero_point), add_zp = seven_bit_weights ? 0 : zp;
+#ifdef PAGEDLLM_VNNI
+  constexpr bool vnni = true;
+#else
+  constexpr bool vnni = false;
+#endif
+  const int32_t zp = static_cast<int32_t>(zero_point), add_zp = seven_bit_weights || vnni ? 0 : zp;
   auto go = [&](auto* o) {
     using OutT = std::remove_pointer_t<decltype(o)>;
     const Epilogue<OutT> ep{o, N, N, add_zp, colsum.data_ptr<int32_t>(), compensation.data_ptr<float>(),
                             weight_scales.data_ptr<float>(), row_scales.data_ptr<float>(), b};
-    if (seven_bit_weights) run<false>(up, M, K, wp, tiles, zp, ep);
-    else run<true>(up, M, K, wp, tiles, zp, ep);
+    if (seven_bit_weights) run<false, vnni>(up, M, K, wp, tiles, zp, ep);
+    else run<true, vnni>(up, M, K, wp, tiles, zp, ep);
   };
   if (out_bfloat16) go(reinterpret_cast<bf16*>(out.data_ptr<at::BFloat16>()));
   else go(out.data_ptr<float>());

@@ -60,6 +60,8 @@ at::Tensor avx512_bf16_linear(at::Tensor x, at::Tensor w_packed, std::optional<a
                                  bool out_float32);
 // int8_linear_avx2.cpp
 bool avx2_int8_available();
+// Whether avx2_int8_linear sums with AVX512-VNNI (VPDPBUSD): exact and fast at 8-bit weights.
+bool avx2_int8_vnni();
 at::Tensor avx2_int8_linear(at::Tensor x, at::Tensor w_packed, at::Tensor colsum, int64_t zero_point,
                                at::Tensor compensation, at::Tensor weight_scales, at::Tensor row_scales,
                                std::optional<at::Tensor> bias, bool out_bfloat16, bool seven_bit_weights);

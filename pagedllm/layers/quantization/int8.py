@@ -184,6 +184,12 @@ def avx2_int8_available(device: torch.device | str) -> bool:
     return ops is not None and hasattr(ops, "avx2_int8_available") and bool(ops.avx2_int8_available())
 
 
+def avx2_int8_vnni(device: torch.device | str) -> bool:
+    """Whether the AVX2 int8 kernel runs on ``device`` with AVX512-VNNI sums (8-bit weights
+    as fast as 7-bit ones). Never raises."""
+    return avx2_int8_available(device) and bool(kernels_for(torch.device(device), torch.float32).avx2_int8_vnni())
+
+
 def avx2_int8_fits(in_features: int) -> bool:
     """Whether the AVX2 kernel's layout holds ``in_features`` (a multiple of 4)."""
     return in_features % 4 == 0
@@ -211,7 +217,7 @@ INT8_KERNEL_LABELS = {"amx": "AMX u8s8", "avx2": "AVX2 u8s8", "onednn": "oneDNN 
 class Int8W8A8LinearMethod(LinearMethod):
     """int8 weights quantized at load from the float weight (loaded as the dense method's) times
     per-token int8 activations; ``apply``: x [T, in] → [T, out] in x's dtype. ``device`` picks
-    the backend once (AMX, else AVX2 without VNNI, else oneDNN, else torch) unless ``backend``
+    the backend once (AMX, else the AVX2 kernel, else oneDNN, else torch) unless ``backend``
     names one; ``weight_bits``/``act_bits``: 7, 8 or None (most accurate exact widths);
     ``smooth_alpha``: SmoothQuant's alpha (then ``needs_calibration``) or None. After loading,
     the layer holds ``int8_weight_scale``, ``int8_compensation`` (float32 [N]), ``int8_backend``
@@ -241,8 +247,10 @@ class Int8W8A8LinearMethod(LinearMethod):
         if backend is None:
             if amx_int8_available(device):
                 backend = "amx"
-            elif avx2_int8_available(device) and (not available or onednn_exact_bits() != (8, 8)):
-                # no VNNI or AMX: oneDNN's AVX2 path saturates at 8 and 8 bits, this kernel does not
+            elif avx2_int8_available(device) and (not available or onednn_exact_bits() != (8, 8)
+                                                  or avx2_int8_vnni(device)):
+                # without VNNI oneDNN's AVX2 path saturates at 8 and 8 bits, this kernel does
+                # not; with AVX512-VNNI it sums as fast and runs inside the C++ decoder stack
                 backend = "avx2"
         # where the kernel's layout cannot hold a layer's shape (AMX: N % 16, K % 64; AVX2:
         # K % 4), it computes thus
@@ -250,7 +258,8 @@ class Int8W8A8LinearMethod(LinearMethod):
         self.backend = backend or self.fallback_backend
         if self.backend in ("amx", "avx2"):          # int32 sums: exact at 8 and 8
             # AVX2: 7-bit weights by default, no sign trick (why: docs/notes/layers-quantization-int8.md)
-            weight_bits = weight_bits or (7 if self.backend == "avx2" else 8)
+            # (with VNNI 8-bit weights cost nothing more)
+            weight_bits = weight_bits or (7 if self.backend == "avx2" and not avx2_int8_vnni(device) else 8)
             act_bits = act_bits or 8
             if available and not onednn_exact(weight_bits, act_bits):
                 self.fallback_backend = "torch"
@@ -271,6 +280,8 @@ class Int8W8A8LinearMethod(LinearMethod):
         self.weight_qmax = WEIGHT_QMAX[self.weight_bits]
         self.qmax, self.zero_point = ACT_RANGES[self.act_bits]
         kernel = INT8_KERNEL_LABELS[self.backend]
+        if self.backend == "avx2" and avx2_int8_vnni(device):
+            kernel += " with AVX512-VNNI"
         narrow = [f"{b}-bit {what}" for b, what in ((self.weight_bits, "weights"), (self.act_bits, "activations"))
                   if b != 8]
         if smooth_alpha is not None and not 0.0 <= smooth_alpha <= 1.0:
