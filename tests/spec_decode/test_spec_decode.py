@@ -197,6 +197,7 @@ def test_finish_conditions_inside_an_accepted_chunk(make_llm, prompts, model_pat
     assert _run(spec, prompts[:1], cases[2])[0].text == tok.decode(toks[: j + 1])
 
 
+@pytest.mark.slow   # ~11 s: three engines (the fast tier keeps the speculation smoke tests)
 def test_streaming_deltas_concatenate(make_llm, prompts, model_path, tiny_draft):
     """Several tokens arrive per step; the streamed deltas still add up to the text."""
     llm = make_llm(**PLAIN_KW, speculative_config=_spec("draft_self", 4, model_path, tiny_draft))
