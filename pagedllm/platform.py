@@ -172,17 +172,30 @@ __all__ = ["BF16_MIN_SPEEDUP", "CpuFeatures", "DtypeChoice", "FLAGS", "auto_cpu_
 
 
 def usable_cores() -> int:
-    """CPU cores this process may run on: its affinity mask, capped by a cgroup v2 CPU quota
-    (``/sys/fs/cgroup/cpu.max``, rounded up) where one is set."""
+    """CPU cores this process may use: its affinity mask (``os.cpu_count()`` where the OS has
+    none), capped by a cgroup CPU quota, rounded up, where one is set (v2 ``cpu.max``, or
+    v1 ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us``)."""
     import math
     import os
 
-    n = len(os.sched_getaffinity(0))
+    n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    quota = _cgroup_quota()
+    return min(n, max(1, math.ceil(quota))) if quota is not None else n
+
+
+def _cgroup_quota() -> float | None:
+    """The cgroup CPU quota in cores, or None (none set, or no cgroup files)."""
     try:
         with open("/sys/fs/cgroup/cpu.max") as f:
             quota, period = f.read().split()[:2]
-        if quota != "max":
-            n = min(n, max(1, math.ceil(int(quota) / int(period))))
+        return None if quota == "max" else int(quota) / int(period)
     except (OSError, ValueError):
         pass
-    return n
+    try:
+        with open("/sys/fs/cgroup/cpu/cpu.cfs_quota_us") as f:
+            quota = int(f.read())
+        with open("/sys/fs/cgroup/cpu/cpu.cfs_period_us") as f:
+            period = int(f.read())
+        return quota / period if quota > 0 and period > 0 else None
+    except (OSError, ValueError):
+        return None

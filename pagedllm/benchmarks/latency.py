@@ -41,11 +41,15 @@ def register(subparsers: "argparse._SubParsersAction") -> None:
 
 
 def start_busy_neighbours(n: int, seconds: float = 900.0) -> list:
-    """``n`` Python processes that spin for ``seconds`` (a bound should the caller die)."""
+    """``n`` Python processes that spin for at most ``seconds``, and stop as soon as this
+    process is gone (however it ended); they ignore Ctrl-C (this process stops them)."""
+    import os
     import subprocess
     import sys
 
-    code = f"import time\nend = time.monotonic() + {seconds}\nwhile time.monotonic() < end: pass"
+    code = (f"import os, signal, time\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+            f"end = time.monotonic() + {seconds}\n"
+            f"while time.monotonic() < end and os.getppid() == {os.getpid()}: pass")
     return [subprocess.Popen([sys.executable, "-c", code]) for _ in range(n)]
 
 
@@ -248,6 +252,9 @@ def latency_main(args) -> int:
     check_flags_reach_an_engine(args, backends)
     runners = {"hf": run_hf, "llama.cpp": run_llama_cpp, "pagedllm": run_pagedllm}
     if args.busy_neighbours:
+        if args.rounds > 1:
+            raise SystemExit("bench latency: --busy-neighbours takes no --rounds (each backend runs quiet, "
+                             "then beside the busy processes)")
         return _neighbours_main(args, prompts, backends, runners)
     if args.rounds == 1:              # one backend loaded at a time
         results = [best_runs([runners[b](args, prompts)], 1, args.num_iters)[0][0] for b in backends]

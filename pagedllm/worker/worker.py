@@ -16,6 +16,17 @@ from pagedllm.worker.model_runner import ModelRunner
 logger = logging.getLogger("pagedllm")
 
 
+def _ranks_sharing_cores(args) -> int:
+    """CPU ranks of this node on the same cores: tensor x data parallel ranks, 1 when each
+    tensor-parallel rank is bound to cores of its own (PAGEDLLM_CPU_OMP_THREADS_BIND)."""
+    from pagedllm import envs
+
+    tp = args.tensor_parallel_size
+    if tp > 1 and envs.cpu_omp_threads_bind():
+        return 1
+    return max(1, tp // max(1, args.nnodes)) * max(1, args.data_parallel_size)
+
+
 class Worker:
     """Loads the model on ``config.device`` (the slow part of start-up: seconds)."""
 
@@ -23,7 +34,7 @@ class Worker:
         args = config.args
         self.thread_governor = None
         if config.device.type == "cpu":
-            self._set_up_cpu_threads(args.num_threads)
+            self._set_up_cpu_threads(args.num_threads, _ranks_sharing_cores(args))
         if config.device.type == "cuda":
             torch.cuda.set_device(config.device)   # Triton launches and CUDA graphs use the current device
         torch.manual_seed(args.seed)
@@ -34,19 +45,20 @@ class Worker:
                     config.arch.architecture, str(config.dtype).replace("torch.", ""),
                     config.device, time.time() - t0, self.model_runner.describe_compute_path())
 
-    def _set_up_cpu_threads(self, num_threads: int | None) -> None:
-        """``--num-threads`` (warned about when above the usable cores), else torch's count
-        capped to them; then the governor that lends cores back while others take them."""
+    def _set_up_cpu_threads(self, num_threads: int | None, ranks: int = 1) -> None:
+        """``--num-threads`` (warned about when it, times the ``ranks`` sharing these cores,
+        is above the usable cores), else torch's count capped to them; then the governor
+        that lends cores back while other processes take them."""
         from pagedllm.worker.cpu_threads import default_num_threads, make_thread_governor, thread_count_warning
 
         if num_threads:
-            warning = thread_count_warning(num_threads)
+            warning = thread_count_warning(num_threads, ranks=ranks)
             if warning:
                 logger.warning("%s", warning)
         else:
             num_threads = default_num_threads()
         torch.set_num_threads(num_threads)
-        self.thread_governor = make_thread_governor(num_threads)
+        self.thread_governor = make_thread_governor(num_threads, sibling_threads=(ranks - 1) * num_threads)
 
     def kv_bytes_per_block(self) -> int:
         return self.model_runner.kv_bytes_per_block()

@@ -3,6 +3,7 @@ with each other and with the workload, and the matmul split is measured, not ass
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -168,3 +169,28 @@ def test_busy_neighbours_are_timed_beside_and_stopped(monkeypatch):
     assert r["busy_over_quiet"] == 0.5 and r["busy_runs"] == [40.0, 60.0, 50.0]
     assert len(started) == 2 and seen_running == [True, True, True]
     assert all(p.poll() is not None for p in started)
+
+
+def test_busy_neighbours_stop_when_their_parent_dies():
+    """A bench killed by SIGKILL/SIGTERM cannot stop its busy processes: they notice."""
+    import subprocess
+    import sys
+    import time
+
+    code = ("from pagedllm.benchmarks.latency import start_busy_neighbours\n"
+            "import time\nprocs = start_busy_neighbours(1, 60.0)\nprint(procs[0].pid, flush=True)\ntime.sleep(60)")
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        pid = int(parent.stdout.readline())
+    finally:
+        parent.kill()
+        parent.wait()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
+    os.kill(pid, 9)
+    raise AssertionError("the busy neighbour outlived its parent")

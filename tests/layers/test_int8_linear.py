@@ -678,3 +678,11 @@ def test_avx2_backend_is_the_default_without_vnni_and_falls_back_for_odd_inputs(
     want.linear_method.process_weights_after_loading(want)
     x = _acts(5, 30, torch.float32, seed=2)
     assert torch.equal(layer(x), want(x))
+
+
+@needs_avx2
+def test_the_kernel_sums_with_vnni_exactly_where_the_cpu_has_it():
+    """The build takes the VPDPBUSD path on every AVX-512 CPU with VNNI (else a VNNI CPU
+    would quietly fall back to oneDNN and every value test would still pass)."""
+    f = cpu_features()
+    assert avx2_int8_vnni("cpu") == (f.avx512_vnni and f.avx512f and f.avx512bw and f.avx512vl)
