@@ -42,11 +42,17 @@ def thread_count_warning(num_threads: int, cores: int | None = None, ranks: int 
             f"fewer (the thread governor is off while they exceed the cores)")
 
 
+# torch's intra-op thread count when this module was first imported: a governor of an
+# earlier in-process engine may have lowered the current one, which a new engine must not
+# inherit as its default
+_TORCH_THREADS_AT_IMPORT = torch.get_num_threads()
+
+
 def default_num_threads(cores: int | None = None) -> int:
-    """torch's intra-op thread count capped to the usable cores (torch counts the machine's
-    cores and ignores a cgroup quota)."""
+    """torch's intra-op thread count (as at import) capped to the usable cores (torch
+    counts the machine's cores and ignores a cgroup quota)."""
     cores = platform.usable_cores() if cores is None else cores
-    return max(1, min(torch.get_num_threads(), cores))
+    return max(1, min(_TORCH_THREADS_AT_IMPORT, cores))
 
 
 @dataclass

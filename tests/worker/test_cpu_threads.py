@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from pagedllm import platform
+from pagedllm.worker import cpu_threads
 from pagedllm.worker.cpu_threads import (CpuSample, ProcStatProbe, ThreadGovernor, default_num_threads,
                                          make_thread_governor, thread_count_warning)
 
@@ -142,6 +143,12 @@ def test_thread_count_warning_names_the_flag_and_the_cores():
     assert "--num-threads 2 x 2 CPU ranks" in msg and "--num-threads 1" in msg
     assert default_num_threads(cores=1) == 1
     assert 1 <= default_num_threads() <= platform.usable_cores()
+    before = torch.get_num_threads()
+    try:   # an earlier in-process engine's governor lowered the count: not the next one's default
+        torch.set_num_threads(1)
+        assert default_num_threads() == min(cpu_threads._TORCH_THREADS_AT_IMPORT, platform.usable_cores())
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_worker_warns_at_start_up_and_keeps_no_governor_for_one_thread(monkeypatch, caplog):
