@@ -42,6 +42,7 @@ def test_bad_compare_flags_are_value_errors_naming_the_flag(flags, words):
     assert words in str(e.value)
 
 
+@pytest.mark.slow   # ~5 s: two engines (fast-tier budget)
 def test_engines_take_turns_and_tally_their_own_steps():
     from pagedllm import LLM, SamplingParams
 

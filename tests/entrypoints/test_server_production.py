@@ -168,6 +168,7 @@ def test_tokenize_detokenize_version_models(server):
             "/metrics", "/v1/models", "/v1/models/{model_id}"} <= set(spec["paths"])
 
 
+@pytest.mark.slow   # ~4 s (fast-tier budget)
 def test_request_id_echoed_and_duplicates_never_cross(server):
     """Two streams in flight with the same X-Request-Id each get their own text, and so
     does a request that reuses the id of one its client just walked away from (the

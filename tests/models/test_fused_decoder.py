@@ -76,7 +76,7 @@ def test_per_layer_where_the_stack_cannot_apply(monkeypatch, tiny_model_dir, arc
     assert all(len(ids) == 10 for ids, _ in outs)
 
 
-@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("fused", [True, pytest.param(False, marks=pytest.mark.slow)])   # fast-tier budget
 def test_start_up_log_says_how_the_decoder_runs(monkeypatch, caplog, fused):
     import logging
 
@@ -109,6 +109,7 @@ def test_int8_start_up_lines_describe_the_engine_model(monkeypatch, caplog, int8
     assert [m for m in msgs if m.startswith("decoder layers: ")] == ["decoder layers: one C++ stack call a step"]
 
 
+@pytest.mark.slow   # ~3 s (fast-tier budget)
 def test_profiler_sees_the_stack_and_its_kernels(monkeypatch):
     monkeypatch.setenv("PAGEDLLM_FUSED_DECODER", "1")
     llm = LLM(dtype="float32", quantization="gguf", max_model_len=128, kv_cache_memory="32MiB",

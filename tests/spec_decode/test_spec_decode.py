@@ -442,6 +442,7 @@ def test_step_cost_model():
     assert flat.per_token_seconds() is None and flat.cost(9) is None   # no slope, T unseen
 
 
+@pytest.mark.slow   # ~4 s (fast-tier budget)
 def test_bench_spec_workload_runner(make_llm, model_path, tiny_draft):
     """``bench spec``'s runner on an engine of this module: counters and figures come from
     the run, outputs are the greedy ones, bad method flags fail before any model loads."""
