@@ -567,11 +567,16 @@ def _check_tensor_parallel(args: EngineArgs, arch: ModelArchConfig, device: torc
         _share_cores(args)
 
 
+def cpu_ranks_per_node(args: EngineArgs) -> int:
+    """The CPU ranks (tensor x data parallel) one node runs."""
+    return args.tensor_parallel_size // args.nnodes * args.data_parallel_size
+
+
 def _share_cores(args: EngineArgs) -> None:
     """Give each CPU rank on this node (tensor x data parallel) its share of the cores as its
     threads when ``num_threads`` is unset; more ranks than cores is an error naming the
     larger flag unless ``PAGEDLLM_ALLOW_CPU_OVERSUBSCRIPTION=1``."""
-    ranks = args.tensor_parallel_size // args.nnodes * args.data_parallel_size
+    ranks = cpu_ranks_per_node(args)
     bind = envs.cpu_omp_threads_bind()
     if bind and args.tensor_parallel_size > 1:   # checked here, before any process starts
         from pagedllm.distributed.utils import parse_cpu_bind

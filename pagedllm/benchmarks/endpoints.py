@@ -161,11 +161,15 @@ class Endpoint:
                        for c in obj.get("choices") or [] if isinstance(c, dict))
         return text, obj.get("usage") if isinstance(obj.get("usage"), dict) else None
 
+    # the usage object's keys: prompt tokens, output tokens, the details holding cached_tokens
+    _USAGE_KEYS = ("prompt_tokens", "completion_tokens", "prompt_tokens_details")
+
     def usage(self, raw: dict | None) -> Usage:
         """The counts of a raw usage object."""
         raw = raw or {}
-        details = raw.get("prompt_tokens_details") or {}
-        return Usage(_int(raw.get("prompt_tokens")), _int(raw.get("completion_tokens")),
+        prompt, output, details_key = self._USAGE_KEYS
+        details = raw.get(details_key) or {}
+        return Usage(_int(raw.get(prompt)), _int(raw.get(output)),
                      _int(details.get("cached_tokens")) if isinstance(details, dict) else None)
 
 
@@ -233,11 +237,7 @@ class ResponsesEndpoint(Endpoint):
                        and item.get("type") == "message" for p in item.get("content") or [] if isinstance(p, dict))
         return text, obj.get("usage") if isinstance(obj.get("usage"), dict) else None
 
-    def usage(self, raw: dict | None) -> Usage:
-        raw = raw or {}
-        details = raw.get("input_tokens_details") or {}
-        return Usage(_int(raw.get("input_tokens")), _int(raw.get("output_tokens")),
-                     _int(details.get("cached_tokens")) if isinstance(details, dict) else None)
+    _USAGE_KEYS = ("input_tokens", "output_tokens", "input_tokens_details")
 
 
 class MessagesEndpoint(Endpoint):

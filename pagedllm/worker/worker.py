@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from pagedllm.config import EngineConfig
+from pagedllm.config import EngineConfig, cpu_ranks_per_node
 from pagedllm.messages import ModelRunnerOutput, SchedulerOutput
 from pagedllm.utils import parse_size
 from pagedllm.worker.model_runner import ModelRunner
@@ -21,10 +21,9 @@ def _ranks_sharing_cores(args) -> int:
     tensor-parallel rank is bound to cores of its own (PAGEDLLM_CPU_OMP_THREADS_BIND)."""
     from pagedllm import envs
 
-    tp = args.tensor_parallel_size
-    if tp > 1 and envs.cpu_omp_threads_bind():
+    if args.tensor_parallel_size > 1 and envs.cpu_omp_threads_bind():
         return 1
-    return max(1, tp // max(1, args.nnodes)) * max(1, args.data_parallel_size)
+    return max(1, cpu_ranks_per_node(args))
 
 
 class Worker:
