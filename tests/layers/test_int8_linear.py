@@ -608,6 +608,20 @@ def test_avx2_int8_linear_is_the_epilogue_of_the_exact_sums(ops, m):
 
 
 @needs_avx2
+def test_avx2_int8_linear_every_micro_kernel_remainder(ops):
+    """Every row count 1 .. 17 (the VNNI micro-kernel takes 8 rows, the AVX2 one 4, then the
+    rest in one call) against 1 .. 5 column tiles (taken 2 at a time with VNNI, so an odd
+    count leaves one): bit for bit the exact sums' epilogue."""
+    g = torch.Generator().manual_seed(7)
+    for n in (16, 32, 48, 70, 80):
+        q = torch.randint(-127, 128, (n, 64), generator=g, dtype=torch.int8)
+        for m in range(1, 18):
+            x = torch.randint(1, 256, (m, 64), generator=g, dtype=torch.uint8)
+            got, want = _avx2_linear(ops, x, q, 128)
+            assert torch.equal(got, want), (m, n)
+
+
+@needs_avx2
 def test_avx2_int8_linear_errors(ops):
     q = torch.zeros(16, 8, dtype=torch.int8)
     x, f = torch.zeros(2, 8, dtype=torch.uint8), torch.ones(16)

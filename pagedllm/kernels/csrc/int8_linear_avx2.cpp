@@ -39,7 +39,8 @@
 // each group of 4 consecutive k, 64 bytes, column j's 4 weights at bytes 4j..4j+3, i.e.
 // two 32-byte registers (columns 0-7, 8-15). A row's 4 activations of the group are
 // broadcast to every 32-bit lane, so each lane's vpmaddubsw + vpmaddwd adds that column's
-// 4 products. The micro-kernel holds 4 rows x 16 columns of int32 sums in 8 registers and
+// 4 products. The micro-kernel holds 4 rows x 16 columns of int32 sums in 8 registers (with
+// VNNI, 8 rows x 32 columns in 16 zmm registers) and
 // walks K once; threads (at::parallel_for) split the column tiles, each taking the rows
 // in chunks of ~128 KiB of activations (kept in L2) against all of its tiles.
 #include "ops.h"
@@ -107,22 +108,40 @@ inline void tile_dot(const int8_t* a, int64_t K, const int8_t* wt, __m256i (&acc
 }
 
 #ifdef PAGEDLLM_VNNI
+// VNNI micro-kernel blocking: kVnniRows rows x kVnniTiles 16-column tiles of int32 sums in
+// zmm registers (16 accumulators, 2 weight vectors and a broadcast: each weight vector
+// loaded feeds 8 VPDPBUSD). 8 x 3 and 12 x 2 measured level, 4 x 2 slower (docs/benchmarks.md).
+constexpr int kVnniRows = 8;
+constexpr int kVnniTiles = 2;
+
+// c + the 4-byte dot products of x (unsigned) and w (signed) per 32-bit lane: VPDPBUSD as
+// _mm512_dpbusd_epi32, written out so that GCC updates c in its register (with the
+// intrinsic it copied every accumulator each step, or kept them on the stack).
+inline __m512i dpbusd(__m512i c, __m512i x, __m512i w) {
+  asm("vpdpbusd %2, %1, %0" : "+v"(c) : "v"(x), "v"(w));
+  return c;
+}
+
 // tile_dot's sums of u w (u uint8) with VPDPBUSD over 64-byte groups (16 columns x 4 k), for
-// NT (1 or 2) adjacent tiles at once: R x NT accumulators, each row's 4 bytes broadcast once.
+// NT (1 .. kVnniTiles) adjacent tiles at once: R x NT accumulators, each row's 4 bytes
+// broadcast once a group, each weight vector loaded once a group.
 template <int R, int NT>
-inline void tile_dot_vnni(const uint8_t* u, int64_t K, const int8_t* wt, __m256i (&acc)[NT][kRows][2]) {
+inline void tile_dot_vnni(const uint8_t* u, int64_t K, const int8_t* wt, __m256i (&acc)[NT][kVnniRows][2]) {
   __m512i c[NT][R];
   for (int t = 0; t < NT; ++t)
     for (int r = 0; r < R; ++r) c[t][r] = _mm512_setzero_si512();
   const int64_t tile_bytes = K * kCols;
   for (int64_t k = 0; k < K; k += 4) {
     __m512i w[NT];
+#pragma GCC unroll 4
     for (int t = 0; t < NT; ++t) w[t] = _mm512_loadu_si512(wt + t * tile_bytes + 16 * k);
+#pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       int32_t v;
       std::memcpy(&v, u + r * K + k, 4);
       const __m512i x = _mm512_set1_epi32(v);
-      for (int t = 0; t < NT; ++t) c[t][r] = _mm512_dpbusd_epi32(c[t][r], x, w[t]);
+#pragma GCC unroll 4
+      for (int t = 0; t < NT; ++t) c[t][r] = dpbusd(c[t][r], x, w[t]);
     }
   }
   for (int t = 0; t < NT; ++t)
@@ -143,7 +162,7 @@ struct Epilogue {
 
   // rows m .. m+R-1, columns n0 .. n0+15 (those < N stored)
   template <int R>
-  void store(const __m256i (&acc)[kRows][2], int64_t m, int64_t n0) const {
+  void store(const __m256i (*acc)[2], int64_t m, int64_t n0) const {
     const int64_t cols = std::min(kCols, N - n0);
     const int32_t* cs = colsum + n0;
     const float *cp = comp + n0, *w = ws + n0, *b = bias ? bias + n0 : nullptr;
@@ -184,21 +203,37 @@ inline void rows(const int8_t* a, int64_t K, const int8_t* wt, const Epilogue<Ou
 template <int R, int NT, typename OutT>
 inline void rows_vnni(const int8_t* a, int64_t K, const int8_t* wt, const Epilogue<OutT>& ep, int64_t m,
                       int64_t n0) {
-  __m256i acc[NT][kRows][2];
+  __m256i acc[NT][kVnniRows][2];
   tile_dot_vnni<R, NT>(reinterpret_cast<const uint8_t*>(a) + m * K, K, wt, acc);
   for (int t = 0; t < NT; ++t) ep.template store<R>(acc[t], m, n0 + t * kCols);
 }
 
+// the last rows of a chunk: n (< kVnniRows) of them in one call
+template <int NT, int R, typename OutT>
+inline void rest_rows_vnni(const int8_t* a, int64_t K, const int8_t* wt, const Epilogue<OutT>& ep, int64_t m,
+                           int64_t n, int64_t n0) {
+  if constexpr (R >= 1) {
+    if (n == R) return rows_vnni<R, NT>(a, K, wt, ep, m, n0);
+    rest_rows_vnni<NT, R - 1>(a, K, wt, ep, m, n, n0);
+  }
+}
+
+// rows m0 .. m1-1 against NT adjacent tiles: kVnniRows at a time, then the rest in one call
 template <int NT, typename OutT>
 inline void tiles_vnni(const int8_t* a, int64_t K, const int8_t* wt, const Epilogue<OutT>& ep, int64_t m0,
                        int64_t m1, int64_t n0) {
   int64_t m = m0;
-  for (; m + kRows <= m1; m += kRows) rows_vnni<kRows, NT>(a, K, wt, ep, m, n0);
-  switch (m1 - m) {
-    case 3: rows_vnni<3, NT>(a, K, wt, ep, m, n0); break;
-    case 2: rows_vnni<2, NT>(a, K, wt, ep, m, n0); break;
-    case 1: rows_vnni<1, NT>(a, K, wt, ep, m, n0); break;
-    default: break;
+  for (; m + kVnniRows <= m1; m += kVnniRows) rows_vnni<kVnniRows, NT>(a, K, wt, ep, m, n0);
+  rest_rows_vnni<NT, kVnniRows - 1>(a, K, wt, ep, m, m1 - m, n0);
+}
+
+// the last tiles of a thread's range: n (< kVnniTiles) of them together
+template <int NT = kVnniTiles - 1, typename OutT>
+inline void rest_tiles_vnni(const int8_t* a, int64_t K, const int8_t* wt, const Epilogue<OutT>& ep, int64_t m0,
+                            int64_t m1, int64_t n, int64_t n0) {
+  if constexpr (NT >= 1) {
+    if (n == NT) return tiles_vnni<NT>(a, K, wt, ep, m0, m1, n0);
+    rest_tiles_vnni<NT - 1>(a, K, wt, ep, m0, m1, n, n0);
   }
 }
 #endif
@@ -230,11 +265,11 @@ void run(const uint8_t* u, int64_t M, int64_t K, const int8_t* w, int64_t tiles,
     for (int64_t m0 = 0; m0 < M; m0 += mchunk) {
       const int64_t m1 = std::min(M, m0 + mchunk);
 #ifdef PAGEDLLM_VNNI
-      if constexpr (kVnni) {   // two tiles at a time, the last alone when t1 - t0 is odd
-        for (int64_t t = t0; t < t1; t += 2) {
-          if (t + 1 < t1) tiles_vnni<2>(a, K, w + t * K * kCols, ep, m0, m1, t * kCols);
-          else tiles_vnni<1>(a, K, w + t * K * kCols, ep, m0, m1, t * kCols);
-        }
+      if constexpr (kVnni) {   // kVnniTiles tiles at a time, then the rest together
+        int64_t t = t0;
+        for (; t + kVnniTiles <= t1; t += kVnniTiles)
+          tiles_vnni<kVnniTiles>(a, K, w + t * K * kCols, ep, m0, m1, t * kCols);
+        rest_tiles_vnni(a, K, w + t * K * kCols, ep, m0, m1, t1 - t, t * kCols);
         continue;
       }
 #endif
