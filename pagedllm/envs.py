@@ -73,7 +73,8 @@ def amx_enabled() -> bool:
 
 
 def avx512_bf16_enabled() -> bool:
-    """``PAGEDLLM_AVX512_BF16=0`` turns the AVX512-BF16 linear kernel off."""
+    """``PAGEDLLM_AVX512_BF16=0`` turns the AVX512-BF16 kernels off: the linear kernel and
+    paged attention's VDPBF16PS q.k scores."""
     return _flag("PAGEDLLM_AVX512_BF16", True)
 
 

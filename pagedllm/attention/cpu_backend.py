@@ -50,8 +50,10 @@ class CpuKernelAttentionBackend(TorchAttentionBackend):
         kv_name = str(kv).removeprefix("torch.")
         if self.kernels is not None:
             self._why = f"C++ paged attention, {name}"
-            # AMX scores follow PAGEDLLM_AMX as the AMX linears do (a process-wide switch)
+            # AMX scores follow PAGEDLLM_AMX as the AMX linears do, VDPBF16PS scores
+            # PAGEDLLM_AVX512_BF16 as that linear kernel does (process-wide switches)
             self.kernels.paged_attention_set_amx(envs.amx_enabled())
+            self.kernels.paged_attention_set_dpbf16(envs.avx512_bf16_enabled())
         elif not self.on_cpu:
             self._why = "not on the CPU: torch ops"
         elif dtype not in KERNEL_DTYPES:
@@ -66,15 +68,22 @@ class CpuKernelAttentionBackend(TorchAttentionBackend):
             self._why += f", {kv_name} KV cache"
 
     def describe(self, head_dim=None, block_size=None, sliding_windows=()) -> str:
-        """``cpu_kernel`` and what computes it (or why torch ops), and AMX q.k scores if known."""
+        """``cpu_kernel`` and what computes it (or why torch ops), and AMX-BF16 or AVX512-BF16
+        q.k scores if known."""
         why = self._why
         if head_dim is not None and block_size is not None:
             windows = list(sliding_windows) or [None]
             n = self.amx_layers(head_dim, block_size, windows)
+            dp = self.kernels is not None and bool(
+                self.kernels.paged_attention_dpbf16_applies(self.dtype, self.kv_cache_dtype, head_dim))
             if n == len(windows):
                 why += ", AMX-BF16 q.k scores"
             elif n:
                 why += f", AMX-BF16 q.k scores in the {n} of {len(windows)} layers without a sliding window"
+                if dp:
+                    why += " (AVX512-BF16 in the others)"
+            elif dp:
+                why += ", AVX512-BF16 q.k scores"
         return f"{self.name} ({why})"
 
     def amx_layers(self, head_dim: int, block_size: int, sliding_windows: Sequence[int | None]) -> int:

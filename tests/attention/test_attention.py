@@ -159,28 +159,74 @@ def test_amx_scores_apply_only_where_they_can():
     assert label not in f32.describe(64, 16, [None]) and f32.amx_layers(64, 16, [None]) == 0
 
 
+@pytest.mark.parametrize("dpbf16", [True, False])
 @pytest.mark.parametrize("bs", [16, 32])
-def test_bf16_scores_paths_agree_with_reference_and_are_invariant(bs):
-    """bf16 over a bf16 cache, with the AMX scores on (where the CPU has AMX-BF16) and off:
-    each matches the float32 reference; and with blocks of 32 (two 16-key tiles a block),
-    a decode alone equals it among neighbours and a chunk split any way equals the whole,
-    bit for bit."""
+def test_bf16_scores_paths_agree_with_reference_and_are_invariant(bs, dpbf16):
+    """bf16 over a bf16 cache, with the AMX scores on (where the CPU has AMX-BF16) and off,
+    and the VDPBF16PS scores (where the CPU has AVX512-BF16) on and off: each matches the
+    float32 reference; and with blocks of 32 (two 16-key tiles a block), a decode alone
+    equals it among neighbours and a chunk split any way equals the whole, bit for bit."""
     k = _kernels_bf16()
     c, layer_cache, q, kn, vn, info = _batch(seed=2, bs=bs)
     layer_cache, q, kn, vn = _as(torch.bfloat16, layer_cache, q, kn, vn)
     backend = get_attention_backend("cpu_kernel", torch.device("cpu"), torch.bfloat16)
     ref, _ = _naive(*_as(torch.float32, layer_cache, q, kn, vn), c, info, 0.125)
     outs = {}
-    for amx in (True, False):
-        k.paged_attention_set_amx(amx)
+    k.paged_attention_set_dpbf16(dpbf16)
+    try:
+        for amx in (True, False):
+            k.paged_attention_set_amx(amx)
+            try:
+                outs[amx] = backend.forward(q, kn, vn, layer_cache.clone(), backend.build_metadata(c), 0.125)
+            finally:
+                k.paged_attention_set_amx(True)
+            assert (outs[amx].float() - ref).abs().max().item() < TOL[torch.bfloat16], amx
+        full = outs[True]
+        i = 3
+        alone = backend.forward(q[i:i + 1], kn[i:i + 1], vn[i:i + 1], layer_cache.clone(),
+                                backend.build_metadata(_one_request(c, info, i, 0, 1)), 0.125)
+        assert torch.equal(alone[0], full[i])
+        _assert_chunk_splits_equal(backend, c, info, layer_cache, q, kn, vn, full, 8,
+                                   ([0, 5, 21, 33], list(range(34))))
+    finally:
+        k.paged_attention_set_dpbf16(True)
+
+
+def test_vdpbf16ps_scores_apply_only_where_they_can():
+    """VDPBF16PS q.k scores: a bf16 model over a bf16 cache with head_dim % 64 == 0 on a CPU
+    with AVX512-BF16 (and its switch on), never else; the start-up line names them; and
+    where they apply, they give other bits than the float32 FMA path (so the switch is
+    real) while both stay within the reference's tolerance."""
+    from pagedllm.platform import cpu_features
+
+    k = _kernels_bf16()
+    bf, f32 = torch.bfloat16, torch.float32
+    f = cpu_features()
+    on_this_cpu = f.avx512_bf16 and f.avx512f and f.avx512bw and f.avx512vl
+    assert k.paged_attention_dpbf16_applies(bf, bf, 64) == on_this_cpu
+    assert k.paged_attention_dpbf16_applies(bf, bf, 256) == on_this_cpu
+    for args in [(f32, f32, 64), (bf, f32, 64), (f32, bf, 64), (bf, torch.float8_e4m3fn, 64), (bf, bf, 96)]:
+        assert not k.paged_attention_dpbf16_applies(*args), args
+    backend = get_attention_backend("cpu_kernel", torch.device("cpu"), bf)
+    label = "AVX512-BF16 q.k scores"
+    amx = k.paged_attention_amx_applies(bf, bf, 64, 16, 0)
+    assert (label in backend.describe(64, 16, [None])) == (on_this_cpu and not amx)
+    assert label not in backend.describe(96, 16, [None])
+    k.paged_attention_set_dpbf16(False)
+    try:
+        assert not k.paged_attention_dpbf16_applies(bf, bf, 64)
+        assert label not in backend.describe(64, 16, [None])
+    finally:
+        k.paged_attention_set_dpbf16(True)
+    if not on_this_cpu or amx:
+        return
+    c, layer_cache, q, kn, vn, info = _batch(seed=5, nh=9, nkv=3, hd=64)
+    layer_cache, q, kn, vn = _as(bf, layer_cache, q, kn, vn)
+    outs = []
+    for on in (True, False):
+        k.paged_attention_set_dpbf16(on)
         try:
-            outs[amx] = backend.forward(q, kn, vn, layer_cache.clone(), backend.build_metadata(c), 0.125)
+            outs.append(backend.forward(q, kn, vn, layer_cache.clone(), backend.build_metadata(c), 0.125))
         finally:
-            k.paged_attention_set_amx(True)
-        assert (outs[amx].float() - ref).abs().max().item() < TOL[torch.bfloat16], amx
-    full = outs[True]
-    i = 3
-    alone = backend.forward(q[i:i + 1], kn[i:i + 1], vn[i:i + 1], layer_cache.clone(),
-                            backend.build_metadata(_one_request(c, info, i, 0, 1)), 0.125)
-    assert torch.equal(alone[0], full[i])
-    _assert_chunk_splits_equal(backend, c, info, layer_cache, q, kn, vn, full, 8, ([0, 5, 21, 33], list(range(34))))
+            k.paged_attention_set_dpbf16(True)
+    assert not torch.equal(outs[0], outs[1])

@@ -613,7 +613,7 @@ def test_avx2_int8_linear_every_micro_kernel_remainder(ops):
     rest in one call) against 1 .. 5 column tiles (taken 2 at a time with VNNI, so an odd
     count leaves one): bit for bit the exact sums' epilogue."""
     g = torch.Generator().manual_seed(7)
-    for n in (16, 32, 48, 70, 80):
+    for n in (16, 32, 48, 64, 70, 80):
         q = torch.randint(-127, 128, (n, 64), generator=g, dtype=torch.int8)
         for m in range(1, 18):
             x = torch.randint(1, 256, (m, 64), generator=g, dtype=torch.uint8)

@@ -32,6 +32,21 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention_set_amx", &paged_attention_set_amx,
         "Let paged_attention use AMX-BF16 for its scores where it applies (on by default; PAGEDLLM_AMX=0: off)",
         py::arg("on"));
+  m.def("paged_attention_dpbf16_applies",
+        [](py::object q_dtype, py::object cache_dtype, int64_t head_dim) {
+          for (const auto& d : {q_dtype, cache_dtype})
+            TORCH_CHECK(THPDtype_Check(d.ptr()), "q_dtype and cache_dtype must be torch dtypes");
+          return paged_attention_dpbf16_applies(reinterpret_cast<THPDtype*>(q_dtype.ptr())->scalar_type,
+                                                reinterpret_cast<THPDtype*>(cache_dtype.ptr())->scalar_type,
+                                                head_dim);
+        },
+        "Whether paged_attention takes its scores from VDPBF16PS when AMX scores do not apply: bf16 q over a "
+        "bf16 cache, head_dim % 64 == 0, AVX512-BF16 present and not turned off",
+        py::arg("q_dtype"), py::arg("cache_dtype"), py::arg("head_dim"));
+  m.def("paged_attention_set_dpbf16", &paged_attention_set_dpbf16,
+        "Let paged_attention use VDPBF16PS for its scores where it applies (on by default; "
+        "PAGEDLLM_AVX512_BF16=0: off)",
+        py::arg("on"));
   m.def("reshape_and_cache", &reshape_and_cache,
         "Write K/V rows [T, kv_heads, head_dim] into the paged cache at slot_mapping, as key / k_scale "
         "and value / v_scale in the caches' dtype",

@@ -64,6 +64,11 @@ namespace {
 
 constexpr int64_t kCols = 16;   // columns per tile
 constexpr int kRows = 4;        // rows per micro-kernel call
+// VNNI micro-kernel blocking: kVnniRows rows x kVnniTiles 16-column tiles of int32 sums in
+// zmm registers (16 accumulators, 2 weight vectors and a broadcast: each weight vector
+// loaded feeds 8 VPDPBUSD). 8 x 3 and 12 x 2 measured level, 4 x 2 slower (docs/benchmarks.md, section 16).
+constexpr int kVnniRows = 8;
+constexpr int kVnniTiles = 2;
 
 inline __m256i bcast4(const int8_t* p) {
   int32_t v;
@@ -108,12 +113,6 @@ inline void tile_dot(const int8_t* a, int64_t K, const int8_t* wt, __m256i (&acc
 }
 
 #ifdef PAGEDLLM_VNNI
-// VNNI micro-kernel blocking: kVnniRows rows x kVnniTiles 16-column tiles of int32 sums in
-// zmm registers (16 accumulators, 2 weight vectors and a broadcast: each weight vector
-// loaded feeds 8 VPDPBUSD). 8 x 3 and 12 x 2 measured level, 4 x 2 slower (docs/benchmarks.md).
-constexpr int kVnniRows = 8;
-constexpr int kVnniTiles = 2;
-
 // c + the 4-byte dot products of x (unsigned) and w (signed) per 32-bit lane: VPDPBUSD as
 // _mm512_dpbusd_epi32, written out so that GCC updates c in its register (with the
 // intrinsic it copied every accumulator each step, or kept them on the stack).
@@ -258,7 +257,9 @@ void run(const uint8_t* u, int64_t M, int64_t K, const int8_t* w, int64_t tiles,
                       "[-127, 127] (as quantize_per_token gives), found ", lo, " .. ", hi);
     if (!kVnni) a = q.data();
   }
-  const int64_t mchunk = std::max<int64_t>(kRows, (128 * 1024 / std::max<int64_t>(K, 1)) / kRows * kRows);
+  // rows a chunk: ~128 KiB of activations, a whole number of micro-kernel calls
+  constexpr int64_t step = kVnni ? kVnniRows : kRows;
+  const int64_t mchunk = std::max<int64_t>(step, (128 * 1024 / std::max<int64_t>(K, 1)) / step * step);
   // about 256 K multiply-adds per task; decode's M = 1 still splits the tiles
   const int64_t grain = std::max<int64_t>(1, (1 << 18) / std::max<int64_t>(M * K * kCols, 1));
   at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {

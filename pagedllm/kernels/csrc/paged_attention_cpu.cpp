@@ -93,7 +93,13 @@ struct Args {
   float scale;   // softmax scale * k_scale * kRawScale<TC>: applied to q . raw k
   float vscale;  // v_scale * kRawScale<TC>: applied with 1 / sum to sum p * raw v
   bool amx = false;  // scores by AMX tile products (scores_amx; bf16 q and cache only)
+  bool dpbf16 = false;  // scores by VDPBF16PS (scores8_rows_dpbf16; bf16 q and cache only)
 };
+
+// paged_attention_set_dpbf16: whether a bf16 model over a bf16 cache takes its scores from
+// VDPBF16PS where the CPU has AVX512-BF16 (scores8_rows_dpbf16); PAGEDLLM_AVX512_BF16=0 turns
+// it off with the VDPBF16PS linears. Read once a call, so every item of a call agrees.
+std::atomic<bool> g_dpbf16_scores{true};
 
 // paged_attention_set_amx: whether a bf16 model over a bf16 cache may take its scores from
 // AMX tiles (where the CPU has AMX-BF16); PAGEDLLM_AMX=0 turns it off with the linears.
@@ -378,11 +384,13 @@ inline __m256 lane_sums8(const __m512 (&c)[8]) {
 
 // scores8_rows for a bfloat16 model over a bfloat16 cache on a CPU with AVX512-BF16: each
 // (head, key) dot product is one VDPBF16PS chain over head_dim in 32-dim steps from zero
-// (pairs of exact bf16 products, Intel SDM VDPBF16PS; denormals flushed), its 16 lanes
-// then summed by lane_sums8, times the scale. No widening of q or K, and one instruction
-// per 32 dims where the float32 FMAs take four: ~2.5x fewer instructions for the scores.
-// Every item of a bf16 model over a bf16 cache takes it on such a CPU (unless AMX scores
-// do), so a row's bits still depend only on its query and the keys.
+// (pairs of exact bf16 products, Intel SDM VDPBF16PS; subnormal inputs and results are
+// flushed to zero, so a score made only of subnormal products is 0 where the float32 path
+// keeps it), its 16 lanes then summed by lane_sums8, times the scale. No widening of q or
+// K, and half the multiply instructions of the AVX-512 FMA path (one per 32 dims of a key
+// against two per 16): ~2.5x fewer instructions for the scores in all. Every item of a
+// call takes it (Args::dpbf16, decided once a call), so a row's bits still depend only
+// on its query and the keys.
 template <int G>
 __attribute__((noinline)) void scores8_rows_dpbf16(const bf16* const* qs, const bf16* const* kr, int64_t off,
                                                    int64_t hd, float scale, float* const* s) {
@@ -640,7 +648,7 @@ void attend(const Args<TQ, TC>& a, const Item& it, Scratch& sc) {
               ss[r] = sc.scores.data() + (r0 + hh + r) * Lp + t0;
             }
 #ifdef PAGEDLLM_ATTN_DPBF16
-            if constexpr (std::is_same_v<TQ, bf16> && std::is_same_v<TC, bf16>) {
+            if constexpr (std::is_same_v<TQ, bf16> && std::is_same_v<TC, bf16>) if (a.dpbf16) {
               if (G == 3) scores8_rows_dpbf16<3>(qs, kr, kh * a.k_head, hd, a.scale, ss);
               else if (G == 2) scores8_rows_dpbf16<2>(qs, kr, kh * a.k_head, hd, a.scale, ss);
               else scores8_rows_dpbf16<1>(qs, kr, kh * a.k_head, hd, a.scale, ss);
@@ -813,6 +821,7 @@ void launch(at::Tensor out, at::Tensor q, at::Tensor key_cache, at::Tensor value
   a.scale = static_cast<float>(scale * k_scale * pagedllm::kRawScale<TC>);
   a.vscale = static_cast<float>(v_scale * pagedllm::kRawScale<TC>);
   a.amx = paged_attention_amx_applies(q.scalar_type(), key_cache.scalar_type(), a.hd, block_size, window);
+  a.dpbf16 = !a.amx && paged_attention_dpbf16_applies(q.scalar_type(), key_cache.scalar_type(), a.hd);
   run(a, num_reqs);
 }
 
@@ -842,6 +851,16 @@ void launch_for_cache(at::Tensor out, at::Tensor q, at::Tensor key_cache, at::Te
 }  // namespace
 
 void paged_attention_set_amx(bool on) { g_amx_scores = on; }
+
+void paged_attention_set_dpbf16(bool on) { g_dpbf16_scores = on; }
+
+bool paged_attention_dpbf16_applies(at::ScalarType q_dtype, at::ScalarType cache_dtype, int64_t head_dim) {
+#ifdef PAGEDLLM_ATTN_DPBF16
+  return g_dpbf16_scores && q_dtype == at::kBFloat16 && cache_dtype == at::kBFloat16 && head_dim % 64 == 0;
+#else
+  return false;
+#endif
+}
 
 bool paged_attention_amx_applies(at::ScalarType q_dtype, at::ScalarType cache_dtype, int64_t head_dim,
                                  int64_t block_size, int64_t sliding_window) {
