@@ -5,8 +5,10 @@
 // (bfloat16: the top 16 bits of a float32). Loads widen to float32, all arithmetic and
 // accumulation is float32, and stores round back once, to nearest-even, with NaN kept
 // NaN (what torch's .to(torch.bfloat16) does). The integer rounding used here gives the
-// same bits on every x86 CPU, with or without AVX512-BF16, so results never depend on
-// which CPU of the project's two kinds computed them.
+// same bits on every x86 CPU, with or without AVX512-BF16. (The kernels that multiply bf16
+// pairs with VDPBF16PS or AMX tiles, where the CPU has them, are the exception: their
+// sums run in another order, so their bits are the same on every CPU of one kind, and
+// batch-invariant there, but not across kinds.)
 //
 // Reductions in the kernels never rely on the compiler's vectoriser (which may peel a
 // loop differently for differently aligned pointers): they accumulate in explicit 8-lane
