@@ -23,6 +23,8 @@ from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 
+from .argtypes import non_negative_int
+
 __all__ = ["ApiPrice", "parse_api_price", "api_price_arg", "add_cost_arguments", "union_length", "api_cost_usd",
            "break_even_utilisation", "analyze", "format_cost", "compare_cost_rows", "PROMPT_BUCKETS",
            "RETRY_CUT"]
@@ -81,16 +83,6 @@ def api_price_arg(text: str) -> ApiPrice:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def _nonneg_int(v: str) -> int:
-    try:
-        i = int(v)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {v!r}") from None
-    if i < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
-    return i
-
-
 def add_cost_arguments(group: Any, cost_per_hour: bool = True) -> None:
     """Register ``--api-price``, ``--what-if-system-len`` and (``cost_per_hour``) ``--cost-per-hour``
     on an argparse group."""
@@ -102,7 +94,7 @@ def add_cost_arguments(group: Any, cost_per_hour: bool = True) -> None:
                        help="a managed API's USD per 1M input, output[, cached input] tokens: its cost for the "
                             "run's tokens and the utilisation at which self-hosting breaks even (with "
                             "--cost-per-hour)")
-    group.add_argument("--what-if-system-len", type=_nonneg_int, default=None, metavar="TOKENS",
+    group.add_argument("--what-if-system-len", type=non_negative_int, default=None, metavar="TOKENS",
                        help="price cutting the system prompt to this many tokens (default: a third of the run's)")
 
 

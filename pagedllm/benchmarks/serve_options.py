@@ -23,6 +23,7 @@ from .datasets import (
     SharedPrefixDataset,
     TokenSource,
 )
+from .argtypes import positive_int
 from .cost import ApiPrice, add_cost_arguments
 from .endpoints import ENDPOINT_TYPES
 from .load_model import AbortPlan, add_load_model_arguments
@@ -166,17 +167,6 @@ def positive_float(v: str) -> float:
     if not f > 0:
         raise argparse.ArgumentTypeError(f"must be > 0 (or inf), got {v}")
     return f
-
-
-def positive_int(v: str) -> int:
-    """Argparse type: an integer >= 1. Raises ``ArgumentTypeError``."""
-    try:
-        i = int(v)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {v!r}") from None
-    if i < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
-    return i
 
 
 def percentile_list(v: str) -> tuple:
