@@ -125,7 +125,7 @@ inline __m512i dpbusd(__m512i c, __m512i x, __m512i w) {
 // NT (1 .. kVnniTiles) adjacent tiles at once: R x NT accumulators, each row's 4 bytes
 // broadcast once a group, each weight vector loaded once a group.
 template <int R, int NT>
-inline void tile_dot_vnni(const uint8_t* u, int64_t K, const int8_t* wt, __m256i (&acc)[NT][kVnniRows][2]) {
+inline void tile_dot_vnni(const uint8_t* u, int64_t K, const int8_t* wt, __m512i (&acc)[NT][kVnniRows]) {
   __m512i c[NT][R];
   for (int t = 0; t < NT; ++t)
     for (int r = 0; r < R; ++r) c[t][r] = _mm512_setzero_si512();
@@ -144,10 +144,7 @@ inline void tile_dot_vnni(const uint8_t* u, int64_t K, const int8_t* wt, __m256i
     }
   }
   for (int t = 0; t < NT; ++t)
-    for (int r = 0; r < R; ++r) {
-      acc[t][r][0] = _mm512_castsi512_si256(c[t][r]);
-      acc[t][r][1] = _mm512_extracti64x4_epi64(c[t][r], 1);
-    }
+    for (int r = 0; r < R; ++r) acc[t][r] = c[t][r];
 }
 #endif
 
@@ -158,6 +155,31 @@ struct Epilogue {
   int32_t zp;
   const int32_t* colsum;                // [N]
   const float *comp, *ws, *rs, *bias;   // comp, ws, bias: [N]; rs: [M]
+
+#ifdef PAGEDLLM_VNNI
+  // rows m .. m+R-1 of a whole 16-column tile (n0 + 16 <= N) from zmm sums, with zp == 0:
+  // store's operations lane for lane, 16 lanes at once (so the same bits), the column
+  // operands loaded once for the R rows and the rows stored straight to out.
+  template <int R>
+  void store16(const __m512i* acc, int64_t m, int64_t n0) const {
+    const __m512 cp = _mm512_loadu_ps(comp + n0), w = _mm512_loadu_ps(ws + n0);
+    const __m512 b = bias ? _mm512_loadu_ps(bias + n0) : _mm512_setzero_ps();
+    for (int r = 0; r < R; ++r) {
+      __m512 v = _mm512_sub_ps(_mm512_cvtepi32_ps(acc[r]), cp);
+      asm volatile("" : "+v"(v));   // as w8a8_epilogue8: no FMA across the steps
+      v = _mm512_mul_ps(v, w);
+      asm volatile("" : "+v"(v));
+      v = _mm512_mul_ps(v, _mm512_set1_ps(rs[m + r]));
+      if (bias) {
+        asm volatile("" : "+v"(v));
+        v = _mm512_add_ps(v, b);
+      }
+      OutT* o = out + (m + r) * ldo + n0;
+      if constexpr (std::is_same_v<OutT, float>) _mm512_storeu_ps(o, v);
+      else _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), pagedllm::round_bf16x16(v));
+    }
+  }
+#endif
 
   // rows m .. m+R-1, columns n0 .. n0+15 (those < N stored)
   template <int R>
@@ -202,9 +224,21 @@ inline void rows(const int8_t* a, int64_t K, const int8_t* wt, const Epilogue<Ou
 template <int R, int NT, typename OutT>
 inline void rows_vnni(const int8_t* a, int64_t K, const int8_t* wt, const Epilogue<OutT>& ep, int64_t m,
                       int64_t n0) {
-  __m256i acc[NT][kVnniRows][2];
+  __m512i acc[NT][kVnniRows];
   tile_dot_vnni<R, NT>(reinterpret_cast<const uint8_t*>(a) + m * K, K, wt, acc);
-  for (int t = 0; t < NT; ++t) ep.template store<R>(acc[t], m, n0 + t * kCols);
+  for (int t = 0; t < NT; ++t) {
+    const int64_t n = n0 + t * kCols;
+    if (n + kCols <= ep.N && ep.zp == 0) {
+      ep.template store16<R>(acc[t], m, n);
+      continue;
+    }
+    __m256i h[kVnniRows][2];   // the last tile of an N not a multiple of 16
+    for (int r = 0; r < R; ++r) {
+      h[r][0] = _mm512_castsi512_si256(acc[t][r]);
+      h[r][1] = _mm512_extracti64x4_epi64(acc[t][r], 1);
+    }
+    ep.template store<R>(h, m, n);
+  }
 }
 
 // the last rows of a chunk: n (< kVnniRows) of them in one call
