@@ -34,19 +34,15 @@ def make_tiny_llama(path: str, vocab_size: int = 512, seed: int = 0) -> str:
     return path
 
 
-def _find_model(llm):
-    """The in-process model module behind ``llm`` (a benchmark may look inside)."""
-    eng = llm.llm_engine
-    for path in ("engine_core.engine_core.executor.driver_worker.model_runner.model",
-                 "core.runner.model"):
-        obj = eng
-        try:
-            for part in path.split("."):
-                obj = getattr(obj, part)
-            return obj
-        except AttributeError:
-            continue
-    raise RuntimeError("cannot find the model module behind the LLM")
+def _find_runner(llm):
+    """The in-process ModelRunner behind ``llm`` (built with ``engine_process=False``)."""
+    obj = llm.llm_engine
+    try:
+        for part in "engine_core.engine_core.executor.driver_worker.model_runner".split("."):
+            obj = getattr(obj, part)
+    except AttributeError:
+        raise RuntimeError("cannot find the model runner behind the LLM (is its core in process?)") from None
+    return obj
 
 
 def measure(num_requests: int, input_len: int, output_len: int, num_threads: int | None = None) -> dict:
@@ -56,15 +52,31 @@ def measure(num_requests: int, input_len: int, output_len: int, num_threads: int
     if num_threads:
         torch.set_num_threads(num_threads)
     with tempfile.TemporaryDirectory() as d:
+        # in process: the timing hooks go on the model module itself
         llm = LLM(model=make_tiny_llama(d), max_num_seqs=num_requests,
                   max_num_batched_tokens=max(2048, num_requests * input_len),
-                  max_model_len=input_len + output_len + 16, kv_cache_memory="256MiB")
-    model = _find_model(llm)
+                  max_model_len=input_len + output_len + 16, kv_cache_memory="256MiB", engine_process=False)
+    runner = _find_runner(llm)
+    model = runner.model
     timing = {"fwd": 0.0, "logits": 0.0}
     t_start = [0.0]
+    # the forward: the model module when it runs eagerly, and the compiled step (the CPU's
+    # fused stack, CUDA graphs) where that runs it instead
     model.register_forward_pre_hook(lambda m, a: t_start.__setitem__(0, time.perf_counter()))
     model.register_forward_hook(
         lambda m, a, o: timing.__setitem__("fwd", timing["fwd"] + time.perf_counter() - t_start[0]))
+    step = runner.compiled_step
+    if step is not None:
+        orig_run = step.run
+
+        def timed_run(*args, **kwargs):
+            t = time.perf_counter()
+            out = orig_run(*args, **kwargs)
+            if out is not None:
+                timing["fwd"] += time.perf_counter() - t
+            return out
+
+        step.run = timed_run
     orig_logits = model.compute_logits
 
     def timed_logits(h):
