@@ -24,6 +24,7 @@
 //   out[m, n] = (((float(acc) - comp[n]) * ws[n]) * rs[m]) (+ bias[n]), rounded to the
 // output dtype as vec.h's store8_avx rounds: the bits of quant_act.cpp's int8_epilogue
 // over the same sums (int8.py's epilogue_ref over int8_matmul_ref), on every AVX2 CPU.
+// (The VNNI path runs those operations in 16 lanes for whole tiles, Epilogue::store16.)
 //
 // With AVX512-VNNI (Zen 4/5, Intel Cascade Lake on), VPDPBUSD multiplies u (unsigned) by w
 // (signed) and adds each lane's 4 products into int32 exactly (the non-saturating form), so
