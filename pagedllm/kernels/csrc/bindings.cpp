@@ -7,6 +7,15 @@
 // the same process, which would otherwise stall for the whole kernel (a prompt's
 // attention: milliseconds per layer).
 
+namespace {
+// The scalar type of a torch dtype passed from Python (q_dtype, cache_dtype); a ValueError-
+// style error naming them otherwise.
+at::ScalarType scalar_type_of(const py::object& d) {
+  TORCH_CHECK(THPDtype_Check(d.ptr()), "q_dtype and cache_dtype must be torch dtypes");
+  return reinterpret_cast<THPDtype*>(d.ptr())->scalar_type;
+}
+}  // namespace
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention,
         "Causal paged attention over a flattened batch (q/out float32 or bfloat16; caches float32, "
@@ -19,11 +28,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention_amx_applies",
         [](py::object q_dtype, py::object cache_dtype, int64_t head_dim, int64_t block_size,
            int64_t sliding_window) {
-          for (const auto& d : {q_dtype, cache_dtype})
-            TORCH_CHECK(THPDtype_Check(d.ptr()), "q_dtype and cache_dtype must be torch dtypes");
-          return paged_attention_amx_applies(reinterpret_cast<THPDtype*>(q_dtype.ptr())->scalar_type,
-                                             reinterpret_cast<THPDtype*>(cache_dtype.ptr())->scalar_type,
-                                             head_dim, block_size, sliding_window);
+          return paged_attention_amx_applies(scalar_type_of(q_dtype), scalar_type_of(cache_dtype), head_dim,
+                                             block_size, sliding_window);
         },
         "Whether paged_attention takes its scores from AMX-BF16 tiles: bf16 q over a bf16 cache, "
         "head_dim % 32 == 0, block_size % 16 == 0, no sliding window, AMX-BF16 present and not turned off",
@@ -34,11 +40,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("on"));
   m.def("paged_attention_dpbf16_applies",
         [](py::object q_dtype, py::object cache_dtype, int64_t head_dim) {
-          for (const auto& d : {q_dtype, cache_dtype})
-            TORCH_CHECK(THPDtype_Check(d.ptr()), "q_dtype and cache_dtype must be torch dtypes");
-          return paged_attention_dpbf16_applies(reinterpret_cast<THPDtype*>(q_dtype.ptr())->scalar_type,
-                                                reinterpret_cast<THPDtype*>(cache_dtype.ptr())->scalar_type,
-                                                head_dim);
+          return paged_attention_dpbf16_applies(scalar_type_of(q_dtype), scalar_type_of(cache_dtype), head_dim);
         },
         "Whether paged_attention takes its scores from VDPBF16PS when AMX scores do not apply: bf16 q over a "
         "bf16 cache, head_dim % 64 == 0, AVX512-BF16 present and not turned off",

@@ -22,8 +22,8 @@ bool paged_attention_amx_applies(at::ScalarType q_dtype, at::ScalarType cache_dt
                                  int64_t block_size, int64_t sliding_window);
 // Turn the AMX scores on or off for the process (PAGEDLLM_AMX; on by default).
 void paged_attention_set_amx(bool on);
-// Whether a bf16 model over a bf16 cache takes its q.k scores from VDPBF16PS (a CPU with
-// AVX512-BF16, head_dim % 64 == 0, the switch on, and AMX scores not applying).
+// Whether a bf16 model over a bf16 cache may take its q.k scores from VDPBF16PS (a CPU with
+// AVX512-BF16, head_dim % 64 == 0, the switch on); it does where AMX scores do not apply.
 bool paged_attention_dpbf16_applies(at::ScalarType q_dtype, at::ScalarType cache_dtype, int64_t head_dim);
 void paged_attention_set_dpbf16(bool on);
 
