@@ -24,7 +24,7 @@
 //   out[m, n] = (((float(acc) - comp[n]) * ws[n]) * rs[m]) (+ bias[n]), rounded to the
 // output dtype as vec.h's store8_avx rounds: the bits of quant_act.cpp's int8_epilogue
 // over the same sums (int8.py's epilogue_ref over int8_matmul_ref), on every AVX2 CPU.
-// (The VNNI path runs those operations in 16 lanes for whole tiles, Epilogue::store16.)
+// (The VNNI path runs those operations in 16 lanes for whole tiles: w8a8_epilogue16.)
 //
 // With AVX512-VNNI (Zen 4/5, Intel Cascade Lake on), VPDPBUSD multiplies u (unsigned) by w
 // (signed) and adds each lane's 4 products into int32 exactly (the non-saturating form), so
@@ -159,22 +159,15 @@ struct Epilogue {
 
 #ifdef PAGEDLLM_VNNI
   // rows m .. m+R-1 of a whole 16-column tile (n0 + 16 <= N) from zmm sums, with zp == 0:
-  // store's operations lane for lane, 16 lanes at once (so the same bits), the column
+  // store's epilogue in 16 lanes (vec.h's w8a8_epilogue16: the same bits), the column
   // operands loaded once for the R rows and the rows stored straight to out.
   template <int R>
   void store16(const __m512i* acc, int64_t m, int64_t n0) const {
     const __m512 cp = _mm512_loadu_ps(comp + n0), w = _mm512_loadu_ps(ws + n0);
     const __m512 b = bias ? _mm512_loadu_ps(bias + n0) : _mm512_setzero_ps();
     for (int r = 0; r < R; ++r) {
-      __m512 v = _mm512_sub_ps(_mm512_cvtepi32_ps(acc[r]), cp);
-      asm volatile("" : "+v"(v));   // as w8a8_epilogue8: no FMA across the steps
-      v = _mm512_mul_ps(v, w);
-      asm volatile("" : "+v"(v));
-      v = _mm512_mul_ps(v, _mm512_set1_ps(rs[m + r]));
-      if (bias) {
-        asm volatile("" : "+v"(v));
-        v = _mm512_add_ps(v, b);
-      }
+      const __m512 v = pagedllm::w8a8_epilogue16(_mm512_cvtepi32_ps(acc[r]), cp, w, _mm512_set1_ps(rs[m + r]),
+                                                 bias ? &b : nullptr);
       OutT* o = out + (m + r) * ldo + n0;
       if constexpr (std::is_same_v<OutT, float>) _mm512_storeu_ps(o, v);
       else _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), pagedllm::round_bf16x16(v));

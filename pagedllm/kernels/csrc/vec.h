@@ -274,6 +274,21 @@ inline __m512i round_bf16_high16(__m512 v) {
 }
 // 16 float32 -> 16 bf16, rounded as from_f32.
 inline __m256i round_bf16x16(__m512 v) { return _mm512_cvtepi32_epi16(_mm512_srli_epi32(round_bf16_high16(v), 16)); }
+
+// w8a8_epilogue8 on 16 sums, the same operations lane for lane (so the same bits), with the
+// 16 columns' comp, ws and bias already loaded (the caller loads them once for its rows).
+inline __m512 w8a8_epilogue16(__m512 acc, __m512 comp, __m512 ws, __m512 s, const __m512* bias) {
+  __m512 v = _mm512_sub_ps(acc, comp);
+  asm volatile("" : "+v"(v));
+  v = _mm512_mul_ps(v, ws);
+  asm volatile("" : "+v"(v));
+  v = _mm512_mul_ps(v, s);
+  if (bias) {
+    asm volatile("" : "+v"(v));
+    v = _mm512_add_ps(v, *bias);
+  }
+  return v;
+}
 #endif
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__)
