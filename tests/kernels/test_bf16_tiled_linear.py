@@ -73,12 +73,13 @@ def test_kernel_matches_float64_reference(kernel, method, rows, fin, fout):
 
 @pytest.mark.parametrize("kernel, method", KERNELS)
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("fin, fout", [(576, 960), (576, 3072), (1536, 576)])
+@pytest.mark.parametrize("fin, fout", [(576, 960), (576, 3072), (1536, 576), (576, 560)])
 def test_rows_are_bitwise_invariant_at_every_row_count(kernel, method, fin, fout, threads):
     """With cancellation weights and inputs (their exact sums are 0, so what comes out is
     the kernel's own rounding, which any change of summation order changes), every row
     count from 1 to 70 and a few larger ones give each row the bits it has in a 512-row
-    call, at any place in the call."""
+    call, at any place in the call, and the 512-row call the bits of a 1-thread call
+    (560 columns: 35 16-column blocks, split 18 + 17 across two threads)."""
     run = getattr(_ops(), kernel)
     w, x = bi.cancellation_inputs(fout, fin, 512, BF16, CPU)
     p = pack_amx_tiles(w, BF16)
@@ -87,6 +88,9 @@ def test_rows_are_bitwise_invariant_at_every_row_count(kernel, method, fin, fout
     try:
         ref = run(x, p, None, False)
         assert ref.abs().max() > 0          # rounding error shows: the test can see order changes
+        torch.set_num_threads(1)
+        assert torch.equal(run(x, p, None, False), ref)
+        torch.set_num_threads(threads)
         for m in list(range(1, 71)) + [96, 129, 255, 257, 383]:
             off = (7 * m) % (512 - m + 1)
             assert torch.equal(run(x[off:off + m].clone(), p, None, False), ref[off:off + m]), m
