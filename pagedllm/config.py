@@ -253,7 +253,7 @@ class EngineArgs:
                             help="most tokens (prompt + output) per request (default: the model's context, lowered to what the KV cache holds)")
         parser.add_argument("--block-size", type=int, default=d.block_size,
                             help="tokens per KV-cache block")
-        parser.add_argument("--kv-cache-memory", default=d.kv_cache_memory,
+        parser.add_argument("--kv-cache-memory", "--kv-cache-memory-bytes", default=d.kv_cache_memory,
                             help="KV cache size on CPU: bytes or e.g. 4GiB")
         parser.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,
                             help="share of GPU memory for weights and KV cache (CUDA)")

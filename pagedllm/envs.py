@@ -28,8 +28,21 @@ def _flag(name: str, default: bool) -> bool:
     raise ValueError(f"{name} must be 1 or 0 (or true/false, yes/no, on/off), got {os.environ[name]!r}")
 
 
+LOG_LEVELS = ("CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG")
+
+
+def check_log_level(value: str, name: str) -> str:
+    """``value`` upper-cased if it is one of :data:`LOG_LEVELS` (any case); else a
+    ValueError naming ``name`` (the flag or variable it came from)."""
+    level = value.strip().upper()
+    if level not in LOG_LEVELS:
+        raise ValueError(f"{name} must be one of {', '.join(l.lower() for l in LOG_LEVELS)}, got {value!r}")
+    return level
+
+
 def log_level() -> str:
-    return _get("PAGEDLLM_LOG_LEVEL", "INFO")
+    """``PAGEDLLM_LOG_LEVEL`` (default INFO), upper-cased; ValueError naming it otherwise."""
+    return check_log_level(_get("PAGEDLLM_LOG_LEVEL", "INFO") or "INFO", "PAGEDLLM_LOG_LEVEL")
 
 
 def configure_logging() -> bool:

@@ -32,7 +32,8 @@ class DefaultHandler(logging.StreamHandler):
 
 def configure_default_logging() -> None:
     """Without application logging, add ``DefaultHandler`` to ``pagedllm`` and set its
-    unset level to ``PAGEDLLM_LOG_LEVEL`` (unknown: INFO). Never raises."""
+    unset level to ``PAGEDLLM_LOG_LEVEL``; a value of it that is not a level is a
+    ValueError naming it (``envs.log_level``)."""
     if not envs.configure_logging():
         return
     log = logging.getLogger(LOGGER_NAME)
@@ -40,5 +41,4 @@ def configure_default_logging() -> None:
         return
     log.addHandler(DefaultHandler())
     if log.level == logging.NOTSET:
-        level = logging.getLevelName(envs.log_level().upper())
-        log.setLevel(level if isinstance(level, int) else logging.INFO)
+        log.setLevel(getattr(logging, envs.log_level()))

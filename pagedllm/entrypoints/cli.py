@@ -48,8 +48,17 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
+def _log_level_arg(value: str) -> str:
+    """``--log-level``'s type: one of ``envs.LOG_LEVELS`` in any case, upper-cased."""
+    try:
+        return envs.check_log_level(value, "--log-level")
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--log-level ")) from None
+
+
 def _setup_logging(level: str = "INFO") -> None:
-    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO),
+    """``level``: one of ``envs.LOG_LEVELS`` (checked by the parser)."""
+    logging.basicConfig(level=getattr(logging, level),
                         format="%(levelname)s %(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
 
 
@@ -74,6 +83,10 @@ def _models(args) -> int:
 def _serve(args) -> int:
     from pagedllm.entrypoints.openai.api_server import run_server
 
+    if args.model_tag is not None:   # vllm serve MODEL
+        if args.model is not None and args.model != args.model_tag:
+            raise ValueError(f"the model is given twice, as {args.model_tag!r} and --model {args.model!r}")
+        args.model = args.model_tag
     if args.headless:
         return _headless(args)
     if args.enable_auto_tool_choice and args.tool_call_parser is None:   # before the model loads
@@ -139,10 +152,14 @@ def register(subparsers: "argparse._SubParsersAction") -> None:
 
     p = subparsers.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
                               formatter_class=HelpFormatter)
+    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="the model, as --model (as in `vllm serve MODEL`)")
     EngineArgs.add_cli_args(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8000, help="port to listen on")
-    p.add_argument("--uvicorn-log-level", default="warning", help="uvicorn's log level")
+    p.add_argument("--uvicorn-log-level", default="warning", type=str.lower,
+                   choices=["critical", "error", "warning", "info", "debug", "trace"],
+                   help="uvicorn's log level")
     p.add_argument("--trust-request-chat-template", action="store_true",
                    help="honour a chat request's own chat_template field (a template is a program "
                         "the server runs; off by default, as in vLLM)")
@@ -188,7 +205,8 @@ def build_parser() -> argparse.ArgumentParser:
     """The ``pagedllm`` parser: every module of :data:`COMMANDS` under its parent; a parent
     ``X`` puts its sub-command in ``args.X_command``, the top-level one in ``args.command``."""
     parser = argparse.ArgumentParser(prog="pagedllm", description=COMMANDS[""][0])
-    parser.add_argument("--log-level", default=envs.log_level())
+    parser.add_argument("--log-level", type=_log_level_arg, default=None,
+                        help="critical, error, warning, info or debug (default: $PAGEDLLM_LOG_LEVEL or info)")
     sub = parser.add_subparsers(dest="command", required=True)
     for parent, (help_text, modules) in COMMANDS.items():
         target = sub if not parent else sub.add_parser(parent, help=help_text).add_subparsers(
@@ -219,6 +237,11 @@ def _attach_flag_values(argv: list[str]) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(_attach_flag_values(sys.argv[1:] if argv is None else list(argv)))
+    if args.log_level is None:
+        try:
+            args.log_level = envs.log_level()
+        except ValueError as e:
+            parser.error(str(e))
     _setup_logging(args.log_level)
     try:
         return int(args.func(args) or 0)
