@@ -246,7 +246,8 @@ class EngineArgs:
         parser.add_argument("--served-model-name", default=None,
                             help="the name /v1/models reports and requests use (default: the file or folder name)")
         parser.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"],
-                            help="weights and activations; auto: bfloat16 where the CPU has a native bf16 kernel, else float32")
+                            help="weights and activations; auto: on the CPU bfloat16 where it has bf16 arithmetic and a "
+                                 "timed linear at the model's shape is faster in it, else float32; on CUDA bfloat16, or float16 where it has none")
         parser.add_argument("--device", default=d.device,
                             help="auto, cpu or cuda[:N]")
         parser.add_argument("--max-model-len", type=int, default=None,

@@ -69,8 +69,8 @@ def add_compare_arguments(p: Any) -> None:
     x.add_argument("--compare-args", action="append", default=None, metavar="FLAGS",
                    help="twice, --compare-args='FLAGS_A' --compare-args='FLAGS_B' (the = form: the value "
                         "starts with --): start 'pagedllm serve FLAGS_A' and 'pagedllm serve FLAGS_B' here and "
-                        "compare them (e.g. --compare-args='' --compare-args='--no-enable-prefix-caching'); "
-                        "--base-url is not used")
+                        "compare them (e.g. --compare-args='' --compare-args='--no-enable-prefix-caching'), each "
+                        "on 127.0.0.1 at a free port the system picks; --base-url is not used")
     g.add_argument("--compare-model", default=None, help="model name on the --compare server (default --model)")
     g.add_argument("--compare-rounds", type=positive_int, default=1,
                    help="rounds of A and B in turns (A,B then B,A ...); each side pools its rounds")

@@ -170,7 +170,7 @@ def register(subparsers: "argparse._SubParsersAction") -> None:
     p.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSER_NAMES),
                    help="split the model's <think> block from its answer (chat: reasoning_content)")
     p.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on every route but /health "
+                   help="require 'Authorization: Bearer KEY' (or 'x-api-key: KEY') on every route but /health "
                         "(default: $PAGEDLLM_API_KEY; none: no auth)")
     p.add_argument("--metrics-without-auth", action="store_true",
                    help="serve /metrics without the API key (for a Prometheus scraper)")

@@ -97,6 +97,41 @@ def tool_server():
     s.stop()
 
 
+BAD_SCHEMA = {"type": "object", "properties": {"a": {"$ref": "#/nope"}}}
+
+
+@pytest.mark.parametrize("route, body, where", [
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required",
+                          "tools": [{"type": "function", "function": {"name": "f", "parameters": BAD_SCHEMA}}]},
+     "tools[].function.parameters is invalid"),
+    ("responses", {"input": "hi", "tool_choice": "required",
+                   "tools": [{"type": "function", "name": "f", "parameters": BAD_SCHEMA}]},
+     "tools[].parameters is invalid"),
+    ("messages", {"max_tokens": 5, "messages": [{"role": "user", "content": "hi"}], "tool_choice": {"type": "any"},
+                  "tools": [{"name": "f", "input_schema": BAD_SCHEMA}]},
+     "tools[].input_schema is invalid"),
+])
+def test_a_forced_calls_bad_schema_is_blamed_on_tools(tool_server, route, body, where):
+    """A tool schema xgrammar cannot compile, forced by tool_choice: a 400 naming ``tools``
+    and the schema as the API spells it, not the structured outputs the request never set."""
+    model = httpx.get(f"{tool_server.url}/v1/models", timeout=30).json()["data"][0]["id"]
+    r = httpx.post(f"{tool_server.url}/v1/{route}", json={"model": model, **body}, timeout=60)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert where in error["message"] and "structured_outputs" not in error["message"], error
+    if route != "messages":
+        assert error["param"] == "tools"
+    assert tool_server.idle_and_free()
+
+
+def test_a_tool_message_must_answer_an_earlier_call(tool_server):
+    body = {"messages": [{"role": "user", "content": "hi"}, {"role": "tool", "tool_call_id": "zzz", "content": "x"}],
+            "max_tokens": 5}
+    r = httpx.post(f"{tool_server.url}/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+    assert "'zzz' matches no tool_calls[].id" in r.json()["error"]["message"]
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_required_without_parallel_calls_over_http(tool_server, stream):
     """Two tools, ``tool_choice: "required"``, ``parallel_tool_calls: false`` and a

@@ -421,7 +421,7 @@ def test_render_without_template_support():
     tools = validate_tools(TOOLS)
     messages, tools_kwarg, note = render_messages_for_template(
         [{"role": "system", "content": "Be brief."}] + CONVERSATION + [
-            {"role": "tool", "tool_call_id": "call_zzz", "name": "now", "content": "12:00"}], tools, False)
+            {"role": "tool", "tool_call_id": "call_abc", "name": "now", "content": "12:00"}], tools, False)
     assert tools_kwarg is None and "system prompt" in note and "does not support tools" in note
     assert [m["role"] for m in messages] == ["system", "user", "assistant", "user"]
     assert messages[0]["content"].startswith("Be brief.\n\n# Tools")
@@ -431,7 +431,7 @@ def test_render_without_template_support():
     assert messages[3]["content"] == (
         '<tool_response>\n{"name": "get_weather", "tool_call_id": "call_abc", "content": '
         '"{\\"temperature_c\\": 21, \\"sky\\": \\"ensoleillé\\"}"}\n</tool_response>\n'
-        '<tool_response>\n{"name": "now", "tool_call_id": "call_zzz", "content": "12:00"}\n</tool_response>')
+        '<tool_response>\n{"name": "now", "tool_call_id": "call_abc", "content": "12:00"}\n</tool_response>')
     # what the rendered assistant turn says is what the hermes parser reads back
     r = get_tool_parser("hermes")().extract_tool_calls(messages[2]["content"])
     assert _calls(r) == [("get_weather", '{"city": "Paris"}')]
@@ -447,6 +447,9 @@ def test_render_without_template_support():
     [{"role": "assistant", "content": None, "tool_calls": {"id": "x"}}],
     [{"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f", "arguments": {}}}]}],
     [{"role": "tool", "content": "x"}],
+    [{"role": "user", "content": "hi"}, {"role": "tool", "tool_call_id": "zzz", "content": "x"}],
+    CONVERSATION[:2] + [{"role": "tool", "tool_call_id": "call_zzz", "content": "x"}],
+    [{"role": "tool", "tool_call_id": "call_abc", "content": "x"}] + CONVERSATION[:2],   # before the call
 ])
 def test_render_refuses_malformed_tool_messages(messages):
     with pytest.raises(InvalidParameterError) as e:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -69,13 +69,10 @@ class MetadataParam(_Body):
 class MessagesChatRequest(ChatCompletionRequest):
     """A Messages request as the chat pipeline takes it; its errors name the Messages fields."""
 
+    TOOL_SCHEMA: ClassVar[str] = "tools[].input_schema"
+
     def api_param_names(self) -> dict[str, str]:
         return {"prompt": "messages", "stop": "stop_sequences", "parallel_tool_calls": "tool_choice"}
-
-    def to_api_error(self, e: InvalidParameterError) -> InvalidParameterError:
-        if e.param == "structured_outputs":   # only a forced call's schema, made of the tools' input_schema
-            return InvalidParameterError("tools", str(e).replace("structured_outputs.json", "a tool's input_schema"))
-        return super().to_api_error(e)
 
 
 class CountTokensRequest(_Body):

@@ -245,6 +245,8 @@ class ChatCompletionRequest(_SamplingFields):
         "modalities": lambda v: v is None or v == ["text"],
     }
     _WHY: ClassVar[dict[str, str]] = {"modalities": 'only ["text"]'}
+    # a tool's argument schema as this API spells it, in errors (a forced call's grammar)
+    TOOL_SCHEMA: ClassVar[str] = "tools[].function.parameters"
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None  # OpenAI's current name of max_tokens; wins over it

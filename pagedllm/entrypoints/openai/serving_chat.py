@@ -91,12 +91,16 @@ class OpenAIServingChat(OpenAIServing):
             InvalidParameterError: a bad field, named as ``body`` spells it; nothing is queued.
             EngineDeadError: the engine has died.
         """
+        forced = None
         try:
             tools = self.chat_tools(body)
             ids = await self.render(body, tools)
-            params = body.to_sampling_params(default_max_tokens=None, constraint=tools.constraint())
+            forced = tools.constraint()
+            params = body.to_sampling_params(default_max_tokens=None, constraint=forced)
             stream = await self.engine.add_request(engine_rid, ids, params)
         except InvalidParameterError as e:
+            if forced is not None and e.param == "structured_outputs":   # the forced call's schema: the tools'
+                e = InvalidParameterError("tools", str(e).replace("structured_outputs.json", body.TOOL_SCHEMA))
             raise body.to_api_error(e) from e
         return tools, params, stream
 

@@ -68,17 +68,24 @@ def render_messages_for_template(messages: list[dict], tools: list[dict] | None,
 
     Raises:
         InvalidParameterError(param="messages"): a malformed assistant ``tool_calls``; a tool
-            message without a string ``tool_call_id``.
+            message without a string ``tool_call_id``, or with one that no earlier assistant
+            message's ``tool_calls`` has.
     """
     tools = tools or None
     if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
         return messages, tools if template_supports_tools else None, None
     out = [dict(m) for m in messages]
+    call_ids: set = set()   # the ids of the calls so far: a tool message answers one of them
     for i, msg in enumerate(out):
         if msg.get("role") == "assistant" and msg.get("tool_calls") is not None:
             msg["tool_calls"] = [_check_call(i, j, tc) for j, tc in enumerate(_as_list(i, msg["tool_calls"]))]
-        if msg.get("role") == "tool" and not isinstance(msg.get("tool_call_id"), str):
-            raise InvalidParameterError("messages", f"messages[{i}].tool_call_id must be a string")
+            call_ids.update(tc.get("id") for tc in msg["tool_calls"])
+        if msg.get("role") == "tool":
+            if not isinstance(msg.get("tool_call_id"), str):
+                raise InvalidParameterError("messages", f"messages[{i}].tool_call_id must be a string")
+            if msg["tool_call_id"] not in call_ids:   # as OpenAI, and as Responses and Messages here
+                raise InvalidParameterError("messages", f"messages[{i}].tool_call_id {msg['tool_call_id']!r} "
+                                                        "matches no tool_calls[].id of an earlier assistant message")
     if template_supports_tools:
         for msg in out:
             if msg.get("tool_calls"):
