@@ -223,6 +223,7 @@ class EngineArgs:
     load_format: str = "auto"
     quantization: str | None = None
     speculative_config: str | dict | None = None
+    chat_template: str | None = None
     seed: int = 0
     num_threads: int | None = None
     profile_dir: str | None = None
@@ -283,6 +284,8 @@ class EngineArgs:
         parser.add_argument("--quantization", "-q", default=None,
                             help="int8 (W8A8), gguf (keep a GGUF's Q8_0/Q4_0/Q4_1 blocks packed), "
                                  "q8_0, q4_0, q4_1 (quantize float weights at load); default: none")
+        parser.add_argument("--chat-template", default=None,
+                            help="a Jinja chat template, or a file holding one, used instead of the model's")
         parser.add_argument("--speculative-config", default=None,
                             help='speculative decoding as JSON, e.g. \'{"method": "ngram", '
                                  '"num_speculative_tokens": 4, "prompt_lookup_max": 4}\'; methods: '
@@ -412,6 +415,8 @@ class EngineArgs:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             resolve_kv_cache_dtype(self.kv_cache_dtype, torch.float32)   # raises, naming kv_cache_dtype
         SpeculativeConfig.parse(self.speculative_config)   # raises, naming speculative_config
+        if self.chat_template is not None:
+            load_chat_template(self.chat_template)   # raises, naming chat_template
         if self.distributed_executor_backend not in (None, *EXECUTOR_BACKENDS):
             raise InvalidParameterError(
                 "distributed_executor_backend", f"distributed_executor_backend must be one of "
@@ -465,6 +470,33 @@ class EngineArgs:
         """The executor that runs the workers: the flag, else "mp" when tp > 1, else "uni"."""
         return self.distributed_executor_backend or (
             "mp" if self.tensor_parallel_size > 1 or self.nnodes > 1 else "uni")
+
+
+def load_chat_template(value: str) -> str:
+    """The Jinja chat template ``value`` names: the text of the file at that path, else
+    ``value`` itself where it holds Jinja markup (as ``vllm serve --chat-template``).
+
+    Raises:
+        InvalidParameterError(param="chat_template"): a path that is not a readable file and
+            not a template, or a template Jinja cannot parse."""
+    import jinja2.sandbox
+
+    if os.path.isfile(value):
+        try:
+            with open(value, encoding="utf-8") as f:
+                text = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise InvalidParameterError("chat_template", f"chat_template: cannot read {value!r}: {e}") from None
+    elif "{{" in value or "{%" in value:
+        text = value
+    else:
+        raise InvalidParameterError("chat_template", f"chat_template: {value!r} is neither a file nor a "
+                                                     "Jinja template ({{ ... }} or {% ... %})")
+    try:   # the environment transformers renders templates in
+        jinja2.sandbox.ImmutableSandboxedEnvironment().parse(text)
+    except jinja2.TemplateSyntaxError as e:
+        raise InvalidParameterError("chat_template", f"chat_template: not a valid Jinja template: {e}") from None
+    return text
 
 
 @dataclass

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import copy
 
-from pagedllm.config import EngineArgs, EngineConfig
+from pagedllm.config import EngineArgs, EngineConfig, load_chat_template
 from pagedllm.engine import chat
 from pagedllm.engine.chat import CHAT_ROLES, normalize_chat_messages  # noqa: F401  (re-exported)
 from pagedllm.engine.core_client import EngineCoreClient
@@ -39,6 +39,8 @@ class LLMEngine:
     def __init__(self, args: EngineArgs, stat_loggers: list | None = None, log_stats: bool = True):
         self.config = EngineConfig.from_args(args)
         self.tokenizer = get_tokenizer(self.config.model_path)
+        if self.config.args.chat_template is not None:   # every copy (tokenizer_copy) inherits it
+            self.tokenizer.chat_template = load_chat_template(self.config.args.chat_template)
         self.eos_token_ids = eos_token_ids(self.tokenizer, self.config.arch.eos_token_ids,
                                            self.config.model_path)
         self.engine_core = EngineCoreClient.make_client(self.config)
