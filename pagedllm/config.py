@@ -479,7 +479,7 @@ def load_chat_template(value: str) -> str:
     Raises:
         InvalidParameterError(param="chat_template"): a path that is not a readable file and
             not a template, or a template Jinja cannot parse."""
-    import jinja2.sandbox
+    import jinja2
 
     if os.path.isfile(value):
         try:
@@ -492,8 +492,16 @@ def load_chat_template(value: str) -> str:
     else:
         raise InvalidParameterError("chat_template", f"chat_template: {value!r} is neither a file nor a "
                                                      "Jinja template ({{ ... }} or {% ... %})")
-    try:   # the environment transformers renders templates in
-        jinja2.sandbox.ImmutableSandboxedEnvironment().parse(text)
+    try:   # compiled as apply_chat_template compiles it (its {% generation %} tag, loop controls)
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+    except ImportError:   # another transformers: plain Jinja with loop controls
+        import jinja2.ext
+        import jinja2.sandbox
+
+        def _compile_jinja_template(t):
+            return jinja2.sandbox.ImmutableSandboxedEnvironment(extensions=[jinja2.ext.loopcontrols]).from_string(t)
+    try:
+        _compile_jinja_template(text)
     except jinja2.TemplateSyntaxError as e:
         raise InvalidParameterError("chat_template", f"chat_template: not a valid Jinja template: {e}") from None
     return text

@@ -31,10 +31,16 @@ def _flag(name: str, default: bool) -> bool:
 LOG_LEVELS = ("CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG")
 
 
+# the other names Python's logging takes for two of them
+_LEVEL_ALIASES = {"WARN": "WARNING", "FATAL": "CRITICAL"}
+
+
 def check_log_level(value: str, name: str) -> str:
-    """``value`` upper-cased if it is one of :data:`LOG_LEVELS` (any case); else a
-    ValueError naming ``name`` (the flag or variable it came from)."""
+    """``value`` upper-cased if it is one of :data:`LOG_LEVELS` (any case; ``warn`` and
+    ``fatal`` as logging takes them), else a ValueError naming ``name`` (the flag or variable
+    it came from)."""
     level = value.strip().upper()
+    level = _LEVEL_ALIASES.get(level, level)
     if level not in LOG_LEVELS:
         raise ValueError(f"{name} must be one of {', '.join(l.lower() for l in LOG_LEVELS)}, got {value!r}")
     return level

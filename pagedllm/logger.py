@@ -39,6 +39,7 @@ def configure_default_logging() -> None:
     log = logging.getLogger(LOGGER_NAME)
     if logging.getLogger().handlers or log.handlers:
         return
+    level = getattr(logging, envs.log_level())   # raises before anything is changed
     log.addHandler(DefaultHandler())
     if log.level == logging.NOTSET:
-        log.setLevel(getattr(logging, envs.log_level()))
+        log.setLevel(level)

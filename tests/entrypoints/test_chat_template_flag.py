@@ -14,6 +14,11 @@ TEMPLATE = "{% for m in messages %}<<{{ m.role }}:{{ m.content }}>>{% endfor %}{
 
 def test_inline_and_file_templates_load(tmp_path):
     assert load_chat_template(TEMPLATE) == TEMPLATE
+    # what HF templates use beyond plain Jinja: loop controls, the {% generation %} tag
+    for t in ("{% for m in messages %}{{ m.content }}{% if loop.index > 1 %}{% break %}{% endif %}{% endfor %}",
+              "{% for m in messages %}{% if m.role == 'user' %}{% continue %}{% endif %}{{ m.content }}{% endfor %}",
+              "{% for m in messages %}{% generation %}{{ m.content }}{% endgeneration %}{% endfor %}"):
+        assert load_chat_template(t) == t
     f = tmp_path / "t.jinja"
     f.write_text(TEMPLATE, encoding="utf-8")
     assert load_chat_template(str(f)) == TEMPLATE

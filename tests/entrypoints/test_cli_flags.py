@@ -44,6 +44,10 @@ def test_bad_log_level_variable_exits_2_naming_it(served, capsys, monkeypatch):
 def test_log_levels_in_any_case(served, monkeypatch):
     monkeypatch.setenv("PAGEDLLM_LOG_LEVEL", "debug")
     assert envs.log_level() == "DEBUG"
+    monkeypatch.setenv("PAGEDLLM_LOG_LEVEL", "warn")    # logging's own other names
+    assert envs.log_level() == "WARNING"
+    monkeypatch.setenv("PAGEDLLM_LOG_LEVEL", "Fatal")
+    assert envs.log_level() == "CRITICAL"
     monkeypatch.setattr(logging, "basicConfig", lambda **kw: None)   # leave pytest's logging alone
     assert cli.main(["--log-level", "Warning", "serve", "--uvicorn-log-level", "INFO"]) == 0
     assert served[0].log_level == "WARNING" and served[0].uvicorn_log_level == "info"

@@ -353,6 +353,13 @@ def test_schema_for_required_hoists_defs():
     other = {**params, "$defs": {"unit": {"enum": ["K"]}}}
     with pytest.raises(InvalidParameterError, match=r"\$defs/unit"):
         tool_choice_json_schema(validate_tools([_tool("a", params), _tool("b", other)]), "required")
+    # draft-07's "definitions" (pydantic v1) likewise
+    old_style = {"type": "object", "properties": {"c": {"$ref": "#/definitions/C"}}, "definitions": {"C": unit}}
+    schema = tool_choice_json_schema(validate_tools([_tool("a", old_style), _tool("b", params)]), "required")
+    assert schema["definitions"] == {"C": unit} and schema["$defs"] == {"unit": unit}
+    from pagedllm.sampling_params import StructuredOutputsParams
+    from pagedllm.structured_output import validate_structured_outputs
+    validate_structured_outputs(StructuredOutputsParams(json=schema))   # the references resolve (else raises)
 
 
 def test_parse_constrained_output():
@@ -450,6 +457,8 @@ def test_render_without_template_support():
     [{"role": "user", "content": "hi"}, {"role": "tool", "tool_call_id": "zzz", "content": "x"}],
     CONVERSATION[:2] + [{"role": "tool", "tool_call_id": "call_zzz", "content": "x"}],
     [{"role": "tool", "tool_call_id": "call_abc", "content": "x"}] + CONVERSATION[:2],   # before the call
+    [{"role": "assistant", "content": None, "tool_calls": [{"id": ["c1"], "type": "function",
+                                                             "function": {"name": "f", "arguments": "{}"}}]}],
 ])
 def test_render_refuses_malformed_tool_messages(messages):
     with pytest.raises(InvalidParameterError) as e:

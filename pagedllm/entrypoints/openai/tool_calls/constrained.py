@@ -25,34 +25,37 @@ def parameters_schema(tool: dict) -> dict:
 def tool_choice_json_schema(tools: list[dict], tool_choice: str | dict,
                             parallel_tool_calls: bool = True) -> dict | None:
     """The JSON schema forcing the calls ``tool_choice`` asks for (see the module doc), or None
-    for ``"none"`` and ``"auto"``. For ``"required"`` each tool's ``$defs`` move to the top.
+    for ``"none"`` and ``"auto"``. For ``"required"`` each tool's ``$defs`` and ``definitions``
+    move to the top, where its ``#/$defs/...`` and ``#/definitions/...`` references look (other
+    references from a tool's root, e.g. ``#/properties/a``, do not resolve there).
 
     Raises:
-        InvalidParameterError(param="tools"): two tools define one ``$defs`` name differently.
+        InvalidParameterError(param="tools"): two tools define one ``$defs`` (or
+            ``definitions``) name differently.
         ValueError: ``tool_choice`` names a function that is not among ``tools``.
     """
     if tool_choice in ("none", "auto"):
         return None
     if isinstance(tool_choice, dict):
         return parameters_schema(_tool(tools, tool_choice["function"]["name"]))
-    defs: dict[str, dict] = {}
+    defs: dict[str, dict[str, dict]] = {}   # section -> name -> schema
     alternatives = []
     for tool in tools:
         name = tool["function"]["name"]
         params = copy.deepcopy(parameters_schema(tool))
-        for key, schema in params.pop("$defs", {}).items():
-            if key in defs and defs[key] != schema:
-                raise InvalidParameterError("tools", f"tools define $defs/{key} differently; with tool_choice "
-                                                     '"required" all tools share one $defs')
-            defs[key] = schema
+        for section in ("$defs", "definitions"):   # 2020-12's name, and draft-07's (pydantic v1)
+            for key, schema in params.pop(section, {}).items():
+                if key in defs.setdefault(section, {}) and defs[section][key] != schema:
+                    raise InvalidParameterError("tools", f"tools define {section}/{key} differently; with "
+                                                         f'tool_choice "required" all tools share one {section}')
+                defs[section][key] = schema
         alternatives.append({"properties": {"name": {"type": "string", "const": name}, "parameters": params},
                              "required": ["name", "parameters"]})
     schema = {"type": "array", "minItems": 1,
               "items": {"type": "object", "anyOf": alternatives}}
     if not parallel_tool_calls:
         schema["maxItems"] = 1
-    if defs:
-        schema["$defs"] = defs
+    schema.update((section, d) for section, d in defs.items() if d)
     return schema
 
 

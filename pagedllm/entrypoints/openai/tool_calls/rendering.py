@@ -143,8 +143,9 @@ def _check_call(i: int, j: int, tc) -> dict:
     where = f"messages[{i}].tool_calls[{j}]"
     fn = tc.get("function") if isinstance(tc, dict) else None
     if (not isinstance(fn, dict) or tc.get("type", "function") != "function"
+            or not isinstance(tc.get("id", ""), str)
             or not isinstance(fn.get("name"), str) or not isinstance(fn.get("arguments"), str)):
-        raise InvalidParameterError("messages", f'{where} must be {{"id": ..., "type": "function", "function": '
+        raise InvalidParameterError("messages", f'{where} must be {{"id": string, "type": "function", "function": '
                                                 '{"name": string, "arguments": string}}')
     return tc
 
