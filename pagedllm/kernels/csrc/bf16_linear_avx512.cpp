@@ -127,13 +127,15 @@ void run(const bf16* x, int64_t M, int64_t K, const char* w, int64_t N, const fl
         const char* wg = w + b * block_bytes;
         const int64_t n0 = b * 16;
         const float* bg = bias ? bias + n0 : nullptr;
+        // the next group of this run, prefetched by the first row tile
+        const int64_t next = b + kMaxBlocks;
+        const char* pf = prefetch && next < b1 ? w + next * block_bytes : nullptr;
+        const int pfn = pf ? static_cast<int>(std::min<int64_t>(kMaxBlocks, b1 - next)) : 0;
         for (int64_t m = m0; m < m1; m += kMaxRows) {
           const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, m1 - m));
-          const int64_t next = b + kMaxBlocks;
-          const bool pf = prefetch && m == m0 && next < b1;
-          tile_any(rows, blocks, x + m * K, K, wg, kp, bg, out + m * N + n0, N,
-                   pf ? w + next * block_bytes : nullptr,
-                   pf ? static_cast<int>(std::min<int64_t>(kMaxBlocks, b1 - next)) : 0);
+          const bool first = m == m0;
+          tile_any(rows, blocks, x + m * K, K, wg, kp, bg, out + m * N + n0, N, first ? pf : nullptr,
+                   first ? pfn : 0);
         }
       }
     }
