@@ -139,14 +139,7 @@ inline void block(const char* a, int64_t lda, const char* b0, const char* b1, in
   if constexpr (MA == 2 && NB == 2) _tile_stored(3, c + 16 * 32 + 16, 128);
 }
 
-using pagedllm::round_bf16x16;
-
-// 16 float32 into out[0, 16) as OutT (float32, or bf16 rounded by vec.h's round_bf16x16).
-template <typename OutT>
-inline void store16(OutT* o, __m512 v) {
-  if constexpr (std::is_same_v<OutT, float>) _mm512_storeu_ps(o, v);
-  else _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), round_bf16x16(v));
-}
+using pagedllm::store16_avx512;   // 16 float32 as OutT (float32, or bf16 rounded by round_bf16x16)
 
 // The stores run() calls: store(c, rows, cols, m, n0) writes rows m .. m+rows-1 and
 // columns n0 .. n0+cols-1 (cols 16 or 32) of the result from the accumulators c (row
@@ -164,7 +157,7 @@ struct StoreBias {
       for (int j = 0; j < cols; j += 16) {
         __m512 v = _mm512_loadu_ps(c + r * 32 + j);
         if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + n0 + j));
-        store16(out + (m + r) * ldo + n0 + j, v);
+        store16_avx512(out + (m + r) * ldo + n0 + j, v);
       }
   }
 };
@@ -208,7 +201,7 @@ struct StoreEpilogue {
           opaque512(v);
           v = _mm512_add_ps(v, _mm512_loadu_ps(bias + n0 + j));
         }
-        store16(out + (m + r) * ldo + n0 + j, v);
+        store16_avx512(out + (m + r) * ldo + n0 + j, v);
       }
     }
   }

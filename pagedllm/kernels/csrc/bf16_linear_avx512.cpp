@@ -27,7 +27,6 @@
 
 #include <algorithm>
 #include <cstring>
-#include <type_traits>
 
 #if defined(__AVX512BF16__) && defined(PAGEDLLM_AVX512)
 #define PAGEDLLM_AVX512_BF16 1
@@ -63,12 +62,6 @@ inline void micro(const bf16* x, int64_t ldx, const char* w, int64_t wstride, in
   }
 }
 
-template <typename OutT>
-inline void store16(OutT* o, __m512 v) {
-  if constexpr (std::is_same_v<OutT, float>) _mm512_storeu_ps(o, v);
-  else _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), pagedllm::round_bf16x16(v));
-}
-
 template <int MR, int NR, typename OutT>
 inline void tile(const bf16* x, int64_t K, const char* w, int64_t kp, const float* bias, OutT* out,
                  int64_t ldo, const char* pf, int pfn) {
@@ -78,7 +71,7 @@ inline void tile(const bf16* x, int64_t K, const char* w, int64_t kp, const floa
     for (int j = 0; j < NR; ++j) {
       __m512 v = acc[i][j];
       if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + 16 * j));
-      store16(out + i * ldo + 16 * j, v);
+      pagedllm::store16_avx512(out + i * ldo + 16 * j, v);
     }
 }
 

@@ -168,9 +168,7 @@ struct Epilogue {
     for (int r = 0; r < R; ++r) {
       const __m512 v = pagedllm::w8a8_epilogue16(_mm512_cvtepi32_ps(acc[r]), cp, w, _mm512_set1_ps(rs[m + r]),
                                                  bias ? &b : nullptr);
-      OutT* o = out + (m + r) * ldo + n0;
-      if constexpr (std::is_same_v<OutT, float>) _mm512_storeu_ps(o, v);
-      else _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), pagedllm::round_bf16x16(v));
+      pagedllm::store16_avx512(out + (m + r) * ldo + n0, v);
     }
   }
 #endif

@@ -274,6 +274,12 @@ inline __m512i round_bf16_high16(__m512 v) {
 }
 // 16 float32 -> 16 bf16, rounded as from_f32.
 inline __m256i round_bf16x16(__m512 v) { return _mm512_cvtepi32_epi16(_mm512_srli_epi32(round_bf16_high16(v), 16)); }
+// 16 float32 into p[0, 16): as they are, or as bf16 rounded by round_bf16x16 (the 16-lane
+// twin of store8_avx).
+inline void store16_avx512(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+inline void store16_avx512(bf16* p, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), round_bf16x16(v));
+}
 
 // w8a8_epilogue8 on 16 sums, the same operations lane for lane (so the same bits), with the
 // 16 columns' comp, ws and bias already loaded (the caller loads them once for its rows).
