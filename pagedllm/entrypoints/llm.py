@@ -6,6 +6,8 @@ from collections.abc import Sequence
 
 from pagedllm.config import EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.entrypoints.openai.chat_tools import render_chat_tools
+from pagedllm.entrypoints.openai.tool_calls import validate_tools
 from pagedllm.errors import InvalidParameterError
 from pagedllm.logger import configure_default_logging
 from pagedllm.outputs import RequestOutput
@@ -85,18 +87,28 @@ class LLM:
     def chat(self, messages, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True,
              chat_template: str | None = None, cache_salt: str | None = None,
-             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict | None = None, tools: list[dict] | None = None) -> list[RequestOutput]:
         """Replies to one conversation (a list of {"role", "content"} dicts) or a list of them,
         rendered with the model's chat template (or ``chat_template``) and
         ``chat_template_kwargs``.
 
+        ``tools`` (OpenAI function tools, as in a chat request) and the conversations' tool
+        turns (assistant ``tool_calls``, ``tool`` results) are rendered as the server renders
+        them: through the template's ``tools`` variable, or as Hermes text where the template
+        has none. Calls are not parsed out of the outputs.
+
         Raises:
-            ValueError: malformed messages or chat_template_kwargs, or no chat template; nothing
-                is queued then.
+            ValueError: malformed messages, tools (naming ``tools``), tool turns or
+                chat_template_kwargs, or no chat template; nothing is queued then.
         """
+        checked = validate_tools(tools)
+        template = chat_template if chat_template is not None else self.llm_engine.tokenizer.chat_template
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        ids = [self.llm_engine.apply_chat_template(c, add_generation_prompt, chat_template, chat_template_kwargs)
-               for c in convs]
+        ids = []
+        for conv in convs:
+            conv, tools_kw, _, _ = render_chat_tools(conv, checked, template)
+            ids.append(self.llm_engine.apply_chat_template(conv, add_generation_prompt, chat_template,
+                                                           chat_template_kwargs, tools_kw))
         return self.generate([{"prompt_token_ids": i} for i in ids], sampling_params, use_tqdm, cache_salt)
 
     def _run(self, prompts, params, use_tqdm: bool) -> list[RequestOutput]:

@@ -230,3 +230,37 @@ def test_chat_message_errors_offline(llm, check_usable):
     with pytest.raises(ValueError, match="chat_template_kwargs"):
         llm.chat([{"role": "user", "content": "hi"}], greedy(1), use_tqdm=False,
                  chat_template_kwargs={"self": 1})
+
+
+def test_chat_tools_offline(llm, check_usable):
+    """LLM.chat(tools=...) renders tools and tool turns as the server does (this model's
+    template has no ``tools``: the Hermes system prompt and <tool_response> text), and refuses
+    a bad tool or an unanswered tool result as a ValueError naming the field."""
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                               "parameters": {"type": "object",
+                                                              "properties": {"city": {"type": "string"}}}}}]
+    turns = [{"role": "user", "content": "Weather in Paris?"},
+             {"role": "assistant", "content": None, "tool_calls": [
+                 {"id": "call_1", "type": "function",
+                  "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+             {"role": "tool", "tool_call_id": "call_1", "content": "18 C, sunny"}]
+    out = llm.chat(turns, greedy(1), use_tqdm=False, tools=tools)[0]
+    prompt = llm.get_tokenizer().decode(out.prompt_token_ids)
+    assert "<tools>" in prompt and '"name": "get_weather"' in prompt
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in prompt
+    assert '<tool_response>\n{"name": "get_weather", "tool_call_id": "call_1", "content": "18 C, sunny"}' in prompt
+    assert len(out.outputs[0].token_ids) == 1
+    # Without tools the turns are still rendered as text, with no tools prompt.
+    plain = llm.get_tokenizer().decode(llm.chat(turns, greedy(1), use_tqdm=False)[0].prompt_token_ids)
+    assert "<tools>" not in plain and "<tool_response>" in plain
+    with pytest.raises(ValueError, match=r"tools\[0\].type must be \"function\""):
+        llm.chat(turns[:1], greedy(1), use_tqdm=False, tools=[{"type": "web_search"}])
+    with pytest.raises(ValueError, match=r"messages\[1\].tool_call_id 'call_9' matches no tool_calls"):
+        llm.chat([turns[0], {"role": "tool", "tool_call_id": "call_9", "content": "x"}], greedy(1),
+                 use_tqdm=False)
+    try:
+        llm.chat(turns[:1], greedy(1), use_tqdm=False, tools="nope")
+    except ValueError as e:
+        assert e.param == "tools"
+    else:
+        raise AssertionError("tools='nope' was accepted")
