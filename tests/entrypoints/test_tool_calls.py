@@ -342,24 +342,50 @@ def test_schema_for_required():
     assert tool_choice_json_schema(tools, "required", parallel_tool_calls=False)["maxItems"] == 1
 
 
-def test_schema_for_required_hoists_defs():
+def test_schema_for_required_reroots_references():
+    """Under "required" each tool's local references are re-rooted where its schema sits,
+    so $defs, draft-07 definitions, #/properties/... and # itself resolve; two tools may use
+    one $defs name for different schemas; values under const/enum/default are data."""
     unit = {"enum": ["C", "F"]}
     params = {"type": "object", "properties": {"u": {"$ref": "#/$defs/unit"}}, "$defs": {"unit": unit}}
-    tools = validate_tools([_tool("a", params), _tool("b", params)])
-    schema = tool_choice_json_schema(tools, "required")
-    assert schema["$defs"] == {"unit": unit}
-    assert "$defs" not in schema["items"]["anyOf"][0]["properties"]["parameters"]
-    assert "$defs" in tools[0]["function"]["parameters"]    # input not modified
     other = {**params, "$defs": {"unit": {"enum": ["K"]}}}
-    with pytest.raises(InvalidParameterError, match=r"\$defs/unit"):
-        tool_choice_json_schema(validate_tools([_tool("a", params), _tool("b", other)]), "required")
-    # draft-07's "definitions" (pydantic v1) likewise
-    old_style = {"type": "object", "properties": {"c": {"$ref": "#/definitions/C"}}, "definitions": {"C": unit}}
-    schema = tool_choice_json_schema(validate_tools([_tool("a", old_style), _tool("b", params)]), "required")
-    assert schema["definitions"] == {"C": unit} and schema["$defs"] == {"unit": unit}
+    old_style = {"type": "object", "properties": {"c": {"$ref": "#/definitions/C"},
+                                                  "d": {"$ref": "#/properties/c"},
+                                                  "default": {"$ref": "#/properties/c"}},
+                 "definitions": {"C": {"type": "integer"}}, "required": ["c", "d"],
+                 "default": {"$ref": "#/not/a/schema"}}
+    tree = {"type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#"}}},
+            "required": ["kids"], "additionalProperties": False}
+    tools = validate_tools([_tool("a", params), _tool("b", other), _tool("c", old_style), _tool("t", tree)])
+    schema = tool_choice_json_schema(tools, "required")
+    alts = [a["properties"]["parameters"] for a in schema["items"]["anyOf"]]
+    assert alts[0]["properties"]["u"] == {"$ref": "#/items/anyOf/0/properties/parameters/$defs/unit"}
+    assert alts[1]["properties"]["u"] == {"$ref": "#/items/anyOf/1/properties/parameters/$defs/unit"}
+    assert alts[2]["properties"]["d"] == {"$ref": "#/items/anyOf/2/properties/parameters/properties/c"}
+    assert alts[2]["properties"]["default"] == alts[2]["properties"]["d"]   # a property named "default"
+    assert alts[2]["default"] == {"$ref": "#/not/a/schema"}                  # data, left as it is
+    assert alts[3]["properties"]["kids"]["items"] == {"$ref": "#/items/anyOf/3/properties/parameters"}
+    assert tools[0]["function"]["parameters"] == params    # input not modified
     from pagedllm.sampling_params import StructuredOutputsParams
     from pagedllm.structured_output import validate_structured_outputs
     validate_structured_outputs(StructuredOutputsParams(json=schema))   # the references resolve (else raises)
+    # What the grammar takes: each tool's own $defs/unit, its own #/properties/c, recursion.
+    import json
+
+    import xgrammar as xgr
+    tok = xgr.TokenizerInfo([chr(i) for i in range(32, 127)])
+    matcher = xgr.GrammarMatcher(xgr.GrammarCompiler(tok).compile_json_schema(json.dumps(schema)))
+
+    def accepts(value) -> bool:
+        matcher.reset()
+        return all(matcher.accept_string(ch) for ch in json.dumps([value], separators=(",", ":")))
+    assert accepts({"name": "a", "parameters": {"u": "F"}})
+    assert not accepts({"name": "a", "parameters": {"u": "K"}})
+    assert accepts({"name": "b", "parameters": {"u": "K"}})
+    assert accepts({"name": "c", "parameters": {"c": 1, "d": 2}})
+    assert not accepts({"name": "c", "parameters": {"c": 1, "d": "x"}})
+    assert accepts({"name": "t", "parameters": {"kids": [{"kids": []}]}})
+    assert not accepts({"name": "t", "parameters": {"kids": [{"kids": [1]}]}})
 
 
 def test_parse_constrained_output():

@@ -9,7 +9,6 @@ import json
 
 from pagedllm.entrypoints.openai.tool_calls.calls import ToolCall, new_tool_call_id
 from pagedllm.entrypoints.openai.tool_calls.request import EMPTY_PARAMETERS
-from pagedllm.errors import InvalidParameterError
 
 
 class ConstrainedOutputError(ValueError):
@@ -25,38 +24,56 @@ def parameters_schema(tool: dict) -> dict:
 def tool_choice_json_schema(tools: list[dict], tool_choice: str | dict,
                             parallel_tool_calls: bool = True) -> dict | None:
     """The JSON schema forcing the calls ``tool_choice`` asks for (see the module doc), or None
-    for ``"none"`` and ``"auto"``. For ``"required"`` each tool's ``$defs`` and ``definitions``
-    move to the top, where its ``#/$defs/...`` and ``#/definitions/...`` references look (other
-    references from a tool's root, e.g. ``#/properties/a``, do not resolve there).
+    for ``"none"`` and ``"auto"``. For ``"required"`` each tool's schema sits inside the array's
+    ``anyOf``, so its local references (``#``, ``#/$defs/...``, ``#/definitions/...``,
+    ``#/properties/...``) are re-rooted there and resolve as they did in the tool alone;
+    two tools may define one ``$defs`` name differently.
 
     Raises:
-        InvalidParameterError(param="tools"): two tools define one ``$defs`` (or
-            ``definitions``) name differently.
         ValueError: ``tool_choice`` names a function that is not among ``tools``.
     """
     if tool_choice in ("none", "auto"):
         return None
     if isinstance(tool_choice, dict):
         return parameters_schema(_tool(tools, tool_choice["function"]["name"]))
-    defs: dict[str, dict[str, dict]] = {}   # section -> name -> schema
     alternatives = []
-    for tool in tools:
-        name = tool["function"]["name"]
-        params = copy.deepcopy(parameters_schema(tool))
-        for section in ("$defs", "definitions"):   # 2020-12's name, and draft-07's (pydantic v1)
-            for key, schema in params.pop(section, {}).items():
-                if key in defs.setdefault(section, {}) and defs[section][key] != schema:
-                    raise InvalidParameterError("tools", f"tools define {section}/{key} differently; with "
-                                                         f'tool_choice "required" all tools share one {section}')
-                defs[section][key] = schema
-        alternatives.append({"properties": {"name": {"type": "string", "const": name}, "parameters": params},
+    for i, tool in enumerate(tools):
+        root = f"#/items/anyOf/{i}/properties/parameters"
+        params = _rerooted(parameters_schema(tool), root)
+        alternatives.append({"properties": {"name": {"type": "string", "const": tool["function"]["name"]},
+                                            "parameters": params},
                              "required": ["name", "parameters"]})
     schema = {"type": "array", "minItems": 1,
               "items": {"type": "object", "anyOf": alternatives}}
     if not parallel_tool_calls:
         schema["maxItems"] = 1
-    schema.update((section, d) for section, d in defs.items() if d)
     return schema
+
+
+# Keywords whose values are instances, not schemas (a "$ref" key inside them is data), and
+# those whose values map names (which may be any string, "const" too) to schemas.
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
+_NAMED_SCHEMAS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
+
+
+def _rerooted(schema, root: str):
+    """A copy of ``schema`` with every local ``$ref`` (``#`` or ``#/<pointer>``) prefixed by the
+    JSON pointer ``root`` (``#/...``), where the schema will sit in a larger document."""
+    if isinstance(schema, list):
+        return [_rerooted(v, root) for v in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and (value == "#" or value.startswith("#/")):
+            out[key] = root + value[1:]
+        elif key in _DATA_KEYWORDS:
+            out[key] = copy.deepcopy(value)
+        elif key in _NAMED_SCHEMAS and isinstance(value, dict):
+            out[key] = {name: _rerooted(sub, root) for name, sub in value.items()}
+        else:
+            out[key] = _rerooted(value, root)
+    return out
 
 
 def parse_constrained_output(text: str, tools: list[dict], tool_choice: str | dict) -> list[ToolCall]:
