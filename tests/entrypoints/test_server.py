@@ -429,6 +429,30 @@ def test_request_chat_template_needs_trust(server):
     assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template", r.text
 
 
+def test_tokenize_chat_template_needs_trust(server):
+    """/tokenize takes a request chat_template under --trust-request-chat-template, as chat
+    does, and counts what chat would prompt with; without the flag, or with a prompt, a 400."""
+    body = {"messages": [{"role": "user", "content": "Hello there"}], "chat_template": _CONTENT_ONLY_TEMPLATE}
+    r = httpx.post(f"{server.url}/tokenize", json=body, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template", r.text
+    assert "--trust-request-chat-template" in r.json()["error"]["message"]
+    app = build_app(server.engine, trust_request_chat_template=True)
+
+    async def post(path, b):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://app") as c:
+            return await c.post(path, json=b, timeout=60)
+
+    r = asyncio.run(post("/tokenize", body))
+    assert r.status_code == 200, r.text
+    assert r.json()["tokens"] == server.engine.tokenizer.encode("Hello there", add_special_tokens=False)
+    chat = asyncio.run(post("/v1/chat/completions", {**_body(server, "chat"), **body}))
+    assert chat.json()["usage"]["prompt_tokens"] == r.json()["count"]
+    for bad, param in [({**body, "chat_template": "{% for m in messages %}"}, "chat_template"),
+                       ({"prompt": "Hello", "chat_template": _CONTENT_ONLY_TEMPLATE}, "chat_template")]:
+        r = asyncio.run(post("/tokenize", bad))
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
 def test_chat_template_kwargs(server):
     """chat_template_kwargs reach the template as variables (vLLM's field); a template that
     does not use one ignores it; names the renderer owns and non-objects are a 400."""

@@ -66,7 +66,7 @@ def build_app(engine: AsyncLLM, prometheus=None, trust_request_chat_template: bo
     state.openai_serving_completion = OpenAIServingCompletion(engine, models, admission)
     state.openai_serving_chat = chat
     state.openai_serving_responses = OpenAIServingResponses(engine, models, chat, admission)
-    state.openai_serving_tokenization = OpenAIServingTokenization(engine, models)
+    state.openai_serving_tokenization = OpenAIServingTokenization(engine, models, chat.trust_request_chat_template)
     state.anthropic_serving_messages = AnthropicServingMessages(engine, models, admission, chat)
     # each on the app itself: app.routes lists them (include_router nests them)
     for route in [*router.routes, *anthropic_router.routes]:

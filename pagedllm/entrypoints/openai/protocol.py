@@ -313,13 +313,14 @@ _JSON_TYPES = {type(None): ("null", "null"), bool: ("a boolean", "booleans"),
 class TokenizeRequest(_Strict):
     """``POST /tokenize`` (vLLM's): ``prompt`` (text), or ``messages`` rendered as a chat
     request with the same fields would render them. ``add_special_tokens`` applies to
-    ``prompt`` only."""
+    ``prompt`` only; ``chat_template`` only under ``--trust-request-chat-template``."""
 
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_generation_prompt: bool = True
     add_special_tokens: bool = True
+    chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     tools: Any = None
 

@@ -10,36 +10,48 @@ from pagedllm.errors import EngineDeadError, InvalidParameterError, check_unicod
 
 
 class OpenAIServingTokenization(OpenAIServing):
-    """The tokenizer routes (``OpenAIServing``'s arguments; no admission)."""
+    """The tokenizer routes (``OpenAIServing``'s arguments; no admission).
+    ``trust_request_chat_template``: ``--trust-request-chat-template``, as for chat."""
+
+    def __init__(self, engine, models, trust_request_chat_template: bool = False):
+        super().__init__(engine, models)
+        self.trust_request_chat_template = trust_request_chat_template
 
     async def create_tokenize(self, body: TokenizeRequest):
         """``{"count", "max_model_len", "tokens"}``, or a 404 for another model.
 
         Raises:
             InvalidParameterError: neither or both of ``prompt`` and ``messages``; a chat
-                field with ``prompt``; a bad message, tool or template variable.
+                field with ``prompt``; a bad message, tool, template or template variable;
+                ``chat_template`` without ``--trust-request-chat-template``.
         """
         if (r := self.models.check_model(body.model)) is not None:
             return r
         engine = self.engine
         if (body.prompt is None) == (body.messages is None):
             raise InvalidParameterError("prompt", "give exactly one of prompt and messages")
+        if body.chat_template is not None and not self.trust_request_chat_template:
+            raise InvalidParameterError(
+                "chat_template", "chat_template in a request is refused: start the server with "
+                                 "--trust-request-chat-template to allow it")
         if body.messages is not None:
             tools = validate_tool_request(body.tools).tools
-            messages, tools_kw, _, _ = render_chat_tools([m.model_dump() for m in body.messages], tools,
-                                                         getattr(engine.tokenizer, "chat_template", None))
+            template = body.chat_template or getattr(engine.tokenizer, "chat_template", None)
+            messages, tools_kw, _, _ = render_chat_tools([m.model_dump() for m in body.messages], tools, template)
             try:
-                ids = await engine.apply_chat_template(messages, body.add_generation_prompt, None,
+                ids = await engine.apply_chat_template(messages, body.add_generation_prompt, body.chat_template,
                                                        body.chat_template_kwargs, tools_kw)
             except (InvalidParameterError, EngineDeadError):
                 raise
-            except ValueError as e:
-                raise InvalidParameterError("chat_template_kwargs" if body.chat_template_kwargs else "messages",
-                                            str(e)) from e
+            except Exception as e:   # as chat: the engine's ValueErrors say what failed
+                raise InvalidParameterError(
+                    "chat_template" if body.chat_template is not None
+                    else "chat_template_kwargs" if body.chat_template_kwargs else "messages",
+                    str(e) if isinstance(e, ValueError) else f"cannot apply the chat template: {e}") from e
         else:
             # the chat fields shape a rendered conversation; with a bare prompt they
             # would be silently ignored
-            for field in ("tools", "chat_template_kwargs", "add_generation_prompt"):
+            for field in ("tools", "chat_template", "chat_template_kwargs", "add_generation_prompt"):
                 if field in body.model_fields_set:
                     raise InvalidParameterError(field, f"{field} applies only with messages, not with prompt")
             check_unicode("prompt", body.prompt)
