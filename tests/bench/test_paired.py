@@ -79,6 +79,7 @@ def test_engines_take_turns_and_tally_their_own_steps():
         run_paired(llms[:1], prompts, sp, rounds=1, interleave_steps=1)
 
 
+@pytest.mark.slow   # ~14 s: whole engines (fast-tier budget)
 def test_throughput_cli_reports_each_round(tmp_path, capsys):
     from pagedllm.entrypoints.cli import build_parser
 
@@ -118,6 +119,7 @@ def test_the_cli_takes_the_flags_after_a_space_and_checks_them_before_loading(mo
     assert "--max-num-seqs: must be a positive int" in err and "--compare-args" not in err   # the first engine's
 
 
+@pytest.mark.slow   # ~11 s: whole engines (fast-tier budget)
 def test_an_engine_that_fails_is_named_and_profiling_is_refused(capsys):
     """An engine that cannot load, or cannot take the prompts, is named in the error (the
     command's engine or --compare-args's); --profile-dir is refused before anything loads."""

@@ -4,8 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-from engine_helpers import REF_TOKENS, engine_core, engine_leaks, greedy
+from engine_helpers import REF_TOKENS, engine_core, engine_leaks, greedy, run_alone
 from pagedllm import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def greedy_alone(llm, mixed_prompts):
+    """The session's ``greedy_alone`` for the three prompts used here: each generated alone
+    on the main engine with an empty prefix cache (the 32 of conftest's take ~25 s)."""
+    llm.reset_prefix_cache()
+    return run_alone(llm, mixed_prompts[:3], greedy(REF_TOKENS))
 
 
 @pytest.fixture
