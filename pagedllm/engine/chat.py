@@ -63,8 +63,9 @@ def apply_chat_template(tokenizer, messages: list[dict], add_generation_prompt: 
     Raises:
         ValueError: the tokenizer has no chat template and none is given, or it fails to
             render.
-        InvalidParameterError: malformed ``messages`` (see normalize_chat_messages);
-            ``chat_template_kwargs`` is not an object with string keys, sets a name in
+        InvalidParameterError: malformed ``messages`` (see normalize_chat_messages); an empty
+            (or non-string) ``chat_template``; ``chat_template_kwargs`` is not an object with
+            string keys, sets a name in
             RESERVED_TEMPLATE_KWARGS, or names an argument the renderer rejects.
     """
     messages = normalize_chat_messages(messages)
@@ -77,6 +78,8 @@ def apply_chat_template(tokenizer, messages: list[dict], add_generation_prompt: 
     if reserved:
         raise InvalidParameterError("chat_template_kwargs",
                                     f"chat_template_kwargs may not set {', '.join(reserved)}")
+    if chat_template is not None and (not isinstance(chat_template, str) or not chat_template.strip()):
+        raise InvalidParameterError("chat_template", "chat_template must be a non-empty Jinja template")
     if chat_template is None and not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model has no chat template; use the completions endpoint")
     try:

@@ -105,10 +105,15 @@ class LLM:
         template = chat_template if chat_template is not None else self.llm_engine.tokenizer.chat_template
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         ids = []
-        for conv in convs:
-            conv, tools_kw, _, _ = render_chat_tools(conv, checked, template)
-            ids.append(self.llm_engine.apply_chat_template(conv, add_generation_prompt, chat_template,
-                                                           chat_template_kwargs, tools_kw))
+        for k, conv in enumerate(convs):
+            try:
+                conv, tools_kw, _, _ = render_chat_tools(conv, checked, template)
+                ids.append(self.llm_engine.apply_chat_template(conv, add_generation_prompt, chat_template,
+                                                               chat_template_kwargs, tools_kw))
+            except InvalidParameterError as e:
+                if len(convs) == 1:
+                    raise
+                raise InvalidParameterError(e.param, f"conversation {k}: {e}") from e
         return self.generate([{"prompt_token_ids": i} for i in ids], sampling_params, use_tqdm, cache_salt)
 
     def _run(self, prompts, params, use_tqdm: bool) -> list[RequestOutput]:

@@ -266,9 +266,26 @@ def test_chat_tools_offline(llm, check_usable):
     with pytest.raises(ValueError, match=r"messages\[1\].tool_call_id 'call_9' matches no tool_calls"):
         llm.chat([turns[0], {"role": "tool", "tool_call_id": "call_9", "content": "x"}], greedy(1),
                  use_tqdm=False)
-    try:
-        llm.chat(turns[:1], greedy(1), use_tqdm=False, tools="nope")
-    except ValueError as e:
-        assert e.param == "tools"
-    else:
-        raise AssertionError("tools='nope' was accepted")
+    deep: dict = {"type": "object", "properties": {}}
+    for _ in range(5000):
+        deep = {"type": "object", "properties": {"x": deep}}
+    deep_tool = [{"type": "function", "function": {"name": "f", "parameters": deep}}]
+    for bad in ("nope", deep_tool):
+        try:
+            llm.chat(turns[:1], greedy(1), use_tqdm=False, tools=bad)
+        except ValueError as e:
+            assert e.param == "tools", e
+        else:
+            raise AssertionError(f"tools={str(bad)[:20]} was accepted")
+    # A list of conversations: the one at fault is named.
+    with pytest.raises(ValueError, match=r"conversation 1: messages\[1\].tool_call_id"):
+        llm.chat([turns, [turns[0], {"role": "tool", "tool_call_id": "zz", "content": "x"}]], greedy(1),
+                 use_tqdm=False)
+    # An empty template is refused by name, not rendered as an empty prompt.
+    for empty in ("", "  \n"):
+        try:
+            llm.chat(turns[:1], greedy(1), use_tqdm=False, chat_template=empty)
+        except ValueError as e:
+            assert e.param == "chat_template" and "non-empty" in str(e), e
+        else:
+            raise AssertionError("an empty chat_template was accepted")

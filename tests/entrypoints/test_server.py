@@ -447,7 +447,10 @@ def test_tokenize_chat_template_needs_trust(server):
     assert r.json()["tokens"] == server.engine.tokenizer.encode("Hello there", add_special_tokens=False)
     chat = asyncio.run(post("/v1/chat/completions", {**_body(server, "chat"), **body}))
     assert chat.json()["usage"]["prompt_tokens"] == r.json()["count"]
+    r = asyncio.run(post("/v1/chat/completions", {**_body(server, "chat"), **body, "chat_template": ""}))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template", r.text
     for bad, param in [({**body, "chat_template": "{% for m in messages %}"}, "chat_template"),
+                       ({**body, "chat_template": ""}, "chat_template"),
                        ({"prompt": "Hello", "chat_template": _CONTENT_ONLY_TEMPLATE}, "chat_template")]:
         r = asyncio.run(post("/tokenize", bad))
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text

@@ -365,6 +365,12 @@ def test_schema_for_required_reroots_references():
     assert alts[2]["properties"]["default"] == alts[2]["properties"]["d"]   # a property named "default"
     assert alts[2]["default"] == {"$ref": "#/not/a/schema"}                  # data, left as it is
     assert alts[3]["properties"]["kids"]["items"] == {"$ref": "#/items/anyOf/3/properties/parameters"}
+    # draft-07 "dependencies" maps property names (here "default") to schemas
+    dep = {"type": "object", "properties": {"default": {}}, "dependencies": {"default": {"$ref": "#/$defs/T"}},
+           "$defs": {"T": {"required": ["default"]}}}
+    (alt,) = tool_choice_json_schema(validate_tools([_tool("d", dep)]), "required")["items"]["anyOf"]
+    assert alt["properties"]["parameters"]["dependencies"]["default"] == {
+        "$ref": "#/items/anyOf/0/properties/parameters/$defs/T"}
     assert tools[0]["function"]["parameters"] == params    # input not modified
     from pagedllm.sampling_params import StructuredOutputsParams
     from pagedllm.structured_output import validate_structured_outputs

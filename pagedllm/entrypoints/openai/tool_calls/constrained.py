@@ -53,7 +53,8 @@ def tool_choice_json_schema(tools: list[dict], tool_choice: str | dict,
 # Keywords whose values are instances, not schemas (a "$ref" key inside them is data), and
 # those whose values map names (which may be any string, "const" too) to schemas.
 _DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
-_NAMED_SCHEMAS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
+_NAMED_SCHEMAS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas",
+                            "dependencies"})
 
 
 def _rerooted(schema, root: str):

@@ -42,13 +42,17 @@ def validate_tools(tools) -> list[dict]:
     Raises:
         InvalidParameterError(param="tools"): not an array of function tools; unknown keys; a
             name not matching ``^[a-zA-Z0-9_-]{1,64}$`` or repeated; a non-string description;
-            parameters that are not an object schema; a non-boolean strict.
+            parameters that are not an object schema; a non-boolean strict; nesting deeper
+            than Python's recursion limit allows walking.
     """
     if tools is None:
         return []
     if not isinstance(tools, list):
         raise InvalidParameterError("tools", "tools must be an array of tools")
-    check_unicode_json("tools", tools)
+    try:
+        check_unicode_json("tools", tools)
+    except RecursionError:   # JSON over HTTP cannot nest this deep; a Python caller's can
+        raise InvalidParameterError("tools", "tools are nested too deeply") from None
     out, seen = [], set()
     for i, tool in enumerate(tools):
         where = f"tools[{i}]"
