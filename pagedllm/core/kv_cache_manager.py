@@ -152,9 +152,12 @@ class KVCacheManager:
             if not any(tables):
                 del self.req_blocks[req.request_id]
             return None
+        # Every group's hits leave the free queue before any group takes new blocks: taking
+        # them group by group let one group's new blocks evict a later group's hit.
+        for h in hits:
+            self.pool.touch(b for b in h if b is not self.null_block)
         new_blocks = []
         for t, h, need in zip(tables, hits, needs):
-            self.pool.touch(b for b in h if b is not self.null_block)
             t.extend(h)
             got = self.pool.get_new_blocks(need) if need > 0 else []
             t.extend(got)

@@ -164,3 +164,34 @@ def test_blocks_needed_is_ceil(n):
     kv = KVCacheManager(num_blocks=8, block_size=BS, enable_caching=False)
     kv.allocate_slots(req("a", list(range(n))), n)
     assert len(kv.get_block_ids("a")) == -(-n // BS)
+
+
+@pytest.mark.parametrize("spare", range(1, 6))
+def test_a_hit_of_one_group_is_never_another_groups_new_block(spare):
+    """A full-attention group and a sliding-window group (Gemma 3's layout). Request a's
+    blocks are freed, then the never-used blocks are taken and given back behind them, so a's
+    cached blocks head the free queue: group 0's first new blocks for b (a's prompt and more)
+    come from there, right before group 1's hits (a's blocks 3 and 4 in group 1). Every
+    group's hits must leave the queue before any group takes new blocks, or group 1's hit is
+    handed to group 0 as new (one block in two places: the helper's Gemma 3 repro)."""
+    kv = KVCacheManager(num_blocks=13 + spare, block_size=BS, sliding_windows=[None, 32])
+    prompt = list(range(2000, 2000 + 5 * BS + 3))        # 5 full blocks and 3 tokens
+    a = req("a", prompt)
+    admit(kv, a)
+    kv.free(a)                                            # 12 blocks, cached ones at ref 0
+    fillers = []
+    while kv.num_free_blocks > 12:                        # the never-used blocks...
+        f = req(f"f{len(fillers)}", list(range(5000 + 100 * len(fillers), 5000 + 100 * len(fillers) + 8)))
+        assert kv.allocate_slots(f, f.num_tokens) is not None
+        fillers.append(f)
+    for f in fillers:                                     # ...go back behind a's
+        kv.free(f)
+    b = req("b", prompt + list(range(9000, 9000 + 2 * BS)))
+    hit_blocks, n_hit = kv.get_computed_blocks(b)
+    assert n_hit == 5 * BS
+    assert kv.allocate_slots(b, b.num_tokens - n_hit, hit_blocks, n_hit) is not None
+    tables = kv.get_group_block_ids("b")
+    ids = [bid for t in tables for bid in t if bid != kv.null_block.block_id]
+    assert len(ids) == len(set(ids)), f"a block in two places: {tables}"
+    assert tables[1][3:5] == [blk.block_id for blk in hit_blocks[1][3:5]]
+    assert kv.num_free_blocks == spare - 1                # 2 x 8 entries, 3 null, 7 hits: 6 new
