@@ -65,8 +65,8 @@ def apply_chat_template(tokenizer, messages: list[dict], add_generation_prompt: 
             render.
         InvalidParameterError: malformed ``messages`` (see normalize_chat_messages); an empty
             (or non-string) ``chat_template``; ``chat_template_kwargs`` is not an object with
-            string keys, sets a name in
-            RESERVED_TEMPLATE_KWARGS, or names an argument the renderer rejects.
+            string keys, sets a name in RESERVED_TEMPLATE_KWARGS, or names an argument the
+            renderer rejects.
     """
     messages = normalize_chat_messages(messages)
     if not isinstance(chat_template_kwargs, (dict, type(None))) or not all(
