@@ -18,7 +18,7 @@ from pagedllm.entrypoints.openai.responses import chat_logprobs, prompt_logprobs
 from pagedllm.entrypoints.openai.serving_engine import SSE_DONE, OpenAIServing, sse_error, sse_event
 from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
 from pagedllm.entrypoints.openai.tool_calls import get_tool_parser
-from pagedllm.errors import EngineDeadError, InvalidParameterError
+from pagedllm.errors import InvalidParameterError
 from pagedllm.sampling_params import MAX_N, SamplingParams
 
 
@@ -59,10 +59,7 @@ class OpenAIServingChat(OpenAIServing):
         """
         if (r := self.models.check_model(body.model)) is not None:
             return r
-        if body.chat_template is not None and not self.trust_request_chat_template:
-            raise InvalidParameterError(
-                "chat_template", "chat_template in a request is refused: start the server with "
-                                 "--trust-request-chat-template to allow it")
+        self.check_request_chat_template(body.chat_template, self.trust_request_chat_template)
         body.check_supported()
         if (r := self.admit(raw, min(max(body.n, 1), MAX_N))) is not None:
             return r
@@ -119,16 +116,8 @@ class OpenAIServingChat(OpenAIServing):
         # Checked and reduced to string content by the engine (normalize_chat_messages).
         messages = [m.model_dump() for m in body.messages]   # extra keys (name, ...) reach the template
         messages, tools_kw = tools.render(messages)
-        try:
-            return await self.engine.apply_chat_template(messages, body.add_generation_prompt, body.chat_template,
-                                                         body.chat_template_kwargs, tools_kw)
-        except (InvalidParameterError, EngineDeadError):
-            raise
-        except Exception as e:  # the engine's ValueErrors already say what failed
-            raise InvalidParameterError(
-                "chat_template" if body.chat_template is not None
-                else "chat_template_kwargs" if body.chat_template_kwargs else "messages",
-                str(e) if isinstance(e, ValueError) else f"cannot apply the chat template: {e}") from e
+        return await self.render_chat(messages, body.add_generation_prompt, body.chat_template,
+                                      body.chat_template_kwargs, tools_kw)
 
     async def _full(self, stream, rid: str, created: int, params, tools: ChatTools, think: ChatReasoning,
                     raw_state) -> dict:

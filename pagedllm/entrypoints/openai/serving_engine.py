@@ -16,6 +16,7 @@ from pagedllm.engine.async_llm import AsyncLLM, RequestStream
 from pagedllm.entrypoints.openai.admission import AdmissionControl
 from pagedllm.entrypoints.openai.errors import error_response, stream_error_body
 from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
+from pagedllm.errors import EngineDeadError, InvalidParameterError
 from pagedllm.outputs import RequestOutput
 
 logger = logging.getLogger("pagedllm")
@@ -45,6 +46,36 @@ class OpenAIServing:
         self.engine = engine
         self.models = models
         self.admission = admission
+
+    @staticmethod
+    def check_request_chat_template(chat_template: str | None, trusted: bool) -> None:
+        """Raises InvalidParameterError(param="chat_template") for a request's own template
+        when the server was not started with ``--trust-request-chat-template``."""
+        if chat_template is not None and not trusted:
+            raise InvalidParameterError(
+                "chat_template", "chat_template in a request is refused: start the server with "
+                                 "--trust-request-chat-template to allow it")
+
+    async def render_chat(self, messages: list[dict], add_generation_prompt: bool, chat_template: str | None,
+                          chat_template_kwargs: dict | None, tools: list[dict] | None) -> list[int]:
+        """``AsyncLLM.apply_chat_template`` (checked messages, prompt token ids).
+
+        Raises:
+            InvalidParameterError: its own, and any other failure to render, naming
+                ``chat_template`` when the request gave one, else ``chat_template_kwargs``
+                when it gave those, else ``messages``.
+            EngineDeadError: the engine has died.
+        """
+        try:
+            return await self.engine.apply_chat_template(messages, add_generation_prompt, chat_template,
+                                                         chat_template_kwargs, tools)
+        except (InvalidParameterError, EngineDeadError):
+            raise
+        except Exception as e:  # the engine's ValueErrors already say what failed
+            raise InvalidParameterError(
+                "chat_template" if chat_template is not None
+                else "chat_template_kwargs" if chat_template_kwargs else "messages",
+                str(e) if isinstance(e, ValueError) else f"cannot apply the chat template: {e}") from e
 
     @staticmethod
     def request_ids(raw: Request, prefix: str) -> tuple[str, str]:

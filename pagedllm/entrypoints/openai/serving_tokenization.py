@@ -6,7 +6,7 @@ from pagedllm.entrypoints.openai.chat_tools import render_chat_tools
 from pagedllm.entrypoints.openai.protocol import DetokenizeRequest, TokenizeRequest
 from pagedllm.entrypoints.openai.serving_engine import OpenAIServing
 from pagedllm.entrypoints.openai.tool_calls import validate_tool_request
-from pagedllm.errors import EngineDeadError, InvalidParameterError, check_unicode
+from pagedllm.errors import InvalidParameterError, check_unicode
 
 
 class OpenAIServingTokenization(OpenAIServing):
@@ -30,24 +30,13 @@ class OpenAIServingTokenization(OpenAIServing):
         engine = self.engine
         if (body.prompt is None) == (body.messages is None):
             raise InvalidParameterError("prompt", "give exactly one of prompt and messages")
-        if body.chat_template is not None and not self.trust_request_chat_template:
-            raise InvalidParameterError(
-                "chat_template", "chat_template in a request is refused: start the server with "
-                                 "--trust-request-chat-template to allow it")
+        self.check_request_chat_template(body.chat_template, self.trust_request_chat_template)
         if body.messages is not None:
             tools = validate_tool_request(body.tools).tools
             template = body.chat_template or getattr(engine.tokenizer, "chat_template", None)
             messages, tools_kw, _, _ = render_chat_tools([m.model_dump() for m in body.messages], tools, template)
-            try:
-                ids = await engine.apply_chat_template(messages, body.add_generation_prompt, body.chat_template,
-                                                       body.chat_template_kwargs, tools_kw)
-            except (InvalidParameterError, EngineDeadError):
-                raise
-            except Exception as e:   # as chat: the engine's ValueErrors say what failed
-                raise InvalidParameterError(
-                    "chat_template" if body.chat_template is not None
-                    else "chat_template_kwargs" if body.chat_template_kwargs else "messages",
-                    str(e) if isinstance(e, ValueError) else f"cannot apply the chat template: {e}") from e
+            ids = await self.render_chat(messages, body.add_generation_prompt, body.chat_template,
+                                         body.chat_template_kwargs, tools_kw)
         else:
             # the chat fields shape a rendered conversation; with a bare prompt they
             # would be silently ignored
